@@ -1,0 +1,19 @@
+"""kvtier: a KV-cache memory hierarchy (GPU, pinned host memory, disk) ranked by learned scores.
+
+The public interface: `TieredCache` (a drop-in transformers cache), `load_default_model` and
+`load_model`, the scorers (`make_scorer`) and the errors.
+"""
+
+from .errors import (CapacityError, ConfigError, CorruptPageError, KVTierError, ModelNotInstalledError,
+                     ScorerError, TransferError, UnsupportedError)
+from .integrations.hf import TieredCache
+from .models import load_default_model, load_model
+from .scoring import Scorer, available_scorers, make_scorer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CapacityError", "ConfigError", "CorruptPageError", "KVTierError", "ModelNotInstalledError", "Scorer",
+    "ScorerError", "TieredCache", "TransferError", "UnsupportedError", "available_scorers", "load_default_model",
+    "load_model", "make_scorer", "__version__",
+]

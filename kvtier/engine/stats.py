@@ -1,0 +1,21 @@
+"""Counters shared by the layers of one cache: what moved where, what was recalled, how long we waited."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MOVES = ("device_to_host", "host_to_disk", "host_to_device", "disk_to_device")
+
+
+@dataclass
+class MoveCounters:
+    """Bytes moved between tiers, pages recalled, tokens dropped, seconds blocked on copies and reads."""
+
+    bytes_moved: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MOVES, 0))
+    pages_recalled: dict[str, int] = field(default_factory=lambda: {"host": 0, "disk": 0})
+    recall_steps: int = 0
+    tokens_dropped: int = 0
+    disk_wait_seconds: float = 0.0
+
+    def reset(self) -> None:
+        self.__init__()

@@ -1,0 +1,1 @@
+"""Integrations with inference frameworks (Hugging Face transformers today)."""

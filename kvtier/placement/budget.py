@@ -1,0 +1,55 @@
+"""Budgets: how many tokens of one KV head a tier may hold, given how many tokens were seen."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A per-KV-head token budget.
+
+    Parameters
+    ----------
+    value
+        A float in (0, 1] is a fraction of the tokens seen so far; an int is an absolute token count.
+    name
+        The keyword the user set (used in error messages).
+    allow_zero
+        Whether 0 (hold nothing) is allowed: true for the host tier, false for the device tier.
+    """
+
+    value: float | int
+    name: str = "budget"
+    allow_zero: bool = False
+
+    def __post_init__(self) -> None:
+        v = self.value
+        low = "0" if self.allow_zero else "a positive"
+        allowed = (f"a fraction in {'[0, 1]' if self.allow_zero else '(0, 1]'} of the tokens seen, "
+                   f"or {low} whole number of tokens")
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise ConfigError(f"{self.name}={v!r} is not a number; allowed: {allowed}")
+        if isinstance(v, numbers.Integral):
+            if v < 0 or (v == 0 and not self.allow_zero):
+                raise ConfigError(f"{self.name}={v!r} is out of range; allowed: {allowed}")
+            object.__setattr__(self, "value", int(v))
+            return
+        v = float(v)
+        if math.isnan(v) or v < 0.0 or v > 1.0 or (v == 0.0 and not self.allow_zero):
+            raise ConfigError(f"{self.name}={self.value!r} is out of range; allowed: {allowed}")
+        object.__setattr__(self, "value", v)
+
+    @property
+    def is_fraction(self) -> bool:
+        return isinstance(self.value, float)
+
+    def tokens(self, seen: int) -> int:
+        """The budget in tokens once `seen` tokens have been written."""
+        if self.is_fraction:
+            return min(seen, math.ceil(self.value * seen))
+        return int(self.value)

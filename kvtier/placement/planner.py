@@ -1,0 +1,102 @@
+"""Move plans: which device entries to demote and which host pages to push to disk.
+
+Plans are pure functions of scores, positions and counts, so the rules can be read (and tested) apart
+from the tiers that carry them out. Ties are broken by position (older first) so plans are deterministic.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def protected_count(seen: int, sink_tokens: int, recent_tokens: int) -> int:
+    """How many of the `seen` tokens are sinks or in the recent window (they never leave the device)."""
+    return min(seen, sink_tokens + recent_tokens)
+
+
+def plan_device_demotion(
+    scores: torch.Tensor,
+    positions: torch.Tensor,
+    seen: int,
+    budget_tokens: int,
+    sink_tokens: int,
+    recent_tokens: int,
+    slack: int,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Choose the device entries to demote so the device tier fits its budget.
+
+    Parameters
+    ----------
+    scores, positions
+        ``[heads, n]``: the entries on the device (and the ones just written), in position order per head.
+    seen
+        Tokens written so far (the logical length).
+    budget_tokens
+        Device budget per head, in tokens, already resolved for `seen`.
+    slack
+        Hysteresis: when over budget, demote down to ``budget_tokens - slack`` so that demotions come in
+        batches of about a page instead of one token per decode step.
+
+    Returns
+    -------
+    None when the entries fit; else ``(keep, demote)``: ``keep`` ``[heads, n_keep]`` indices in position
+    order, ``demote`` ``[heads, m]`` indices ordered by score, highest first (so pages cut from it hold
+    entries of similar rank).
+    """
+    heads, n = scores.shape
+    if n <= budget_tokens:
+        return None
+    protected = (positions < sink_tokens) | (positions >= seen - recent_tokens)
+    n_protected = int(protected[0].sum())
+    target = max(budget_tokens - slack, n_protected)
+    m = n - target
+    ranked = torch.where(protected, torch.full_like(scores, float("inf")), scores.float())
+    # stable ascending sort: lowest score first, older position first among equal scores
+    order = torch.sort(ranked, dim=1, stable=True).indices
+    demote_low_first = order[:, :m]
+    keep = torch.sort(order[:, m:], dim=1).values
+    # highest score first among the demoted; stable, so ties stay older-first
+    flip = torch.sort(torch.gather(ranked, 1, demote_low_first), dim=1, descending=True, stable=True).indices
+    demote = torch.gather(demote_low_first, 1, flip)
+    return keep, demote
+
+
+def plan_host_overflow(
+    page_rank: np.ndarray,
+    page_count: np.ndarray,
+    on_host: np.ndarray,
+    budget_tokens: int,
+    slack: int,
+) -> list[np.ndarray]:
+    """Choose, per head, the host pages to push down to disk.
+
+    Parameters
+    ----------
+    page_rank
+        ``[heads, pages]``: a page's rank is the best score among its entries.
+    page_count
+        ``[heads, pages]``: valid entries per page.
+    on_host
+        ``[heads, pages]`` bool: which pages live on the host now.
+    budget_tokens, slack
+        Host budget per head in tokens; when over it, pages go down until ``budget_tokens - slack`` holds.
+
+    Returns
+    -------
+    One array of page ids per head (lowest-ranked first), possibly empty.
+    """
+    plans = []
+    target = max(budget_tokens - slack, 0)
+    for h in range(page_rank.shape[0]):
+        ids = np.flatnonzero(on_host[h])
+        held = int(page_count[h, ids].sum())
+        if held <= budget_tokens:
+            plans.append(np.empty(0, dtype=np.int64))
+            continue
+        # lowest rank first, older page first among ties (lexsort: last key is primary)
+        order = ids[np.lexsort((ids, page_rank[h, ids]))]
+        freed = np.cumsum(page_count[h, order])
+        k = int(np.searchsorted(freed, held - target, side="left")) + 1
+        plans.append(order[: min(k, len(order))])
+    return plans

@@ -1,0 +1,45 @@
+"""Scorers by name: built-ins are imported lazily; plugins come in through the `kvtier.scorers` entry point."""
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import entry_points
+from typing import Any
+
+from ..errors import ConfigError
+from .base import Scorer
+
+_BUILTIN = {
+    "recency": ("kvtier.scoring.recency", "RecencyScorer"),
+    "keynorm": ("kvtier.scoring.keynorm", "KeyNormScorer"),
+    "random": ("kvtier.scoring.random", "RandomScorer"),
+}
+
+
+def register_scorer(name: str, module_path: str, class_name: str) -> None:
+    """Make `name` resolve to ``module_path.class_name``, imported on first use."""
+    _BUILTIN[name] = (module_path, class_name)
+
+
+def available_scorers() -> list[str]:
+    """Names `make_scorer` accepts."""
+    plugins = {ep.name for ep in entry_points(group="kvtier.scorers")}
+    return sorted(set(_BUILTIN) | plugins)
+
+
+def make_scorer(spec: str | Scorer, **kwargs: Any) -> Scorer:
+    """Build a scorer from a name (with keyword settings) or return a scorer object unchanged."""
+    if not isinstance(spec, str):
+        if not callable(getattr(spec, "score", None)):
+            raise ConfigError(f"scorer={spec!r} is neither a scorer name nor an object with a score() method; "
+                              f"allowed names: {', '.join(available_scorers())}")
+        return spec
+    if spec in _BUILTIN:
+        module_path, class_name = _BUILTIN[spec]
+        cls = getattr(importlib.import_module(module_path), class_name)
+    else:
+        found = [ep for ep in entry_points(group="kvtier.scorers") if ep.name == spec]
+        if not found:
+            raise ConfigError(f"scorer={spec!r} is unknown; allowed: {', '.join(available_scorers())}")
+        cls = found[0].load()
+    return cls(**kwargs)

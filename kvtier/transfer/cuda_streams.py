@@ -1,0 +1,81 @@
+"""Copies on dedicated CUDA streams, one per direction, so they overlap compute.
+
+Each job is ordered after the work already queued on the current stream (its source is ready), runs
+on its direction's stream, and records an event. ``wait`` makes the current stream wait on the event
+for copies into device memory (no host stall), and blocks the host for copies into host memory (the
+host is about to read them). Events come from a pool and are reused.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Iterable
+
+import torch
+
+from ..errors import NativeUnavailableError, TransferError
+from .base import TransferCounters, direction
+
+
+class CudaTransferManager:
+    """Asynchronous copies between pinned host memory and one CUDA device."""
+
+    def __init__(self, device: torch.device) -> None:
+        if not torch.cuda.is_available():
+            raise NativeUnavailableError("CudaTransferManager needs a CUDA device; use SyncTransferManager")
+        self.device = torch.device(device)
+        self.counters = TransferCounters()
+        self._streams = {d: torch.cuda.Stream(device=self.device) for d in ("h2d", "d2h", "d2d")}
+        self._ids = itertools.count(1)
+        self._jobs: dict[int, tuple[str, torch.cuda.Event]] = {}
+        self._spare: list[torch.cuda.Event] = []
+
+    def submit(self, dst: torch.Tensor, src: torch.Tensor) -> int:
+        kind = direction(src, dst)
+        if kind == "h2h":
+            dst.copy_(src)
+            self.counters.bytes[kind] += src.numel() * src.element_size()
+            job = next(self._ids)
+            return job
+        if kind in ("h2d",) and not src.is_pinned():
+            raise TransferError("host-to-device copies need pinned source memory for true async DMA")
+        stream = self._streams[kind]
+        current = torch.cuda.current_stream(self.device)
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+            event = self._spare.pop() if self._spare else torch.cuda.Event()
+            event.record(stream)
+        for t in (src, dst):
+            if t.is_cuda:
+                t.record_stream(stream)
+        job = next(self._ids)
+        self._jobs[job] = (kind, event)
+        self.counters.bytes[kind] += src.numel() * src.element_size()
+        self.counters.jobs += 1
+        return job
+
+    def wait(self, job_ids: Iterable[int]) -> None:
+        start = time.perf_counter()
+        current = torch.cuda.current_stream(self.device)
+        for job in job_ids:
+            entry = self._jobs.pop(job, None)
+            if entry is None:
+                continue
+            kind, event = entry
+            if kind == "d2h":
+                event.synchronize()
+            else:
+                current.wait_event(event)
+            self._spare.append(event)
+        self.counters.wait_seconds += time.perf_counter() - start
+
+    def done(self, job_id: int) -> bool:
+        entry = self._jobs.get(job_id)
+        return entry is None or entry[1].query()
+
+    def close(self) -> None:
+        for kind, event in self._jobs.values():
+            event.synchronize()
+        self._jobs.clear()
