@@ -6,7 +6,7 @@ The public interface: `TieredCache` (a drop-in transformers cache), `load_defaul
 
 from .errors import (CapacityError, ConfigError, CorruptPageError, KVTierError, ModelNotInstalledError,
                      ScorerError, TransferError, UnsupportedError)
-from .integrations.hf import TieredCache
+from .integrations.hf import TieredCache, cache_kwargs
 from .models import load_default_model, load_model
 from .scoring import Scorer, available_scorers, make_scorer
 
@@ -14,6 +14,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CapacityError", "ConfigError", "CorruptPageError", "KVTierError", "ModelNotInstalledError", "Scorer",
-    "ScorerError", "TieredCache", "TransferError", "UnsupportedError", "available_scorers", "load_default_model",
+    "ScorerError", "TieredCache", "TransferError", "cache_kwargs", "UnsupportedError", "available_scorers", "load_default_model",
     "load_model", "make_scorer", "__version__",
 ]

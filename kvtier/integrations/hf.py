@@ -234,3 +234,16 @@ def _make_private_dir(disk_dir: str | None) -> str:
     except OSError as e:
         raise ConfigError(f"disk_dir={disk_dir!r} is not a writable folder ({e.strerror or e}); allowed: a "
                           "folder this process can create files in, or None for a temporary folder") from e
+
+
+def cache_kwargs(cache: Cache) -> dict[str, Cache]:
+    """The keyword this transformers version expects for a cache: ``cache=`` from 5.24, else ``past_key_values=``.
+
+    ``model.generate(ids, **cache_kwargs(cache))`` runs without deprecation warnings on both.
+    """
+    import inspect
+
+    from transformers import GenerationMixin
+
+    params = inspect.signature(GenerationMixin.generate).parameters
+    return {"cache": cache} if "cache" in params else {"past_key_values": cache}

@@ -89,6 +89,10 @@ class HostPool:
         for h, s in zip(heads.tolist(), slots.tolist()):
             self._free[h].append(s)
 
+    def slot_positions(self, head: int, slot: int) -> torch.Tensor:
+        """Positions stored in one page (-1 for empty rows)."""
+        return self.pos[head, slot]
+
     def held_tokens(self) -> torch.Tensor:
         """Entries held per head, counted from the pool itself: ``[heads]``."""
         return (self.pos >= 0).sum(dim=(1, 2))

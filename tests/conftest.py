@@ -1,0 +1,64 @@
+"""Shared fixtures: the real default model (loaded once), a factory of layer engines, CUDA skipping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+torch.set_num_threads(1)  # small tensor ops are faster single-threaded on 2-core machines
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (run `pytest -m cuda` on a GPU machine)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    from kvtier import load_default_model
+
+    model, tokenizer = load_default_model()
+    return model, tokenizer
+
+
+@pytest.fixture
+def fresh_attention(default_model):
+    """Give the model its own attention back after a test that routed it through kvtier."""
+    from kvtier.integrations.attention import restore_attention
+
+    yield default_model
+    restore_attention(default_model[0].config)
+
+
+@pytest.fixture
+def make_engine(tmp_path):
+    """Build `LayerEngine`s on the CPU with a private disk folder; all are closed after the test."""
+    from kvtier.config import ModelShape, TieredCacheConfig
+    from kvtier.engine import LayerEngine, MoveCounters
+    from kvtier.placement import Budget
+    from kvtier.scoring import make_scorer
+    from kvtier.transfer import SyncTransferManager
+
+    made = []
+
+    def build(heads=2, head_dim=8, device_budget=32, host_budget=None, mode="tier", recall_pages=4,
+              page_size=4, sink_tokens=2, recent_tokens=4, scorer="keynorm", layer_idx=0):
+        cfg = TieredCacheConfig(
+            shape=ModelShape(1, heads, head_dim),
+            device_budget=Budget(device_budget, "device_budget"),
+            host_budget=None if host_budget is None else Budget(host_budget, "host_budget", allow_zero=True),
+            mode=mode, recall_pages=recall_pages, page_size=page_size, sink_tokens=sink_tokens,
+            recent_tokens=recent_tokens)
+        transfer = SyncTransferManager()
+        engine = LayerEngine(layer_idx, cfg, make_scorer(scorer), lambda d: transfer, lambda: str(tmp_path),
+                             MoveCounters())
+        made.append(engine)
+        return engine
+
+    yield build
+    for engine in made:
+        engine.close()

@@ -1,0 +1,77 @@
+"""Bad settings raise errors that name the value and what is allowed."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from kvtier import ConfigError, TieredCache, UnsupportedError
+from kvtier.placement import Budget
+
+CONFIG = types.SimpleNamespace(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                               hidden_size=32, _attn_implementation="sdpa")
+
+
+@pytest.mark.parametrize("value, words", [
+    (-1, "out of range"), (0, "out of range"), (0.0, "out of range"), (1.5, "out of range"),
+    (-0.1, "out of range"), (float("nan"), "out of range"), ("10%", "not a number"), (None, "not a number"),
+    (True, "not a number"),
+])
+def test_bad_device_budget(value, words):
+    with pytest.raises(ConfigError, match="device_budget") as err:
+        TieredCache(CONFIG, device_budget=value)
+    assert words in str(err.value)
+    assert "allowed" in str(err.value)
+
+
+def test_token_budget_must_leave_room_for_sinks_and_window():
+    with pytest.raises(ConfigError, match=r"device_budget=10 tokens leaves no room .* 4 sink .* 16-token"):
+        TieredCache(CONFIG, device_budget=10)
+    TieredCache(CONFIG, device_budget=20).close()
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    ({"host_budget": -3}, "host_budget"), ({"host_budget": 2.0}, "host_budget"),
+    ({"recall_pages": -1}, "recall_pages"), ({"recall_pages": 1.5}, "recall_pages"),
+    ({"page_size": 0}, "page_size"), ({"mode": "drop"}, "mode"), ({"scorer": "oracle"}, "scorer"),
+    ({"scorer": 42}, "scorer"), ({"sink_tokens": -1}, "sink_tokens"),
+])
+def test_other_bad_settings(kwargs, name):
+    with pytest.raises(ConfigError, match=name):
+        TieredCache(CONFIG, **kwargs)
+
+
+def test_evict_mode_rejects_lower_tiers():
+    with pytest.raises(ConfigError, match="mode='evict'"):
+        TieredCache(CONFIG, mode="evict", host_budget=0.5)
+
+
+def test_unwritable_disk_dir(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(ConfigError, match="disk_dir=.*not a writable folder"):
+        TieredCache(CONFIG, host_budget=0.1, disk_dir=str(blocker / "sub"))
+
+
+def test_sliding_window_layers_are_refused():
+    cfg = types.SimpleNamespace(**vars(CONFIG), layer_types=["full_attention", "sliding_attention"])
+    with pytest.raises(UnsupportedError, match="sliding_attention"):
+        TieredCache(cfg)
+
+
+def test_budget_resolution():
+    assert Budget(0.1).tokens(1000) == 100
+    assert Budget(0.1).tokens(5) == 1
+    assert Budget(64).tokens(10) == 64
+    assert Budget(0, allow_zero=True).tokens(100) == 0
+
+
+def test_private_disk_folder_is_removed_on_close(tmp_path):
+    cache = TieredCache(CONFIG, host_budget=0.1, disk_dir=tmp_path)
+    path = cache.disk_path
+    assert path.startswith(str(tmp_path))
+    cache.close()
+    assert cache.closed
+    assert not (tmp_path / path).exists()
+    assert tmp_path.exists()  # the user's folder stays
