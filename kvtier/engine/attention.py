@@ -25,7 +25,7 @@ def attend_union(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, re
     -------
     ``[1, q_len, q_heads, dim]``, the layout transformers' attention functions return.
     """
-    q_heads, q_len = query.shape[1], query.shape[2]
+    q_heads, q_len, dim = query.shape[1], query.shape[2], query.shape[3]
     kv_heads, n = key.shape[1], key.shape[2]
     group = q_heads // kv_heads
     r = rec_k.shape[1]
@@ -36,9 +36,8 @@ def attend_union(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, re
     causal[:, past:] = torch.tril(causal[:, past:])
     mask = torch.cat([rec_valid[:, None, :].expand(kv_heads, q_len, r),
                       causal.expand(kv_heads, q_len, past + q_len)], dim=2)
-    if group > 1:
-        keys = keys.repeat_interleave(group, dim=1)
-        values = values.repeat_interleave(group, dim=1)
-        mask = mask.repeat_interleave(group, dim=0)
-    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask.unsqueeze(0), scale=scaling)
-    return out.transpose(1, 2).contiguous()
+    # run on the KV heads: the `group` query heads of a KV head become extra query rows (no K/V copies)
+    packed_q = query.reshape(1, kv_heads, group * q_len, dim)
+    packed_mask = mask[:, None].expand(kv_heads, group, q_len, r + n).reshape(1, kv_heads, group * q_len, r + n)
+    out = F.scaled_dot_product_attention(packed_q, keys, values, attn_mask=packed_mask, scale=scaling)
+    return out.reshape(1, q_heads, q_len, dim).transpose(1, 2).contiguous()

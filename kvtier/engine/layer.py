@@ -122,15 +122,21 @@ class LayerEngine:
         tiers = self.table.tier[heads, pids]
         P, D = self.cfg.page_size, self.head_dim
         pin = self.device.type == "cuda"
-        stage_k = torch.empty(len(pids), P, D, dtype=self.dtype, pin_memory=pin)
-        stage_v = torch.empty_like(stage_k, pin_memory=pin)
         on_host = np.flatnonzero(tiers == HOST)
-        if len(on_host):
-            hk, hv = self.host.load(heads[on_host], self.table.slot[heads[on_host], pids[on_host]])
-            rows = torch.from_numpy(on_host)
-            stage_k[rows], stage_v[rows] = hk, hv
         on_disk = np.flatnonzero(tiers == DISK)
-        if len(on_disk):
+        if len(on_disk) == 0:  # the common case: one gather, straight into the staging buffer
+            out = None
+            if pin:
+                out = (torch.empty(len(pids), P, D, dtype=self.dtype, pin_memory=True),
+                       torch.empty(len(pids), P, D, dtype=self.dtype, pin_memory=True))
+            stage_k, stage_v = self.host.load(heads, self.table.slot[heads, pids], out=out)
+        else:
+            stage_k = torch.empty(len(pids), P, D, dtype=self.dtype, pin_memory=pin)
+            stage_v = torch.empty_like(stage_k, pin_memory=pin)
+            if len(on_host):
+                hk, hv = self.host.load(heads[on_host], self.table.slot[heads[on_host], pids[on_host]])
+                rows = torch.from_numpy(on_host)
+                stage_k[rows], stage_v[rows] = hk, hv
             t0 = time.perf_counter()
             pages = self.disk.read_many(heads[on_disk], pids[on_disk],
                                         self.table.crc[heads[on_disk], pids[on_disk]])

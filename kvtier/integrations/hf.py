@@ -15,6 +15,8 @@ import weakref
 from typing import Any
 
 import torch
+import transformers
+from packaging.version import Version
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..config import ModelShape, TieredCacheConfig
@@ -241,9 +243,7 @@ def cache_kwargs(cache: Cache) -> dict[str, Cache]:
 
     ``model.generate(ids, **cache_kwargs(cache))`` runs without deprecation warnings on both.
     """
-    import inspect
+    return {"cache": cache} if _CACHE_KEYWORD else {"past_key_values": cache}
 
-    from transformers import GenerationMixin
 
-    params = inspect.signature(GenerationMixin.generate).parameters
-    return {"cache": cache} if "cache" in params else {"past_key_values": cache}
+_CACHE_KEYWORD = Version(transformers.__version__).release >= (5, 24)

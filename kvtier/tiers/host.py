@@ -73,11 +73,13 @@ class HostPool:
     def load(self, heads: np.ndarray, slots: np.ndarray,
              out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather pages ``[n, page_size, dim]`` (into `out` when given, e.g. pinned staging)."""
-        hi, si = torch.from_numpy(heads.astype(np.int64)), torch.from_numpy(slots.astype(np.int64))
+        flat = torch.from_numpy(heads.astype(np.int64) * self.capacity + slots.astype(np.int64))
+        k = self.k.view(-1, self.page_size, self.head_dim)
+        v = self.v.view(-1, self.page_size, self.head_dim)
         if out is None:
-            return self.k[hi, si], self.v[hi, si]
-        torch.index_select(self.k.view(-1, *self.k.shape[2:]), 0, hi * self.capacity + si, out=out[0])
-        torch.index_select(self.v.view(-1, *self.v.shape[2:]), 0, hi * self.capacity + si, out=out[1])
+            return torch.index_select(k, 0, flat), torch.index_select(v, 0, flat)
+        torch.index_select(k, 0, flat, out=out[0])
+        torch.index_select(v, 0, flat, out=out[1])
         return out
 
     def load_meta(self, heads: np.ndarray, slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,1 @@
+"""Benchmarks behind `kvtier bench`: side-by-side measurements of kvtier and its baselines."""

@@ -1,0 +1,62 @@
+"""Decode throughput: TieredCache against DynamicCache, same model, same prompt, same run.
+
+Each cache prefills the same prompt, then decodes greedily for a fixed number of steps; only the decode
+steps are timed. Rounds alternate between the caches so drift in machine speed hits both alike.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ..integrations.hf import cache_kwargs
+
+
+@dataclass
+class DecodeResult:
+    name: str
+    seconds: list[float]            # per round
+    new_tokens: int
+    stats: dict[str, Any] | None
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / statistics.median(self.seconds)
+
+
+@torch.no_grad()
+def time_decode(model: Any, input_ids: torch.Tensor, cache: Any, new_tokens: int) -> tuple[float, torch.Tensor]:
+    """Prefill `input_ids` into `cache`, then time `new_tokens` greedy decode steps."""
+    logits = model(input_ids, **cache_kwargs(cache)).logits[:, -1]
+    out = []
+    sync = torch.cuda.synchronize if input_ids.is_cuda else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    for _ in range(new_tokens):
+        nxt = logits.argmax(-1, keepdim=True)
+        out.append(nxt)
+        logits = model(nxt, **cache_kwargs(cache)).logits[:, -1]
+    sync()
+    return time.perf_counter() - start, torch.cat(out, dim=1)
+
+
+def compare_decode(model: Any, input_ids: torch.Tensor, caches: dict[str, Callable[[], Any]], new_tokens: int,
+                   rounds: int = 3, progress: Callable[[str], None] | None = None) -> list[DecodeResult]:
+    """Time each cache factory `rounds` times, interleaved; returns one result per cache."""
+    results = {name: DecodeResult(name, [], new_tokens, None) for name in caches}
+    for r in range(rounds):
+        for name, factory in caches.items():
+            cache = factory()
+            seconds, _ = time_decode(model, input_ids, cache, new_tokens)
+            results[name].seconds.append(seconds)
+            if hasattr(cache, "stats"):
+                results[name].stats = cache.stats()
+            if hasattr(cache, "close"):
+                cache.close()
+            if progress:
+                progress(f"round {r + 1}/{rounds} {name}: {new_tokens / seconds:.1f} tokens/s")
+    return list(results.values())
