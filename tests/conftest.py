@@ -8,6 +8,12 @@ import torch
 torch.set_num_threads(1)  # small tensor ops are faster single-threaded on 2-core machines
 
 
+@pytest.fixture
+def cuda_device():
+    """The current CUDA device (tests using it are marked `cuda` and skipped without one)."""
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
@@ -41,7 +47,7 @@ def make_engine(tmp_path):
     from kvtier.engine import LayerEngine, MoveCounters
     from kvtier.placement import Budget
     from kvtier.scoring import make_scorer
-    from kvtier.transfer import SyncTransferManager
+    from kvtier.transfer import make_transfer_manager
 
     made = []
 
@@ -53,8 +59,12 @@ def make_engine(tmp_path):
             host_budget=None if host_budget is None else Budget(host_budget, "host_budget", allow_zero=True),
             mode=mode, recall_pages=recall_pages, page_size=page_size, sink_tokens=sink_tokens,
             recent_tokens=recent_tokens)
-        transfer = SyncTransferManager()
-        engine = LayerEngine(layer_idx, cfg, make_scorer(scorer), lambda d: transfer, lambda: str(tmp_path),
+        transfers = {}
+
+        def transfer_for(device):
+            return transfers.setdefault(device, make_transfer_manager(device))
+
+        engine = LayerEngine(layer_idx, cfg, make_scorer(scorer), transfer_for, lambda: str(tmp_path),
                              MoveCounters())
         made.append(engine)
         return engine

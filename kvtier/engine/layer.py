@@ -138,12 +138,11 @@ class LayerEngine:
                 rows = torch.from_numpy(on_host)
                 stage_k[rows], stage_v[rows] = hk, hv
             t0 = time.perf_counter()
-            pages = self.disk.read_many(heads[on_disk], pids[on_disk],
-                                        self.table.crc[heads[on_disk], pids[on_disk]])
+            dk, dv, _, _, _ = self.disk.read_many(heads[on_disk], pids[on_disk],
+                                                  self.table.crc[heads[on_disk], pids[on_disk]])
             self.counters.disk_wait_seconds += time.perf_counter() - t0
             rows = torch.from_numpy(on_disk)
-            stage_k[rows] = torch.stack([p[0] for p in pages])
-            stage_v[rows] = torch.stack([p[1] for p in pages])
+            stage_k[rows], stage_v[rows] = dk, dv
         if self.device.type == "cpu":
             k_dev, v_dev = stage_k, stage_v
         else:
@@ -265,8 +264,7 @@ class LayerEngine:
         pos, score = self.host.load_meta(heads, slots)
         disk = self._disk_store()
         counts = self.table.count[heads, pids]
-        crcs = disk.write_many([(int(h), int(p), int(c), k[i], v[i], pos[i], score[i])
-                                for i, (h, p, c) in enumerate(zip(heads, pids, counts))])
+        crcs = disk.write_many(heads, pids, counts, k, v, pos, score)
         self.table.crc[heads, pids] = crcs
         self.table.tier[heads, pids] = DISK
         self.table.slot[heads, pids] = -1

@@ -1,0 +1,88 @@
+"""The same guarantees on a CUDA machine: GPU device pool, pinned host pool, stream copies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.placement.page_table import DISK, HOST
+
+pytestmark = pytest.mark.cuda
+
+
+def test_stream_copies_are_exact_and_counted(cuda_device):
+    from kvtier.transfer.cuda_streams import CudaTransferManager
+
+    manager = CudaTransferManager(cuda_device)
+    src = torch.randn(64, 1024, device=cuda_device)
+    host = torch.empty(src.shape, pin_memory=True)
+    manager.wait([manager.submit(host, src)])
+    assert torch.equal(host, src.cpu())
+    back = torch.empty_like(src)
+    job = manager.submit(back, host)
+    manager.wait([job])
+    assert torch.equal(back, src)  # the current stream waited on the copy's event
+    assert manager.counters.bytes["d2h"] == manager.counters.bytes["h2d"] == src.numel() * 4
+    manager.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_round_trip_on_gpu_is_bit_exact(make_engine, cuda_device, dtype):
+    engine = make_engine(device_budget=16, host_budget=12, page_size=4, recall_pages=10_000)
+    g = torch.Generator(device=cuda_device).manual_seed(0)
+    k_all = torch.randn(1, engine.heads, 120, engine.head_dim, generator=g, device=cuda_device).to(dtype)
+    v_all = torch.randn(1, engine.heads, 120, engine.head_dim, generator=g, device=cuda_device).to(dtype)
+    for start in range(0, 120, 7):
+        engine.write(k_all[:, :, start:start + 7], v_all[:, :, start:start + 7])
+        engine.commit()
+    assert engine.pool.k.is_cuda and engine.host.k.is_pinned()
+    tiers = engine.table.tier[:, :engine.table.n]
+    assert (tiers == HOST).any() and (tiers == DISK).any()
+    rec = engine.recall(torch.randn(1, engine.heads * 2, 1, engine.head_dim, device=cuda_device, dtype=dtype))
+    assert rec.k.is_cuda
+    _, _, pos, _ = engine.pool.committed()
+    for h in range(engine.heads):
+        positions = []
+        for p in range(engine.table.n):
+            if engine.table.tier[h, p] == HOST:
+                got = engine.host.slot_positions(h, engine.table.slot[h, p])
+            else:
+                got = engine.disk.read(h, p, engine.table.crc[h, p])[2]
+            positions.append(got[: engine.table.count[h, p]])
+        positions = torch.cat(positions).to(cuda_device)
+        assert torch.equal(rec.k[h][rec.valid[h]], k_all[0, h, positions])
+        assert torch.equal(rec.v[h][rec.valid[h]], v_all[0, h, positions])
+        assert torch.equal(torch.cat([pos[h], positions]).sort().values, torch.arange(120, device=cuda_device))
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_default_model_on_gpu(fresh_attention, cuda_device):
+    from transformers import DynamicCache
+
+    from kvtier import TieredCache, cache_kwargs
+
+    model, tok = fresh_attention
+    model.to(cuda_device)
+    try:
+        ids = tok.apply_chat_template([{"role": "user", "content": "Tell me about lighthouses. " * 60}],
+                                      add_generation_prompt=True, return_tensors="pt")
+        ids = (ids if isinstance(ids, torch.Tensor) else ids["input_ids"]).to(cuda_device)
+        ref = model.generate(ids, **cache_kwargs(DynamicCache(config=model.config)), max_new_tokens=32,
+                             do_sample=False)
+        full = TieredCache(model.config, device_budget=1.0)
+        assert torch.equal(model.generate(ids, **cache_kwargs(full), max_new_tokens=32, do_sample=False), ref)
+        ref_logits = model(ids, **cache_kwargs(DynamicCache(config=model.config))).logits[:, -1]
+        cache = TieredCache(model.config, device_budget=0.1, host_budget=0.2, recall_pages=100_000)
+        logits = model(ids, **cache_kwargs(cache)).logits[:, -1]
+        torch.testing.assert_close(logits, ref_logits)
+        nxt = logits.argmax(-1, keepdim=True)
+        ref_cache = DynamicCache(config=model.config)
+        model(ids, **cache_kwargs(ref_cache))
+        torch.testing.assert_close(model(nxt, **cache_kwargs(cache)).logits,
+                                   model(nxt, **cache_kwargs(ref_cache)).logits, rtol=1e-4, atol=1e-4)
+        s = cache.stats()
+        assert s["pages_recalled_from"]["disk"] > 0 and s["host"]["reserved_bytes"] > 0
+        cache.close()
+    finally:
+        model.to("cpu")
