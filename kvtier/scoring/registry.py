@@ -13,6 +13,8 @@ _BUILTIN = {
     "recency": ("kvtier.scoring.recency", "RecencyScorer"),
     "keynorm": ("kvtier.scoring.keynorm", "KeyNormScorer"),
     "random": ("kvtier.scoring.random", "RandomScorer"),
+    "keydiff": ("kvtier.scoring.keydiff", "KeyDiffScorer"),
+    "kvp": ("kvtier.scoring.kvp", "KVPScorer"),
 }
 
 

@@ -1,0 +1,135 @@
+"""KVP: a learned scorer, one tiny network per (layer, KV head), over key, value and position only.
+
+Moschella, Manduchi, Sener, "Learning to Evict from Key-Value Cache", arXiv 2602.10238. The networks
+of all heads of a layer run in one batched call (no loop over heads). Weights live in a safetensors file
+whose metadata names the model shape they were trained for; loading them for another shape is an error.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from ..errors import ConfigError
+from .features import POSITION_FEATURES, entry_features
+
+FORMAT_VERSION = 1
+SHIPPED = {"SmolLM2-135M-Instruct": "smollm2-135m-instruct.safetensors"}
+
+
+class KVPAgents(torch.nn.Module):
+    """``agents`` independent 2-hidden-layer MLPs, evaluated together with batched matrix products.
+
+    Input ``[agents, tokens, 2 * head_dim + 8]``, output ``[agents, tokens]``. Inputs are standardised
+    with per-agent statistics taken from the training traces.
+    """
+
+    def __init__(self, agents: int, head_dim: int, hidden: int = 64) -> None:
+        super().__init__()
+        d_in = 2 * head_dim + POSITION_FEATURES
+        self.agents, self.head_dim, self.hidden = agents, head_dim, hidden
+        self.register_buffer("mean", torch.zeros(agents, 1, d_in))
+        self.register_buffer("std", torch.ones(agents, 1, d_in))
+
+        def init(*shape: int, fan_in: int) -> torch.nn.Parameter:
+            return torch.nn.Parameter(torch.randn(*shape) / fan_in ** 0.5)
+
+        self.w1, self.b1 = init(agents, d_in, hidden, fan_in=d_in), torch.nn.Parameter(torch.zeros(agents, 1, hidden))
+        self.w2, self.b2 = init(agents, hidden, hidden, fan_in=hidden), torch.nn.Parameter(torch.zeros(agents, 1, hidden))
+        self.w3, self.b3 = init(agents, hidden, 1, fan_in=hidden), torch.nn.Parameter(torch.zeros(agents, 1, 1))
+
+    def forward(self, x: torch.Tensor, agents: slice | None = None) -> torch.Tensor:
+        sel = slice(None) if agents is None else agents
+        x = (x - self.mean[sel]) / self.std[sel]
+        h = F.silu(torch.baddbmm(self.b1[sel], x, self.w1[sel]))
+        h = F.silu(torch.baddbmm(self.b2[sel], h, self.w2[sel]))
+        return torch.baddbmm(self.b3[sel], h, self.w3[sel]).squeeze(-1)
+
+
+@dataclass
+class KVPScorer:
+    """Scores entries with the trained agents of their layer.
+
+    Parameters
+    ----------
+    path
+        A weights file made by ``kvtier train``; ``None`` loads the one shipped for `model`.
+    model
+        Name of a model with shipped weights (used when `path` is None).
+    """
+
+    path: str | None = None
+    model: str = "SmolLM2-135M-Instruct"
+    name: str = "kvp"
+    agents: KVPAgents = field(init=False, repr=False)
+    meta: dict[str, Any] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.agents, self.meta = load_agents(self.path if self.path is not None else shipped_path(self.model))
+        self._device_copies: dict[torch.device, KVPAgents] = {}
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return self.meta["num_layers"], self.meta["num_kv_heads"], self.meta["head_dim"]
+
+    def check_model(self, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
+        """Refuse a model whose shape differs from the one the weights were trained for."""
+        if (num_layers, num_kv_heads, head_dim) != self.shape:
+            raise ConfigError(
+                f"the KVP scorer {self.meta.get('model')!r} was trained for {self.shape[0]} layers x "
+                f"{self.shape[1]} KV heads x head size {self.shape[2]}, but the model has {num_layers} x "
+                f"{num_kv_heads} x {head_dim}; train one for this model (`kvtier traces` then `kvtier train`)")
+
+    def _on(self, device: torch.device) -> KVPAgents:
+        if device not in self._device_copies:
+            self._device_copies[device] = self.agents if device.type == "cpu" else self.agents.to(device)
+        return self._device_copies[device]
+
+    @torch.no_grad()
+    def score(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+              layer_idx: int) -> torch.Tensor:
+        heads = keys.shape[1]
+        agents = self._on(keys.device)
+        x = entry_features(keys[0], values[0], positions)
+        out = agents(x, slice(layer_idx * heads, (layer_idx + 1) * heads))
+        return out.unsqueeze(0)
+
+
+def shipped_path(model: str) -> Path:
+    """The packaged weights file for `model`."""
+    if model not in SHIPPED:
+        raise ConfigError(f"no KVP weights ship for model {model!r}; shipped: {', '.join(SHIPPED)}; make one "
+                          "with `kvtier traces` and `kvtier train`, then pass scorer_kwargs={'path': FILE}")
+    return Path(str(resources.files("kvtier.scoring").joinpath("weights", SHIPPED[model])))
+
+
+def save_agents(agents: KVPAgents, path: str | Path, meta: dict[str, Any]) -> None:
+    """Write weights and metadata (model, shape, training data, objective, version) to safetensors."""
+    state = {k: v.detach().cpu().contiguous() for k, v in agents.state_dict().items()}
+    info = {**meta, "format_version": FORMAT_VERSION, "hidden": agents.hidden, "head_dim": agents.head_dim}
+    save_file(state, str(path), metadata={"kvtier": json.dumps(info)})
+
+
+def load_agents(path: str | Path) -> tuple[KVPAgents, dict[str, Any]]:
+    """Read a weights file written by `save_agents`."""
+    from safetensors import safe_open
+
+    path = str(path)
+    try:
+        with safe_open(path, framework="pt") as f:
+            meta = json.loads((f.metadata() or {}).get("kvtier", "null"))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read KVP weights from {path!r}: {e}") from e
+    if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
+        raise ConfigError(f"{path!r} is not a kvtier KVP weights file (format version {FORMAT_VERSION})")
+    agents = KVPAgents(meta["num_layers"] * meta["num_kv_heads"], meta["head_dim"], meta["hidden"])
+    agents.load_state_dict(load_file(path))
+    agents.eval()
+    return agents, meta

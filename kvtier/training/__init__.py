@@ -1,0 +1,1 @@
+"""Traces and KVP training. The engine never imports this package."""

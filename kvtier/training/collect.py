@@ -1,0 +1,84 @@
+"""Choose prompts and continuations and record a folder of traces (behind `kvtier traces`)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from transformers import DynamicCache
+
+from ..integrations.hf import cache_kwargs
+from ..tasks import make_needle_task
+from .corpus import stdlib_prose
+from .traces import record_trace, save_trace
+
+
+def text_chunks(tokenizer: Any, split: str, prompt_tokens: int, continuation_tokens: int, count: int,
+                seed: int) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """``count`` windows of standard-library prose: the prompt, then the text that follows as continuation."""
+    rng = random.Random(seed)
+    docs = stdlib_prose(split)
+    rng.shuffle(docs)
+    need = prompt_tokens + continuation_tokens
+    out = []
+    for name, text in docs:
+        ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        if ids.shape[1] < need:
+            continue
+        start = rng.randrange(0, ids.shape[1] - need + 1)
+        window = ids[:, start:start + need]
+        out.append((f"stdlib:{name}@{start}", window[:, :prompt_tokens], window[:, prompt_tokens:]))
+        if len(out) == count:
+            break
+    if len(out) < count:  # short modules: join several into one stream
+        stream = tokenizer("\n\n".join(t for _, t in docs), return_tensors="pt", add_special_tokens=False)["input_ids"]
+        for i in range(count - len(out)):
+            start = rng.randrange(0, stream.shape[1] - need)
+            window = stream[:, start:start + need]
+            out.append((f"stdlib:joined@{start}", window[:, :prompt_tokens], window[:, prompt_tokens:]))
+    return out
+
+
+@torch.no_grad()
+def needle_prompts(model: Any, tokenizer: Any, split: str, context_tokens: int, count: int, answer_tokens: int,
+                   seed: int) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """Needle tasks (disjoint seeds per split) with the model's own greedy answer as continuation."""
+    base = 1_000_000 if split == "eval" else 0
+    out = []
+    for i in range(count):
+        task = make_needle_task(tokenizer, context_tokens, depth=(i % 9 + 0.5) / 9, seed=base + seed * 1000 + i)
+        gen = model.generate(task.input_ids, **cache_kwargs(DynamicCache(config=model.config)),
+                             max_new_tokens=answer_tokens, do_sample=False)
+        out.append((f"needle:seed={base + seed * 1000 + i}", task.input_ids, gen[:, task.prompt_tokens:]))
+    return out
+
+
+def record_folder(model: Any, tokenizer: Any, out: str | Path, *, model_name: str, split: str, texts: int,
+                  needles: int, prompt_tokens: int, continuation_tokens: int, needle_context: int,
+                  answer_tokens: int, seed: int, progress: Callable[[Any], Any] = iter) -> dict[str, Any]:
+    """Record `texts` prose traces and `needles` task traces into `out`; returns the manifest."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    items = [(s, p, c, "text") for s, p, c in text_chunks(tokenizer, split, prompt_tokens, continuation_tokens,
+                                                           texts, seed)]
+    items += [(s, p, c, "generated") for s, p, c in needle_prompts(model, tokenizer, split, needle_context,
+                                                                    needles, answer_tokens, seed)]
+    cfg = model.config.get_text_config()
+    manifest: dict[str, Any] = {
+        "model": model_name, "num_layers": cfg.num_hidden_layers, "num_kv_heads": cfg.num_key_value_heads,
+        "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+        "split": split, "seed": seed, "corpus": "Python standard library docstrings (stdlib, split by module)",
+        "traces": [],
+    }
+    for i, (source, prompt, continuation, kind) in enumerate(progress(items)):
+        trace = record_trace(model, prompt, continuation)
+        name = f"trace_{i:05d}.safetensors"
+        save_trace(trace, out / name)
+        manifest["traces"].append({"file": name, "source": source, "continuation": kind,
+                                   "prompt_tokens": prompt.shape[1], "continuation_tokens": continuation.shape[1]})
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    return manifest
