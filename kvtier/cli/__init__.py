@@ -6,6 +6,7 @@ import click
 
 from .bench import bench
 from .demo import demo
+from .kvp import eval_scorer, traces, train
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -16,3 +17,6 @@ def main() -> None:
 
 main.add_command(demo)
 main.add_command(bench)
+main.add_command(traces)
+main.add_command(train)
+main.add_command(eval_scorer)

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ..config import TieredCacheConfig
-from ..errors import UnsupportedError
+from ..errors import ScorerError, UnsupportedError
 from ..placement import plan_device_demotion, plan_host_overflow, protected_count
 from ..placement.page_table import DISK, HOST, PageTable
 from ..recall import page_bounds, select_pages
@@ -36,7 +36,7 @@ class _Pending:
     k: torch.Tensor          # [1, heads, q, dim]
     v: torch.Tensor
     pos: torch.Tensor        # [heads, q]
-    score: torch.Tensor      # [heads, q]
+    score: torch.Tensor | None  # [heads, q]; None until attention for scorers that need the query
     staged: bool             # written into the device pool right after the committed entries
     returned: tuple[torch.Tensor, torch.Tensor]
 
@@ -93,7 +93,9 @@ class LayerEngine:
             self._init(k)
         q = k.shape[2]
         positions = torch.arange(self.seen, self.seen + q, device=k.device)
-        score = checked_scores(self.scorer, k, v, positions, self.layer_idx)[0]
+        score = None  # scored after attention, with the query, by attention-based scorers
+        if not getattr(self.scorer, "needs_query", False):
+            score = checked_scores(self.scorer, k, v, positions, self.layer_idx)[0]
         staged = self.pool.fits(q)
         if staged:
             returned = self.pool.stage(k, v)
@@ -166,11 +168,23 @@ class LayerEngine:
         if self.pending is not None:
             self.commit()
 
-    def commit(self) -> None:
-        """Place the step's new tokens: keep the best on the device, demote (or drop) the rest."""
-        p, self.pending = self.pending, None
+    def commit(self, query: torch.Tensor | None = None, scaling: float | None = None) -> None:
+        """Place the step's new tokens: keep the best on the device, demote (or drop) the rest.
+
+        `query` (what attention used) is needed only by scorers that rank from attention weights.
+        """
+        p = self.pending
         if p is None:
             return
+        if p.score is None:
+            if query is None:  # the step stays pending: nothing is lost
+                raise ScorerError(f"scorer {getattr(self.scorer, 'name', self.scorer)!r} needs the attention "
+                                  "query, but this layer's attention did not run through kvtier; use the model "
+                                  "whose config the TieredCache was built with")
+            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+            p.score = checked_scores(self.scorer, p.k, p.v, p.pos[0], self.layer_idx, query=query,
+                                     context_keys=p.returned[0], scaling=scale)[0]
+        self.pending = None
         pool, cfg = self.pool, self.cfg
         q = p.k.shape[2]
         if p.staged:

@@ -72,7 +72,7 @@ def _make_attention(base: str) -> Callable:
             out = attend_union(query, key, value, recalled.k, recalled.v, recalled.valid, kwargs.get("scaling"))
             return out, None
         finally:
-            engine.commit()
+            engine.commit(query, kwargs.get("scaling"))
 
     kvtier_attention.__name__ = f"{PREFIX}{base}"
     return kvtier_attention

@@ -117,7 +117,9 @@ class TieredCache(Cache):
     disk_dir
         Folder for disk pages (a private subfolder is made and removed on close); ``None``: a temporary folder.
     scorer
-        A scorer name (``"keynorm"``, ``"recency"``, ``"random"``, ...) or an object with ``score()``.
+        A scorer name (``"kvp"``, ``"keynorm"``, ``"keydiff"``, ``"recency"``, ``"random"``) or an object
+        with ``score()``. ``None``: the shipped KVP scorer when one was trained for this model, else
+        ``"keynorm"``.
     mode
         ``"tier"`` (demote and recall) or ``"evict"`` (drop; the KVP paper's setting).
     recall_pages
@@ -129,10 +131,18 @@ class TieredCache(Cache):
     """
 
     def __init__(self, config: Any, device_budget: float | int = 0.25, host_budget: float | int | None = None,
-                 disk_dir: str | os.PathLike | None = None, scorer: str | Scorer = "keynorm",
+                 disk_dir: str | os.PathLike | None = None, scorer: str | Scorer | None = None,
                  mode: str = "tier", recall_pages: int = 32, *, page_size: int = 16, sink_tokens: int = 4,
                  recent_tokens: int = 16, scorer_kwargs: dict[str, Any] | None = None) -> None:
         shape = ModelShape.from_config(config)
+        scorer_kwargs = dict(scorer_kwargs or {})
+        if scorer is None:
+            from ..scoring.kvp import shipped_for
+
+            model = shipped_for(config)
+            scorer = "kvp" if model else "keynorm"
+            if model:
+                scorer_kwargs.setdefault("model", model)
         self.settings = TieredCacheConfig(
             shape=shape,
             device_budget=Budget(device_budget, "device_budget"),
@@ -142,7 +152,9 @@ class TieredCache(Cache):
             recent_tokens=recent_tokens,
             scorer_name=scorer if isinstance(scorer, str) else getattr(scorer, "name", type(scorer).__name__),
         )
-        self.scorer = make_scorer(scorer, **(scorer_kwargs or {}))
+        self.scorer = make_scorer(scorer, **scorer_kwargs)
+        if hasattr(self.scorer, "check_model"):
+            self.scorer.check_model(shape.num_layers, shape.num_kv_heads, shape.head_dim)
         self._private_dir: list[str] = []
         if self.settings.mode == "tier" and self.settings.host_budget is not None:
             self._private_dir.append(_make_private_dir(self.settings.disk_dir))

@@ -8,11 +8,15 @@ A scorer is any object with ``score(keys, values, positions, layer_idx) -> Tenso
 - returns ``[batch, kv_heads, tokens]`` floats; higher means more important.
 
 Ranking, budgets and movement belong to other modules.
+
+A scorer that needs attention weights (TOVA, SnapKV, H2O) sets ``needs_query = True``; it is then called
+after attention, with the keyword arguments ``query`` ``[batch, q_heads, tokens, head_dim]``,
+``context_keys`` (the keys attention read, new ones last) and ``scaling``.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -30,9 +34,9 @@ class Scorer(Protocol):
 
 
 def checked_scores(scorer: Scorer, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-                   layer_idx: int) -> torch.Tensor:
+                   layer_idx: int, **query_kwargs: Any) -> torch.Tensor:
     """Call `scorer` and verify its output, so a faulty scorer fails loudly instead of mis-ranking."""
-    out = scorer.score(keys, values, positions, layer_idx)
+    out = scorer.score(keys, values, positions, layer_idx, **query_kwargs)
     expected = tuple(keys.shape[:3])
     name = getattr(scorer, "name", type(scorer).__name__)
     if not isinstance(out, torch.Tensor):

@@ -102,6 +102,25 @@ class KVPScorer:
         return out.unsqueeze(0)
 
 
+def shipped_for(config: Any) -> str | None:
+    """The name of the shipped KVP weights trained for a model with this config, if any."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    signature = {"num_layers": getattr(cfg, "num_hidden_layers", None),
+                 "num_kv_heads": getattr(cfg, "num_key_value_heads", None),
+                 "hidden_size": getattr(cfg, "hidden_size", None), "vocab_size": getattr(cfg, "vocab_size", None)}
+    for model in SHIPPED:
+        path = shipped_path(model)
+        if not path.is_file():
+            continue
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            meta = json.loads((f.metadata() or {}).get("kvtier", "{}"))
+        if all(meta.get(k) == v for k, v in signature.items()):
+            return model
+    return None
+
+
 def shipped_path(model: str) -> Path:
     """The packaged weights file for `model`."""
     if model not in SHIPPED:
@@ -125,7 +144,7 @@ def load_agents(path: str | Path) -> tuple[KVPAgents, dict[str, Any]]:
     try:
         with safe_open(path, framework="pt") as f:
             meta = json.loads((f.metadata() or {}).get("kvtier", "null"))
-    except (OSError, ValueError) as e:
+    except Exception as e:  # safetensors raises its own error type for a damaged header
         raise ConfigError(f"cannot read KVP weights from {path!r}: {e}") from e
     if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
         raise ConfigError(f"{path!r} is not a kvtier KVP weights file (format version {FORMAT_VERSION})")

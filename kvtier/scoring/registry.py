@@ -15,6 +15,9 @@ _BUILTIN = {
     "random": ("kvtier.scoring.random", "RandomScorer"),
     "keydiff": ("kvtier.scoring.keydiff", "KeyDiffScorer"),
     "kvp": ("kvtier.scoring.kvp", "KVPScorer"),
+    "tova": ("kvtier.scoring.tova", "TOVAScorer"),
+    "snapkv": ("kvtier.scoring.snapkv", "SnapKVScorer"),
+    "h2o": ("kvtier.scoring.h2o", "H2OScorer"),
 }
 
 

@@ -71,6 +71,7 @@ def record_folder(model: Any, tokenizer: Any, out: str | Path, *, model_name: st
     manifest: dict[str, Any] = {
         "model": model_name, "num_layers": cfg.num_hidden_layers, "num_kv_heads": cfg.num_key_value_heads,
         "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+        "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
         "split": split, "seed": seed, "corpus": "Python standard library docstrings (stdlib, split by module)",
         "traces": [],
     }

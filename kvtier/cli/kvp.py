@@ -1,0 +1,110 @@
+"""`kvtier traces`, `kvtier train`, `kvtier eval-scorer`: make and judge a KVP scorer."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import click
+
+from .common import load, set_threads, user_errors
+
+
+def _bar(desc: str, quiet: bool = False):
+    from tqdm import tqdm
+
+    return lambda it: tqdm(it, desc=desc, disable=quiet)
+
+
+@click.command()
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Folder for the trace shards.")
+@click.option("--model", default=None, help="A Hugging Face id or local path (default: the packaged model).")
+@click.option("--split", type=click.Choice(["train", "eval"]), default="train", show_default=True,
+              help="Which half of the corpus (and which task seeds) to use; the two never overlap.")
+@click.option("--texts", default=48, show_default=True, help="Prose traces (continuation = the text itself).")
+@click.option("--needles", default=16, show_default=True, help="Needle-task traces (continuation = greedy answer).")
+@click.option("--prompt-tokens", default=1024, show_default=True)
+@click.option("--continuation-tokens", default=128, show_default=True)
+@click.option("--needle-context", default=1500, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@click.option("--threads", default=2, show_default=True)
+@user_errors
+def traces(out: str, model: str | None, split: str, texts: int, needles: int, prompt_tokens: int,
+           continuation_tokens: int, needle_context: int, seed: int, threads: int) -> None:
+    """Record generation traces (keys, values, positions, future attention) for training KVP."""
+    from ..models import DEFAULT_MODEL_NAME
+    from ..training.collect import record_folder
+
+    set_threads(threads)
+    lm, tok = load(model)
+    start = time.perf_counter()
+    manifest = record_folder(lm, tok, out, model_name=model or DEFAULT_MODEL_NAME, split=split, texts=texts,
+                             needles=needles, prompt_tokens=prompt_tokens, continuation_tokens=continuation_tokens,
+                             needle_context=needle_context, answer_tokens=32, seed=seed,
+                             progress=_bar("traces"))
+    click.echo(f"{len(manifest['traces'])} traces in {out} ({time.perf_counter() - start:.0f} s)")
+
+
+@click.command()
+@click.option("--traces", "trace_dir", required=True, type=click.Path(exists=True, file_okay=False))
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="Weights file (.safetensors).")
+@click.option("--objective", type=click.Choice(["reinforce", "listwise"]), default="reinforce", show_default=True)
+@click.option("--steps", default=300, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@click.option("--threads", default=2, show_default=True)
+@user_errors
+def train(trace_dir: str, out: str, objective: str, steps: int, seed: int, threads: int) -> None:
+    """Train KVP agents on recorded traces; keeps the checkpoint with the best held-out reward."""
+    from ..scoring.kvp import save_agents
+    from ..training.dataset import load_folder
+    from ..training.train import TrainSettings, train_agents
+
+    set_threads(threads)
+    settings = TrainSettings(objective=objective, steps=steps, seed=seed)
+    manifest, data = load_folder(trace_dir)
+    start = time.perf_counter()
+    agents, report = train_agents(data, manifest["head_dim"], settings, progress=_bar(f"train ({objective})"))
+    meta = {k: manifest[k] for k in ("model", "num_layers", "num_kv_heads", "head_dim", "hidden_size",
+                                     "vocab_size") if k in manifest}
+    meta.update(objective=objective, training_data=f"{len(data)} traces from {manifest['corpus']} and needle tasks",
+                best_step=report["best_step"], best_val_reward=report["best_val_reward"], kvtier_version="0.1.0",
+                settings=report["settings"])
+    save_agents(agents, out, meta)
+    Path(out).with_suffix(".report.json").write_text(json.dumps(report, indent=2))
+    click.echo(f"best held-out reward {report['best_val_reward']:.4f} at step {report['best_step']} "
+               f"({time.perf_counter() - start:.0f} s); weights in {out}")
+
+
+@click.command("eval-scorer")
+@click.option("--traces", "trace_dir", required=True, type=click.Path(exists=True, file_okay=False),
+              help="Held-out traces (recorded with --split eval).")
+@click.option("--kvp", "kvp_path", default=None, help="KVP weights (default: the shipped ones for the model).")
+@click.option("--budgets", default="0.1,0.25,0.5", show_default=True)
+@click.option("--markdown", default=None, help="Write the table (and a PNG plot beside it) to this file.")
+@click.option("--json", "as_json", is_flag=True)
+@user_errors
+def eval_scorer(trace_dir: str, kvp_path: str | None, budgets: str, markdown: str | None, as_json: bool) -> None:
+    """Share of future attention mass each scorer keeps, per budget, on held-out traces."""
+    from ..scoring.kvp import KVPScorer
+    from ..training.evaluate import ATTENTION_BASED, ATTENTION_FREE, evaluate_scorers
+    from ..training.report import write_scorer_report
+    from ..training.traces import load_trace, read_manifest
+
+    manifest = read_manifest(trace_dir)
+    kvp = KVPScorer(path=kvp_path, model=manifest["model"])
+    kvp.check_model(manifest["num_layers"], manifest["num_kv_heads"], manifest["head_dim"])
+    raws = [load_trace(Path(trace_dir) / t["file"]) for t in manifest["traces"]]
+    result = evaluate_scorers(raws, ["kvp", *ATTENTION_FREE, *ATTENTION_BASED],
+                              [float(b) for b in budgets.split(",")], kvp, progress=_bar("eval", as_json))
+    result["kvp"] = {k: kvp.meta.get(k) for k in ("model", "objective", "training_data", "best_val_reward")}
+    if markdown:
+        write_scorer_report(result, markdown, command=f"kvtier eval-scorer --traces {trace_dir}"
+                            + (f" --kvp {kvp_path}" if kvp_path else ""))
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+        return
+    bs = result["budgets"]
+    click.echo("scorer      " + "".join(f"{b:>9.0%}" for b in bs))
+    for name, row in result["mean"].items():
+        click.echo(f"{name:<12}" + "".join(f"{row[str(b)]:>9.3f}" for b in bs))

@@ -1,0 +1,26 @@
+"""H2O: rank entries by the attention accumulated over every query written with them ("heavy hitters")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .attention_stats import received_attention
+
+
+@dataclass
+class H2OScorer:
+    """Attention summed over all queries of the write (causal), averaged over the group's heads.
+
+    Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference", arXiv 2306.14048. Costs a
+    full ``q x q`` attention per layer at prefill, computed in chunks. Needs the query (``needs_query``).
+    """
+
+    name: str = "h2o"
+    needs_query: bool = True
+
+    def score(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, layer_idx: int, *,
+              query: torch.Tensor, context_keys: torch.Tensor, scaling: float) -> torch.Tensor:
+        att = received_attention(query, context_keys, keys.shape[2], scaling)
+        return att.sum(dim=2).mean(dim=1).unsqueeze(0)

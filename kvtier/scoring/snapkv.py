@@ -1,0 +1,31 @@
+"""SnapKV: rank entries by the attention of an observation window of the latest queries, pooled."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .attention_stats import received_attention
+
+
+@dataclass
+class SnapKVScorer:
+    """Attention summed over the last `window` queries, average-pooled over `kernel` neighbours.
+
+    Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation", arXiv 2404.14469.
+    Needs the query (``needs_query``).
+    """
+
+    window: int = 32
+    kernel: int = 5
+    name: str = "snapkv"
+    needs_query: bool = True
+
+    def score(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, layer_idx: int, *,
+              query: torch.Tensor, context_keys: torch.Tensor, scaling: float) -> torch.Tensor:
+        att = received_attention(query, context_keys, keys.shape[2], scaling, slice(-self.window, None))
+        votes = att.sum(dim=2).mean(dim=1)  # [kv_heads, new]
+        pooled = F.avg_pool1d(votes[:, None], self.kernel, stride=1, padding=self.kernel // 2)[:, 0]
+        return pooled[:, : keys.shape[2]].unsqueeze(0)

@@ -1,0 +1,61 @@
+"""Attention-based baselines: what they compute, and that they refuse to run without the query."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier import ScorerError, make_scorer
+from kvtier.scoring import checked_scores
+
+
+def _attention(query, keys, scaling):
+    """Plain causal attention, new keys last: [kv_heads, group, q, n]."""
+    kv, n = keys.shape[1], keys.shape[2]
+    q_len = query.shape[2]
+    q = query[0].reshape(kv, -1, q_len, query.shape[3])
+    logits = torch.einsum("hgqd,hkd->hgqk", q, keys[0]) * scaling
+    future = torch.arange(n)[None, :] - (n - q_len) > torch.arange(q_len)[:, None]
+    return torch.softmax(logits.masked_fill(future, float("-inf")), dim=-1)
+
+
+@pytest.fixture
+def step():
+    g = torch.Generator().manual_seed(0)
+    old, new = 7, 40
+    context = torch.randn(1, 2, old + new, 8, generator=g)
+    query = torch.randn(1, 6, new, 8, generator=g)
+    return context[:, :, old:], context, query, new
+
+
+def test_tova_h2o_snapkv_match_their_definitions(step):
+    keys, context, query, new = step
+    att = _attention(query, context, 0.3)[..., -new:]
+    kw = dict(query=query, context_keys=context, scaling=0.3)
+    pos = torch.arange(new)
+    tova = checked_scores(make_scorer("tova"), keys, keys, pos, 0, **kw)
+    torch.testing.assert_close(tova[0], att[:, :, -1].mean(1))
+    h2o = checked_scores(make_scorer("h2o"), keys, keys, pos, 0, **kw)
+    torch.testing.assert_close(h2o[0], att.sum(2).mean(1))
+    snap = checked_scores(make_scorer("snapkv", window=8, kernel=1), keys, keys, pos, 0, **kw)
+    torch.testing.assert_close(snap[0], att[:, :, -8:].sum(2).mean(1))
+
+
+def test_chunking_does_not_change_h2o(step):
+    from kvtier.scoring.attention_stats import received_attention
+
+    keys, context, query, new = step
+    a = received_attention(query, context, new, 0.3, chunk=7)
+    b = received_attention(query, context, new, 0.3, chunk=1000)
+    torch.testing.assert_close(a, b)
+
+
+def test_query_needing_scorer_without_query_is_an_error(make_engine):
+    engine = make_engine(scorer="tova", device_budget=8, sink_tokens=1, recent_tokens=2)
+    k = torch.randn(1, engine.heads, 20, engine.head_dim)
+    engine.write(k, k)
+    with pytest.raises(ScorerError, match="needs the attention query"):
+        engine.commit()
+    assert engine.pending is not None  # nothing was lost; it can still be placed with the query
+    engine.commit(query=torch.randn(1, engine.heads * 2, 20, engine.head_dim))
+    assert engine.pool.count <= 8 and engine.table.n > 0
