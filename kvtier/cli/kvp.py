@@ -67,7 +67,9 @@ def train(trace_dir: str, out: str, objective: str, steps: int, seed: int, threa
     agents, report = train_agents(data, manifest["head_dim"], settings, progress=_bar(f"train ({objective})"))
     meta = {k: manifest[k] for k in ("model", "num_layers", "num_kv_heads", "head_dim", "hidden_size",
                                      "vocab_size") if k in manifest}
-    meta.update(objective=objective, training_data=f"{len(data)} traces from {manifest['corpus']} and needle tasks",
+    sources = sorted({t["continuation"] for t in manifest["traces"]})
+    meta.update(objective=objective, training_data=f"{len(data)} traces from {trace_dir} ({manifest['corpus']}; "
+                f"needle tasks; continuations: {', '.join(sources)})",
                 best_step=report["best_step"], best_val_reward=report["best_val_reward"], kvtier_version="0.1.0",
                 settings=report["settings"])
     save_agents(agents, out, meta)

@@ -1,0 +1,55 @@
+"""The KVP weights shipped for the default model: they load, fit the model, and rank a prefill quickly."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kvtier import ConfigError, TieredCache
+from kvtier.scoring.kvp import KVPScorer, shipped_path
+from kvtier.tasks import make_needle_task
+
+pytestmark = pytest.mark.slow
+
+
+def test_shipped_weights_fit_the_default_model(default_model):
+    model, _ = default_model
+    assert shipped_path("SmolLM2-135M-Instruct").stat().st_size <= 10 * 2**20  # the whole scorer <= 10 MB
+    scorer = KVPScorer()
+    cfg = model.config
+    scorer.check_model(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+    assert scorer.meta["objective"] in ("reinforce", "listwise") and scorer.meta["training_data"]
+    cache = TieredCache(cfg)  # no scorer given: the shipped KVP scorer is the default for this model
+    assert cache.settings.scorer_name == "kvp"
+    cache.close()
+
+
+def test_other_model_shape_is_refused():
+    import types
+
+    cfg = types.SimpleNamespace(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                hidden_size=32, vocab_size=100, _attn_implementation="sdpa")
+    with pytest.raises(ConfigError, match="trained for 30 layers x 3 KV heads"):
+        TieredCache(cfg, scorer="kvp")
+    assert TieredCache(cfg).settings.scorer_name == "keynorm"  # no KVP weights for this model: the heuristic
+
+
+@torch.no_grad()
+def test_scoring_a_real_prefill_is_cheap(default_model):
+    model, tok = default_model
+    task = make_needle_task(tok, context_tokens=2000, seed=3)
+    from kvtier.training.traces import record_trace
+
+    trace = record_trace(model, task.input_ids[:, :-8], task.input_ids[:, -8:])
+    start = time.perf_counter()
+    model(task.input_ids)
+    prefill = time.perf_counter() - start
+    scorer = KVPScorer()
+    k, v, pos = trace["keys"].float(), trace["values"].float(), trace["positions"]
+    start = time.perf_counter()
+    scores = [scorer.score(k[l][None], v[l][None], pos, l) for l in range(k.shape[0])]
+    scoring = time.perf_counter() - start
+    assert all(s.shape == (1, 3, pos.shape[0]) and torch.isfinite(s).all() for s in scores)
+    assert scoring < 0.05 * prefill, (scoring, prefill)  # the budget is 2%; this leaves room for noisy machines
