@@ -23,7 +23,7 @@ def bench() -> None:
 @click.option("--device-budget", default="0.25", show_default=True, help="Device tokens per KV head.")
 @click.option("--host-budget", default="none", show_default=True, help="Host tokens per KV head ('none' = no limit).")
 @click.option("--recall-pages", default=32, show_default=True, help="Pages recalled per layer and KV head per step.")
-@click.option("--scorer", default="keynorm", show_default=True)
+@click.option("--scorer", default="auto", show_default=True, help="auto: KVP where weights ship for the model, else keynorm.")
 @click.option("--model", default=None, help="A Hugging Face id or local path (default: the packaged model).")
 @click.option("--device", default="cpu", show_default=True, help="Where the model runs (cpu, cuda).")
 @click.option("--threads", default=1, show_default=True, help="torch CPU threads.")
@@ -46,7 +46,8 @@ def decode(context: int, new_tokens: int, rounds: int, device_budget: str, host_
     budget, host = parse_budget(device_budget), parse_budget(host_budget)
     caches = {
         "DynamicCache": lambda: DynamicCache(config=lm.config),
-        "TieredCache": lambda: TieredCache(lm.config, device_budget=budget, host_budget=host, scorer=scorer,
+        "TieredCache": lambda: TieredCache(lm.config, device_budget=budget, host_budget=host,
+                                 scorer=None if scorer == "auto" else scorer,
                                            recall_pages=recall_pages),
     }
     echo = (lambda s: None) if as_json else click.echo

@@ -18,7 +18,7 @@ from .format import tier_lines
 @click.option("--device-budget", default="0.1", show_default=True, help="Device tokens per KV head: fraction or count.")
 @click.option("--host-budget", default="0.2", show_default=True, help="Host tokens per KV head (rest on disk); 'none' = no limit.")
 @click.option("--recall-pages", default=32, show_default=True, help="Pages recalled per layer and KV head per step.")
-@click.option("--scorer", default="keynorm", show_default=True, help="How entries are ranked.")
+@click.option("--scorer", default="auto", show_default=True, help="How entries are ranked (auto: KVP where weights ship for the model, else keynorm).")
 @click.option("--model", default=None, help="A Hugging Face id or local path (default: the packaged SmolLM2-135M-Instruct).")
 @click.option("--threads", default=1, show_default=True, help="torch CPU threads.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
@@ -43,7 +43,8 @@ def demo(context: int, needles: int, device_budget: str, host_budget: str, recal
         row = {"prompt_tokens": task.prompt_tokens, "depth": round(depth, 2), "answer": task.answer}
         for name in ("full", "tiered"):
             cache = (DynamicCache(config=lm.config) if name == "full" else
-                     TieredCache(lm.config, device_budget=budget, host_budget=host, scorer=scorer,
+                     TieredCache(lm.config, device_budget=budget, host_budget=host,
+                                 scorer=None if scorer == "auto" else scorer,
                                  recall_pages=recall_pages))
             start = time.perf_counter()
             with torch.no_grad():
@@ -67,4 +68,5 @@ def demo(context: int, needles: int, device_budget: str, host_budget: str, recal
     else:
         c = report["correct"]
         click.echo(f"\ncorrect: full cache {c['full']}/{needles}, tiered cache {c['tiered']}/{needles} "
-                   f"(device budget {device_budget}, host {host_budget}, recall {recall_pages} pages, {scorer})")
+                   f"(device budget {device_budget}, host {host_budget}, recall {recall_pages} pages, "
+                   f"scorer {report['tasks'][-1]['stats']['scorer']})")
