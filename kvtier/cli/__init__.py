@@ -5,7 +5,9 @@ from __future__ import annotations
 import click
 
 from .bench import bench
+from .chat import chat
 from .demo import demo
+from .info import info
 from .kvp import eval_scorer, traces, train
 
 
@@ -16,6 +18,8 @@ def main() -> None:
 
 
 main.add_command(demo)
+main.add_command(chat)
+main.add_command(info)
 main.add_command(bench)
 main.add_command(traces)
 main.add_command(train)

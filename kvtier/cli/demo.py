@@ -13,17 +13,23 @@ from .format import tier_lines
 
 
 @click.command()
-@click.option("--context", default=3000, show_default=True, help="Tokens of filler text around each fact.")
+@click.option("--context", default="3000", show_default=True,
+              help="Tokens of filler around each fact (e.g. 3000, 128K, 1M).")
+@click.option("--synthetic", is_flag=True, help="Synthetic KV of a real architecture's shape with planted "
+              "needles, instead of running a model (for contexts no model here can prefill).")
+@click.option("--arch", default="llama-3.1-8b", show_default=True, help="Architecture shape for --synthetic.")
 @click.option("--needles", default=2, show_default=True, help="How many facts (each at another depth) to ask about.")
-@click.option("--device-budget", default="0.1", show_default=True, help="Device tokens per KV head: fraction or count.")
-@click.option("--host-budget", default="0.2", show_default=True, help="Host tokens per KV head (rest on disk); 'none' = no limit.")
+@click.option("--device-budget", default="auto", show_default=True,
+              help="Device tokens per KV head: fraction or count (auto: 0.1, or 0.01 with --synthetic).")
+@click.option("--host-budget", default="auto", show_default=True,
+              help="Host tokens per KV head, the rest on disk; 'none' = no limit (auto: 0.2, or 0.05 with --synthetic).")
 @click.option("--recall-pages", default=32, show_default=True, help="Pages recalled per layer and KV head per step.")
 @click.option("--scorer", default="auto", show_default=True, help="How entries are ranked (auto: KVP where weights ship for the model, else keynorm).")
 @click.option("--model", default=None, help="A Hugging Face id or local path (default: the packaged SmolLM2-135M-Instruct).")
 @click.option("--threads", default=1, show_default=True, help="torch CPU threads.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 @user_errors
-def demo(context: int, needles: int, device_budget: str, host_budget: str, recall_pages: int, scorer: str,
+def demo(context: str, synthetic: bool, arch: str, needles: int, device_budget: str, host_budget: str, recall_pages: int, scorer: str,
          model: str | None, threads: int, as_json: bool) -> None:
     """Answer questions about facts hidden in a long text, with 10% of the KV cache on the device."""
     from transformers import DynamicCache
@@ -31,15 +37,38 @@ def demo(context: int, needles: int, device_budget: str, host_budget: str, recal
     from ..integrations.hf import TieredCache, cache_kwargs
     from ..tasks import make_needle_task
 
+    from ..bench.synthetic import ARCHS, parse_tokens
+
     set_threads(threads)
     say = (lambda *a: None) if as_json else click.echo
+    try:
+        tokens = parse_tokens(context)
+    except ValueError:
+        raise click.BadParameter(f"{context!r}; allowed: a token count like 3000, 128K or 1M",
+                                 param_hint="--context") from None
+    if device_budget == "auto":
+        device_budget = "0.01" if synthetic else "0.1"
+    if host_budget == "auto":
+        host_budget = "0.05" if synthetic else "0.2"
+    if synthetic:
+        if arch not in ARCHS:
+            raise click.BadParameter(f"{arch!r}; allowed: {', '.join(ARCHS)}", param_hint="--arch")
+        from .synthetic_report import run_synthetic
+
+        run_synthetic(arch, tokens, needles, parse_budget(device_budget), parse_budget(host_budget), recall_pages,
+                      as_json)
+        return
+    if tokens > 32768:
+        raise click.UsageError(f"prefilling {tokens:,} tokens with a model on this machine is not practical (the "
+                               "default model was trained on 8K); add --synthetic to fill the cache with KV of a "
+                               "real architecture's shape (--arch) instead")
     say("loading the model ...")
     lm, tok = load(model)
     budget, host = parse_budget(device_budget), parse_budget(host_budget)
     report = {"tasks": []}
     for i in range(needles):
         depth = (i + 0.5) / needles * 0.8
-        task = make_needle_task(tok, context_tokens=context, depth=depth, seed=i)
+        task = make_needle_task(tok, context_tokens=tokens, depth=depth, seed=i)
         row = {"prompt_tokens": task.prompt_tokens, "depth": round(depth, 2), "answer": task.answer}
         for name in ("full", "tiered"):
             cache = (DynamicCache(config=lm.config) if name == "full" else

@@ -26,6 +26,7 @@ from ..tiers.device import DevicePool
 from ..tiers.disk import DiskStore
 from ..tiers.host import HostPool
 from ..transfer import TransferManager
+from . import parking
 from .stats import MoveCounters
 
 
@@ -68,6 +69,8 @@ class LayerEngine:
         self.lo: torch.Tensor | None = None   # [heads, page capacity, dim] key bounds, on the device
         self.hi: torch.Tensor | None = None
         self.pending: _Pending | None = None
+        self.parked = None            # a parking.Parked while the layer is parked between turns
+        self.parking: DiskStore | None = None
 
     # ------------------------------------------------------------------ write
     def _init(self, k: torch.Tensor) -> None:
@@ -91,6 +94,8 @@ class LayerEngine:
         self.flush()
         if self.pool is None:
             self._init(k)
+        if self.parked is not None:
+            parking.restore(self)
         q = k.shape[2]
         positions = torch.arange(self.seen, self.seen + q, device=k.device)
         score = None  # scored after attention, with the query, by attention-based scorers
@@ -109,6 +114,8 @@ class LayerEngine:
     @property
     def stored(self) -> int:
         """Committed entries per head on the device (what `write` returns before the new tokens)."""
+        if self.parked is not None:
+            return self.parked.count
         return 0 if self.pool is None else self.pool.count
 
     # ------------------------------------------------------------------ recall
@@ -272,7 +279,10 @@ class LayerEngine:
         heads = np.concatenate([np.full(len(ids), h) for h, ids in enumerate(plans)]).astype(np.int64)
         if len(heads) == 0:
             return
-        pids = np.concatenate(plans).astype(np.int64)
+        self.move_host_pages_to_disk(heads, np.concatenate(plans).astype(np.int64))
+
+    def move_host_pages_to_disk(self, heads: np.ndarray, pids: np.ndarray) -> None:
+        """Write the given host pages (one per ``(head, page id)``) to disk and free their host slots."""
         slots = self.table.slot[heads, pids]
         k, v = self.host.load(heads, slots)
         pos, score = self.host.load_meta(heads, slots)
@@ -284,6 +294,13 @@ class LayerEngine:
         self.table.slot[heads, pids] = -1
         self.host.free(heads, slots)
         self.counters.bytes_moved["host_to_disk"] += len(pids) * disk.payload_size
+
+    def bring_disk_pages_to_host(self, heads: np.ndarray, pids: np.ndarray) -> None:
+        """Read the given disk pages back into the host pool (the disk records stay valid)."""
+        k, v, pos, score, _ = self.disk.read_many(heads, pids, self.table.crc[heads, pids])
+        slots = self.host.store(heads, k, v, pos, score)
+        self.table.tier[heads, pids] = HOST
+        self.table.slot[heads, pids] = slots
 
     def _disk_store(self) -> DiskStore:
         if self.disk is None:
@@ -298,6 +315,10 @@ class LayerEngine:
         entry = 0 if self.pool is None else self.pool.entry_bytes()
         host_tokens = 0 if self.host is None else int(self.host.held_tokens().sum())
         disk_tokens = int(self.table.tokens(DISK).sum())
+        if self.parked is not None:  # the device entries wait on the host or on disk
+            parked = self.parked.count * self.heads
+            host_tokens += parked if self.parked.where == "host" else 0
+            disk_tokens += parked if self.parked.where == "disk" else 0
         return {
             "device": {"tokens": device_tokens, "bytes": device_tokens * entry,
                        "reserved_bytes": 0 if self.pool is None else self.pool.reserved_bytes()},
@@ -310,6 +331,9 @@ class LayerEngine:
     def reset(self) -> None:
         """Forget every entry (the files stay open for reuse)."""
         self.pending = None
+        self.parked = None
+        if self.parking is not None:
+            self.parking.discard()
         self.seen = 0
         self.table.clear()
         if self.pool is not None:
@@ -321,9 +345,10 @@ class LayerEngine:
 
     def close(self) -> None:
         self.reset()
-        if self.disk is not None:
-            self.disk.close()
-            self.disk = None
+        for store in (self.disk, self.parking):
+            if store is not None:
+                store.close()
+        self.disk = self.parking = None
 
 
 def _take(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ from packaging.version import Version
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..config import ModelShape, TieredCacheConfig
+from ..engine import parking
 from ..engine.layer import LayerEngine
 from ..engine.stats import MoveCounters
 from ..errors import ConfigError, UnsupportedError
@@ -174,9 +175,30 @@ class TieredCache(Cache):
         return self._transfers[device]
 
     def _disk_path(self) -> str:
-        if not self._private_dir:
-            raise ConfigError("this cache has no disk tier (host_budget=None or mode='evict')")
+        if not self._private_dir:  # no disk tier, but a session is being parked on disk
+            self._private_dir.append(_make_private_dir(self.settings.disk_dir))
         return self._private_dir[0]
+
+    def park(self, to: str = "host") -> None:
+        """Move the whole cache off the device between turns: ``"host"`` memory or ``"disk"``.
+
+        The next forward restores each layer just before it is used (so restoring overlaps that forward,
+        layer by layer), and generation continues exactly as if the cache had never moved.
+        """
+        for engine in self._engines:
+            parking.park(engine, to)
+
+    def resume(self) -> None:
+        """Restore every parked layer now (otherwise each comes back at its next use)."""
+        for engine in self._engines:
+            if engine.parked is not None:
+                parking.restore(engine)
+
+    @property
+    def parked(self) -> str | None:
+        """Where the cache is parked (``"host"``, ``"disk"``), or None when it is live."""
+        places = {e.parked.where for e in self._engines if e.parked is not None}
+        return max(places, key=("host", "disk").index) if places else None
 
     @property
     def disk_path(self) -> str | None:
@@ -212,6 +234,7 @@ class TieredCache(Cache):
             "recall_steps": c.recall_steps,
             "tokens_dropped": c.tokens_dropped,
             "transfer_wait_seconds": wait,
+            "parked": self.parked,
             "mode": s.mode,
             "scorer": s.scorer_name,
         }

@@ -40,15 +40,15 @@ def _chunks(n: int, parts: int) -> list[range]:
 
 
 class DiskStore:
-    """Page records of one layer in the file ``layer_NNN.kvtp`` under `directory`."""
+    """Page records of one layer in the file ``<name>_NNN.kvtp`` under `directory`."""
 
     def __init__(self, directory: str, layer_idx: int, heads: int, page_size: int, head_dim: int,
-                 dtype: torch.dtype, io_threads: int = 4) -> None:
+                 dtype: torch.dtype, io_threads: int = 4, name: str = "layer") -> None:
         if dtype not in _DTYPES:
             raise CapacityError(f"dtype {dtype} cannot be stored on disk; allowed: {list(_DTYPES)}")
         self.layer_idx, self.heads, self.page_size, self.head_dim, self.dtype = (
             layer_idx, heads, page_size, head_dim, dtype)
-        self.path = os.path.join(directory, f"layer_{layer_idx:03d}.kvtp")
+        self.path = os.path.join(directory, f"{name}_{layer_idx:03d}.kvtp")
         self._esize = torch.empty((), dtype=dtype).element_size()
         self._kv_bytes = page_size * head_dim * self._esize
         self.payload_size = 2 * self._kv_bytes + page_size * (8 + 4)
@@ -163,6 +163,11 @@ class DiskStore:
 
     def _where(self, head: int, page: int) -> str:
         return f"{self.path} (layer {self.layer_idx}, head {int(head)}, page {int(page)})"
+
+    def discard(self) -> None:
+        """Drop every record (the file is emptied; its pages must not be read again)."""
+        os.ftruncate(self._fd_or_raise(), 0)
+        self.records = 0
 
     def file_bytes(self) -> int:
         return os.fstat(self._fd).st_size if self._fd is not None else 0

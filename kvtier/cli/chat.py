@@ -1,0 +1,59 @@
+"""`kvtier chat`: talk to the model through a tiered cache, with memory per tier after every turn."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from .common import load, parse_budget, set_threads, user_errors
+from .format import human_bytes
+
+
+@click.command()
+@click.option("--device-budget", default="0.25", show_default=True, help="Device tokens per KV head.")
+@click.option("--host-budget", default="0.5", show_default=True, help="Host tokens per KV head ('none' = no limit).")
+@click.option("--park", "park_to", type=click.Choice(["none", "host", "disk"]), default="host", show_default=True,
+              help="Where the conversation's cache waits while you type.")
+@click.option("--max-new-tokens", default=200, show_default=True)
+@click.option("--system", default=None, help="A system message.")
+@click.option("--model", default=None, help="A Hugging Face id or local path (default: the packaged model).")
+@click.option("--threads", default=1, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="One JSON line per turn instead of text.")
+@user_errors
+def chat(device_budget: str, host_budget: str, park_to: str, max_new_tokens: int, system: str | None,
+         model: str | None, threads: int, as_json: bool) -> None:
+    """Interactive multi-turn chat on the tiered cache (empty line or /quit to stop)."""
+    from ..integrations.chat import ChatSession
+
+    set_threads(threads)
+    lm, tok = load(model)
+    session = ChatSession(lm, tok, system=system, device_budget=parse_budget(device_budget),
+                          host_budget=parse_budget(host_budget))
+    stdin = click.get_text_stream("stdin")
+    turn = 0
+    try:
+        while True:
+            if not as_json:
+                click.echo("you> ", nl=False)
+            line = stdin.readline()
+            if not line or line.strip() in ("", "/quit", "/exit"):
+                break
+            reply = session.ask(line.strip(), max_new_tokens=max_new_tokens)
+            turn += 1
+            if park_to != "none":
+                session.park(park_to)
+            s = session.cache.stats()
+            if as_json:
+                click.echo(json.dumps({"turn": turn, "reply": reply, "tokens": s["tokens_seen"],
+                                       **{t: {"tokens": s[t]["tokens"], "bytes": s[t]["bytes"]}
+                                          for t in ("device", "host", "disk")}, "parked": s["parked"]}))
+                continue
+            click.echo(f"model> {reply}")
+            per = s["layers"] * s["kv_heads"]
+            tiers = "  ".join(f"{t} {s[t]['tokens'] // per:,} tok/head ({human_bytes(s[t]['bytes'])})"
+                              for t in ("device", "host", "disk"))
+            click.echo(click.style(f"  [turn {turn}: {s['tokens_seen']:,} tokens | {tiers}"
+                                   f"{' | parked on ' + s['parked'] if s['parked'] else ''}]", dim=True))
+    finally:
+        session.cache.close()

