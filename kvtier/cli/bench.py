@@ -39,7 +39,7 @@ def decode(context: int, new_tokens: int, rounds: int, device_budget: str, host_
     from ..tasks.needle import NOISE
 
     set_threads(threads)
-    lm, tok = load(model)
+    lm, tok = load(model, quiet=as_json)
     lm.to(device)
     unit = tok(NOISE, add_special_tokens=False, return_tensors="pt")["input_ids"]
     ids = unit.repeat(1, context // unit.shape[1] + 1)[:, :context].to(device)

@@ -6,7 +6,7 @@ import json
 
 import click
 
-from .common import load, parse_budget, set_threads, user_errors
+from .common import check_cache_options, load, parse_budget, set_threads, user_errors
 from .format import human_bytes
 
 
@@ -17,19 +17,21 @@ from .format import human_bytes
               help="Where the conversation's cache waits while you type.")
 @click.option("--max-new-tokens", default=200, show_default=True)
 @click.option("--system", default=None, help="A system message.")
+@click.option("--disk-dir", default=None, help="Folder for the disk tier (default: a temporary folder).")
 @click.option("--model", default=None, help="A Hugging Face id or local path (default: the packaged model).")
 @click.option("--threads", default=1, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="One JSON line per turn instead of text.")
 @user_errors
 def chat(device_budget: str, host_budget: str, park_to: str, max_new_tokens: int, system: str | None,
-         model: str | None, threads: int, as_json: bool) -> None:
+         disk_dir: str | None, model: str | None, threads: int, as_json: bool) -> None:
     """Interactive multi-turn chat on the tiered cache (empty line or /quit to stop)."""
     from ..integrations.chat import ChatSession
 
     set_threads(threads)
-    lm, tok = load(model)
+    check_cache_options(parse_budget(device_budget), parse_budget(host_budget), disk_dir)
+    lm, tok = load(model, quiet=as_json)
     session = ChatSession(lm, tok, system=system, device_budget=parse_budget(device_budget),
-                          host_budget=parse_budget(host_budget))
+                          host_budget=parse_budget(host_budget), disk_dir=disk_dir)
     stdin = click.get_text_stream("stdin")
     turn = 0
     try:

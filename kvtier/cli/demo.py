@@ -8,7 +8,7 @@ import time
 import click
 import torch
 
-from .common import load, parse_budget, set_threads, user_errors
+from .common import check_cache_options, load, parse_budget, set_threads, user_errors
 from .format import tier_lines
 
 
@@ -25,12 +25,13 @@ from .format import tier_lines
               help="Host tokens per KV head, the rest on disk; 'none' = no limit (auto: 0.2, or 0.05 with --synthetic).")
 @click.option("--recall-pages", default=32, show_default=True, help="Pages recalled per layer and KV head per step.")
 @click.option("--scorer", default="auto", show_default=True, help="How entries are ranked (auto: KVP where weights ship for the model, else keynorm).")
+@click.option("--disk-dir", default=None, help="Folder for the disk tier (default: a temporary folder).")
 @click.option("--model", default=None, help="A Hugging Face id or local path (default: the packaged SmolLM2-135M-Instruct).")
 @click.option("--threads", default=1, show_default=True, help="torch CPU threads.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 @user_errors
-def demo(context: str, synthetic: bool, arch: str, needles: int, device_budget: str, host_budget: str, recall_pages: int, scorer: str,
-         model: str | None, threads: int, as_json: bool) -> None:
+def demo(context: str, synthetic: bool, arch: str, needles: int, device_budget: str, host_budget: str,
+         recall_pages: int, scorer: str, disk_dir: str | None, model: str | None, threads: int, as_json: bool) -> None:
     """Answer questions about facts hidden in a long text, with 10% of the KV cache on the device."""
     from transformers import DynamicCache
 
@@ -50,6 +51,7 @@ def demo(context: str, synthetic: bool, arch: str, needles: int, device_budget: 
         device_budget = "0.01" if synthetic else "0.1"
     if host_budget == "auto":
         host_budget = "0.05" if synthetic else "0.2"
+    check_cache_options(parse_budget(device_budget), parse_budget(host_budget), disk_dir)
     if synthetic:
         if arch not in ARCHS:
             raise click.BadParameter(f"{arch!r}; allowed: {', '.join(ARCHS)}", param_hint="--arch")
@@ -63,7 +65,7 @@ def demo(context: str, synthetic: bool, arch: str, needles: int, device_budget: 
                                "default model was trained on 8K); add --synthetic to fill the cache with KV of a "
                                "real architecture's shape (--arch) instead")
     say("loading the model ...")
-    lm, tok = load(model)
+    lm, tok = load(model, quiet=as_json)
     budget, host = parse_budget(device_budget), parse_budget(host_budget)
     report = {"tasks": []}
     for i in range(needles):
@@ -72,7 +74,7 @@ def demo(context: str, synthetic: bool, arch: str, needles: int, device_budget: 
         row = {"prompt_tokens": task.prompt_tokens, "depth": round(depth, 2), "answer": task.answer}
         for name in ("full", "tiered"):
             cache = (DynamicCache(config=lm.config) if name == "full" else
-                     TieredCache(lm.config, device_budget=budget, host_budget=host,
+                     TieredCache(lm.config, device_budget=budget, host_budget=host, disk_dir=disk_dir,
                                  scorer=None if scorer == "auto" else scorer,
                                  recall_pages=recall_pages))
             start = time.perf_counter()

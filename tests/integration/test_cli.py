@@ -1,0 +1,82 @@
+"""The command line through click's runner: exit codes, --json shapes, errors for bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from kvtier.cli import main
+
+pytestmark = pytest.mark.slow
+
+
+def run(*args, input=None):
+    return CliRunner().invoke(main, list(args), input=input)
+
+
+def test_info_json():
+    result = run("info", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert {"versions", "memory", "gpus", "memlock", "disk", "limits"} <= set(data)
+    assert data["versions"]["kvtier"]
+
+
+@pytest.mark.parametrize("args, words", [
+    (["demo", "--device-budget", "-1"], "device_budget=-1 is out of range"),
+    (["demo", "--host-budget", "2.5"], "host_budget=2.5 is out of range"),
+    (["demo", "--model", "/no/such/model"], "neither a local path"),
+    (["chat", "--device-budget", "0"], "device_budget=0"),
+])
+def test_user_mistakes_exit_2_without_traceback(args, words):
+    result = run(*args)
+    assert result.exit_code == 2, result.output
+    assert words in result.output and "Traceback" not in result.output
+
+
+def test_unwritable_disk_dir(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    result = run("demo", "--disk-dir", str(blocker / "sub"))
+    assert result.exit_code == 2 and "not a writable folder" in result.output
+
+
+def test_long_context_needs_synthetic():
+    result = run("demo", "--context", "1M")
+    assert result.exit_code == 2 and "--synthetic" in result.output
+
+
+def test_synthetic_demo_json():
+    result = run("demo", "--synthetic", "--context", "32K", "--needles", "2", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["synthetic"] is True and data["context"] == 32768
+    assert all(n["recalled"] for n in data["needles"])
+    assert data["usage"]["disk"]["tokens"] > 0
+
+
+def test_demo_json_on_the_default_model():
+    result = run("demo", "--context", "1200", "--needles", "1", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output[result.output.index("{"):])
+    task = data["tasks"][0]
+    assert {"full", "tiered", "stats"} <= set(task) and task["stats"]["scorer"] == "kvp"
+    assert data["correct"]["tiered"] == data["correct"]["full"] == 1
+
+
+def test_chat_json_parks_between_turns():
+    result = run("chat", "--json", "--park", "disk", "--max-new-tokens", "8", input="Hello!\nAnd again?\n")
+    assert result.exit_code == 0, result.output
+    turns = [json.loads(line) for line in result.output.splitlines() if line.startswith("{")]
+    assert [t["turn"] for t in turns] == [1, 2]
+    assert turns[-1]["parked"] == "disk" and turns[-1]["device"]["tokens"] == 0 and turns[-1]["disk"]["tokens"] > 0
+
+
+def test_bench_json():
+    result = run("bench", "decode", "--context", "256", "--new-tokens", "4", "--rounds", "1", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output[result.output.index("{"):])
+    assert [r["cache"] for r in data["results"]] == ["DynamicCache", "TieredCache"]
+    assert data["machine"]["threads"] == 1
