@@ -15,24 +15,36 @@ class SessionStore:
     ----------
     host_bytes
         Host memory the parked sessions may use together (their parked device entries and host pages).
+    disk_bytes
+        Disk the parked sessions may use together; beyond it the coldest sessions are closed and their
+        names listed in `dropped`. ``None``: no limit.
     """
 
-    def __init__(self, host_bytes: int) -> None:
-        if isinstance(host_bytes, bool) or not isinstance(host_bytes, int) or host_bytes < 0:
-            raise ConfigError(f"host_bytes={host_bytes!r}; allowed: a whole number of bytes >= 0")
-        self.host_bytes = host_bytes
+    def __init__(self, host_bytes: int, disk_bytes: int | None = None) -> None:
+        for name, value in (("host_bytes", host_bytes), ("disk_bytes", disk_bytes)):
+            if value is None and name == "disk_bytes":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{name}={value!r}; allowed: a whole number of bytes >= 0")
+        self.host_bytes, self.disk_bytes = host_bytes, disk_bytes
         self._parked: OrderedDict[str, TieredCache] = OrderedDict()
+        self.dropped: list[str] = []
 
     def park(self, name: str, cache: TieredCache) -> None:
         """Park `cache` under `name` in host memory, then push the coldest sessions to disk as needed."""
         cache.park("host")
         self._parked[name] = cache
         self._parked.move_to_end(name)
-        for other, parked in list(self._parked.items()):
+        for other, parked in list(self._parked.items()):  # coldest first
             if self.host_bytes_used() <= self.host_bytes:
                 break
             if parked.parked == "host":
                 parked.park("disk")
+        for other, parked in list(self._parked.items()):
+            if self.disk_bytes is None or self.disk_bytes_used() <= self.disk_bytes or other == name:
+                break
+            self._parked.pop(other).close()
+            self.dropped.append(other)
 
     def resume(self, name: str) -> TieredCache:
         """Take a session back; its layers return to the device at their next use."""
@@ -42,6 +54,9 @@ class SessionStore:
 
     def host_bytes_used(self) -> int:
         return sum(c.stats()["host"]["bytes"] for c in self._parked.values() if c.parked == "host")
+
+    def disk_bytes_used(self) -> int:
+        return sum(c.stats()["disk"]["bytes"] for c in self._parked.values())
 
     def where(self) -> dict[str, str | None]:
         """Each parked session and where it is."""

@@ -1,0 +1,51 @@
+"""Parked sessions stay within the store's budgets: host first, then disk, then the coldest are dropped."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from kvtier import ConfigError, TieredCache
+from kvtier.integrations.sessions import SessionStore
+
+CONFIG = types.SimpleNamespace(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                               hidden_size=32, vocab_size=10, _attn_implementation="sdpa")
+
+
+def _session(tokens=200, seed=0):
+    cache = TieredCache(CONFIG, device_budget=0.25, host_budget=0.25, scorer="keynorm")
+    g = torch.Generator().manual_seed(seed)
+    for layer in range(2):
+        k = torch.randn(1, 2, tokens, 8, generator=g)
+        cache.update(k, k, layer)
+        cache.layers[layer].engine.commit()
+    return cache
+
+
+def test_coldest_sessions_go_to_disk_then_are_dropped():
+    caches = {f"s{i}": _session(seed=i) for i in range(4)}
+    one_host = caches["s0"].stats()["host"]["bytes"] + caches["s0"].stats()["device"]["bytes"]
+    store = SessionStore(host_bytes=2 * one_host, disk_bytes=None)
+    for name, cache in caches.items():
+        store.park(name, cache)
+    assert store.where() == {"s0": "disk", "s1": "disk", "s2": "host", "s3": "host"}
+    assert store.host_bytes_used() <= 2 * one_host
+    one_disk = caches["s0"].stats()["disk"]["bytes"]
+    store.disk_bytes = int(2.5 * one_disk)
+    store.park("s4", _session(seed=4))
+    assert store.disk_bytes_used() <= store.disk_bytes
+    assert store.dropped[0] == "s0" and caches["s0"].closed and "s4" in store.where()
+    resumed = store.resume("s3")
+    assert resumed.parked == "host"
+    resumed.resume()
+    assert resumed.parked is None and resumed.stats()["device"]["tokens"] > 0
+    with pytest.raises(KeyError, match="no parked session 's3'"):
+        store.resume("s3")
+    store.close()
+
+
+def test_bad_budget():
+    with pytest.raises(ConfigError, match="host_bytes=-1"):
+        SessionStore(host_bytes=-1)
