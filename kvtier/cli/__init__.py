@@ -7,6 +7,7 @@ import click
 from .bench import bench
 from .chat import chat
 from .demo import demo
+from .evaluate import evaluate, report
 from .info import info
 from .kvp import eval_scorer, traces, train
 
@@ -24,3 +25,5 @@ main.add_command(bench)
 main.add_command(traces)
 main.add_command(train)
 main.add_command(eval_scorer)
+main.add_command(evaluate)
+main.add_command(report)

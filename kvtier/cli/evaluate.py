@@ -1,0 +1,80 @@
+"""`kvtier eval` and `kvtier report`: accuracy and perplexity across policies, budgets and lengths."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+
+import click
+
+from .common import EXIT_RUNTIME, load, set_threads, user_errors
+
+
+def _floats(text: str | None) -> tuple[float, ...] | None:
+    return None if text is None else tuple(float(x) for x in text.split(","))
+
+
+def _ints(text: str | None) -> tuple[int, ...] | None:
+    return None if text is None else tuple(int(x) for x in text.split(","))
+
+
+@click.command("eval")
+@click.option("--suite", type=click.Choice(["quick", "standard", "full"]), default="quick", show_default=True)
+@click.option("--out", default="results.jsonl", show_default=True, help="JSON lines; an existing file is resumed.")
+@click.option("--model", default=None, help="A Hugging Face id or local path (default: the packaged model).")
+@click.option("--policies", default=None, help="Comma list: full, evict:<scorer>, tier:<scorer>, tier-all:<scorer>.")
+@click.option("--budgets", default=None, help="Comma list of device budgets (fractions).")
+@click.option("--lengths", default=None, help="Comma list of prompt lengths in tokens.")
+@click.option("--tasks", default=None, help="Comma list of tasks.")
+@click.option("--seed", "seeds", default=None, help="Comma list of seeds.")
+@click.option("--threads", default=1, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print a summary as JSON.")
+@user_errors
+def evaluate(suite: str, out: str, model: str | None, policies: str | None, budgets: str | None,
+             lengths: str | None, tasks: str | None, seeds: str | None, threads: int, as_json: bool) -> None:
+    """Run an evaluation suite (resumable); exits 3 if tier mode with full recall departs from the full cache."""
+    from tqdm import tqdm
+
+    from ..eval.policies import Policy
+    from ..eval.report import aggregate
+    from ..eval.runner import SUITES, full_recall_mismatches, run_suite
+    from ..eval.tasks import TASKS
+
+    chosen = SUITES[suite]
+    chosen = replace(chosen, **{k: v for k, v in {
+        "policies": None if policies is None else tuple(policies.split(",")), "budgets": _floats(budgets),
+        "lengths": _ints(lengths), "tasks": None if tasks is None else tuple(tasks.split(",")),
+        "seeds": _ints(seeds)}.items() if v is not None})
+    for p in chosen.policies:
+        Policy.parse(p)
+    unknown = [t for t in chosen.tasks if t not in TASKS]
+    if unknown:
+        raise click.BadParameter(f"{unknown}; allowed: {', '.join(TASKS)}", param_hint="--tasks")
+    set_threads(threads)
+    lm, tok = load(model, quiet=as_json)
+    results = run_suite(lm, tok, out, chosen, progress=lambda it: tqdm(it, desc=f"eval {suite}", disable=as_json))
+    bad = full_recall_mismatches(results)
+    summary = {"runs": len(results), "out": out, "full_recall_mismatches": bad,
+               "mean": {t: {p: {str(b): v for b, v in row.items()} for p, row in pol.items()}
+                        for t, pol in aggregate(results).items()}}
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+    else:
+        click.echo(f"{len(results)} runs in {out}")
+        for line in bad:
+            click.echo(f"MISMATCH (tier with full recall vs full cache): {line}")
+    if bad:
+        sys.exit(EXIT_RUNTIME)
+
+
+@click.command()
+@click.argument("results", type=click.Path(exists=True, dir_okay=False))
+@click.option("--out", default="docs/results.md", show_default=True, help="Markdown file (a PNG is written beside it).")
+def report(results: str, out: str) -> None:
+    """Markdown tables and plots of an evaluation's results."""
+    from ..eval.report import write_report
+    from ..eval.runner import read_results
+
+    png = write_report(read_results(results), out, command=f"kvtier report {results}")
+    click.echo(f"wrote {out} and {png}")

@@ -1,0 +1,136 @@
+"""Run a suite: every example once through a shared prefill, then every policy and budget; results are
+appended as JSON lines as they come, so an interrupted run resumes where it stopped."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..integrations.hf import TieredCache, cache_kwargs
+from .policies import Policy
+from .shared_prefill import full_copy, load_prefill, shared_prefill
+from .tasks import TASKS, Example, make_example
+
+ATTENTION_FREE = ("kvp", "recency", "keynorm", "keydiff", "random")
+ATTENTION_BASED = ("tova", "snapkv", "h2o")
+
+
+@dataclass(frozen=True)
+class Suite:
+    tasks: tuple[str, ...]
+    lengths: tuple[int, ...]
+    policies: tuple[str, ...]
+    budgets: tuple[float, ...]
+    seeds: tuple[int, ...]
+
+
+SUITES = {
+    "quick": Suite(("niah_single", "variable_tracking", "perplexity"), (1024,),
+                   ("full", "tier-all:kvp", "tier:kvp", "evict:kvp"), (0.1,), (0,)),
+    "standard": Suite(TASKS, (2048, 4096), ("full", "tier:kvp", *(f"evict:{s}" for s in ATTENTION_FREE + ATTENTION_BASED)),
+                      (0.05, 0.1, 0.25, 0.5), (0,)),
+    "full": Suite(TASKS, (2048, 4096, 8192),
+                  ("full", *(f"tier:{s}" for s in ("kvp", "keynorm", "recency")),
+                   *(f"evict:{s}" for s in ATTENTION_FREE + ATTENTION_BASED)), (0.05, 0.1, 0.25, 0.5), (0, 1, 2)),
+}
+
+
+def _key(r: dict[str, Any]) -> tuple:
+    return r["task"], r["length"], r["seed"], r["policy"], r["budget"]
+
+
+def read_results(path: str | Path) -> list[dict[str, Any]]:
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@torch.no_grad()
+def _greedy(model: Any, cache: Any, first_logits: torch.Tensor, max_new: int, eos: set[int]) -> list[int]:
+    out = [int(first_logits.argmax())]
+    while len(out) < max_new and out[-1] not in eos:
+        logits = model(torch.tensor([[out[-1]]]), **cache_kwargs(cache)).logits[0, -1]
+        out.append(int(logits.argmax()))
+    return [t for t in out if t not in eos]
+
+
+@torch.no_grad()
+def _continuation_nll(model: Any, cache: Any, first_logits: torch.Tensor, continuation: torch.Tensor,
+                      chunk: int = 16) -> float:
+    """Teacher-forced NLL of the continuation, fed in chunks of `chunk` tokens as a decode would see it."""
+    logits = [first_logits[None]]
+    feed = continuation[:, :-1]
+    for start in range(0, feed.shape[1], chunk):
+        logits.append(model(feed[:, start:start + chunk], **cache_kwargs(cache)).logits[0])
+    return float(F.cross_entropy(torch.cat(logits).float(), continuation[0]))
+
+
+def run_suite(model: Any, tokenizer: Any, out: str | Path, suite: Suite,
+              progress: Callable[[list], Any] = iter) -> list[dict[str, Any]]:
+    """Run what `out` does not hold yet; returns every result (old and new)."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    results = read_results(out)
+    done = {_key(r) for r in results}
+    policies = [Policy.parse(p) for p in suite.policies]
+    eos = {i for i in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")) if i is not None}
+    examples = [(t, n, s) for t in suite.tasks for n in suite.lengths for s in suite.seeds]
+    with out.open("a") as sink:
+        for task, length, seed in progress(examples):
+            jobs = [(p, b) for p in policies for b in ((1.0,) if p.kind == "full" else suite.budgets)
+                    if (task, length, seed, p.name, b) not in done]
+            if not jobs:
+                continue
+            ex: Example = make_example(tokenizer, task, length, seed)
+            pre = shared_prefill(model, ex.input_ids)
+            for policy, budget in jobs:
+                start = time.perf_counter()
+                if policy.kind == "full":
+                    cache = full_copy(pre)
+                else:
+                    cache = TieredCache(model.config, **policy.cache_settings(budget))
+                    load_prefill(pre, cache)
+                row = {"task": task, "length": length, "seed": seed, "policy": policy.name, "budget": budget,
+                       "prompt_tokens": int(ex.input_ids.shape[1])}
+                if ex.continuation is not None:
+                    nll = _continuation_nll(model, cache, pre.last_logits, ex.continuation)
+                    row.update(nll=nll, ppl=math.exp(nll), score=None)
+                else:
+                    ids = _greedy(model, cache, pre.last_logits, ex.max_new_tokens, eos)
+                    text = tokenizer.decode(ids, skip_special_tokens=True)
+                    row.update(output=text, answers=ex.answers, score=ex.score(text))
+                row["seconds"] = round(time.perf_counter() - start, 3)
+                if isinstance(cache, TieredCache):
+                    s = cache.stats()
+                    row["device_tokens_per_head"] = s["device"]["tokens"] // (s["layers"] * s["kv_heads"])
+                    cache.close()
+                sink.write(json.dumps(row) + "\n")
+                sink.flush()
+                results.append(row)
+    return results
+
+
+def full_recall_mismatches(results: list[dict[str, Any]], rel_tol: float = 1e-3) -> list[str]:
+    """Where tier mode with every page recalled does not give the full cache's answer (or perplexity)."""
+    full = {(r["task"], r["length"], r["seed"]): r for r in results if r["policy"] == "full"}
+    bad = []
+    for r in results:
+        if not r["policy"].startswith("tier-all:"):
+            continue
+        ref = full.get((r["task"], r["length"], r["seed"]))
+        if ref is None:
+            continue
+        if r.get("ppl") is not None:
+            if abs(r["ppl"] - ref["ppl"]) > rel_tol * ref["ppl"]:
+                bad.append(f"{r['task']}@{r['length']} budget {r['budget']}: ppl {r['ppl']:.4f} vs {ref['ppl']:.4f}")
+        elif r["output"] != ref["output"]:
+            bad.append(f"{r['task']}@{r['length']} budget {r['budget']}: {r['output']!r} vs {ref['output']!r}")
+    return bad

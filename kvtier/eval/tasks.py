@@ -1,0 +1,171 @@
+"""RULER-style synthetic tasks, generated offline from templates and seeds, plus perplexity and multi-turn chat.
+
+Haystacks are RULER's repeated-sentence noise. Each example knows its expected answers; scoring is RULER's
+string match (the share of expected answers found in the model's output).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ..tasks.needle import KEYS, NOISE
+
+WORDS = ("apple", "bridge", "candle", "dragon", "engine", "falcon", "garden", "hammer", "island", "jacket",
+         "kettle", "ladder", "marble", "needle", "orange", "pillow", "quartz", "rocket", "saddle", "tunnel",
+         "umbrella", "violin", "walnut", "yogurt", "zipper", "anchor", "basket", "cactus", "dolphin", "feather")
+
+
+@dataclass
+class Example:
+    """One prompt and what a correct answer contains (or, for perplexity, the continuation to score)."""
+
+    task: str
+    length: int
+    seed: int
+    input_ids: torch.Tensor                  # [1, tokens]
+    answers: list[str] = field(default_factory=list)
+    max_new_tokens: int = 32
+    continuation: torch.Tensor | None = None  # [1, tokens], perplexity tasks only
+
+    def score(self, text: str) -> float:
+        """RULER string_match_all: the share of expected answers present in `text`."""
+        return sum(a.lower() in text.lower() for a in self.answers) / len(self.answers)
+
+
+def _chat(tokenizer: Any, content: str) -> torch.Tensor:
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                        return_tensors="pt", return_dict=True)
+    return ids["input_ids"]
+
+
+def _haystack(tokenizer: Any, length: int, inserts: list[str], rng: random.Random) -> str:
+    """About `length` tokens of noise with `inserts` at random depths (in order)."""
+    per = len(tokenizer(NOISE, add_special_tokens=False)["input_ids"])
+    reps = max(len(inserts) + 1, (length - 60 * len(inserts)) // per)
+    spots = sorted(rng.sample(range(reps), len(inserts)))
+    parts = []
+    for i in range(reps):
+        parts.append(NOISE)
+        for s, text in zip(spots, inserts):
+            if s == i:
+                parts.append(text + " ")
+    return "".join(parts)
+
+
+def _number(rng: random.Random) -> str:
+    return str(rng.randrange(1_000_000, 10_000_000))
+
+
+def niah_single(tokenizer, length, rng):
+    key, value = rng.choice(KEYS), _number(rng)
+    hay = _haystack(tokenizer, length, [f"The special magic number for {key} is {value}."], rng)
+    q = f"What is the special magic number for {key}? Answer with the number only."
+    return _chat(tokenizer, f"Some special magic numbers are hidden in the following text. Remember them.\n\n"
+                            f"{hay}\n\n{q}"), [value], 24
+
+
+def niah_multikey(tokenizer, length, rng):
+    keys = rng.sample(KEYS, 4)
+    values = [_number(rng) for _ in keys]
+    hay = _haystack(tokenizer, length, [f"The special magic number for {k} is {v}." for k, v in zip(keys, values)], rng)
+    q = f"What is the special magic number for {keys[0]}? Answer with the number only."
+    return _chat(tokenizer, f"Some special magic numbers are hidden in the following text. Remember them.\n\n"
+                            f"{hay}\n\n{q}"), [values[0]], 24
+
+
+def niah_multivalue(tokenizer, length, rng):
+    key = rng.choice(KEYS)
+    values = [_number(rng) for _ in range(3)]
+    hay = _haystack(tokenizer, length, [f"One of the special magic numbers for {key} is {v}." for v in values], rng)
+    q = f"What are all the special magic numbers for {key}? List the numbers only."
+    return _chat(tokenizer, f"Some special magic numbers are hidden in the following text. Remember them.\n\n"
+                            f"{hay}\n\n{q}"), values, 48
+
+
+def niah_multiquery(tokenizer, length, rng):
+    keys = rng.sample(KEYS, 3)
+    values = [_number(rng) for _ in keys]
+    hay = _haystack(tokenizer, length, [f"The special magic number for {k} is {v}." for k, v in zip(keys, values)], rng)
+    q = f"What are the special magic numbers for {keys[0]} and {keys[1]}? List the numbers only."
+    return _chat(tokenizer, f"Some special magic numbers are hidden in the following text. Remember them.\n\n"
+                            f"{hay}\n\n{q}"), values[:2], 48
+
+
+def variable_tracking(tokenizer, length, rng):
+    names = ["".join(rng.choice("ABCDEFGHJKLMNPQRSTUVWXYZ") for _ in range(5)) for _ in range(6)]
+    value = str(rng.randrange(10_000, 100_000))
+    chain = [f"VAR {names[0]} = {value}."] + [f"VAR {names[i]} = {names[i - 1]}." for i in range(1, 4)]
+    hay = _haystack(tokenizer, length, chain, rng)
+    q = f"Find all variables that are assigned the value {value} in the text above. Answer with the names only."
+    return _chat(tokenizer, f"Memorize and track the chain of variable assignments in the text.\n\n{hay}\n\n{q}"), \
+        names[:4], 32
+
+
+def common_words(tokenizer, length, rng):
+    common = rng.sample(WORDS, 3)
+    rare = [w for w in WORDS if w not in common]
+    n_words = max(30, length // 5)
+    words = [rng.choice(common) if rng.random() < 0.3 else rng.choice(rare) for _ in range(n_words)]
+    listing = " ".join(f"{i + 1}. {w}" for i, w in enumerate(words))
+    q = "What are the 3 most common words in the list above? Answer with the words only."
+    return _chat(tokenizer, f"Below is a numbered list of words.\n\n{listing}\n\n{q}"), common, 24
+
+
+def frequent_words(tokenizer, length, rng):
+    vocab = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(5)) for _ in range(40)]
+    weights = [1 / (i + 1) ** 1.5 for i in range(len(vocab))]  # Zipf-like
+    n_words = max(30, length // 3)
+    text = " ".join(rng.choices(vocab, weights, k=n_words))
+    q = "What are the 3 most frequently used coded words in the text above? Answer with the words only."
+    return _chat(tokenizer, f"Read the following coded text and track how often each coded word appears.\n\n"
+                            f"{text}\n\n{q}"), vocab[:3], 24
+
+
+def multi_turn(tokenizer, length, rng):
+    key, value = rng.choice(KEYS), _number(rng)
+    per = len(tokenizer(NOISE, add_special_tokens=False)["input_ids"])
+    turns = [{"role": "user", "content": f"Please remember this: the code number for {key} is {value}."},
+             {"role": "assistant", "content": "Noted, I will remember it."}]
+    chunk = NOISE * max(1, (length // 4) // per)
+    for _ in range(3):
+        turns += [{"role": "user", "content": f"Here is some text to read: {chunk}"},
+                  {"role": "assistant", "content": "I have read it."}]
+    turns.append({"role": "user", "content": f"What is the code number for {key}? Answer with the number only."})
+    ids = tokenizer.apply_chat_template(turns, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    return ids["input_ids"], [value], 24
+
+
+def perplexity(tokenizer, length, rng):
+    """A window of held-out prose (the evaluation half of the corpus): prompt, then 256 tokens to score."""
+    from ..training.corpus import stdlib_prose
+
+    docs = stdlib_prose("eval")
+    stream = tokenizer("\n\n".join(t for _, t in docs), add_special_tokens=False, return_tensors="pt")["input_ids"]
+    cont = 256
+    start = rng.randrange(0, stream.shape[1] - length - cont)
+    window = stream[:, start:start + length + cont]
+    return window[:, :length], window[:, length:]
+
+
+GENERATION_TASKS: dict[str, Callable] = {
+    "niah_single": niah_single, "niah_multikey": niah_multikey, "niah_multivalue": niah_multivalue,
+    "niah_multiquery": niah_multiquery, "variable_tracking": variable_tracking, "common_words": common_words,
+    "frequent_words": frequent_words, "multi_turn": multi_turn,
+}
+TASKS = (*GENERATION_TASKS, "perplexity")
+
+
+def make_example(tokenizer: Any, task: str, length: int, seed: int) -> Example:
+    """The example of `task` at about `length` tokens for `seed` (the same every time)."""
+    rng = random.Random(f"{task}/{length}/{seed}")
+    if task == "perplexity":
+        prompt, cont = perplexity(tokenizer, length, rng)
+        return Example(task, length, seed, prompt, continuation=cont)
+    if task not in GENERATION_TASKS:
+        raise ValueError(f"task {task!r}; allowed: {', '.join(TASKS)}")
+    ids, answers, max_new = GENERATION_TASKS[task](tokenizer, length, rng)
+    return Example(task, length, seed, ids, answers, max_new)
