@@ -7,6 +7,7 @@ whose metadata names the model shape they were trained for; loading them for ano
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass, field
 from importlib import resources
@@ -89,7 +90,8 @@ class KVPScorer:
 
     def _on(self, device: torch.device) -> KVPAgents:
         if device not in self._device_copies:
-            self._device_copies[device] = self.agents if device.type == "cpu" else self.agents.to(device)
+            # Module.to moves in place: copy first so the CPU agents stay where they are
+            self._device_copies[device] = self.agents if device.type == "cpu" else copy.deepcopy(self.agents).to(device)
         return self._device_copies[device]
 
     @torch.no_grad()

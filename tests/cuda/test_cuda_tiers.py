@@ -86,3 +86,15 @@ def test_default_model_on_gpu(fresh_attention, cuda_device):
         cache.close()
     finally:
         model.to("cpu")
+
+
+def test_kvp_scorer_on_gpu_matches_cpu(cuda_device):
+    from kvtier.scoring.kvp import KVPScorer
+
+    scorer = KVPScorer()
+    keys = torch.randn(1, 3, 50, 64)
+    values = torch.randn(1, 3, 50, 64)
+    cpu = scorer.score(keys, values, torch.arange(50), 4)
+    gpu = scorer.score(keys.to(cuda_device), values.to(cuda_device), torch.arange(50, device=cuda_device), 4)
+    torch.testing.assert_close(gpu.cpu(), cpu, rtol=1e-4, atol=1e-4)
+    assert next(scorer.agents.parameters()).device.type == "cpu"
