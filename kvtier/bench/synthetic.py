@@ -9,6 +9,8 @@ attention over every key, computed chunk by chunk from the same seeds (nothing i
 from __future__ import annotations
 
 import math
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -61,8 +63,6 @@ def synthetic_needles(arch: str = "llama-3.1-8b", context: int = 2**20, needles:
                       disk_dir: str | None = None, chunk: int = 65536, seed: int = 0,
                       progress: Callable[[Any], Any] = iter) -> dict[str, Any]:
     """One layer of `arch` filled with `context` synthetic tokens and `needles` planted entries."""
-    import tempfile
-
     layers, q_heads, kv_heads, dim = ARCHS[arch]
     dtype = torch.bfloat16
     plan = _Plan(kv_heads, q_heads, dim, context, chunk, seed)
@@ -119,8 +119,6 @@ def synthetic_needles(arch: str = "llama-3.1-8b", context: int = 2**20, needles:
                              "recall_pages": recall_pages, "page_size": cfg.page_size, "dtype": str(dtype)}}
     finally:
         engine.close()
-        import shutil
-
         shutil.rmtree(folder, ignore_errors=True)
 
 

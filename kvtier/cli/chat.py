@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import click
 
@@ -32,7 +33,7 @@ def chat(device_budget: str, host_budget: str, park_to: str, max_new_tokens: int
     lm, tok = load(model, quiet=as_json)
     session = ChatSession(lm, tok, system=system, device_budget=parse_budget(device_budget),
                           host_budget=parse_budget(host_budget), disk_dir=disk_dir)
-    stdin = click.get_text_stream("stdin")
+    stdin = sys.stdin
     turn = 0
     try:
         while True:
