@@ -75,11 +75,11 @@ def check_cache_options(device_budget: Any, host_budget: Any, disk_dir: str | No
     """Fail on bad cache settings before spending time loading a model."""
     import shutil
 
-    from ..integrations.hf import _make_private_dir
+    from ..integrations.hf import make_private_dir
     from ..placement import Budget
 
     Budget(device_budget, "device_budget")
     if host_budget is not None:
         Budget(host_budget, "host_budget", allow_zero=True)
     if disk_dir is not None:
-        shutil.rmtree(_make_private_dir(disk_dir), ignore_errors=True)
+        shutil.rmtree(make_private_dir(disk_dir), ignore_errors=True)

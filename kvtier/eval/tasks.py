@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..tasks.needle import KEYS, NOISE
+from ..tasks.needle import KEYS, NEEDLE_INTRO, NOISE
 
 WORDS = ("apple", "bridge", "candle", "dragon", "engine", "falcon", "garden", "hammer", "island", "jacket",
          "kettle", "ladder", "marble", "needle", "orange", "pillow", "quartz", "rocket", "saddle", "tunnel",
@@ -56,6 +56,10 @@ def _haystack(tokenizer: Any, length: int, inserts: list[str], rng: random.Rando
     return "".join(parts)
 
 
+def _needle_prompt(tokenizer: Any, hay: str, question: str) -> torch.Tensor:
+    return _chat(tokenizer, f"{NEEDLE_INTRO}\n\n{hay}\n\n{question}")
+
+
 def _number(rng: random.Random) -> str:
     return str(rng.randrange(1_000_000, 10_000_000))
 
@@ -64,8 +68,7 @@ def niah_single(tokenizer, length, rng):
     key, value = rng.choice(KEYS), _number(rng)
     hay = _haystack(tokenizer, length, [f"The special magic number for {key} is {value}."], rng)
     q = f"What is the special magic number for {key}? Answer with the number only."
-    return _chat(tokenizer, f"Some special magic numbers are hidden in the following text. Remember them.\n\n"
-                            f"{hay}\n\n{q}"), [value], 24
+    return _needle_prompt(tokenizer, hay, q), [value], 24
 
 
 def niah_multikey(tokenizer, length, rng):
@@ -73,8 +76,7 @@ def niah_multikey(tokenizer, length, rng):
     values = [_number(rng) for _ in keys]
     hay = _haystack(tokenizer, length, [f"The special magic number for {k} is {v}." for k, v in zip(keys, values)], rng)
     q = f"What is the special magic number for {keys[0]}? Answer with the number only."
-    return _chat(tokenizer, f"Some special magic numbers are hidden in the following text. Remember them.\n\n"
-                            f"{hay}\n\n{q}"), [values[0]], 24
+    return _needle_prompt(tokenizer, hay, q), [values[0]], 24
 
 
 def niah_multivalue(tokenizer, length, rng):
@@ -82,8 +84,7 @@ def niah_multivalue(tokenizer, length, rng):
     values = [_number(rng) for _ in range(3)]
     hay = _haystack(tokenizer, length, [f"One of the special magic numbers for {key} is {v}." for v in values], rng)
     q = f"What are all the special magic numbers for {key}? List the numbers only."
-    return _chat(tokenizer, f"Some special magic numbers are hidden in the following text. Remember them.\n\n"
-                            f"{hay}\n\n{q}"), values, 48
+    return _needle_prompt(tokenizer, hay, q), values, 48
 
 
 def niah_multiquery(tokenizer, length, rng):
@@ -91,8 +92,7 @@ def niah_multiquery(tokenizer, length, rng):
     values = [_number(rng) for _ in keys]
     hay = _haystack(tokenizer, length, [f"The special magic number for {k} is {v}." for k, v in zip(keys, values)], rng)
     q = f"What are the special magic numbers for {keys[0]} and {keys[1]}? List the numbers only."
-    return _chat(tokenizer, f"Some special magic numbers are hidden in the following text. Remember them.\n\n"
-                            f"{hay}\n\n{q}"), values[:2], 48
+    return _needle_prompt(tokenizer, hay, q), values[:2], 48
 
 
 def variable_tracking(tokenizer, length, rng):

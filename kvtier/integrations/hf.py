@@ -158,7 +158,7 @@ class TieredCache(Cache):
             self.scorer.check_model(shape.num_layers, shape.num_kv_heads, shape.head_dim)
         self._private_dir: list[str] = []
         if self.settings.mode == "tier" and self.settings.host_budget is not None:
-            self._private_dir.append(_make_private_dir(self.settings.disk_dir))
+            self._private_dir.append(make_private_dir(self.settings.disk_dir))
         self._transfers: dict[torch.device, TransferManager] = {}
         self.counters = MoveCounters()
         engines = [LayerEngine(i, self.settings, self.scorer, self._transfer_for, self._disk_path, self.counters)
@@ -176,7 +176,7 @@ class TieredCache(Cache):
 
     def _disk_path(self) -> str:
         if not self._private_dir:  # no disk tier, but a session is being parked on disk
-            self._private_dir.append(_make_private_dir(self.settings.disk_dir))
+            self._private_dir.append(make_private_dir(self.settings.disk_dir))
         return self._private_dir[0]
 
     def park(self, to: str = "host") -> None:
@@ -258,7 +258,7 @@ class TieredCache(Cache):
         restore_attention(self.model_config)
 
 
-def _make_private_dir(disk_dir: str | None) -> str:
+def make_private_dir(disk_dir: str | None) -> str:
     try:
         if disk_dir is not None:
             os.makedirs(disk_dir, exist_ok=True)

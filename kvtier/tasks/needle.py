@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 NOISE = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")
+NEEDLE_INTRO = "Some special magic numbers are hidden in the following text. Remember them."
 KEYS = ("river", "garden", "lantern", "harbor", "meadow", "castle", "window", "forest", "pepper", "violin")
 
 
@@ -39,13 +40,11 @@ def make_needle_task(tokenizer: Any, context_tokens: int = 3000, depth: float = 
     before = int(reps * depth)
     haystack = NOISE * before + needle + NOISE * (reps - before)
     question = f"What is the special magic number for {key}? Answer with the number only."
-    content = ("Some special magic numbers are hidden in the following text. Remember them.\n\n"
-               f"{haystack}\n\n{question}")
+    content = f"{NEEDLE_INTRO}\n\n{haystack}\n\n{question}"
     ids = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
                                         return_tensors="pt")
     ids = ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
     prefix = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Some special magic numbers are hidden in the following text. Remember "
-                                     f"them.\n\n{NOISE * before}"}], tokenize=False)
+        [{"role": "user", "content": f"{NEEDLE_INTRO}\n\n{NOISE * before}"}], tokenize=False)
     needle_token = len(tokenizer(prefix, add_special_tokens=False)["input_ids"]) - 5
     return NeedleTask(ids, answer, key, max(needle_token, 0), ids.shape[1])
