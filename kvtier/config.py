@@ -78,7 +78,7 @@ class TieredCacheConfig:
     host_budget: Budget | None = None
     disk_dir: str | None = None
     mode: str = "tier"
-    recall_pages: int = 32
+    recall_pages: int = 64
     page_size: int = 16
     sink_tokens: int = 4
     recent_tokens: int = 16

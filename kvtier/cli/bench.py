@@ -22,7 +22,7 @@ def bench() -> None:
 @click.option("--rounds", default=3, show_default=True, help="Interleaved rounds; the median is reported.")
 @click.option("--device-budget", default="0.25", show_default=True, help="Device tokens per KV head.")
 @click.option("--host-budget", default="none", show_default=True, help="Host tokens per KV head ('none' = no limit).")
-@click.option("--recall-pages", default=32, show_default=True, help="Pages recalled per layer and KV head per step.")
+@click.option("--recall-pages", default=64, show_default=True, help="Pages recalled per layer and KV head per step.")
 @click.option("--scorer", default="auto", show_default=True, help="auto: KVP where weights ship for the model, else keynorm.")
 @click.option("--model", default=None, help="A Hugging Face id or local path (default: the packaged model).")
 @click.option("--device", default="cpu", show_default=True, help="Where the model runs (cpu, cuda).")

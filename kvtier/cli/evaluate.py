@@ -71,10 +71,11 @@ def evaluate(suite: str, out: str, model: str | None, policies: str | None, budg
 @click.command()
 @click.argument("results", type=click.Path(exists=True, dir_okay=False))
 @click.option("--out", default="docs/results.md", show_default=True, help="Markdown file (a PNG is written beside it).")
-def report(results: str, out: str) -> None:
+@click.option("--note", default="", help="A paragraph placed under the title (machine, wall time, ...).")
+def report(results: str, out: str, note: str) -> None:
     """Markdown tables and plots of an evaluation's results."""
     from ..eval.report import write_report
     from ..eval.runner import read_results
 
-    png = write_report(read_results(results), out, command=f"kvtier report {results}")
+    png = write_report(read_results(results), out, command=f"kvtier report {results}", note=note)
     click.echo(f"wrote {out} and {png}")

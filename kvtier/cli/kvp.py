@@ -89,7 +89,8 @@ def train(trace_dir: str, out: str, objective: str, steps: int, seed: int, threa
 def eval_scorer(trace_dir: str, kvp_path: str | None, budgets: str, markdown: str | None, as_json: bool) -> None:
     """Share of future attention mass each scorer keeps, per budget, on held-out traces."""
     from ..scoring.kvp import KVPScorer
-    from ..training.evaluate import ATTENTION_BASED, ATTENTION_FREE, evaluate_scorers
+    from ..scoring import BASELINES_ATTENTION_BASED, BASELINES_ATTENTION_FREE
+    from ..training.evaluate import evaluate_scorers
     from ..training.report import write_scorer_report
     from ..training.traces import load_trace, read_manifest
 
@@ -97,7 +98,7 @@ def eval_scorer(trace_dir: str, kvp_path: str | None, budgets: str, markdown: st
     kvp = KVPScorer(path=kvp_path, model=manifest["model"])
     kvp.check_model(manifest["num_layers"], manifest["num_kv_heads"], manifest["head_dim"])
     raws = [load_trace(Path(trace_dir) / t["file"]) for t in manifest["traces"]]
-    result = evaluate_scorers(raws, ["kvp", *ATTENTION_FREE, *ATTENTION_BASED],
+    result = evaluate_scorers(raws, ["kvp", *BASELINES_ATTENTION_FREE, *BASELINES_ATTENTION_BASED],
                               [float(b) for b in budgets.split(",")], kvp, progress=_bar("eval", as_json))
     result["kvp"] = {k: kvp.meta.get(k) for k in ("model", "objective", "training_data", "best_val_reward")}
     if markdown:

@@ -20,7 +20,7 @@ from ..config import TieredCacheConfig
 from ..errors import ScorerError, UnsupportedError
 from ..placement import plan_device_demotion, plan_host_overflow, protected_count
 from ..placement.page_table import DISK, HOST, PageTable
-from ..recall import page_bounds, select_pages
+from ..recall import encode_codes, page_bounds, round_outward, select_pages
 from ..scoring import Scorer, checked_scores
 from ..tiers.device import DevicePool
 from ..tiers.disk import DiskStore
@@ -66,8 +66,12 @@ class LayerEngine:
         self.host: HostPool | None = None
         self.disk: DiskStore | None = None
         self.table = PageTable(self.heads)
-        self.lo: torch.Tensor | None = None   # [heads, page capacity, dim] key bounds, on the device
+        # the recall index of the demoted pages, on the device: key bounds [heads, page capacity, dim] (cache
+        # dtype), 2-bit key codes [heads, page capacity, page size, dim/4] and valid entries [heads, capacity]
+        self.lo: torch.Tensor | None = None
         self.hi: torch.Tensor | None = None
+        self.codes: torch.Tensor | None = None
+        self.counts: torch.Tensor | None = None
         self.pending: _Pending | None = None
         self.parked = None            # a parking.Parked while the layer is parked between turns
         self.parking: DiskStore | None = None
@@ -80,8 +84,11 @@ class LayerEngine:
         if self.cfg.mode == "tier":
             self.host = HostPool(self.heads, self.cfg.page_size, self.head_dim, k.dtype,
                                  pin=k.device.type == "cuda")
-        self.lo = torch.empty(self.heads, 0, self.head_dim, device=k.device)
+        self.lo = torch.empty(self.heads, 0, self.head_dim, dtype=k.dtype, device=k.device)
         self.hi = torch.empty_like(self.lo)
+        self.codes = torch.empty(self.heads, 0, self.cfg.page_size, -(-self.head_dim // 4), dtype=torch.uint8,
+                                 device=k.device)
+        self.counts = torch.empty(self.heads, 0, dtype=torch.int32, device=k.device)
 
     def write(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Take a step's new K/V ``[1, heads, q, dim]``; return what attention reads."""
@@ -119,12 +126,13 @@ class LayerEngine:
         return 0 if self.pool is None else self.pool.count
 
     # ------------------------------------------------------------------ recall
-    def recall(self, query: torch.Tensor) -> Recalled | None:
+    def recall(self, query: torch.Tensor, scaling: float | None = None) -> Recalled | None:
         """Bring back the demoted pages most likely to matter to `query` ``[1, q_heads, q_len, dim]``."""
         n = self.table.n
         if n == 0 or self.cfg.recall_pages == 0 or self.cfg.mode != "tier":
             return None
-        ids = select_pages(query, self.lo[:, :n], self.hi[:, :n], self.cfg.recall_pages)
+        ids = select_pages(query, self.lo[:, :n], self.hi[:, :n], self.codes[:, :n], self.counts[:, :n],
+                           self.cfg.recall_pages, scaling, resident=self.pool.committed()[0][0])
         r = ids.shape[1]
         heads = np.repeat(np.arange(self.heads), r)
         pids = ids.cpu().numpy().reshape(-1)
@@ -227,7 +235,7 @@ class LayerEngine:
         pool.reserve(budget + cfg.page_size + 1)
 
     def _to_host(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, score: torch.Tensor) -> None:
-        """Cut demoted entries ``[heads, m, ...]`` (best first) into pages and store them on the host."""
+        """Cut demoted entries ``[heads, m, ...]`` (in position order) into pages and store them on the host."""
         H, m, D = k.shape
         P = self.cfg.page_size
         n_pages = math.ceil(m / P)
@@ -241,9 +249,10 @@ class LayerEngine:
         counts[-1] = P - pad
         k, v = k.reshape(H, n_pages, P, D), v.reshape(H, n_pages, P, D)
         pos, score = pos.reshape(H, n_pages, P), score.reshape(H, n_pages, P)
-        lo, hi = page_bounds(k, torch.from_numpy(counts).to(k.device).expand(H, n_pages))
+        page_counts = torch.from_numpy(counts).to(k.device).expand(H, n_pages)
+        lo, hi = round_outward(*page_bounds(k, page_counts), k.dtype)
         ids = self.table.add(n_pages)
-        self._set_bounds(ids, lo, hi)
+        self._set_index(ids, lo, hi, encode_codes(k, lo, hi), page_counts)
         rank = score.amax(dim=2)
         pin = self.device.type == "cuda"
         staged = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in (k, v, pos, score, rank)]
@@ -260,13 +269,16 @@ class LayerEngine:
         self.table.rank[:, ids] = hrank.numpy()
         self.counters.bytes_moved["device_to_host"] += m * H * 2 * D * k.element_size()
 
-    def _set_bounds(self, ids: np.ndarray, lo: torch.Tensor, hi: torch.Tensor) -> None:
-        if self.table.capacity > self.lo.shape[1]:
-            grow = self.table.capacity - self.lo.shape[1]
-            pad = self.lo.new_empty(self.heads, grow, self.head_dim)
-            self.lo, self.hi = torch.cat([self.lo, pad], dim=1), torch.cat([self.hi, pad], dim=1)
-        self.lo[:, ids[0]:ids[-1] + 1] = lo
-        self.hi[:, ids[0]:ids[-1] + 1] = hi
+    def _set_index(self, ids: np.ndarray, lo: torch.Tensor, hi: torch.Tensor, codes: torch.Tensor,
+                   counts: torch.Tensor) -> None:
+        """Record the new pages' bounds, codes and counts (the index grows with the page table)."""
+        grow = self.table.capacity - self.lo.shape[1]
+        if grow > 0:
+            self.lo, self.hi, self.codes, self.counts = (
+                torch.cat([t, t.new_empty(self.heads, grow, *t.shape[2:])], dim=1)
+                for t in (self.lo, self.hi, self.codes, self.counts))
+        cols = slice(ids[0], ids[-1] + 1)
+        self.lo[:, cols], self.hi[:, cols], self.codes[:, cols], self.counts[:, cols] = lo, hi, codes, counts
 
     def _host_overflow(self) -> None:
         """Push the lowest-ranked host pages to disk until the host fits its budget."""
@@ -321,12 +333,20 @@ class LayerEngine:
             disk_tokens += parked if self.parked.where == "disk" else 0
         return {
             "device": {"tokens": device_tokens, "bytes": device_tokens * entry,
-                       "reserved_bytes": 0 if self.pool is None else self.pool.reserved_bytes()},
+                       "reserved_bytes": 0 if self.pool is None else self.pool.reserved_bytes(),
+                       "index_bytes": self.index_bytes()},
             "host": {"tokens": host_tokens, "bytes": host_tokens * entry,
                      "reserved_bytes": 0 if self.host is None else self.host.reserved_bytes()},
             "disk": {"tokens": disk_tokens, "bytes": disk_tokens * entry,
                      "reserved_bytes": 0 if self.disk is None else self.disk.file_bytes()},
         }
+
+    def index_bytes(self) -> int:
+        """Device bytes of the recall index (bounds, codes, counts) of the pages in use."""
+        if self.lo is None:
+            return 0
+        n = self.table.n
+        return sum(t[:, :n].numel() * t.element_size() for t in (self.lo, self.hi, self.codes, self.counts))
 
     def reset(self) -> None:
         """Forget every entry (the files stay open for reuse)."""
@@ -338,8 +358,8 @@ class LayerEngine:
         self.table.clear()
         if self.pool is not None:
             self.pool.clear()
-            self.lo = self.lo[:, :0]
-            self.hi = self.hi[:, :0]
+            self.lo, self.hi, self.codes, self.counts = (t[:, :0] for t in (self.lo, self.hi, self.codes,
+                                                                            self.counts))
         if self.host is not None:
             self.host.clear()
 

@@ -1,7 +1,7 @@
 """Parking a layer between conversation turns: its device entries (and host pages) go to host memory or
 disk, and come back before the layer's next write, exactly as they were.
 
-A layer parked on the host keeps its device entries in (pinned) host memory. A layer parked on disk writes
+A layer parked on the host keeps its device entries in (pinned) host memory, and so does its recall index. A layer parked on disk writes
 them as checksummed pages to a parking file, and moves its host pages into its disk store, remembering
 which they were so resuming puts them back on the host: the resumed layer is in the very state it was
 parked in, so decoding continues bit-identically. Resuming is lazy: each layer restores at its own first
@@ -32,6 +32,7 @@ class Parked:
     host: tuple[torch.Tensor, ...] | None = None  # k, v [heads, n, dim]; pos, score [heads, n]
     crcs: np.ndarray | None = None                # [heads, pages] of the parking file
     was_on_host: np.ndarray | None = None         # [heads, pages] page-table cells to bring back to the host
+    index: tuple[torch.Tensor, ...] | None = None # the recall index (bounds, codes, counts), in host memory
 
 
 def park(engine, to: str) -> None:
@@ -51,9 +52,13 @@ def park(engine, to: str) -> None:
                   for t in (k, v, pos, score)]
         sources = (k[0], v[0], pos, score)
         engine.transfer.wait([engine.transfer.submit(d, s) for d, s in zip(staged, sources)])
-        current = Parked("host", engine.pool.count, tuple(staged))
-        engine.counters.bytes_moved["device_to_host"] += _bytes(staged[:2])
+        n = engine.table.n
+        index = tuple(t[:, :n].to("cpu", copy=True) for t in (engine.lo, engine.hi, engine.codes, engine.counts))
+        current = Parked("host", engine.pool.count, tuple(staged), index=index)
+        engine.counters.bytes_moved["device_to_host"] += _bytes(staged[:2]) + _bytes(index)
         engine.pool.clear()
+        engine.lo, engine.hi, engine.codes, engine.counts = (t[:, :0].clone() for t in (engine.lo, engine.hi,
+                                                                                      engine.codes, engine.counts))
     if to == "disk":
         current = _to_disk(engine, current)
     engine.parked = current
@@ -83,7 +88,7 @@ def _to_disk(engine, parked: Parked) -> Parked:
         if len(h):
             engine.move_host_pages_to_disk(h, p)
         engine.host.clear()
-    return Parked("disk", n, None, crcs.reshape(H, pages), was_on_host)
+    return Parked("disk", n, None, crcs.reshape(H, pages), was_on_host, parked.index)
 
 
 def _parking_store(engine) -> DiskStore:
@@ -116,7 +121,9 @@ def restore(engine) -> None:
             if len(h):
                 engine.bring_disk_pages_to_host(h, p)
     engine.pool.replace(k.to(engine.device), v.to(engine.device), pos.to(engine.device), score.to(engine.device))
+    engine.lo, engine.hi, engine.codes, engine.counts = (t.to(engine.device) for t in parked.index)
     engine.counters.bytes_moved["host_to_device" if parked.where == "host" else "disk_to_device"] += _bytes((k, v))
+    engine.counters.bytes_moved["host_to_device"] += _bytes(parked.index)
     engine.parked = None
 
 

@@ -8,11 +8,12 @@ from typing import Any
 from ..errors import ConfigError
 
 FULL_RECALL = 1_000_000
+RECALL_PAGES = 64   # the library default: 1,024 tokens per layer and KV head per step
 
 
 @dataclass(frozen=True)
 class Policy:
-    """``full``, ``evict:<scorer>``, ``tier:<scorer>`` (recall 32 pages) or ``tier-all:<scorer>`` (every page)."""
+    """``full``, ``evict:<scorer>``, ``tier:<scorer>`` (recall `RECALL_PAGES` pages) or ``tier-all:<scorer>`` (every page)."""
 
     kind: str
     scorer: str | None = None
@@ -34,4 +35,4 @@ class Policy:
         if self.kind == "evict":
             return dict(device_budget=budget, mode="evict", scorer=self.scorer)
         return dict(device_budget=budget, host_budget=None, mode="tier", scorer=self.scorer,
-                    recall_pages=FULL_RECALL if self.kind == "tier-all" else 32)
+                    recall_pages=FULL_RECALL if self.kind == "tier-all" else RECALL_PAGES)

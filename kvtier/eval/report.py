@@ -7,6 +7,9 @@ from pathlib import Path
 from statistics import mean
 from typing import Any
 
+from ..scoring import BASELINES_ATTENTION_BASED, BASELINES_ATTENTION_FREE
+from .policies import RECALL_PAGES
+
 
 def aggregate(results: list[dict[str, Any]]) -> dict[str, dict[str, dict[float, float]]]:
     """task -> policy -> budget -> mean score x 100 (accuracy) or mean perplexity."""
@@ -20,7 +23,79 @@ def aggregate(results: list[dict[str, Any]]) -> dict[str, dict[str, dict[float, 
     return table
 
 
-def write_report(results: list[dict[str, Any]], markdown: str | Path, command: str) -> Path:
+def _by_length(results: list[dict[str, Any]], task: str, policy: str, budget: float) -> dict[int, float]:
+    groups: dict[int, list[float]] = defaultdict(list)
+    for r in results:
+        if r["task"] == task and r["policy"] == policy and r["budget"] == budget:
+            groups[r["length"]].append(r["ppl"] if r.get("ppl") is not None else 100 * r["score"])
+    return {n: mean(v) for n, v in sorted(groups.items())}
+
+
+def _best(row_of: dict[str, dict[float, float]], names: list[str], budget: float, lower: bool) -> tuple[str, float]:
+    found = [(row_of[n][budget], n) for n in names if budget in row_of.get(n, {})]
+    if not found:
+        return "-", float("nan")
+    value, name = min(found) if lower else max(found)
+    return name, value
+
+
+def summary_lines(results: list[dict[str, Any]], budget: float = 0.1, scorer: str = "kvp") -> list[str]:
+    """The comparison the suite exists for, at one budget: full vs tier vs eviction, and the targets."""
+    table = aggregate(results)
+    tasks = sorted(table, key=lambda t: (t == "perplexity", t))
+    generation = [t for t in tasks if t != "perplexity"]
+    tier, evict = f"tier:{scorer}", f"evict:{scorer}"
+    free = [f"evict:{s}" for s in BASELINES_ATTENTION_FREE]
+    based = [f"evict:{s}" for s in BASELINES_ATTENTION_BASED]
+    out = [f"## Summary at {budget:.0%} of the cache on the device\n",
+           f"| task | full | {tier} | {evict} | best other attention-free evict | best attention-based evict |",
+           "| --- | --- | --- | --- | --- | --- |"]
+
+    def cell(value: float, ppl: bool) -> str:
+        return f"{value:.2f}" if ppl else f"{value:.1f}"
+
+    for task in tasks:
+        ppl = task == "perplexity"
+        rows = table[task]
+        full = rows.get("full", {}).get(1.0, float("nan"))
+        others = [cell(rows.get(p, {}).get(budget, float("nan")), ppl) for p in (tier, evict)]
+        for group in (free, based):
+            name, value = _best(rows, group, budget, lower=ppl)
+            others.append(f"{cell(value, ppl)} ({name.partition(':')[2]})")
+        out.append(f"| {task} | {cell(full, ppl)} | " + " | ".join(others) + " |")
+    budgets = sorted({r["budget"] for r in results if r["policy"] != "full"})
+    policies = sorted({r["policy"] for r in results}, key=lambda p: (p != "full", not p.startswith("tier"), p))
+    means = {p: {b: mean(table[t][p][b] for t in generation) for b in budgets + [1.0]
+                 if all(b in table[t].get(p, {}) for t in generation)} for p in policies}
+    out += ["", f"Mean accuracy over the {len(generation)} generation tasks:\n",
+            "| policy | " + " | ".join(f"{b:.0%}" for b in budgets) + " |",
+            "| --- | " + " | ".join("---" for _ in budgets) + " |"]
+    for p in policies:
+        vals = [means[p].get(1.0 if p == "full" else b) for b in budgets]
+        out.append(f"| {p} | " + " | ".join("" if v is None else f"{v:.1f}" for v in vals) + " |")
+    out.append("")
+    checks = []
+    gaps = [(abs(d), d, t) for t in generation if budget in table[t].get(tier, {}) and "full" in table[t]
+            for d in [table[t][tier][budget] - table[t]["full"][1.0]]]
+    if gaps:
+        _, gap, where = max(gaps)
+        checks.append(f"- {tier} at {budget:.0%}: the largest departure from the full cache over the generation "
+                      f"tasks is {gap:+.1f} points ({where}).")
+    if "perplexity" in table and budget in table["perplexity"].get(tier, {}):
+        full_n = _by_length(results, "perplexity", "full", 1.0)
+        tier_n = _by_length(results, "perplexity", tier, budget)
+        per = [f"{100 * (tier_n[n] / full_n[n] - 1):+.2f}% at {n}" for n in tier_n if n in full_n]
+        ratio = table["perplexity"][tier][budget] / table["perplexity"]["full"][1.0]
+        checks.append(f"- {tier} at {budget:.0%}: perplexity {100 * (ratio - 1):+.2f}% against the full cache "
+                      f"(mean over lengths; {', '.join(per)}).")
+    ranked = sorted(((means[p][budget], p) for p in [evict, *free] if budget in means.get(p, {})), reverse=True)
+    if ranked:
+        checks.append(f"- Evict mode at {budget:.0%}, attention-free scorers by mean accuracy: "
+                      + ", ".join(f"{p.partition(':')[2]} {v:.1f}" for v, p in ranked) + ".")
+    return out + checks + [""]
+
+
+def write_report(results: list[dict[str, Any]], markdown: str | Path, command: str, note: str = "") -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -32,10 +107,18 @@ def write_report(results: list[dict[str, Any]], markdown: str | Path, command: s
     budgets = sorted({r["budget"] for r in results if r["policy"] != "full"})
     tasks = sorted(table, key=lambda t: (t == "perplexity", t))
     lengths = sorted({r["length"] for r in results})
-    lines = [f"Produced by `{command}`: {len(results)} runs, prompt lengths {', '.join(map(str, lengths))} tokens. "
-             "Accuracy is RULER's string match x 100 (mean over lengths and seeds); perplexity is over 256 held-out "
-             "tokens after the compressed context (lower is better). `full` is the uncompressed cache; `tier` "
-             "keeps the budget on the device and recalls 32 pages per layer and head; `evict` drops the rest.\n"]
+    seeds = sorted({r["seed"] for r in results})
+    lines = ["# Results: tiering with recall vs eviction\n",
+             f"Produced by `{command}`: {len(results)} runs, prompt lengths {', '.join(map(str, lengths))} tokens, "
+             f"seeds {', '.join(map(str, seeds))}. Accuracy is RULER's string match x 100 (mean over lengths and "
+             "seeds); perplexity is over 256 held-out tokens after the compressed context (lower is better). "
+             "`full` is the uncompressed cache; `tier` keeps the budget on the device and recalls up to "
+             f"{RECALL_PAGES} pages of 16 tokens per layer and KV head at each step; `evict` drops the rest. "
+             "One example per task, length and seed: an accuracy cell moves in large steps, so read trends.\n"]
+    if note:
+        lines.append(note + "\n")
+    lines += summary_lines(results)
+    lines.append("## All tables\n")
     for task in tasks:
         lines.append(f"### {task}\n")
         lines.append("| policy | " + " | ".join(f"{b:.0%}" for b in budgets) + " |")

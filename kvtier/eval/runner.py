@@ -15,11 +15,12 @@ import torch.nn.functional as F
 
 from ..integrations.hf import TieredCache, cache_kwargs
 from .policies import Policy
-from .shared_prefill import full_copy, load_prefill, shared_prefill
+from ..scoring import BASELINES_ATTENTION_BASED, BASELINES_ATTENTION_FREE, make_scorer
+from .shared_prefill import PromptScores, full_copy, load_prefill, shared_prefill
 from .tasks import TASKS, Example, make_example
 
-ATTENTION_FREE = ("kvp", "recency", "keynorm", "keydiff", "random")
-ATTENTION_BASED = ("tova", "snapkv", "h2o")
+ATTENTION_FREE = ("kvp", *BASELINES_ATTENTION_FREE)
+ATTENTION_BASED = BASELINES_ATTENTION_BASED
 
 
 @dataclass(frozen=True)
@@ -91,12 +92,17 @@ def run_suite(model: Any, tokenizer: Any, out: str | Path, suite: Suite,
                 continue
             ex: Example = make_example(tokenizer, task, length, seed)
             pre = shared_prefill(model, ex.input_ids)
+            scorers: dict[str, PromptScores] = {}
             for policy, budget in jobs:
                 start = time.perf_counter()
                 if policy.kind == "full":
                     cache = full_copy(pre)
                 else:
-                    cache = TieredCache(model.config, **policy.cache_settings(budget))
+                    if policy.scorer not in scorers:
+                        scorers[policy.scorer] = PromptScores(make_scorer(policy.scorer), ex.input_ids.shape[1])
+                    settings = policy.cache_settings(budget)
+                    settings["scorer"] = scorers[policy.scorer]
+                    cache = TieredCache(model.config, **settings)
                     load_prefill(pre, cache)
                 row = {"task": task, "length": length, "seed": seed, "policy": policy.name, "budget": budget,
                        "prompt_tokens": int(ex.input_ids.shape[1])}

@@ -51,3 +51,29 @@ def load_prefill(prefill: Prefill, tiered: TieredCache) -> None:
 
 def full_copy(prefill: Prefill) -> DynamicCache:
     return copy.deepcopy(prefill.cache)
+
+
+class PromptScores:
+    """A scorer that ranks the shared prompt once per layer and hands the same scores to every budget.
+
+    Prompt scores depend only on the prompt (and, for attention-based scorers, its queries), never on the
+    budget; H2O's ``q x q`` attention per layer is the cost this saves. Later writes are scored afresh.
+    """
+
+    def __init__(self, scorer: Any, prompt_tokens: int) -> None:
+        self.scorer, self.prompt_tokens = scorer, prompt_tokens
+        self.name = getattr(scorer, "name", type(scorer).__name__)
+        self.needs_query = getattr(scorer, "needs_query", False)
+        self._memo: dict[int, torch.Tensor] = {}
+
+    def __getattr__(self, attr: str) -> Any:   # check_model, agents, ... of the wrapped scorer
+        return getattr(self.__dict__["scorer"], attr)
+
+    def score(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, layer_idx: int,
+              **query_kwargs: Any) -> torch.Tensor:
+        prompt = keys.shape[2] == self.prompt_tokens and int(positions[0]) == 0
+        if not prompt:
+            return self.scorer.score(keys, values, positions, layer_idx, **query_kwargs)
+        if layer_idx not in self._memo:
+            self._memo[layer_idx] = self.scorer.score(keys, values, positions, layer_idx, **query_kwargs)
+        return self._memo[layer_idx]

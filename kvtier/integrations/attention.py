@@ -66,7 +66,7 @@ def _make_attention(base: str) -> Callable:
         if engine is None:
             return _base_function(base, module)(module, query, key, value, attention_mask, **kwargs)
         try:
-            recalled = engine.recall(query)
+            recalled = engine.recall(query, kwargs.get("scaling"))
             if recalled is None:
                 return _base_function(base, module)(module, query, key, value, attention_mask, **kwargs)
             out = attend_union(query, key, value, recalled.k, recalled.v, recalled.valid, kwargs.get("scaling"))

@@ -133,7 +133,7 @@ class TieredCache(Cache):
 
     def __init__(self, config: Any, device_budget: float | int = 0.25, host_budget: float | int | None = None,
                  disk_dir: str | os.PathLike | None = None, scorer: str | Scorer | None = None,
-                 mode: str = "tier", recall_pages: int = 32, *, page_size: int = 16, sink_tokens: int = 4,
+                 mode: str = "tier", recall_pages: int = 64, *, page_size: int = 16, sink_tokens: int = 4,
                  recent_tokens: int = 16, scorer_kwargs: dict[str, Any] | None = None) -> None:
         shape = ModelShape.from_config(config)
         scorer_kwargs = dict(scorer_kwargs or {})
@@ -209,11 +209,14 @@ class TieredCache(Cache):
         """What the cache holds and what it moved.
 
         ``device``/``host``/``disk``: ``tokens`` (entries summed over layers and KV heads, measured
-        from the pools), ``bytes`` held, ``reserved_bytes`` allocated. ``bytes_moved`` per direction,
+        from the pools), ``bytes`` held, ``reserved_bytes`` allocated; ``device.index_bytes``: the recall
+        index of the demoted pages (key bounds and 2-bit codes, 1/8 of their K+V size in 16-bit dtypes).
+        ``bytes_moved`` per direction,
         ``pages_recalled`` per source tier, ``transfer_wait_seconds`` (blocked on copies and disk reads).
         """
         tiers: dict[str, dict[str, int]] = {t: {"tokens": 0, "bytes": 0, "reserved_bytes": 0}
                                              for t in ("device", "host", "disk")}
+        tiers["device"]["index_bytes"] = 0
         for engine in self._engines:
             for tier, numbers in engine.usage().items():
                 for key, value in numbers.items():

@@ -40,9 +40,11 @@ def plan_device_demotion(
 
     Returns
     -------
-    None when the entries fit; else ``(keep, demote)``: ``keep`` ``[heads, n_keep]`` indices in position
-    order, ``demote`` ``[heads, m]`` indices ordered by score, highest first (so pages cut from it hold
-    entries of similar rank).
+    None when the entries fit; else ``(keep, demote)``: ``[heads, n_keep]`` and ``[heads, m]`` indices, both
+    in position order. Pages are cut from ``demote`` in that order: neighbouring tokens have alike keys
+    (same rotary phase, related content), so a page's key bounds stay tight and recall picks the right pages.
+    On the default model, pages cut in score order instead made held-out perplexity at a 10% device budget
+    three times further from the full cache's.
     """
     heads, n = scores.shape
     if n <= budget_tokens:
@@ -54,11 +56,8 @@ def plan_device_demotion(
     ranked = torch.where(protected, torch.full_like(scores, float("inf")), scores.float())
     # stable ascending sort: lowest score first, older position first among equal scores
     order = torch.sort(ranked, dim=1, stable=True).indices
-    demote_low_first = order[:, :m]
+    demote = torch.sort(order[:, :m], dim=1).values
     keep = torch.sort(order[:, m:], dim=1).values
-    # highest score first among the demoted; stable, so ties stay older-first
-    flip = torch.sort(torch.gather(ranked, 1, demote_low_first), dim=1, descending=True, stable=True).indices
-    demote = torch.gather(demote_low_first, 1, flip)
     return keep, demote
 
 

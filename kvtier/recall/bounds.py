@@ -38,7 +38,7 @@ def upper_bounds(query: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> tor
     Parameters
     ----------
     query
-        ``[kv_heads, n_queries, dim]``: every query head of the group and every query token.
+        ``[kv_heads, n_queries, dim]``: every query head of the group and every query token, float32.
     lo, hi
         ``[kv_heads, pages, dim]`` page bounds.
 
@@ -47,5 +47,15 @@ def upper_bounds(query: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> tor
     ``[kv_heads, pages]`` float32.
     """
     q = query.float()
-    ub = torch.bmm(q.clamp(min=0), hi.transpose(1, 2)) + torch.bmm(q.clamp(max=0), lo.transpose(1, 2))
+    ub = torch.bmm(q.clamp(min=0), hi.float().transpose(1, 2)) + torch.bmm(q.clamp(max=0), lo.float().transpose(1, 2))
     return ub.amax(dim=1)
+
+
+def round_outward(lo: torch.Tensor, hi: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """`lo`, `hi` stored in `dtype` (the cache's), rounded down and up so they still bound every key."""
+    lo_s, hi_s = lo.to(dtype), hi.to(dtype)
+    if dtype == lo.dtype:
+        return lo_s, hi_s
+    lo_s = torch.where(lo_s.float() > lo, torch.nextafter(lo_s, torch.full_like(lo_s, float("-inf"))), lo_s)
+    hi_s = torch.where(hi_s.float() < hi, torch.nextafter(hi_s, torch.full_like(hi_s, float("inf"))), hi_s)
+    return lo_s, hi_s

@@ -1,34 +1,102 @@
-"""Choose which demoted pages to bring back for a query."""
+"""Choose which demoted pages to bring back for a query.
+
+Two stages. The key bounds of every page give an upper bound on its largest logit (cheap: one number per
+page); the `shortlist` times `budget` pages with the highest bounds are then ranked by their estimated
+share of the query's attention, computed from the pages' 2-bit key codes. A bound says what one key
+could do, the estimate what the whole page does, so the final choice follows attention mass; the shortlist
+keeps the cost independent of the context length.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from .bounds import upper_bounds
+from .codes import decode
+
+SHORTLIST = 8
+_CHUNK_ELEMENTS = 1 << 22   # decoded keys per chunk (floats), bounds the working memory
 
 
-def select_pages(query: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, budget: int) -> torch.Tensor:
-    """The `budget` pages per KV head with the largest logit upper bound.
+def _grouped(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """``[1, q_heads, q_len, dim]`` -> ``[kv_heads, group * q_len, dim]`` float32 (q head j -> kv head j // group)."""
+    q_heads, q_len, dim = query.shape[1], query.shape[2], query.shape[3]
+    return query[0].reshape(kv_heads, (q_heads // kv_heads) * q_len, dim).float()
+
+
+def page_shares(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, codes: torch.Tensor, counts: torch.Tensor,
+                scaling: float, resident: torch.Tensor | None = None) -> torch.Tensor:
+    """Log of each page's estimated share of attention, the largest over a KV head's query rows.
+
+    Parameters
+    ----------
+    q
+        ``[kv_heads, rows, dim]`` grouped queries.
+    lo, hi, codes, counts
+        ``[kv_heads, pages, dim]`` bounds, ``[kv_heads, pages, page_size, dim/4]`` codes, ``[kv_heads, pages]``
+        valid entries of the candidate pages.
+    resident
+        ``[kv_heads, n, dim]`` keys attention reads anyway; their mass counts in the total.
+
+    Returns
+    -------
+    ``[kv_heads, pages]`` float32.
+    """
+    kv_heads, pages, page_size = codes.shape[0], codes.shape[1], codes.shape[2]
+    dim = lo.shape[2]
+    step = max(1, _CHUNK_ELEMENTS // (kv_heads * page_size * dim))
+    parts = []
+    for s in range(0, pages, step):
+        k = decode(codes[:, s:s + step], lo[:, s:s + step], hi[:, s:s + step])   # [H, c, P, D]
+        c = k.shape[1]
+        logits = torch.bmm(q, k.reshape(kv_heads, c * page_size, dim).transpose(1, 2)) * scaling
+        valid = torch.arange(page_size, device=q.device) < counts[:, s:s + step, None]
+        logits = logits.view(kv_heads, -1, c, page_size).masked_fill(~valid[:, None], float("-inf"))
+        parts.append(torch.logsumexp(logits, dim=3))                                  # [H, rows, c]
+    page_lse = torch.cat(parts, dim=2)
+    total = torch.logsumexp(page_lse, dim=2)
+    if resident is not None and resident.shape[1]:
+        total = torch.logaddexp(total, torch.logsumexp(torch.bmm(q, resident.float().transpose(1, 2)) * scaling,
+                                                       dim=2))
+    return (page_lse - total[..., None]).amax(dim=1)
+
+
+def select_pages(query: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, codes: torch.Tensor,
+                 counts: torch.Tensor, budget: int, scaling: float | None = None,
+                 resident: torch.Tensor | None = None, shortlist: int = SHORTLIST) -> torch.Tensor:
+    """The `budget` pages per KV head with the largest estimated share of the query's attention.
 
     Parameters
     ----------
     query
         ``[1, q_heads, q_len, dim]`` (post-RoPE, as attention sees it).
-    lo, hi
-        ``[kv_heads, pages, dim]`` bounds of the demoted pages.
+    lo, hi, codes, counts
+        Bounds ``[kv_heads, pages, dim]``, codes ``[kv_heads, pages, page_size, dim/4]`` and valid entries
+        ``[kv_heads, pages]`` of the demoted pages.
     budget
         Pages per KV head (capped by how many there are).
+    scaling
+        The attention's logit scale (default ``dim ** -0.5``).
+    resident
+        ``[kv_heads, n, dim]`` keys on the device, which attention reads anyway.
 
     Returns
     -------
     ``[kv_heads, min(budget, pages)]`` page ids, ascending.
     """
     kv_heads, pages = lo.shape[0], lo.shape[1]
-    q_heads, q_len, dim = query.shape[1], query.shape[2], query.shape[3]
-    group = q_heads // kv_heads
-    grouped = query[0].reshape(kv_heads, group * q_len, dim)  # q head j belongs to kv head j // group
     n = min(budget, pages)
     if n == pages:
         return torch.arange(pages, device=lo.device).expand(kv_heads, -1)
-    ub = upper_bounds(grouped, lo, hi)
-    return torch.sort(torch.topk(ub, n, dim=1).indices, dim=1).values
+    q = _grouped(query, kv_heads)
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    m = min(pages, max(n, shortlist * n))
+    cand = torch.topk(upper_bounds(q, lo, hi), m, dim=1).indices if m < pages else None
+    if cand is not None:
+        pick = [torch.gather(t, 1, cand.view(kv_heads, m, *([1] * (t.dim() - 2))).expand(-1, -1, *t.shape[2:]))
+                for t in (lo, hi, codes, counts)]
+    else:
+        pick = [lo, hi, codes, counts]
+    best = torch.topk(page_shares(q, *pick, scaling, resident), n, dim=1).indices
+    ids = best if cand is None else torch.gather(cand, 1, best)
+    return torch.sort(ids, dim=1).values

@@ -9,6 +9,10 @@ from typing import Any
 from ..errors import ConfigError
 from .base import Scorer
 
+# the built-in baselines, by what they need: attention-free ones rank from key, value and position alone
+BASELINES_ATTENTION_FREE = ("recency", "keynorm", "keydiff", "random")
+BASELINES_ATTENTION_BASED = ("tova", "snapkv", "h2o")
+
 _BUILTIN = {
     "recency": ("kvtier.scoring.recency", "RecencyScorer"),
     "keynorm": ("kvtier.scoring.keynorm", "KeyNormScorer"),

@@ -12,17 +12,14 @@ from typing import Any
 
 import torch
 
-from ..scoring import make_scorer
+from ..scoring import BASELINES_ATTENTION_BASED, make_scorer
 from ..scoring.kvp import KVPScorer
-
-ATTENTION_BASED = ("tova", "snapkv", "h2o")
-ATTENTION_FREE = ("recency", "keynorm", "keydiff", "random")
 
 
 def trace_scores(name: str, raw: dict[str, torch.Tensor], kvp: KVPScorer | None = None,
                  seed: int = 0) -> torch.Tensor:
     """Scores ``[layers, heads, n]`` of a scorer for the prompt of one trace."""
-    if name in ATTENTION_BASED:
+    if name in BASELINES_ATTENTION_BASED:
         return raw[name].float()
     scorer = kvp if name == "kvp" else make_scorer(name, **({"seed": seed} if name == "random" else {}))
     keys, values, positions = raw["keys"].float(), raw["values"].float(), raw["positions"]

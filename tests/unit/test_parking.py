@@ -32,13 +32,16 @@ def test_park_and_resume_round_trip(make_engine, to):
     query = torch.randn(1, engine.heads * 2, 1, engine.head_dim)
     recalled = engine.recall(query)
     assert (before[4] == HOST).any() and (before[4] == DISK).any()
+    index_bytes = engine.index_bytes()
     parking.park(engine, to)
     assert engine.pool.count == 0 and engine.parked.where == to
+    assert index_bytes > 0 and engine.index_bytes() == 0  # the recall index left the device too
     assert engine.stored == before[0].shape[2]  # the mask sizes still count the parked entries
     if to == "disk":
         assert engine.host.held_tokens().sum() == 0  # the host is free for other sessions
         assert (engine.table.tier[:, :engine.table.n] == DISK).all()
     parking.restore(engine)
+    assert engine.index_bytes() == index_bytes
     after = _state(engine)
     for a, b in zip(before[:4], after[:4]):
         assert torch.equal(a, b)
@@ -60,6 +63,8 @@ def test_parked_then_written_matches_a_twin_never_parked(make_engine):
     assert parked.parked is None
     for a, b in zip(_state(parked), _state(twin)):
         assert torch.equal(a, b) if isinstance(a, torch.Tensor) else np.array_equal(a, b)
+    query = torch.randn(1, parked.heads * 2, 1, parked.head_dim)
+    assert torch.equal(parked.recall(query).page_ids, twin.recall(query).page_ids)
 
 
 def test_bad_target(make_engine):

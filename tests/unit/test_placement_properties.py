@@ -62,7 +62,7 @@ class Reference:
             head.device = sorted(set(head.device) - set(demoted))
             if cfg.mode == "evict":
                 continue
-            demoted.sort(key=lambda e: (-e[1], e[0]))
+            demoted.sort()  # pages are cut in position order
             for i in range(0, m, cfg.page_size):
                 pid = first_page + i // cfg.page_size
                 head.pages[pid], head.tier[pid] = demoted[i:i + cfg.page_size], "host"

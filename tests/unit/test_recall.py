@@ -1,14 +1,16 @@
-"""Page bounds really bound q.k, the selector keeps the best pages, and union attention is exact."""
+"""Page bounds really bound q.k, codes decode within half a step, the selector finds the pages that matter,
+and union attention is exact."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.engine.attention import attend_union
-from kvtier.recall import page_bounds, select_pages, upper_bounds
+from kvtier.recall import decode_codes, encode_codes, page_bounds, page_shares, round_outward, select_pages, upper_bounds
 
 
 @settings(max_examples=50, deadline=None)
@@ -25,18 +27,62 @@ def test_upper_bound_holds(seed, page_size, count):
     assert (ub >= true - 1e-4).all()
 
 
-def test_selector_picks_the_page_holding_the_matching_key():
+def _index(keys, count):
+    counts = torch.full(keys.shape[:2], count)
+    lo, hi = page_bounds(keys, counts)
+    return lo, hi, encode_codes(keys, lo, hi), counts
+
+
+@pytest.mark.parametrize("shortlist", [1, 8])
+def test_selector_picks_the_page_holding_the_matching_key(shortlist):
     g = torch.Generator().manual_seed(0)
     keys = torch.randn(2, 40, 4, 8, generator=g) * 0.1
     needle = torch.randn(8, generator=g)
     keys[0, 17, 2] = needle * 10
     keys[1, 3, 0] = -needle * 10
-    lo, hi = page_bounds(keys, torch.full((2, 40), 4))
+    lo, hi, codes, counts = _index(keys, 4)
     query = torch.stack([needle, needle, -needle, -needle])[None, :, None, :]  # 4 q heads, 2 per kv head
-    chosen = select_pages(query, lo, hi, 2)
+    chosen = select_pages(query, lo, hi, codes, counts, 2, shortlist=shortlist)
     assert 17 in chosen[0].tolist() and 3 in chosen[1].tolist()
     assert chosen.shape == (2, 2)
-    assert select_pages(query, lo, hi, 100).shape == (2, 40)
+    assert select_pages(query, lo, hi, codes, counts, 100).shape == (2, 40)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), dim=st.integers(1, 11), page_size=st.integers(1, 6))
+def test_codes_round_trip_within_half_a_step(seed, dim, page_size):
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(2, 3, page_size, dim, generator=g) * 4
+    lo, hi, codes, _ = _index(keys, page_size)
+    assert codes.dtype == torch.uint8 and codes.shape == (2, 3, page_size, -(-dim // 4))
+    err = (decode_codes(codes, lo, hi) - keys).abs()
+    step = ((hi - lo) / 3)[:, :, None, :]
+    assert (err <= step / 2 + 1e-5).all()
+
+
+def test_page_shares_are_exact_when_keys_sit_on_code_levels():
+    g = torch.Generator().manual_seed(3)
+    kv_heads, pages, page_size, dim = 2, 6, 4, 8
+    base = torch.randn(kv_heads, pages, 1, dim, generator=g)
+    width = torch.rand(kv_heads, pages, 1, dim, generator=g) + 0.1
+    levels = torch.randint(0, 4, (kv_heads, pages, page_size, dim), generator=g)
+    levels[:, :, 0], levels[:, :, 1] = 0, 3          # every channel reaches both ends of its page
+    keys = base + levels * width / 3
+    lo, hi, codes, counts = _index(keys, page_size)
+    q = torch.randn(kv_heads, 5, dim, generator=g)
+    resident = torch.randn(kv_heads, 7, dim, generator=g)
+    got = page_shares(q, lo, hi, codes, counts, 0.3, resident)
+    logits = torch.einsum("hrd,hpkd->hrpk", q, keys) * 0.3
+    page_lse = torch.logsumexp(logits, dim=3)
+    total = torch.logaddexp(torch.logsumexp(page_lse, dim=2), torch.logsumexp(q @ resident.transpose(1, 2) * 0.3, 2))
+    torch.testing.assert_close(got, (page_lse - total[..., None]).amax(dim=1), rtol=1e-4, atol=1e-4)
+
+
+def test_bounds_rounded_to_bf16_still_bound_every_key():
+    keys = torch.randn(3, 10, 16, 8, generator=torch.Generator().manual_seed(4)) * 7
+    lo, hi = round_outward(*page_bounds(keys, torch.full((3, 10), 16)), torch.bfloat16)
+    assert lo.dtype == torch.bfloat16
+    assert (lo.float()[:, :, None] <= keys).all() and (hi.float()[:, :, None] >= keys).all()
 
 
 def test_union_attention_equals_full_attention():
