@@ -131,8 +131,10 @@ class LayerEngine:
         n = self.table.n
         if n == 0 or self.cfg.recall_pages == 0 or self.cfg.mode != "tier":
             return None
+        # what attention reads anyway: the device entries and the step's new tokens
+        resident = self.pending.returned[0][0] if self.pending is not None else self.pool.committed()[0][0]
         ids = select_pages(query, self.lo[:, :n], self.hi[:, :n], self.codes[:, :n], self.counts[:, :n],
-                           self.cfg.recall_pages, scaling, resident=self.pool.committed()[0][0])
+                           self.cfg.recall_pages, scaling, resident=resident)
         r = ids.shape[1]
         heads = np.repeat(np.arange(self.heads), r)
         pids = ids.cpu().numpy().reshape(-1)
@@ -327,17 +329,21 @@ class LayerEngine:
         entry = 0 if self.pool is None else self.pool.entry_bytes()
         host_tokens = 0 if self.host is None else int(self.host.held_tokens().sum())
         disk_tokens = int(self.table.tokens(DISK).sum())
-        if self.parked is not None:  # the device entries wait on the host or on disk
+        host_index = disk_index = 0
+        if self.parked is not None:  # the device entries and the recall index wait on the host or on disk
             parked = self.parked.count * self.heads
             host_tokens += parked if self.parked.where == "host" else 0
             disk_tokens += parked if self.parked.where == "disk" else 0
+            if self.parked.index is not None:
+                host_index = sum(t.numel() * t.element_size() for t in self.parked.index)
+            disk_index = self.parked.index_file_bytes
         return {
             "device": {"tokens": device_tokens, "bytes": device_tokens * entry,
                        "reserved_bytes": 0 if self.pool is None else self.pool.reserved_bytes(),
                        "index_bytes": self.index_bytes()},
-            "host": {"tokens": host_tokens, "bytes": host_tokens * entry,
+            "host": {"tokens": host_tokens, "bytes": host_tokens * entry + host_index,
                      "reserved_bytes": 0 if self.host is None else self.host.reserved_bytes()},
-            "disk": {"tokens": disk_tokens, "bytes": disk_tokens * entry,
+            "disk": {"tokens": disk_tokens, "bytes": disk_tokens * entry + disk_index,
                      "reserved_bytes": 0 if self.disk is None else self.disk.file_bytes()},
         }
 
@@ -351,9 +357,7 @@ class LayerEngine:
     def reset(self) -> None:
         """Forget every entry (the files stay open for reuse)."""
         self.pending = None
-        self.parked = None
-        if self.parking is not None:
-            self.parking.discard()
+        parking.forget(self)
         self.seen = 0
         self.table.clear()
         if self.pool is not None:

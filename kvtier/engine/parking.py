@@ -1,22 +1,27 @@
 """Parking a layer between conversation turns: its device entries (and host pages) go to host memory or
 disk, and come back before the layer's next write, exactly as they were.
 
-A layer parked on the host keeps its device entries in (pinned) host memory, and so does its recall index. A layer parked on disk writes
-them as checksummed pages to a parking file, and moves its host pages into its disk store, remembering
-which they were so resuming puts them back on the host: the resumed layer is in the very state it was
-parked in, so decoding continues bit-identically. Resuming is lazy: each layer restores at its own first
-write, so restoring interleaves with the next turn's prefill, layer by layer.
+A layer parked on the host keeps its device entries (pinned) and its recall index in host memory. A layer
+parked on disk writes the entries as checksummed pages to a parking file and the index to a checksummed file
+beside it, and moves its host pages into its disk store, remembering which they were so resuming puts them
+back on the host: the resumed layer is in the very state it was parked in, so decoding continues
+bit-identically. Resuming is lazy: each layer restores at its own first write, so restoring interleaves with
+the next turn's prefill, layer by layer.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
 
-from ..errors import ConfigError
+from ..errors import ConfigError, CorruptPageError
 from ..placement.page_table import DISK, HOST
 from ..tiers.disk import DiskStore
 
@@ -33,6 +38,8 @@ class Parked:
     crcs: np.ndarray | None = None                # [heads, pages] of the parking file
     was_on_host: np.ndarray | None = None         # [heads, pages] page-table cells to bring back to the host
     index: tuple[torch.Tensor, ...] | None = None # the recall index (bounds, codes, counts), in host memory
+    index_crc: int | None = None                  # ... or in a file of the private folder, with its CRC-32
+    index_file_bytes: int = 0
 
 
 def park(engine, to: str) -> None:
@@ -88,7 +95,37 @@ def _to_disk(engine, parked: Parked) -> Parked:
         if len(h):
             engine.move_host_pages_to_disk(h, p)
         engine.host.clear()
-    return Parked("disk", n, None, crcs.reshape(H, pages), was_on_host, parked.index)
+    crc, size = _index_to_disk(engine, parked.index)
+    return Parked("disk", n, None, crcs.reshape(H, pages), was_on_host, None, crc, size)
+
+
+_INDEX_NAMES = ("lo", "hi", "codes", "counts")
+
+
+def _index_path(engine) -> str:
+    return os.path.join(engine._disk_dir(), f"layer{engine.layer_idx}.parked-index.safetensors")
+
+
+def _index_to_disk(engine, index: tuple[torch.Tensor, ...]) -> tuple[int, int]:
+    data = save_tensors({name: t.contiguous() for name, t in zip(_INDEX_NAMES, index)})
+    with open(_index_path(engine), "wb") as f:
+        f.write(data)
+    return zlib.crc32(data), len(data)
+
+
+def _index_from_disk(engine, crc: int) -> tuple[torch.Tensor, ...]:
+    path = _index_path(engine)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError as e:
+        raise CorruptPageError(f"the parked recall index of layer {engine.layer_idx} is missing ({path})") from e
+    if zlib.crc32(data) != crc:
+        raise CorruptPageError(f"the parked recall index of layer {engine.layer_idx} fails its CRC-32 check "
+                               f"({path})")
+    os.remove(path)
+    tensors = load_tensors(data)
+    return tuple(tensors[name] for name in _INDEX_NAMES)
 
 
 def _parking_store(engine) -> DiskStore:
@@ -121,9 +158,20 @@ def restore(engine) -> None:
             if len(h):
                 engine.bring_disk_pages_to_host(h, p)
     engine.pool.replace(k.to(engine.device), v.to(engine.device), pos.to(engine.device), score.to(engine.device))
-    engine.lo, engine.hi, engine.codes, engine.counts = (t.to(engine.device) for t in parked.index)
-    engine.counters.bytes_moved["host_to_device" if parked.where == "host" else "disk_to_device"] += _bytes((k, v))
-    engine.counters.bytes_moved["host_to_device"] += _bytes(parked.index)
+    index = parked.index if parked.index is not None else _index_from_disk(engine, parked.index_crc)
+    engine.lo, engine.hi, engine.codes, engine.counts = (t.to(engine.device) for t in index)
+    engine.counters.bytes_moved["host_to_device" if parked.where == "host" else "disk_to_device"] += \
+        _bytes((k, v)) + _bytes(index)
+    engine.parked = None
+
+
+def forget(engine) -> None:
+    """Drop what a parked layer left in its parking files (the layer is being reset)."""
+    parked: Parked | None = engine.parked
+    if engine.parking is not None:
+        engine.parking.discard()
+    if parked is not None and parked.index_crc is not None and os.path.exists(_index_path(engine)):
+        os.remove(_index_path(engine))
     engine.parked = None
 
 

@@ -40,25 +40,33 @@ def page_shares(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, codes: torc
 
     Returns
     -------
-    ``[kv_heads, pages]`` float32.
+    ``[kv_heads, pages]`` float32. Works in chunks of pages and of query rows, so the working memory stays
+    near ``_CHUNK_ELEMENTS`` floats whatever the context and query lengths.
     """
     kv_heads, pages, page_size = codes.shape[0], codes.shape[1], codes.shape[2]
-    dim = lo.shape[2]
-    step = max(1, _CHUNK_ELEMENTS // (kv_heads * page_size * dim))
-    parts = []
-    for s in range(0, pages, step):
-        k = decode(codes[:, s:s + step], lo[:, s:s + step], hi[:, s:s + step])   # [H, c, P, D]
-        c = k.shape[1]
-        logits = torch.bmm(q, k.reshape(kv_heads, c * page_size, dim).transpose(1, 2)) * scaling
-        valid = torch.arange(page_size, device=q.device) < counts[:, s:s + step, None]
-        logits = logits.view(kv_heads, -1, c, page_size).masked_fill(~valid[:, None], float("-inf"))
-        parts.append(torch.logsumexp(logits, dim=3))                                  # [H, rows, c]
-    page_lse = torch.cat(parts, dim=2)
-    total = torch.logsumexp(page_lse, dim=2)
-    if resident is not None and resident.shape[1]:
-        total = torch.logaddexp(total, torch.logsumexp(torch.bmm(q, resident.float().transpose(1, 2)) * scaling,
-                                                       dim=2))
-    return (page_lse - total[..., None]).amax(dim=1)
+    rows, dim = q.shape[1], lo.shape[2]
+    n_res = 0 if resident is None else resident.shape[1]
+    page_step = max(1, _CHUNK_ELEMENTS // (kv_heads * page_size * dim))
+    row_step = max(1, _CHUNK_ELEMENTS // (kv_heads * max(min(pages, page_step) * page_size, n_res, 1)))
+    best = None
+    for r0 in range(0, rows, row_step):
+        qr = q[:, r0:r0 + row_step]
+        parts = []
+        for s in range(0, pages, page_step):
+            k = decode(codes[:, s:s + page_step], lo[:, s:s + page_step], hi[:, s:s + page_step])  # [H, c, P, D]
+            c = k.shape[1]
+            logits = torch.bmm(qr, k.reshape(kv_heads, c * page_size, dim).transpose(1, 2)).mul_(scaling)
+            valid = torch.arange(page_size, device=q.device) < counts[:, s:s + page_step, None]
+            logits = logits.view(kv_heads, -1, c, page_size).masked_fill_(~valid[:, None], float("-inf"))
+            parts.append(torch.logsumexp(logits, dim=3))                              # [H, rows, c]
+        page_lse = torch.cat(parts, dim=2)
+        total = torch.logsumexp(page_lse, dim=2)
+        if n_res:
+            res = torch.bmm(qr, resident.float().transpose(1, 2)).mul_(scaling)
+            total = torch.logaddexp(total, torch.logsumexp(res, dim=2))
+        shares = (page_lse - total[..., None]).amax(dim=1)
+        best = shares if best is None else torch.maximum(best, shares)
+    return best
 
 
 def select_pages(query: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, codes: torch.Tensor,

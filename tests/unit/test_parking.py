@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
 
-from kvtier import ConfigError
+from kvtier import ConfigError, CorruptPageError
 from kvtier.engine import parking
 from kvtier.placement.page_table import DISK, HOST
 
@@ -72,3 +74,31 @@ def test_bad_target(make_engine):
     _feed(engine, 40, 0)
     with pytest.raises(ConfigError, match="park to 'gpu'"):
         parking.park(engine, "gpu")
+
+
+@pytest.mark.parametrize("damage", ["flip", "missing"])
+def test_damaged_parked_index_is_an_error(make_engine, damage):
+    engine = make_engine(device_budget=16, host_budget=20)
+    _feed(engine, 90, 3)
+    parking.park(engine, "disk")
+    assert engine.usage()["host"]["bytes"] == 0 and engine.parked.index is None  # nothing left in host memory
+    assert engine.usage()["disk"]["bytes"] > engine.parked.count * engine.heads * engine.pool.entry_bytes()
+    path = parking._index_path(engine)
+    if damage == "missing":
+        os.remove(path)
+    else:
+        data = bytearray(open(path, "rb").read())
+        data[-3] ^= 0x10
+        open(path, "wb").write(bytes(data))
+    with pytest.raises(CorruptPageError, match="recall index of layer 0"):
+        parking.restore(engine)
+
+
+def test_reset_removes_the_parked_index_file(make_engine):
+    engine = make_engine(device_budget=16, host_budget=20)
+    _feed(engine, 90, 4)
+    parking.park(engine, "disk")
+    path = parking._index_path(engine)
+    assert os.path.exists(path)
+    engine.reset()
+    assert not os.path.exists(path) and engine.parked is None

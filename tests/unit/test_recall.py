@@ -105,3 +105,17 @@ def test_union_attention_equals_full_attention():
     mask[:, old + past:] = torch.tril(torch.ones(q_len, q_len, dtype=torch.bool))
     ref = F.scaled_dot_product_attention(query, full_k, full_v, attn_mask=mask).transpose(1, 2)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_page_shares_are_the_same_in_small_chunks(monkeypatch):
+    import kvtier.recall.selector as selector
+
+    g = torch.Generator().manual_seed(5)
+    keys = torch.randn(2, 30, 4, 8, generator=g)
+    lo, hi, codes, counts = _index(keys, 4)
+    counts[:, -1] = 2                                 # a partly filled last page
+    q = torch.randn(2, 9, 8, generator=g)
+    resident = torch.randn(2, 11, 8, generator=g)
+    whole = page_shares(q, lo, hi, codes, counts, 0.35, resident)
+    monkeypatch.setattr(selector, "_CHUNK_ELEMENTS", 40)  # one page and one row at a time
+    torch.testing.assert_close(page_shares(q, lo, hi, codes, counts, 0.35, resident), whole)

@@ -26,7 +26,10 @@ def _session(tokens=200, seed=0):
 
 def test_coldest_sessions_go_to_disk_then_are_dropped():
     caches = {f"s{i}": _session(seed=i) for i in range(4)}
-    one_host = caches["s0"].stats()["host"]["bytes"] + caches["s0"].stats()["device"]["bytes"]
+    stats = caches["s0"].stats()  # parked on the host: host pages + device entries + the recall index
+    one_host = stats["host"]["bytes"] + stats["device"]["bytes"] + stats["device"]["index_bytes"]
+    caches["s0"].park("host")
+    assert caches["s0"].stats()["host"]["bytes"] == one_host and caches["s0"].stats()["device"]["index_bytes"] == 0
     store = SessionStore(host_bytes=2 * one_host, disk_bytes=None)
     for name, cache in caches.items():
         store.park(name, cache)
