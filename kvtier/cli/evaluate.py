@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from dataclasses import replace
 
 import click
@@ -52,16 +53,18 @@ def evaluate(suite: str, out: str, model: str | None, policies: str | None, budg
     if unknown:
         raise click.BadParameter(f"{unknown}; allowed: {', '.join(TASKS)}", param_hint="--tasks")
     set_threads(threads)
+    start = time.perf_counter()
     lm, tok = load(model, quiet=as_json)
     results = run_suite(lm, tok, out, chosen, progress=lambda it: tqdm(it, desc=f"eval {suite}", disable=as_json))
     bad = full_recall_mismatches(results)
-    summary = {"runs": len(results), "out": out, "full_recall_mismatches": bad,
+    seconds = time.perf_counter() - start
+    summary = {"runs": len(results), "out": out, "seconds": round(seconds, 1), "full_recall_mismatches": bad,
                "mean": {t: {p: {str(b): v for b, v in row.items()} for p, row in pol.items()}
                         for t, pol in aggregate(results).items()}}
     if as_json:
         click.echo(json.dumps(summary, indent=2))
     else:
-        click.echo(f"{len(results)} runs in {out}")
+        click.echo(f"{len(results)} runs in {out}; {seconds / 60:.1f} min (model load included)")
         for line in bad:
             click.echo(f"MISMATCH (tier with full recall vs full cache): {line}")
     if bad:

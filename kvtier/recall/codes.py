@@ -10,6 +10,7 @@ pages by that estimate brought perplexity at a 10% device budget from 4% over th
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 LEVELS = 3          # codes 0..3
 PER_BYTE = 4        # 2 bits each
@@ -32,13 +33,22 @@ def encode(k_pages: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.T
     return c[..., 0] | (c[..., 1] << 2) | (c[..., 2] << 4) | (c[..., 3] << 6)
 
 
+_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def _table(device: torch.device) -> torch.Tensor:
+    """byte -> its 4 codes as floats ``[256, 4]``: one lookup unpacks a byte (cheaper than shifts and masks)."""
+    if device not in _TABLES:
+        _TABLES[device] = torch.tensor([[(b >> s) & LEVELS for s in _SHIFTS] for b in range(256)],
+                                       dtype=torch.float32, device=device)
+    return _TABLES[device]
+
+
 def decode(codes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
     """Approximate keys ``[..., page, dim]`` float32 from `encode`'s codes and the same bounds."""
     dim = lo.shape[-1]
-    shifts = torch.tensor(_SHIFTS, dtype=torch.uint8, device=codes.device)
-    c = (codes[..., None] >> shifts) & LEVELS
-    c = c.view(*codes.shape[:-1], -1)[..., :dim]
-    return lo.float()[..., None, :] + c.float() * _step(lo, hi)[..., None, :]
+    c = F.embedding(codes.long(), _table(codes.device)).view(*codes.shape[:-1], -1)[..., :dim]
+    return torch.addcmul(lo.float()[..., None, :], c, _step(lo, hi)[..., None, :])
 
 
 def code_bytes(page_size: int, dim: int) -> int:

@@ -1,10 +1,11 @@
 """Choose which demoted pages to bring back for a query.
 
 Two stages. The key bounds of every page give an upper bound on its largest logit (cheap: one number per
-page); the `shortlist` times `budget` pages with the highest bounds are then ranked by their estimated
-share of the query's attention, computed from the pages' 2-bit key codes. A bound says what one key
-could do, the estimate what the whole page does, so the final choice follows attention mass; the shortlist
-keeps the cost independent of the context length.
+page); the pages with the highest bounds (`shortlist` times the budget, at least `SHORTLIST_MIN`) are then
+ranked by their estimated share of the query's attention, computed from the pages' 2-bit key codes. A bound
+says what one key could do, the estimate what the whole page does, so the final choice follows attention
+mass; the shortlist keeps the cost independent of the context length. On the default model a shortlist of
+half the demoted pages (64 of 116, recall 32) let perplexity slip by 2%, so the floor stays generous.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import torch
 from .bounds import upper_bounds
 from .codes import decode
 
-SHORTLIST = 8
+SHORTLIST = 2
+SHORTLIST_MIN = 128
 _CHUNK_ELEMENTS = 1 << 22   # decoded keys per chunk (floats), bounds the working memory
 
 
@@ -71,7 +73,8 @@ def page_shares(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, codes: torc
 
 def select_pages(query: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, codes: torch.Tensor,
                  counts: torch.Tensor, budget: int, scaling: float | None = None,
-                 resident: torch.Tensor | None = None, shortlist: int = SHORTLIST) -> torch.Tensor:
+                 resident: torch.Tensor | None = None, shortlist: int = SHORTLIST,
+                 shortlist_min: int = SHORTLIST_MIN) -> torch.Tensor:
     """The `budget` pages per KV head with the largest estimated share of the query's attention.
 
     Parameters
@@ -98,7 +101,7 @@ def select_pages(query: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, codes:
         return torch.arange(pages, device=lo.device).expand(kv_heads, -1)
     q = _grouped(query, kv_heads)
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    m = min(pages, max(n, shortlist * n))
+    m = min(pages, max(shortlist * n, shortlist_min))
     cand = torch.topk(upper_bounds(q, lo, hi), m, dim=1).indices if m < pages else None
     if cand is not None:
         pick = [torch.gather(t, 1, cand.view(kv_heads, m, *([1] * (t.dim() - 2))).expand(-1, -1, *t.shape[2:]))

@@ -42,7 +42,7 @@ def test_selector_picks_the_page_holding_the_matching_key(shortlist):
     keys[1, 3, 0] = -needle * 10
     lo, hi, codes, counts = _index(keys, 4)
     query = torch.stack([needle, needle, -needle, -needle])[None, :, None, :]  # 4 q heads, 2 per kv head
-    chosen = select_pages(query, lo, hi, codes, counts, 2, shortlist=shortlist)
+    chosen = select_pages(query, lo, hi, codes, counts, 2, shortlist=shortlist, shortlist_min=0)
     assert 17 in chosen[0].tolist() and 3 in chosen[1].tolist()
     assert chosen.shape == (2, 2)
     assert select_pages(query, lo, hi, codes, counts, 100).shape == (2, 40)
