@@ -81,6 +81,16 @@ def summary_lines(results: list[dict[str, Any]], budget: float = 0.1, scorer: st
         _, gap, where = max(gaps)
         checks.append(f"- {tier} at {budget:.0%}: the largest departure from the full cache over the generation "
                       f"tasks is {gap:+.1f} points ({where}).")
+    full_rows = {(f["task"], f["length"], f["seed"]): f for f in results if f["policy"] == "full"}
+    cells = [(r, full_rows[(r["task"], r["length"], r["seed"])]) for r in results
+             if r["policy"] == tier and r["budget"] == budget and r.get("score") is not None
+             and (r["task"], r["length"], r["seed"]) in full_rows]
+    if cells:
+        below = sum(r["score"] < f["score"] for r, f in cells)
+        above = sum(r["score"] > f["score"] for r, f in cells)
+        same = sum(r["output"] == f["output"] for r, f in cells)
+        checks.append(f"- {tier} at {budget:.0%}, example by example: below the full cache's score on {below} of "
+                      f"{len(cells)}, above on {above}; the very same answer text on {same}.")
     if "perplexity" in table and budget in table["perplexity"].get(tier, {}):
         full_n = _by_length(results, "perplexity", "full", 1.0)
         tier_n = _by_length(results, "perplexity", tier, budget)

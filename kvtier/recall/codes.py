@@ -2,9 +2,8 @@
 
 Each channel of a page is quantized to 4 levels between that page's per-channel key minimum and maximum
 (per-channel groups, as KIVI does for keys, arXiv 2402.02750; the group is the page). Recall reads these
-codes, never the host, to estimate how much attention each page would get. On the default model, choosing
-pages by that estimate brought perplexity at a 10% device budget from 4% over the full cache's to 0.3%
-(bounds alone; docs/results.md has the suite figures).
+codes, never the host, to estimate how much attention each page would get: a far better guide than the
+bounds alone, which only say what the single best key of a page could score.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from kvtier.eval.shared_prefill import PromptScores
 
 def _row(task, policy, budget, length=2048, score=None, ppl=None):
     return {"task": task, "length": length, "seed": 0, "policy": policy, "budget": budget, "score": score,
-            "ppl": ppl}
+            "ppl": ppl, "output": None if score is None else f"answer {score}"}
 
 
 def test_summary_compares_policies_and_checks_targets():
@@ -27,6 +27,7 @@ def test_summary_compares_policies_and_checks_targets():
     assert "| perplexity | 9.00 | 9.25 | 12.00 | 11.00 (keynorm) | 13.00 (tova) |" in text
     assert "largest departure from the full cache over the generation tasks is +0.0 points (niah)" in text
     assert "+1.00% at 2048, +5.00% at 4096" in text
+    assert "below the full cache's score on 0 of 1, above on 0; the very same answer text on 1." in text
     assert "attention-free scorers by mean accuracy: keynorm 75.0, kvp 50.0." in text
 
 
