@@ -47,8 +47,7 @@ def decode(context: int, new_tokens: int, rounds: int, device_budget: str, host_
     caches = {
         "DynamicCache": lambda: DynamicCache(config=lm.config),
         "TieredCache": lambda: TieredCache(lm.config, device_budget=budget, host_budget=host,
-                                 scorer=None if scorer == "auto" else scorer,
-                                           recall_pages=recall_pages),
+                                           scorer=None if scorer == "auto" else scorer, recall_pages=recall_pages),
     }
     echo = (lambda s: None) if as_json else click.echo
     results = compare_decode(lm, ids, caches, new_tokens, rounds, progress=echo)

@@ -20,7 +20,7 @@ from ..config import TieredCacheConfig
 from ..errors import ScorerError, UnsupportedError
 from ..placement import plan_device_demotion, plan_host_overflow, protected_count
 from ..placement.page_table import DISK, HOST, PageTable
-from ..recall import encode_codes, page_bounds, round_outward, select_pages
+from ..recall import PageIndex, select_pages
 from ..scoring import Scorer, checked_scores
 from ..tiers.device import DevicePool
 from ..tiers.disk import DiskStore
@@ -66,12 +66,7 @@ class LayerEngine:
         self.host: HostPool | None = None
         self.disk: DiskStore | None = None
         self.table = PageTable(self.heads)
-        # the recall index of the demoted pages, on the device: key bounds [heads, page capacity, dim] (cache
-        # dtype), 2-bit key codes [heads, page capacity, page size, dim/4] and valid entries [heads, capacity]
-        self.lo: torch.Tensor | None = None
-        self.hi: torch.Tensor | None = None
-        self.codes: torch.Tensor | None = None
-        self.counts: torch.Tensor | None = None
+        self.index: PageIndex | None = None   # what recall reads about the demoted pages, on the device
         self.pending: _Pending | None = None
         self.parked = None            # a parking.Parked while the layer is parked between turns
         self.parking: DiskStore | None = None
@@ -84,11 +79,7 @@ class LayerEngine:
         if self.cfg.mode == "tier":
             self.host = HostPool(self.heads, self.cfg.page_size, self.head_dim, k.dtype,
                                  pin=k.device.type == "cuda")
-        self.lo = torch.empty(self.heads, 0, self.head_dim, dtype=k.dtype, device=k.device)
-        self.hi = torch.empty_like(self.lo)
-        self.codes = torch.empty(self.heads, 0, self.cfg.page_size, -(-self.head_dim // 4), dtype=torch.uint8,
-                                 device=k.device)
-        self.counts = torch.empty(self.heads, 0, dtype=torch.int32, device=k.device)
+        self.index = PageIndex.empty(self.heads, self.cfg.page_size, self.head_dim, k.dtype, k.device)
 
     def write(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Take a step's new K/V ``[1, heads, q, dim]``; return what attention reads."""
@@ -133,8 +124,9 @@ class LayerEngine:
             return None
         # what attention reads anyway: the device entries and the step's new tokens
         resident = self.pending.returned[0][0] if self.pending is not None else self.pool.committed()[0][0]
-        ids = select_pages(query, self.lo[:, :n], self.hi[:, :n], self.codes[:, :n], self.counts[:, :n],
-                           self.cfg.recall_pages, scaling, resident=resident)
+        index = self.index.first(n)
+        ids = select_pages(query, index.lo, index.hi, index.codes, index.counts, self.cfg.recall_pages, scaling,
+                           resident=resident)
         r = ids.shape[1]
         heads = np.repeat(np.arange(self.heads), r)
         pids = ids.cpu().numpy().reshape(-1)
@@ -251,10 +243,9 @@ class LayerEngine:
         counts[-1] = P - pad
         k, v = k.reshape(H, n_pages, P, D), v.reshape(H, n_pages, P, D)
         pos, score = pos.reshape(H, n_pages, P), score.reshape(H, n_pages, P)
-        page_counts = torch.from_numpy(counts).to(k.device).expand(H, n_pages)
-        lo, hi = round_outward(*page_bounds(k, page_counts), k.dtype)
         ids = self.table.add(n_pages)
-        self._set_index(ids, lo, hi, encode_codes(k, lo, hi), page_counts)
+        self.index.add(int(ids[0]), k, torch.from_numpy(counts).to(k.device).expand(H, n_pages),
+                       self.table.capacity)
         rank = score.amax(dim=2)
         pin = self.device.type == "cuda"
         staged = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in (k, v, pos, score, rank)]
@@ -270,17 +261,6 @@ class LayerEngine:
         self.table.count[:, ids] = counts
         self.table.rank[:, ids] = hrank.numpy()
         self.counters.bytes_moved["device_to_host"] += m * H * 2 * D * k.element_size()
-
-    def _set_index(self, ids: np.ndarray, lo: torch.Tensor, hi: torch.Tensor, codes: torch.Tensor,
-                   counts: torch.Tensor) -> None:
-        """Record the new pages' bounds, codes and counts (the index grows with the page table)."""
-        grow = self.table.capacity - self.lo.shape[1]
-        if grow > 0:
-            self.lo, self.hi, self.codes, self.counts = (
-                torch.cat([t, t.new_empty(self.heads, grow, *t.shape[2:])], dim=1)
-                for t in (self.lo, self.hi, self.codes, self.counts))
-        cols = slice(ids[0], ids[-1] + 1)
-        self.lo[:, cols], self.hi[:, cols], self.codes[:, cols], self.counts[:, cols] = lo, hi, codes, counts
 
     def _host_overflow(self) -> None:
         """Push the lowest-ranked host pages to disk until the host fits its budget."""
@@ -335,7 +315,7 @@ class LayerEngine:
             host_tokens += parked if self.parked.where == "host" else 0
             disk_tokens += parked if self.parked.where == "disk" else 0
             if self.parked.index is not None:
-                host_index = sum(t.numel() * t.element_size() for t in self.parked.index)
+                host_index = self.parked.index.nbytes()
             disk_index = self.parked.index_file_bytes
         return {
             "device": {"tokens": device_tokens, "bytes": device_tokens * entry,
@@ -349,10 +329,7 @@ class LayerEngine:
 
     def index_bytes(self) -> int:
         """Device bytes of the recall index (bounds, codes, counts) of the pages in use."""
-        if self.lo is None:
-            return 0
-        n = self.table.n
-        return sum(t[:, :n].numel() * t.element_size() for t in (self.lo, self.hi, self.codes, self.counts))
+        return 0 if self.index is None else self.index.first(self.table.n).nbytes()
 
     def reset(self) -> None:
         """Forget every entry (the files stay open for reuse)."""
@@ -362,8 +339,7 @@ class LayerEngine:
         self.table.clear()
         if self.pool is not None:
             self.pool.clear()
-            self.lo, self.hi, self.codes, self.counts = (t[:, :0] for t in (self.lo, self.hi, self.codes,
-                                                                            self.counts))
+            self.index = self.index.first(0)
         if self.host is not None:
             self.host.clear()
 

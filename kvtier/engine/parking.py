@@ -23,6 +23,7 @@ from safetensors.torch import save as save_tensors
 
 from ..errors import ConfigError, CorruptPageError
 from ..placement.page_table import DISK, HOST
+from ..recall import PageIndex
 from ..tiers.disk import DiskStore
 
 PARK_TARGETS = ("host", "disk")
@@ -37,7 +38,7 @@ class Parked:
     host: tuple[torch.Tensor, ...] | None = None  # k, v [heads, n, dim]; pos, score [heads, n]
     crcs: np.ndarray | None = None                # [heads, pages] of the parking file
     was_on_host: np.ndarray | None = None         # [heads, pages] page-table cells to bring back to the host
-    index: tuple[torch.Tensor, ...] | None = None # the recall index (bounds, codes, counts), in host memory
+    index: PageIndex | None = None                # the recall index, in host memory
     index_crc: int | None = None                  # ... or in a file of the private folder, with its CRC-32
     index_file_bytes: int = 0
 
@@ -59,13 +60,11 @@ def park(engine, to: str) -> None:
                   for t in (k, v, pos, score)]
         sources = (k[0], v[0], pos, score)
         engine.transfer.wait([engine.transfer.submit(d, s) for d, s in zip(staged, sources)])
-        n = engine.table.n
-        index = tuple(t[:, :n].to("cpu", copy=True) for t in (engine.lo, engine.hi, engine.codes, engine.counts))
+        index = engine.index.first(engine.table.n).to("cpu")
         current = Parked("host", engine.pool.count, tuple(staged), index=index)
-        engine.counters.bytes_moved["device_to_host"] += _bytes(staged[:2]) + _bytes(index)
+        engine.counters.bytes_moved["device_to_host"] += _bytes(staged[:2]) + index.nbytes()
         engine.pool.clear()
-        engine.lo, engine.hi, engine.codes, engine.counts = (t[:, :0].clone() for t in (engine.lo, engine.hi,
-                                                                                      engine.codes, engine.counts))
+        engine.index = engine.index.first(0).to(engine.device)   # a copy: the old storage is let go
     if to == "disk":
         current = _to_disk(engine, current)
     engine.parked = current
@@ -99,21 +98,18 @@ def _to_disk(engine, parked: Parked) -> Parked:
     return Parked("disk", n, None, crcs.reshape(H, pages), was_on_host, None, crc, size)
 
 
-_INDEX_NAMES = ("lo", "hi", "codes", "counts")
-
-
 def _index_path(engine) -> str:
     return os.path.join(engine._disk_dir(), f"layer{engine.layer_idx}.parked-index.safetensors")
 
 
-def _index_to_disk(engine, index: tuple[torch.Tensor, ...]) -> tuple[int, int]:
-    data = save_tensors({name: t.contiguous() for name, t in zip(_INDEX_NAMES, index)})
+def _index_to_disk(engine, index: PageIndex) -> tuple[int, int]:
+    data = save_tensors({name: t.contiguous() for name, t in index.tensors().items()})
     with open(_index_path(engine), "wb") as f:
         f.write(data)
     return zlib.crc32(data), len(data)
 
 
-def _index_from_disk(engine, crc: int) -> tuple[torch.Tensor, ...]:
+def _index_from_disk(engine, crc: int) -> PageIndex:
     path = _index_path(engine)
     try:
         with open(path, "rb") as f:
@@ -124,8 +120,7 @@ def _index_from_disk(engine, crc: int) -> tuple[torch.Tensor, ...]:
         raise CorruptPageError(f"the parked recall index of layer {engine.layer_idx} fails its CRC-32 check "
                                f"({path})")
     os.remove(path)
-    tensors = load_tensors(data)
-    return tuple(tensors[name] for name in _INDEX_NAMES)
+    return PageIndex(**load_tensors(data))
 
 
 def _parking_store(engine) -> DiskStore:
@@ -159,9 +154,9 @@ def restore(engine) -> None:
                 engine.bring_disk_pages_to_host(h, p)
     engine.pool.replace(k.to(engine.device), v.to(engine.device), pos.to(engine.device), score.to(engine.device))
     index = parked.index if parked.index is not None else _index_from_disk(engine, parked.index_crc)
-    engine.lo, engine.hi, engine.codes, engine.counts = (t.to(engine.device) for t in index)
+    engine.index = index.to(engine.device)
     engine.counters.bytes_moved["host_to_device" if parked.where == "host" else "disk_to_device"] += \
-        _bytes((k, v)) + _bytes(index)
+        _bytes((k, v)) + index.nbytes()
     engine.parked = None
 
 

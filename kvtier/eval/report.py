@@ -11,12 +11,29 @@ from ..scoring import BASELINES_ATTENTION_BASED, BASELINES_ATTENTION_FREE
 from .policies import RECALL_PAGES
 
 
+def _value(r: dict[str, Any]) -> float:
+    """A result's number: its perplexity, or its score x 100."""
+    return r["ppl"] if r.get("ppl") is not None else 100 * r["score"]
+
+
+def example_key(r: dict[str, Any]) -> tuple[str, int, int]:
+    return r["task"], r["length"], r["seed"]
+
+
+def full_by_example(results: list[dict[str, Any]]) -> dict[tuple[str, int, int], dict[str, Any]]:
+    """The full cache's result for each example (task, length, seed): what every policy is compared with."""
+    return {example_key(r): r for r in results if r["policy"] == "full"}
+
+
+def _task_order(table: dict[str, Any]) -> list[str]:
+    return sorted(table, key=lambda t: (t == "perplexity", t))
+
+
 def aggregate(results: list[dict[str, Any]]) -> dict[str, dict[str, dict[float, float]]]:
     """task -> policy -> budget -> mean score x 100 (accuracy) or mean perplexity."""
     groups: dict[tuple, list[float]] = defaultdict(list)
     for r in results:
-        value = r["ppl"] if r.get("ppl") is not None else 100 * r["score"]
-        groups[(r["task"], r["policy"], r["budget"])].append(value)
+        groups[(r["task"], r["policy"], r["budget"])].append(_value(r))
     table: dict[str, dict[str, dict[float, float]]] = defaultdict(lambda: defaultdict(dict))
     for (task, policy, budget), values in groups.items():
         table[task][policy][budget] = mean(values)
@@ -27,7 +44,7 @@ def _by_length(results: list[dict[str, Any]], task: str, policy: str, budget: fl
     groups: dict[int, list[float]] = defaultdict(list)
     for r in results:
         if r["task"] == task and r["policy"] == policy and r["budget"] == budget:
-            groups[r["length"]].append(r["ppl"] if r.get("ppl") is not None else 100 * r["score"])
+            groups[r["length"]].append(_value(r))
     return {n: mean(v) for n, v in sorted(groups.items())}
 
 
@@ -42,7 +59,7 @@ def _best(row_of: dict[str, dict[float, float]], names: list[str], budget: float
 def summary_lines(results: list[dict[str, Any]], budget: float = 0.1, scorer: str = "kvp") -> list[str]:
     """The comparison the suite exists for, at one budget: full vs tier vs eviction, and the targets."""
     table = aggregate(results)
-    tasks = sorted(table, key=lambda t: (t == "perplexity", t))
+    tasks = _task_order(table)
     generation = [t for t in tasks if t != "perplexity"]
     tier, evict = f"tier:{scorer}", f"evict:{scorer}"
     free = [f"evict:{s}" for s in BASELINES_ATTENTION_FREE]
@@ -81,10 +98,10 @@ def summary_lines(results: list[dict[str, Any]], budget: float = 0.1, scorer: st
         _, gap, where = max(gaps)
         checks.append(f"- {tier} at {budget:.0%}: the largest departure from the full cache over the generation "
                       f"tasks is {gap:+.1f} points ({where}).")
-    full_rows = {(f["task"], f["length"], f["seed"]): f for f in results if f["policy"] == "full"}
-    cells = [(r, full_rows[(r["task"], r["length"], r["seed"])]) for r in results
+    full_of = full_by_example(results)
+    cells = [(r, full_of[example_key(r)]) for r in results
              if r["policy"] == tier and r["budget"] == budget and r.get("score") is not None
-             and (r["task"], r["length"], r["seed"]) in full_rows]
+             and example_key(r) in full_of]
     if cells:
         below = sum(r["score"] < f["score"] for r, f in cells)
         above = sum(r["score"] > f["score"] for r, f in cells)
@@ -115,7 +132,7 @@ def write_report(results: list[dict[str, Any]], markdown: str | Path, command: s
     png = markdown.with_suffix(".png")
     table = aggregate(results)
     budgets = sorted({r["budget"] for r in results if r["policy"] != "full"})
-    tasks = sorted(table, key=lambda t: (t == "perplexity", t))
+    tasks = _task_order(table)
     lengths = sorted({r["length"] for r in results})
     seeds = sorted({r["seed"] for r in results})
     lines = ["# Results: tiering with recall vs eviction\n",

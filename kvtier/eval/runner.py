@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from ..integrations.hf import TieredCache, cache_kwargs
-from .policies import Policy
 from ..scoring import BASELINES_ATTENTION_BASED, BASELINES_ATTENTION_FREE, make_scorer
+from .policies import Policy
+from .report import example_key, full_by_example
 from .shared_prefill import PromptScores, full_copy, load_prefill, shared_prefill
 from .tasks import TASKS, Example, make_example
 
@@ -44,7 +45,7 @@ SUITES = {
 
 
 def _key(r: dict[str, Any]) -> tuple:
-    return r["task"], r["length"], r["seed"], r["policy"], r["budget"]
+    return *example_key(r), r["policy"], r["budget"]
 
 
 def read_results(path: str | Path) -> list[dict[str, Any]]:
@@ -126,12 +127,12 @@ def run_suite(model: Any, tokenizer: Any, out: str | Path, suite: Suite,
 
 def full_recall_mismatches(results: list[dict[str, Any]], rel_tol: float = 1e-3) -> list[str]:
     """Where tier mode with every page recalled does not give the full cache's answer (or perplexity)."""
-    full = {(r["task"], r["length"], r["seed"]): r for r in results if r["policy"] == "full"}
+    full = full_by_example(results)
     bad = []
     for r in results:
         if not r["policy"].startswith("tier-all:"):
             continue
-        ref = full.get((r["task"], r["length"], r["seed"]))
+        ref = full.get(example_key(r))
         if ref is None:
             continue
         if r.get("ppl") is not None:

@@ -1,8 +1,10 @@
-"""Recall: per-page key bounds and codes, and the query-aware choice of demoted pages to bring back."""
+"""Recall: per-page key bounds and codes (the page index), and the query-aware choice of pages to bring back."""
 
 from .bounds import page_bounds, round_outward, upper_bounds
 from .codes import decode as decode_codes
 from .codes import encode as encode_codes
+from .index import PageIndex
 from .selector import page_shares, select_pages
 
-__all__ = ["decode_codes", "encode_codes", "page_bounds", "page_shares", "round_outward", "select_pages", "upper_bounds"]
+__all__ = ["PageIndex", "decode_codes", "encode_codes", "page_bounds", "page_shares", "round_outward",
+           "select_pages", "upper_bounds"]

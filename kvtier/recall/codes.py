@@ -16,6 +16,11 @@ PER_BYTE = 4        # 2 bits each
 _SHIFTS = (0, 2, 4, 6)
 
 
+def code_width(dim: int) -> int:
+    """Bytes of codes per key (4 channels a byte)."""
+    return -(-dim // PER_BYTE)
+
+
 def _step(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
     return ((hi.float() - lo.float()) / LEVELS).clamp(min=torch.finfo(torch.float32).tiny)
 
@@ -25,7 +30,7 @@ def encode(k_pages: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.T
     dim = k_pages.shape[-1]
     c = ((k_pages.float() - lo.float()[..., None, :]) / _step(lo, hi)[..., None, :]).round_().clamp_(0, LEVELS)
     c = c.to(torch.uint8)
-    pad = -dim % PER_BYTE
+    pad = code_width(dim) * PER_BYTE - dim
     if pad:
         c = torch.cat([c, c.new_zeros(*c.shape[:-1], pad)], dim=-1)
     c = c.view(*c.shape[:-1], -1, PER_BYTE)
@@ -48,8 +53,3 @@ def decode(codes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Ten
     dim = lo.shape[-1]
     c = F.embedding(codes.long(), _table(codes.device)).view(*codes.shape[:-1], -1)[..., :dim]
     return torch.addcmul(lo.float()[..., None, :], c, _step(lo, hi)[..., None, :])
-
-
-def code_bytes(page_size: int, dim: int) -> int:
-    """Bytes of codes per page and head."""
-    return page_size * -(-dim // PER_BYTE)
