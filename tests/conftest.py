@@ -44,10 +44,10 @@ def fresh_attention(default_model):
 def make_engine(tmp_path):
     """Build `LayerEngine`s on the CPU with a private disk folder; all are closed after the test."""
     from kvtier.config import ModelShape, TieredCacheConfig
-    from kvtier.engine import LayerEngine, MoveCounters
+    from kvtier.engine import LayerEngine
+    from kvtier.engine.resources import SharedResources
     from kvtier.placement import Budget
     from kvtier.scoring import make_scorer
-    from kvtier.transfer import make_transfer_manager
 
     made = []
 
@@ -59,16 +59,12 @@ def make_engine(tmp_path):
             host_budget=None if host_budget is None else Budget(host_budget, "host_budget", allow_zero=True),
             mode=mode, recall_pages=recall_pages, page_size=page_size, sink_tokens=sink_tokens,
             recent_tokens=recent_tokens)
-        transfers = {}
-
-        def transfer_for(device):
-            return transfers.setdefault(device, make_transfer_manager(device))
-
-        engine = LayerEngine(layer_idx, cfg, make_scorer(scorer), transfer_for, lambda: str(tmp_path),
-                             MoveCounters())
-        made.append(engine)
+        shared = SharedResources(str(tmp_path))
+        engine = LayerEngine(layer_idx, cfg, make_scorer(scorer), shared)
+        made.append((engine, shared))
         return engine
 
     yield build
-    for engine in made:
+    for engine, shared in made:
         engine.close()
+        shared.close()

@@ -18,12 +18,10 @@ from typing import Any, Callable
 import torch
 
 from ..config import ModelShape, TieredCacheConfig
-from ..engine import LayerEngine, MoveCounters
-from ..engine.attention import attend_union
+from ..engine import LayerEngine
+from ..engine.resources import SharedResources
 from ..placement import Budget
-from ..placement.page_table import HOST
 from ..scoring import make_scorer
-from ..transfer import make_transfer_manager
 
 ARCHS = {  # layers, query heads, KV heads, head size
     "llama-3.1-8b": (32, 32, 8, 128),
@@ -73,7 +71,8 @@ def synthetic_needles(arch: str = "llama-3.1-8b", context: int = 2**20, needles:
     cfg = TieredCacheConfig(shape=ModelShape(1, kv_heads, dim), device_budget=Budget(device_budget, "device_budget"),
                             host_budget=Budget(host_budget, "host_budget", allow_zero=True), recall_pages=recall_pages)
     folder = tempfile.mkdtemp(prefix="kvtier-synthetic-", dir=disk_dir)
-    engine = LayerEngine(0, cfg, make_scorer("keynorm"), make_transfer_manager, lambda: folder, MoveCounters())
+    shared = SharedResources(folder)
+    engine = LayerEngine(0, cfg, make_scorer("keynorm"), shared)
 
     def planted(start: int) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = plan.chunk_kv(start, dtype)
@@ -96,12 +95,11 @@ def synthetic_needles(arch: str = "llama-3.1-8b", context: int = 2**20, needles:
             query = (directions[i] * QUERY_NORM).repeat_interleave(q_heads // kv_heads, dim=0)[None, :, None]
             step_k = torch.zeros(1, kv_heads, 1, dim, dtype=dtype)
             t0 = time.perf_counter()
-            key, value = engine.write(step_k, step_k)
-            rec = engine.recall(query.to(dtype))
-            out = attend_union(query.to(dtype), key, value, rec.k, rec.v, rec.valid, 1 / math.sqrt(dim))
+            engine.write(step_k, step_k)
+            out = engine.attend(query.to(dtype), 1 / math.sqrt(dim))
             tiered_s = time.perf_counter() - t0
             engine.commit()
-            hit = _recalled(engine, rec, p)
+            hit = _recalled(engine, engine.last_recall, p)
             t0 = time.perf_counter()
             ref = _full_attention(plan, planted, query, zero_tokens=i + 1)
             full_s = time.perf_counter() - t0
@@ -119,27 +117,16 @@ def synthetic_needles(arch: str = "llama-3.1-8b", context: int = 2**20, needles:
                              "recall_pages": recall_pages, "page_size": cfg.page_size, "dtype": str(dtype)}}
     finally:
         engine.close()
+        shared.close()
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _recalled(engine: LayerEngine, rec: Any, position: int) -> bool:
+def _recalled(engine: LayerEngine, page_ids: torch.Tensor, position: int) -> bool:
     """Whether the page holding `position` was recalled for every KV head (or it sits on the device)."""
-    _, _, pos, _ = engine.pool.committed()
-    ok = True
-    for h in range(engine.heads):
-        if (pos[h] == position).any():
-            continue
-        pages = rec.page_ids[h].tolist()
-        held = False
-        for p in pages:
-            tier = engine.table.tier[h, p]
-            got = (engine.host.slot_positions(h, engine.table.slot[h, p]) if tier == HOST
-                   else engine.disk.read(h, p, engine.table.crc[h, p])[2])
-            if (got == position).any():
-                held = True
-                break
-        ok &= held
-    return ok
+    pos, _ = engine.pool.meta()
+    return all(bool((pos[h] == position).any()) or
+               any(position in engine.table.positions(h, p) for p in page_ids[h].tolist())
+               for h in range(engine.heads))
 
 
 def _full_attention(plan: _Plan, planted: Callable, query: torch.Tensor, zero_tokens: int) -> torch.Tensor:

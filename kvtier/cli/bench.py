@@ -8,7 +8,8 @@ import platform
 import click
 import torch
 
-from .common import load, parse_budget, set_threads, user_errors
+from .common import (THREADS, check_cache_options, check_device, check_model, check_scorer, load,
+                     parse_budget, set_threads, user_errors)
 
 
 @click.group()
@@ -17,33 +18,42 @@ def bench() -> None:
 
 
 @bench.command("decode")
-@click.option("--context", default=4096, show_default=True, help="Prompt tokens before decoding.")
-@click.option("--new-tokens", default=64, show_default=True, help="Decode steps timed per round.")
-@click.option("--rounds", default=3, show_default=True, help="Interleaved rounds; the median is reported.")
+@click.option("--context", default=4096, show_default=True, type=click.IntRange(1, 2**24),
+              help="Prompt tokens before decoding.")
+@click.option("--new-tokens", default=64, show_default=True, type=click.IntRange(min=1),
+              help="Decode steps timed per round.")
+@click.option("--rounds", default=3, show_default=True, type=click.IntRange(min=1),
+              help="Interleaved rounds; the median is reported.")
 @click.option("--device-budget", default="0.25", show_default=True, help="Device tokens per KV head.")
 @click.option("--host-budget", default="none", show_default=True, help="Host tokens per KV head ('none' = no limit).")
-@click.option("--recall-pages", default=64, show_default=True, help="Pages recalled per layer and KV head per step.")
+@click.option("--recall-pages", default=64, show_default=True, type=click.IntRange(min=0),
+              help="Pages recalled per layer and KV head per step.")
 @click.option("--scorer", default="auto", show_default=True, help="auto: KVP where weights ship for the model, else keynorm.")
 @click.option("--model", default=None, help="A Hugging Face id or local path (default: the packaged model).")
 @click.option("--device", default="cpu", show_default=True, help="Where the model runs (cpu, cuda).")
-@click.option("--threads", default=1, show_default=True, help="torch CPU threads.")
+@click.option("--threads", default=1, show_default=True, type=THREADS, help="torch CPU threads.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @user_errors
 def decode(context: int, new_tokens: int, rounds: int, device_budget: str, host_budget: str, recall_pages: int,
            scorer: str, model: str | None, device: str, threads: int, as_json: bool) -> None:
     """Decode tokens/s of TieredCache vs DynamicCache after the same long prompt."""
+    budget, host = parse_budget(device_budget, "--device-budget"), parse_budget(host_budget, "--host-budget")
+    check_cache_options(budget, host, None, recall_pages)
+    check_scorer(scorer)
+    check_device(device)
+    check_model(model)
+    set_threads(threads)
+    lm, tok = load(model, quiet=as_json)
+
     from transformers import DynamicCache
 
     from ..bench.decode import compare_decode
     from ..integrations.hf import TieredCache
     from ..tasks.needle import NOISE
 
-    set_threads(threads)
-    lm, tok = load(model, quiet=as_json)
     lm.to(device)
     unit = tok(NOISE, add_special_tokens=False, return_tensors="pt")["input_ids"]
     ids = unit.repeat(1, context // unit.shape[1] + 1)[:, :context].to(device)
-    budget, host = parse_budget(device_budget), parse_budget(host_budget)
     caches = {
         "DynamicCache": lambda: DynamicCache(config=lm.config),
         "TieredCache": lambda: TieredCache(lm.config, device_budget=budget, host_budget=host,

@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from .common import check_cache_options, load, parse_budget, set_threads, user_errors
+from .common import THREADS, check_cache_options, check_model, load, parse_budget, set_threads, user_errors
 from .format import human_bytes
 
 
@@ -16,23 +16,25 @@ from .format import human_bytes
 @click.option("--host-budget", default="0.5", show_default=True, help="Host tokens per KV head ('none' = no limit).")
 @click.option("--park", "park_to", type=click.Choice(["none", "host", "disk"]), default="host", show_default=True,
               help="Where the conversation's cache waits while you type.")
-@click.option("--max-new-tokens", default=200, show_default=True)
+@click.option("--max-new-tokens", default=200, show_default=True, type=click.IntRange(min=1))
 @click.option("--system", default=None, help="A system message.")
 @click.option("--disk-dir", default=None, help="Folder for the disk tier (default: a temporary folder).")
 @click.option("--model", default=None, help="A Hugging Face id or local path (default: the packaged model).")
-@click.option("--threads", default=1, show_default=True)
+@click.option("--threads", default=1, show_default=True, type=THREADS)
 @click.option("--json", "as_json", is_flag=True, help="One JSON line per turn instead of text.")
 @user_errors
 def chat(device_budget: str, host_budget: str, park_to: str, max_new_tokens: int, system: str | None,
          disk_dir: str | None, model: str | None, threads: int, as_json: bool) -> None:
     """Interactive multi-turn chat on the tiered cache (empty line or /quit to stop)."""
+    budget, host = parse_budget(device_budget, "--device-budget"), parse_budget(host_budget, "--host-budget")
+    check_cache_options(budget, host, disk_dir)
+    check_model(model)
+    set_threads(threads)
+    lm, tok = load(model, quiet=as_json)
+
     from ..integrations.chat import ChatSession
 
-    set_threads(threads)
-    check_cache_options(parse_budget(device_budget), parse_budget(host_budget), disk_dir)
-    lm, tok = load(model, quiet=as_json)
-    session = ChatSession(lm, tok, system=system, device_budget=parse_budget(device_budget),
-                          host_budget=parse_budget(host_budget), disk_dir=disk_dir)
+    session = ChatSession(lm, tok, system=system, device_budget=budget, host_budget=host, disk_dir=disk_dir)
     stdin = sys.stdin
     turn = 0
     try:

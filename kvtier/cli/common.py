@@ -1,85 +1,426 @@
-"""Options and error handling shared by the commands."""
+"""Options and error handling shared by the commands.
+
+Exit codes: 0 success; 2 a mistake in what was asked (a bad option value, a missing file, a missing model);
+3 a failure while running that is not the caller's fault (a corrupt page, a full disk); 1 anything else (a
+bug, shown with its traceback). A failure prints one line, ``kvtier: error: <message>``, on stderr; with
+``--json`` it also prints ``{"error": "<message>", "exit_code": N}`` on stdout.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 import io
-from typing import Any, Callable
+import json
+import math
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Iterable
 
 import click
 import torch
 
 from ..errors import ConfigError, KVTierError, ModelNotInstalledError, UnsupportedError
 
+EXIT_USAGE, EXIT_RUNTIME = 2, 3
 
-def parse_budget(value: str | None) -> float | int | None:
-    """'0.1' -> 0.1 (fraction), '512' -> 512 (tokens), 'none' -> None."""
-    if value is None or value.lower() == "none":
+# The longest prompt worth prefilling with a model on this machine (the default model was trained on 8K).
+MAX_MODEL_CONTEXT = 32768
+# torch CPU threads: at least one, and a number the thread pool can take
+THREADS = click.IntRange(1, 1024)
+
+
+class UserError(click.ClickException):
+    """A mistake in what was asked: one line, exit 2."""
+
+    exit_code = EXIT_USAGE
+
+
+class RuntimeFailure(click.ClickException):
+    """A failure while running that is not the caller's fault: one line, exit 3."""
+
+    exit_code = EXIT_RUNTIME
+
+
+def bad_option(option: str, value: Any, allowed: str, why: str = "") -> click.BadParameter:
+    """``--option 'value' <why>; allowed: <allowed>`` as a click error (exit 2)."""
+    return click.BadParameter(f"{value!r}{' ' + why if why else ''}; allowed: {allowed}", param_hint=f"'{option}'")
+
+
+# ----------------------------------------------------------------------------------------------------- parsing
+
+def parse_budget(value: str | None, option: str = "--device-budget") -> float | int | None:
+    """'0.1' -> 0.1 (fraction), '512' -> 512 (tokens), 'none' -> None (the range is checked by `Budget`)."""
+    if value is None or value.strip().lower() == "none":
         return None
+    allowed = "a fraction like 0.1 or a token count like 512"
     try:
         return int(value)
     except ValueError:
+        pass
+    try:
+        number = float(value)
+    except ValueError:
+        raise bad_option(option, value, allowed, "is not a number") from None
+    if not math.isfinite(number):
+        raise bad_option(option, value, allowed, "is not a finite number")
+    return number
+
+
+def split_list(text: str, option: str) -> list[str]:
+    """'a,b' -> ['a', 'b']; an empty item is an error."""
+    items = [x.strip() for x in text.split(",")]
+    if not all(items):
+        raise bad_option(option, text, "a comma list without empty items, e.g. 0.1,0.25", "has an empty item")
+    return items
+
+
+def _item_why(text: str, item: str, why: str) -> str:
+    return why if item == text.strip() else f"has {item!r}, which {why}"
+
+
+def parse_fractions(text: str | None, option: str) -> tuple[float, ...] | None:
+    """'0.1,0.25' -> (0.1, 0.25); each must be a fraction in (0, 1]."""
+    if text is None:
+        return None
+    allowed = "a comma list of fractions in (0, 1], e.g. 0.1,0.25,0.5"
+    out = []
+    for item in split_list(text, option):
         try:
-            return float(value)
+            value = float(item)
         except ValueError:
-            raise click.BadParameter(f"{value!r} is not a number; allowed: a fraction like 0.1 or a token "
-                                     "count like 512") from None
+            raise bad_option(option, text, allowed, _item_why(text, item, "is not a number")) from None
+        if not (0.0 < value <= 1.0):  # also false for NaN
+            raise bad_option(option, text, allowed, _item_why(text, item, "is out of range"))
+        out.append(value)
+    return tuple(out)
 
 
-EXIT_USAGE, EXIT_RUNTIME = 2, 3
+def parse_ints(text: str | None, option: str, low: int | None = None,
+               high: int | None = None) -> tuple[int, ...] | None:
+    """'1,2' -> (1, 2); each a whole number in [low, high]."""
+    if text is None:
+        return None
+    span = ("" if low is None and high is None else f" >= {low}" if high is None else f" from {low} to {high}")
+    allowed = f"a comma list of whole numbers{span}"
+    out = []
+    for item in split_list(text, option):
+        try:
+            value = int(item)
+        except ValueError:
+            raise bad_option(option, text, allowed, _item_why(text, item, "is not a whole number")) from None
+        if (low is not None and value < low) or (high is not None and value > high):
+            raise bad_option(option, text, allowed, _item_why(text, item, "is out of range"))
+        out.append(value)
+    return tuple(out)
+
+
+def parse_tokens(text: str) -> int:
+    """'1M' -> 1048576, '128K' -> 131072, '5000' -> 5000, as `kvtier.bench.synthetic.parse_tokens` reads them
+    (without importing the engine); ValueError for anything else, 'inf' and 'nan' included."""
+    text = text.strip().upper()
+    scale = {"K": 2**10, "M": 2**20}.get(text[-1:], 1)
+    number = float(text[:-1] if scale > 1 else text)
+    if not math.isfinite(number):
+        raise ValueError(f"{text!r} is not a finite number")
+    return int(number * scale)
+
+
+def parse_context(text: str, option: str, low: int, high: int | None = None, allowed: str | None = None) -> int:
+    """'3000' / '128K' / '1M' -> tokens, between `low` and `high`."""
+    allowed = allowed or f"a token count like 3000, 128K or 1M, at least {low}"
+    try:
+        tokens = parse_tokens(text)
+    except (ValueError, OverflowError):  # 'abc', 'nan', 'inf'
+        raise bad_option(option, text, allowed, "is not a token count") from None
+    if tokens < low or (high is not None and tokens > high):
+        raise bad_option(option, text, allowed, "is out of range")
+    return tokens
+
+
+# -------------------------------------------------------------------------------------------- checks before work
+
+def check_scorer(scorer: str, option: str = "--scorer", allow_auto: bool = True) -> None:
+    """An unknown scorer name fails here, before a model loads."""
+    from ..scoring import available_scorers
+
+    names = available_scorers()
+    if scorer in names or (allow_auto and scorer == "auto"):
+        return
+    raise bad_option(option, scorer, ", ".join((["auto"] if allow_auto else []) + names), "is not a scorer")
+
+
+def check_policies(policies: Iterable[str], option: str = "--policies") -> None:
+    """'tier:kvp' and the like: the form and the scorer name."""
+    from ..eval.policies import Policy
+    from ..scoring import available_scorers
+
+    allowed = "full, evict:<scorer>, tier:<scorer>, tier-all:<scorer>"
+    names = available_scorers()
+    for text in policies:
+        try:
+            policy = Policy.parse(text)
+        except ConfigError:
+            raise click.BadParameter(f"policy {text!r} is unknown; allowed: {allowed}",
+                                     param_hint=f"'{option}'") from None
+        if policy.scorer is not None and policy.scorer not in names:
+            raise click.BadParameter(f"policy {text!r} names the unknown scorer {policy.scorer!r}; allowed: "
+                                     f"{allowed}, with <scorer> one of {', '.join(names)}", param_hint=f"'{option}'")
+
+
+def check_device(device: str, option: str = "--device") -> None:
+    """'cpu', 'cuda' or 'cuda:N', and a CUDA device only where there is one."""
+    allowed = "cpu, cuda, cuda:N"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise bad_option(option, device, allowed, "is not a device") from None
+    if dev.type == "cpu":
+        return
+    if dev.type != "cuda":
+        raise bad_option(option, device, allowed, "is not supported")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise bad_option(option, device, "cpu", "is not available: this machine has no CUDA device")
+    if dev.index is not None and dev.index >= count:
+        raise bad_option(option, device, f"cpu, cuda, cuda:0 to cuda:{count - 1}", "is not available")
+
+
+def check_writable_folder(folder: str, option: str, shown: str | None = None) -> None:
+    """Fail now if `folder` cannot be written (or created) — without creating anything that stays behind.
+
+    The probe is an anonymous temporary file in the folder, or in its closest existing parent when the
+    folder does not exist yet; it is gone as soon as it is closed, even when writing to it fails (a full
+    disk). `shown` is the value the message names (default: `folder`).
+    """
+    allowed = "a folder this process can create files in"
+    value, what = (folder, "is not a writable folder") if shown is None else (shown, "is not in a writable folder")
+    if not folder.strip():
+        raise bad_option(option, value, allowed, "is empty")
+    path = Path(folder).expanduser().absolute()
+    if path.exists() and not path.is_dir():
+        raise bad_option(option, value, allowed, f"{what} ({path} is a file)")
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise bad_option(option, value, allowed, f"{what} ({existing} is a file)")
+    try:
+        with tempfile.TemporaryFile(dir=existing) as f:
+            f.write(b"\0")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise bad_option(option, value, allowed,
+                         f"{what} (cannot create files in {existing}: {e.strerror or e})") from None
+
+
+def check_output_file(path: str, option: str) -> None:
+    """A file to write: not a folder, and its folder writable (or creatable)."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise bad_option(option, path, "a file path", "is a folder")
+    check_writable_folder(str(p.absolute().parent), option, shown=path)
+
+
+def check_model(model: str | None, option: str = "--model") -> None:
+    """Fail on a model that cannot be there, before the slow load (a Hub id is left to the loader)."""
+    from ..models import default_model_path
+
+    if model is None:
+        default_model_path()  # ModelNotInstalledError (exit 2) with how to install it
+        return
+    allowed = "a model folder (config.json and weights), a .gguf file, or a Hugging Face id in the local cache"
+    p = Path(model).expanduser()
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            ggufs = sorted(p.glob("*.gguf"))
+            hint = f"; pass the .gguf file itself, e.g. {ggufs[0]}" if ggufs else ""
+            raise bad_option(option, model, allowed, f"is a folder with no model in it (no config.json{hint})")
+    elif p.is_file():
+        if p.suffix.lower() != ".gguf":
+            raise bad_option(option, model, allowed, "is a file but not a .gguf model")
+    elif model.startswith(("/", "./", "../", "~", ".\\")) or model.endswith(".gguf") or model.count("/") > 1:
+        raise bad_option(option, model, allowed, "is neither a local path nor a Hugging Face id (no such file "
+                         "or folder)")
+
+
+def check_cache_options(device_budget: Any, host_budget: Any, disk_dir: str | None,
+                        recall_pages: int = 0) -> None:
+    """Fail on bad cache settings before spending time loading a model (and create no folder doing so)."""
+    from ..config import ModelShape, TieredCacheConfig
+    from ..placement import Budget
+
+    device = Budget(device_budget, "device_budget")
+    host = None if host_budget is None else Budget(host_budget, "host_budget", allow_zero=True)
+    TieredCacheConfig(shape=ModelShape(1, 1, 1), device_budget=device, host_budget=host, recall_pages=recall_pages)
+    if disk_dir is not None:
+        check_writable_folder(disk_dir, "--disk-dir")
+
+
+def read_manifest(trace_dir: str, option: str = "--traces") -> dict[str, Any]:
+    """The manifest of a folder written by `kvtier traces`, checked: it parses, and its trace files are there."""
+    path = Path(trace_dir) / "manifest.json"
+    allowed = "a folder written by `kvtier traces`"
+    if not path.is_file():
+        raise bad_option(option, trace_dir, allowed, "holds no traces (no manifest.json)")
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise bad_option(option, trace_dir, allowed, f"has an unreadable manifest.json ({e})") from None
+    keys = ("model", "num_layers", "num_kv_heads", "head_dim", "traces")
+    if not isinstance(manifest, dict) or any(k not in manifest for k in keys) or not isinstance(
+            manifest["traces"], list) or not all(isinstance(t, dict) and "file" in t for t in manifest["traces"]):
+        raise bad_option(option, trace_dir, allowed, f"has a manifest.json without {', '.join(keys)}")
+    if not manifest["traces"]:
+        raise bad_option(option, trace_dir, allowed, "holds no traces (manifest.json lists none)")
+    missing = [t["file"] for t in manifest["traces"] if not (Path(trace_dir) / str(t["file"])).is_file()]
+    if missing:
+        raise bad_option(option, trace_dir, allowed,
+                         f"misses {len(missing)} trace file(s) its manifest.json lists, e.g. {missing[0]}")
+    return manifest
+
+
+RESULT_KEYS = ("task", "length", "seed", "policy", "budget")
+
+
+def read_result_lines(path: str, option: str) -> list[dict[str, Any]]:
+    """The records of an evaluation's JSON lines file; a malformed line names the file and its line number."""
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise bad_option(option, path, "a JSON lines file written by `kvtier eval`",
+                         f"cannot be read ({getattr(e, 'strerror', None) or e})") from None
+    out = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path}, line {number}: not valid JSON ({e.msg}, column {e.colno}); allowed: one "
+                            "JSON object per line, as written by `kvtier eval`") from None
+        missing = [k for k in RESULT_KEYS if k not in record] if isinstance(record, dict) else list(RESULT_KEYS)
+        if not missing and record.get("ppl") is None and not isinstance(record.get("score"), (int, float)):
+            missing = ["ppl or score"]
+        if missing:
+            raise UserError(f"{path}, line {number}: not an evaluation result (missing {', '.join(missing)}); "
+                            "allowed: one JSON object per line, as written by `kvtier eval`")
+        out.append(record)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------ errors
+
+def one_line(message: str) -> str:
+    return " ".join(part.strip() for part in str(message).splitlines() if part.strip()) or "failed"
+
+
+def classify(exc: BaseException) -> tuple[str, int] | None:
+    """(message, exit code) for a failure kvtier explains in one line; None for a bug (shown with its traceback)."""
+    if isinstance(exc, click.ClickException):
+        return one_line(exc.format_message()), exc.exit_code
+    if isinstance(exc, (ConfigError, ModelNotInstalledError, UnsupportedError)):
+        return one_line(f"{type(exc).__name__}: {exc}"), EXIT_USAGE
+    if isinstance(exc, KVTierError):
+        return one_line(f"{type(exc).__name__}: {exc}"), EXIT_RUNTIME
+    if isinstance(exc, (OSError, MemoryError)):  # a full disk, a failing device, out of memory while running
+        return one_line(f"{type(exc).__name__}: {exc}"), EXIT_RUNTIME
+    return None
 
 
 def user_errors(fn: Callable) -> Callable:
-    """Show kvtier's own errors as one line instead of a traceback.
-
-    Exit codes: 2 for a mistake in what was asked (a bad setting, a missing model), 3 for a failure while
-    running (a corrupt page, a full disk), 1 for anything else.
-    """
+    """Turn kvtier's own errors (and a full disk or out of memory while running) into one-line click errors:
+    exit 2 for a mistake in what was asked, 3 for a failure while running (see the module's docstring)."""
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except (ConfigError, ModelNotInstalledError, UnsupportedError) as e:
-            err = click.ClickException(f"{type(e).__name__}: {e}")
-            err.exit_code = EXIT_USAGE
-            raise err from e
-        except KVTierError as e:
-            err = click.ClickException(f"{type(e).__name__}: {e}")
-            err.exit_code = EXIT_RUNTIME
-            raise err from e
+        except click.ClickException:
+            raise
+        except Exception as e:
+            found = classify(e)
+            if found is None:
+                raise
+            message, code = found
+            raise (UserError if code == EXIT_USAGE else RuntimeFailure)(message) from e
     return wrapper
 
+
+def report_failure(message: str, exit_code: int, as_json: bool) -> None:
+    """The one line on stderr (and, with --json, the JSON object on stdout)."""
+    if as_json:
+        click.echo(json.dumps({"error": message, "exit_code": exit_code}))
+    click.echo(f"kvtier: error: {message}", err=True)
+
+
+def wants_json(argv: list[str]) -> bool:
+    """Whether the command line asks for --json (before a `--`)."""
+    if "--" in argv:
+        argv = argv[:argv.index("--")]
+    return "--json" in argv
+
+
+def run_main(group_main: Callable[..., Any], args: list[str] | None, **kwargs: Any) -> None:
+    """Run click's `main` without its own error display; every failure ends as described in the docstring."""
+    argv = list(sys.argv[1:] if args is None else args)
+    as_json = wants_json(argv)
+    try:
+        rv = group_main(args=argv, standalone_mode=False, **kwargs)
+    except click.exceptions.NoArgsIsHelpError as e:  # `kvtier` or `kvtier bench` alone: the help, as click shows it
+        e.show()
+        sys.exit(e.exit_code)
+    except click.Abort:
+        report_failure("aborted", 1, as_json)
+        sys.exit(1)
+    except Exception as e:
+        found = classify(e)
+        if found is None:
+            if as_json:
+                click.echo(json.dumps({"error": one_line(f"{type(e).__name__}: {e}"), "exit_code": 1}))
+            raise
+        message, code = found
+        report_failure(message, code, as_json)
+        sys.exit(code)
+    sys.exit(rv if isinstance(rv, int) else 0)
+
+
+# ------------------------------------------------------------------------------------------------------- work
 
 def set_threads(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
 def load(model: str | None, quiet: bool = False) -> tuple[Any, Any]:
-    """Load the named model (default: the packaged one); `quiet` hides the loading progress bars."""
+    """Load the named model (default: the packaged one); `quiet` hides the loading progress bars.
+
+    A model that cannot be read is a mistake in --model (exit 2); the packaged one failing to load is not the
+    caller's fault (exit 3).
+    """
     from transformers.utils import logging as hf_logging
 
     from ..models import load_default_model, load_model
 
-    if not quiet:
-        return load_default_model() if model is None else load_model(model)
-    hf_logging.disable_progress_bar()
-    try:  # some loaders (GGUF) draw plain tqdm bars on stderr: keep them out of machine-read output
-        with contextlib.redirect_stderr(io.StringIO()):
-            return load_default_model() if model is None else load_model(model)
-    finally:
-        hf_logging.enable_progress_bar()
+    def go() -> tuple[Any, Any]:
+        return load_default_model() if model is None else load_model(os.path.expanduser(model))
 
-
-def check_cache_options(device_budget: Any, host_budget: Any, disk_dir: str | None) -> None:
-    """Fail on bad cache settings before spending time loading a model."""
-    import shutil
-
-    from ..integrations.hf import make_private_dir
-    from ..placement import Budget
-
-    Budget(device_budget, "device_budget")
-    if host_budget is not None:
-        Budget(host_budget, "host_budget", allow_zero=True)
-    if disk_dir is not None:
-        shutil.rmtree(make_private_dir(disk_dir), ignore_errors=True)
+    try:
+        if not quiet:
+            return go()
+        hf_logging.disable_progress_bar()
+        try:  # some loaders (GGUF) draw plain tqdm bars on stderr: keep them out of machine-read output
+            with contextlib.redirect_stderr(io.StringIO()):
+                return go()
+        finally:
+            hf_logging.enable_progress_bar()
+    except KVTierError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, ImportError) as e:
+        if model is None:
+            raise RuntimeFailure(f"the packaged default model failed to load ({type(e).__name__}: "
+                                 f"{one_line(e)})") from e
+        raise UserError(f"Invalid value for '--model': {model!r} cannot be loaded ({type(e).__name__}: "
+                        f"{one_line(e)}); allowed: a model folder (config.json and weights), a .gguf file, or a "
+                        "Hugging Face id in the local cache") from e

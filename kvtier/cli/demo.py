@@ -8,8 +8,34 @@ import time
 import click
 import torch
 
-from .common import check_cache_options, load, parse_budget, set_threads, user_errors
-from .format import tier_lines
+from .common import (MAX_MODEL_CONTEXT, THREADS, check_cache_options, check_model, check_scorer, load,
+                     parse_budget, parse_context, set_threads, user_errors)
+from .format import human_bytes, tier_lines
+
+MIN_CONTEXT = 256            # a model demo's prompt: the fact, a question and some filler around them
+SYNTHETIC_MIN_CONTEXT = 256  # --synthetic: needles at least 64 tokens apart, past the sinks and recent window
+SYNTHETIC_MAX_CONTEXT = 2**30
+
+
+def check_synthetic_disk(arch: str, tokens: int, disk_dir: str | None) -> None:
+    """A synthetic context larger than the disk tier's free space is a mistake: say so now, not when it fills."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from ..bench.synthetic import ARCHS
+
+    _, _, kv_heads, dim = ARCHS[arch]
+    need = tokens * kv_heads * dim * 2 * 2  # keys and values, bfloat16, all of it on disk at worst
+    folder = Path(disk_dir or tempfile.gettempdir()).expanduser().absolute()
+    while not folder.exists():
+        folder = folder.parent
+    free = shutil.disk_usage(folder).free
+    if need > free:
+        raise click.BadParameter(
+            f"{tokens:,} tokens of {arch} need about {human_bytes(need)} of disk, and {folder} has "
+            f"{human_bytes(free)} free; allowed: a shorter --context or a --disk-dir with more room",
+            param_hint="'--context'")
 
 
 @click.command()
@@ -18,55 +44,70 @@ from .format import tier_lines
 @click.option("--synthetic", is_flag=True, help="Synthetic KV of a real architecture's shape with planted "
               "needles, instead of running a model (for contexts no model here can prefill).")
 @click.option("--arch", default="llama-3.1-8b", show_default=True, help="Architecture shape for --synthetic.")
-@click.option("--needles", default=2, show_default=True, help="How many facts (each at another depth) to ask about.")
+@click.option("--needles", default=2, show_default=True, type=click.IntRange(min=1),
+              help="How many facts (each at another depth) to ask about.")
 @click.option("--device-budget", default="auto", show_default=True,
               help="Device tokens per KV head: fraction or count (auto: 0.1, or 0.01 with --synthetic).")
 @click.option("--host-budget", default="auto", show_default=True,
               help="Host tokens per KV head, the rest on disk; 'none' = no limit (auto: 0.2, or 0.05 with --synthetic).")
-@click.option("--recall-pages", default=32, show_default=True, help="Pages recalled per layer and KV head per step.")
+@click.option("--recall-pages", default=32, show_default=True, type=click.IntRange(min=0),
+              help="Pages recalled per layer and KV head per step (0: no recall; --synthetic needs 1 or more).")
 @click.option("--scorer", default="auto", show_default=True, help="How entries are ranked (auto: KVP where weights ship for the model, else keynorm).")
 @click.option("--disk-dir", default=None, help="Folder for the disk tier (default: a temporary folder).")
 @click.option("--model", default=None, help="A Hugging Face id or local path (default: the packaged SmolLM2-135M-Instruct).")
-@click.option("--threads", default=1, show_default=True, help="torch CPU threads.")
+@click.option("--threads", default=1, show_default=True, type=THREADS, help="torch CPU threads.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 @user_errors
 def demo(context: str, synthetic: bool, arch: str, needles: int, device_budget: str, host_budget: str,
          recall_pages: int, scorer: str, disk_dir: str | None, model: str | None, threads: int, as_json: bool) -> None:
     """Answer questions about facts hidden in a long text, with 10% of the KV cache on the device."""
+    say = (lambda *a: None) if as_json else click.echo
+    if synthetic:
+        tokens = parse_context(context, "--context", SYNTHETIC_MIN_CONTEXT, SYNTHETIC_MAX_CONTEXT, allowed=(
+            f"a token count like 3000, 128K or 1M, from {SYNTHETIC_MIN_CONTEXT} to {SYNTHETIC_MAX_CONTEXT // 2**20}M"))
+        if needles > tokens // 64:
+            raise click.BadParameter(f"{needles} needles in {tokens:,} tokens; allowed: at most one needle per 64 "
+                                     f"tokens ({tokens // 64} here)", param_hint="'--needles'")
+        if recall_pages < 1:
+            raise click.BadParameter(f"{recall_pages} turns recall off, and --synthetic checks what recall finds; "
+                                     "allowed: 1 or more", param_hint="'--recall-pages'")
+    else:
+        tokens = parse_context(context, "--context", MIN_CONTEXT, MAX_MODEL_CONTEXT, allowed=(
+            f"a token count from {MIN_CONTEXT} to {MAX_MODEL_CONTEXT // 1024}K (e.g. 3000 or 8K); longer contexts "
+            "need --synthetic, which fills the cache with KV of a real architecture's shape (--arch) instead"))
+    if device_budget == "auto":
+        device_budget = "0.01" if synthetic else "0.1"
+    if host_budget == "auto":
+        host_budget = "0.05" if synthetic else "0.2"
+    budget, host = parse_budget(device_budget, "--device-budget"), parse_budget(host_budget, "--host-budget")
+    if synthetic and host is None:
+        raise click.BadParameter(f"{host_budget!r}: --synthetic fills the disk tier, so the host needs a limit; "
+                                 "allowed: a fraction like 0.05 or a token count like 4096",
+                                 param_hint="'--host-budget'")
+    check_cache_options(budget, host, disk_dir, recall_pages)
+    check_scorer(scorer)
+    if synthetic:
+        from ..bench.synthetic import ARCHS
+
+        if arch not in ARCHS:
+            raise click.BadParameter(f"{arch!r} is not a known architecture; allowed: {', '.join(ARCHS)}",
+                                     param_hint="'--arch'")
+        check_synthetic_disk(arch, tokens, disk_dir)
+        set_threads(threads)
+        from .synthetic_report import run_synthetic
+
+        run_synthetic(arch, tokens, needles, budget, host, recall_pages, as_json, disk_dir=disk_dir)
+        return
+    check_model(model)
+    set_threads(threads)
+    say("loading the model ...")
+    lm, tok = load(model, quiet=as_json)
+
     from transformers import DynamicCache
 
     from ..integrations.hf import TieredCache, cache_kwargs
     from ..tasks import make_needle_task
 
-    from ..bench.synthetic import ARCHS, parse_tokens
-
-    set_threads(threads)
-    say = (lambda *a: None) if as_json else click.echo
-    try:
-        tokens = parse_tokens(context)
-    except ValueError:
-        raise click.BadParameter(f"{context!r}; allowed: a token count like 3000, 128K or 1M",
-                                 param_hint="--context") from None
-    if device_budget == "auto":
-        device_budget = "0.01" if synthetic else "0.1"
-    if host_budget == "auto":
-        host_budget = "0.05" if synthetic else "0.2"
-    check_cache_options(parse_budget(device_budget), parse_budget(host_budget), disk_dir)
-    if synthetic:
-        if arch not in ARCHS:
-            raise click.BadParameter(f"{arch!r}; allowed: {', '.join(ARCHS)}", param_hint="--arch")
-        from .synthetic_report import run_synthetic
-
-        run_synthetic(arch, tokens, needles, parse_budget(device_budget), parse_budget(host_budget), recall_pages,
-                      as_json)
-        return
-    if tokens > 32768:
-        raise click.UsageError(f"prefilling {tokens:,} tokens with a model on this machine is not practical (the "
-                               "default model was trained on 8K); add --synthetic to fill the cache with KV of a "
-                               "real architecture's shape (--arch) instead")
-    say("loading the model ...")
-    lm, tok = load(model, quiet=as_json)
-    budget, host = parse_budget(device_budget), parse_budget(host_budget)
     report = {"tasks": []}
     for i in range(needles):
         depth = (i + 0.5) / needles * 0.8

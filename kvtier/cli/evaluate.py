@@ -6,18 +6,14 @@ import json
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import click
 
-from .common import EXIT_RUNTIME, load, set_threads, user_errors
+from .common import (EXIT_RUNTIME, THREADS, check_model, check_output_file, check_policies, load,
+                     parse_fractions, parse_ints, read_result_lines, set_threads, split_list, user_errors)
 
-
-def _floats(text: str | None) -> tuple[float, ...] | None:
-    return None if text is None else tuple(float(x) for x in text.split(","))
-
-
-def _ints(text: str | None) -> tuple[int, ...] | None:
-    return None if text is None else tuple(int(x) for x in text.split(","))
+MIN_LENGTH = 256  # the shortest prompt an evaluation task is built for
 
 
 @click.command("eval")
@@ -29,7 +25,7 @@ def _ints(text: str | None) -> tuple[int, ...] | None:
 @click.option("--lengths", default=None, help="Comma list of prompt lengths in tokens.")
 @click.option("--tasks", default=None, help="Comma list of tasks.")
 @click.option("--seed", "seeds", default=None, help="Comma list of seeds.")
-@click.option("--threads", default=1, show_default=True)
+@click.option("--threads", default=1, show_default=True, type=THREADS)
 @click.option("--json", "as_json", is_flag=True, help="Print a summary as JSON.")
 @user_errors
 def evaluate(suite: str, out: str, model: str | None, policies: str | None, budgets: str | None,
@@ -37,21 +33,26 @@ def evaluate(suite: str, out: str, model: str | None, policies: str | None, budg
     """Run an evaluation suite (resumable); exits 3 if tier mode with full recall departs from the full cache."""
     from tqdm import tqdm
 
-    from ..eval.policies import Policy
     from ..eval.report import aggregate
     from ..eval.runner import SUITES, full_recall_mismatches, run_suite
     from ..eval.tasks import TASKS
 
     chosen = SUITES[suite]
     chosen = replace(chosen, **{k: v for k, v in {
-        "policies": None if policies is None else tuple(policies.split(",")), "budgets": _floats(budgets),
-        "lengths": _ints(lengths), "tasks": None if tasks is None else tuple(tasks.split(",")),
-        "seeds": _ints(seeds)}.items() if v is not None})
-    for p in chosen.policies:
-        Policy.parse(p)
+        "policies": None if policies is None else tuple(split_list(policies, "--policies")),
+        "budgets": parse_fractions(budgets, "--budgets"),
+        "lengths": parse_ints(lengths, "--lengths", MIN_LENGTH),
+        "tasks": None if tasks is None else tuple(split_list(tasks, "--tasks")),
+        "seeds": parse_ints(seeds, "--seed", 0)}.items() if v is not None})
+    check_policies(chosen.policies)
     unknown = [t for t in chosen.tasks if t not in TASKS]
     if unknown:
-        raise click.BadParameter(f"{unknown}; allowed: {', '.join(TASKS)}", param_hint="--tasks")
+        raise click.BadParameter(f"{', '.join(map(repr, unknown))} is not a task; allowed: {', '.join(TASKS)}",
+                                 param_hint="'--tasks'")
+    check_output_file(out, "--out")
+    if Path(out).is_file():  # resumed: a damaged file fails now, not after the model has loaded
+        read_result_lines(out, "--out")
+    check_model(model)
     set_threads(threads)
     start = time.perf_counter()
     lm, tok = load(model, quiet=as_json)
@@ -61,13 +62,18 @@ def evaluate(suite: str, out: str, model: str | None, policies: str | None, budg
     summary = {"runs": len(results), "out": out, "seconds": round(seconds, 1), "full_recall_mismatches": bad,
                "mean": {t: {p: {str(b): v for b, v in row.items()} for p, row in pol.items()}
                         for t, pol in aggregate(results).items()}}
+    failure = (f"{len(bad)} result(s) of tier mode with full recall depart from the full cache (see "
+               f"full_recall_mismatches in {out})") if bad else None
     if as_json:
+        if failure:
+            summary.update(error=failure, exit_code=EXIT_RUNTIME)
         click.echo(json.dumps(summary, indent=2))
     else:
         click.echo(f"{len(results)} runs in {out}; {seconds / 60:.1f} min (model load included)")
         for line in bad:
             click.echo(f"MISMATCH (tier with full recall vs full cache): {line}")
-    if bad:
+    if failure:
+        click.echo(f"kvtier: error: {failure}", err=True)
         sys.exit(EXIT_RUNTIME)
 
 
@@ -75,10 +81,17 @@ def evaluate(suite: str, out: str, model: str | None, policies: str | None, budg
 @click.argument("results", type=click.Path(exists=True, dir_okay=False))
 @click.option("--out", default="docs/results.md", show_default=True, help="Markdown file (a PNG is written beside it).")
 @click.option("--note", default="", help="A paragraph placed under the title (machine, wall time, ...).")
+@user_errors
 def report(results: str, out: str, note: str) -> None:
     """Markdown tables and plots of an evaluation's results."""
-    from ..eval.report import write_report
-    from ..eval.runner import read_results
+    records = read_result_lines(results, "RESULTS")
+    if not records:
+        raise click.BadParameter(f"{results!r} holds no results; allowed: a JSON lines file written by `kvtier eval`",
+                                 param_hint="'RESULTS'")
+    check_output_file(out, "--out")
 
-    png = write_report(read_results(results), out, command=f"kvtier report {results}", note=note)
+    from ..eval.report import write_report
+
+    Path(out).expanduser().absolute().parent.mkdir(parents=True, exist_ok=True)
+    png = write_report(records, out, command=f"kvtier report {results}", note=note)
     click.echo(f"wrote {out} and {png}")

@@ -7,11 +7,13 @@ import platform
 import resource
 import shutil
 import tempfile
+from pathlib import Path
 
 import click
 import psutil
 import torch
 
+from .common import check_writable_folder, user_errors
 from .format import human_bytes
 
 
@@ -24,6 +26,9 @@ def gather(disk_dir: str | None) -> dict:
 
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     folder = disk_dir or tempfile.gettempdir()
+    existing = Path(folder).expanduser().absolute()  # a folder not made yet: the free space where it would be
+    while not existing.exists():
+        existing = existing.parent
     mem = psutil.virtual_memory()
     gpus = [{"name": torch.cuda.get_device_name(i),
              "memory": torch.cuda.get_device_properties(i).total_memory} for i in range(torch.cuda.device_count())]
@@ -44,7 +49,7 @@ def gather(disk_dir: str | None) -> dict:
         "gpus": gpus,
         "memlock": {"soft": None if soft == resource.RLIM_INFINITY else soft,
                     "hard": None if hard == resource.RLIM_INFINITY else hard},
-        "disk": {"folder": folder, "free": shutil.disk_usage(folder).free},
+        "disk": {"folder": folder, "free": shutil.disk_usage(existing).free},
         "default_model": model,
     }
     limits = []
@@ -64,8 +69,11 @@ def gather(disk_dir: str | None) -> dict:
 @click.command()
 @click.option("--disk-dir", default=None, help="The folder a disk tier would use (default: the temp folder).")
 @click.option("--json", "as_json", is_flag=True)
+@user_errors
 def info(disk_dir: str | None, as_json: bool) -> None:
     """Versions, GPUs, memory, pinned-memory limit and free disk: what would limit a run."""
+    if disk_dir is not None:
+        check_writable_folder(disk_dir, "--disk-dir")
     data = gather(disk_dir)
     if as_json:
         click.echo(json.dumps(data, indent=2))

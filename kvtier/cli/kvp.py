@@ -8,7 +8,8 @@ from pathlib import Path
 
 import click
 
-from .common import load, set_threads, user_errors
+from .common import (THREADS, check_model, check_output_file, check_writable_folder, load,
+                     parse_fractions, read_manifest, set_threads, user_errors)
 
 
 def _bar(desc: str, quiet: bool = False):
@@ -22,17 +23,25 @@ def _bar(desc: str, quiet: bool = False):
 @click.option("--model", default=None, help="A Hugging Face id or local path (default: the packaged model).")
 @click.option("--split", type=click.Choice(["train", "eval"]), default="train", show_default=True,
               help="Which half of the corpus (and which task seeds) to use; the two never overlap.")
-@click.option("--texts", default=48, show_default=True, help="Prose traces (continuation = the text itself).")
-@click.option("--needles", default=16, show_default=True, help="Needle-task traces (continuation = greedy answer).")
-@click.option("--prompt-tokens", default=1024, show_default=True)
-@click.option("--continuation-tokens", default=128, show_default=True)
-@click.option("--needle-context", default=1500, show_default=True)
-@click.option("--seed", default=0, show_default=True)
-@click.option("--threads", default=2, show_default=True)
+@click.option("--texts", default=48, show_default=True, type=click.IntRange(min=0),
+              help="Prose traces (continuation = the text itself).")
+@click.option("--needles", default=16, show_default=True, type=click.IntRange(min=0),
+              help="Needle-task traces (continuation = greedy answer).")
+@click.option("--prompt-tokens", default=1024, show_default=True, type=click.IntRange(min=64))
+@click.option("--continuation-tokens", default=128, show_default=True, type=click.IntRange(min=1))
+@click.option("--needle-context", default=1500, show_default=True, type=click.IntRange(min=256))
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0))
+@click.option("--threads", default=2, show_default=True, type=THREADS)
 @user_errors
 def traces(out: str, model: str | None, split: str, texts: int, needles: int, prompt_tokens: int,
            continuation_tokens: int, needle_context: int, seed: int, threads: int) -> None:
     """Record generation traces (keys, values, positions, future attention) for training KVP."""
+    if texts == 0 and needles == 0:
+        raise click.BadParameter("0 with --texts 0: nothing to record; allowed: --texts or --needles above 0",
+                                 param_hint="'--needles'")
+    check_writable_folder(out, "--out")
+    check_model(model)
+
     from ..models import DEFAULT_MODEL_NAME
     from ..training.collect import record_folder
 
@@ -50,12 +59,15 @@ def traces(out: str, model: str | None, split: str, texts: int, needles: int, pr
 @click.option("--traces", "trace_dir", required=True, type=click.Path(exists=True, file_okay=False))
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="Weights file (.safetensors).")
 @click.option("--objective", type=click.Choice(["reinforce", "listwise"]), default="reinforce", show_default=True)
-@click.option("--steps", default=300, show_default=True)
-@click.option("--seed", default=0, show_default=True)
-@click.option("--threads", default=2, show_default=True)
+@click.option("--steps", default=300, show_default=True, type=click.IntRange(min=1))
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0))
+@click.option("--threads", default=2, show_default=True, type=THREADS)
 @user_errors
 def train(trace_dir: str, out: str, objective: str, steps: int, seed: int, threads: int) -> None:
     """Train KVP agents on recorded traces; keeps the checkpoint with the best held-out reward."""
+    read_manifest(trace_dir)
+    check_output_file(out, "--out")
+
     from ..scoring.kvp import save_agents
     from ..training.dataset import load_folder
     from ..training.train import TrainSettings, train_agents
@@ -63,6 +75,7 @@ def train(trace_dir: str, out: str, objective: str, steps: int, seed: int, threa
     set_threads(threads)
     settings = TrainSettings(objective=objective, steps=steps, seed=seed)
     manifest, data = load_folder(trace_dir)
+    Path(out).expanduser().absolute().parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     agents, report = train_agents(data, manifest["head_dim"], settings, progress=_bar(f"train ({objective})"))
     meta = {k: manifest[k] for k in ("model", "num_layers", "num_kv_heads", "head_dim", "hidden_size",
@@ -81,27 +94,33 @@ def train(trace_dir: str, out: str, objective: str, steps: int, seed: int, threa
 @click.command("eval-scorer")
 @click.option("--traces", "trace_dir", required=True, type=click.Path(exists=True, file_okay=False),
               help="Held-out traces (recorded with --split eval).")
-@click.option("--kvp", "kvp_path", default=None, help="KVP weights (default: the shipped ones for the model).")
-@click.option("--budgets", default="0.1,0.25,0.5", show_default=True)
+@click.option("--kvp", "kvp_path", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="KVP weights (default: the shipped ones for the model).")
+@click.option("--budgets", default="0.1,0.25,0.5", show_default=True, help="Comma list of fractions in (0, 1].")
 @click.option("--markdown", default=None, help="Write the table (and a PNG plot beside it) to this file.")
 @click.option("--json", "as_json", is_flag=True)
 @user_errors
 def eval_scorer(trace_dir: str, kvp_path: str | None, budgets: str, markdown: str | None, as_json: bool) -> None:
     """Share of future attention mass each scorer keeps, per budget, on held-out traces."""
+    manifest = read_manifest(trace_dir)
+    fractions = parse_fractions(budgets, "--budgets")
+    if markdown:
+        check_output_file(markdown, "--markdown")
+
     from ..scoring.kvp import KVPScorer
     from ..scoring import BASELINES_ATTENTION_BASED, BASELINES_ATTENTION_FREE
     from ..training.evaluate import evaluate_scorers
     from ..training.report import write_scorer_report
-    from ..training.traces import load_trace, read_manifest
+    from ..training.traces import load_trace
 
-    manifest = read_manifest(trace_dir)
     kvp = KVPScorer(path=kvp_path, model=manifest["model"])
     kvp.check_model(manifest["num_layers"], manifest["num_kv_heads"], manifest["head_dim"])
     raws = [load_trace(Path(trace_dir) / t["file"]) for t in manifest["traces"]]
     result = evaluate_scorers(raws, ["kvp", *BASELINES_ATTENTION_FREE, *BASELINES_ATTENTION_BASED],
-                              [float(b) for b in budgets.split(",")], kvp, progress=_bar("eval", as_json))
+                              list(fractions), kvp, progress=_bar("eval", as_json))
     result["kvp"] = {k: kvp.meta.get(k) for k in ("model", "objective", "training_data", "best_val_reward")}
     if markdown:
+        Path(markdown).expanduser().absolute().parent.mkdir(parents=True, exist_ok=True)
         write_scorer_report(result, markdown, command=f"kvtier eval-scorer --traces {trace_dir}"
                             + (f" --kvp {kvp_path}" if kvp_path else ""))
     if as_json:

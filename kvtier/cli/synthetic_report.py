@@ -10,12 +10,18 @@ from .format import human_bytes
 
 
 def run_synthetic(arch: str, tokens: int, needles: int, device_budget, host_budget, recall_pages: int,
-                  as_json: bool) -> None:
+                  as_json: bool, disk_dir: str | None = None) -> None:
+    """Fill one synthetic layer (its disk tier in a private folder inside `disk_dir`) and print what recall found."""
+    import os
+
     from tqdm import tqdm
 
     from ..bench.synthetic import synthetic_needles
 
-    report = synthetic_needles(arch, tokens, needles, device_budget, host_budget, recall_pages,
+    if disk_dir is not None:
+        disk_dir = os.path.expanduser(disk_dir)
+        os.makedirs(disk_dir, exist_ok=True)
+    report = synthetic_needles(arch, tokens, needles, device_budget, host_budget, recall_pages, disk_dir=disk_dir,
                                progress=lambda it: tqdm(it, desc="filling", disable=as_json))
     if as_json:
         click.echo(json.dumps(report, indent=2))

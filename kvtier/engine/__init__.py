@@ -1,6 +1,6 @@
 """Engine: per-layer orchestration of write, score, place and recall."""
 
-from .layer import LayerEngine, Recalled
+from .layer import LayerEngine
 from .stats import MoveCounters
 
-__all__ = ["LayerEngine", "MoveCounters", "Recalled"]
+__all__ = ["LayerEngine", "MoveCounters"]

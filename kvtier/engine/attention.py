@@ -1,43 +1,104 @@
-"""Exact softmax attention over the device entries, the recalled pages and the new tokens."""
+"""Exact softmax attention over parts computed apart: each part gives its output and log-sum-exp, and the
+parts are merged with their log-sum-exps (as split-KV decoding kernels do). Recalled pages, each device slab
+and the step's new tokens are separate parts, so nothing is concatenated and no mask is built: the only
+causal part is the new tokens' own square.
+"""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+_CHUNK_ELEMENTS = 1 << 22   # logits per block in the plain-torch path
 
 
-def attend_union(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rec_k: torch.Tensor,
-                 rec_v: torch.Tensor, rec_valid: torch.Tensor, scaling: float | None) -> torch.Tensor:
-    """One softmax over recalled + device + new entries.
+def _plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+           causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference path in float32, in blocks of query rows: ``out`` ``[1, h, L, d]``, ``lse`` ``[1, h, L]``."""
+    L, S = q.shape[2], k.shape[2]
+    kf, vf = k.float(), v.float()
+    outs, lses = [], []
+    step = max(1, _CHUNK_ELEMENTS // max(1, q.shape[1] * S))
+    for r in range(0, L, step):
+        logits = torch.matmul(q[:, :, r:r + step].float(), kf.transpose(-1, -2)).mul_(scale)
+        if causal:  # row i of the square sees keys 0..i
+            rows = torch.arange(r, min(L, r + step), device=q.device)[:, None]
+            logits.masked_fill_(torch.arange(S, device=q.device)[None, :] > rows, float("-inf"))
+        lse = torch.logsumexp(logits, dim=-1)
+        outs.append(torch.matmul(torch.exp(logits - lse[..., None]), vf))
+        lses.append(lse)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+
+
+def attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                    causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of ``q`` ``[1, h, L, d]`` over ``k, v`` ``[1, h, S, d]`` and its log-sum-exp.
+
+    `causal` aligns row ``i`` with key ``i`` (the part is a square of new tokens). Uses the fused kernels
+    that return the log-sum-exp (flash on CPU, memory-efficient on CUDA), else a blocked float32 path.
+    Returns ``out`` ``[1, h, L, d]`` (float32) and ``lse`` ``[1, h, L]`` float32.
+    """
+    if k.shape[2] == 0:
+        return (q.new_zeros(q.shape, dtype=torch.float32),
+                torch.full(q.shape[:3], float("-inf"), device=q.device))
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    if q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return out.float(), lse
+    if q.device.type == "cuda" and q.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, None, True, 0.0, causal, scale=scale)[:2]
+        return out.float(), lse[..., :q.shape[2]]
+    return _plain(q, k, v, scale, causal)
+
+
+def merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Combine ``(out, lse)`` of disjoint key sets into the attention over their union (float32)."""
+    if len(parts) == 1:
+        return parts[0][0]
+    lse = torch.stack([p[1] for p in parts])
+    total = torch.logsumexp(lse, dim=0)
+    weights = torch.exp(lse - total).nan_to_num_(0.0)    # a part with no keys has weight 0
+    out = parts[0][0] * weights[0][..., None]
+    for (o, _), w in zip(parts[1:], weights[1:]):
+        out.addcmul_(o, w[..., None])
+    return out
+
+
+def attend_split(query: torch.Tensor, past: list[tuple[torch.Tensor, torch.Tensor]], new_k: torch.Tensor,
+                 new_v: torch.Tensor, new_from: int, scale: float) -> torch.Tensor:
+    """Attention of a block of queries over older key sets plus the step's new tokens, merged exactly.
 
     Parameters
     ----------
     query
-        ``[1, q_heads, q_len, dim]``.
-    key, value
-        ``[1, kv_heads, n, dim]``: device entries then the `q_len` new tokens (last), as the cache returned.
-    rec_k, rec_v
-        ``[kv_heads, r, dim]`` recalled entries (all older than every query).
-    rec_valid
-        ``[kv_heads, r]`` bool: which recalled rows are real (pages may be partly filled).
+        ``[1, q_heads, L, dim]``: the block's queries, the tokens at rows ``new_from .. new_from + L`` of the
+        step's new tokens.
+    past
+        ``(k, v)`` ``[1, kv_heads, n_i, dim]`` key sets older than every query (recalled pages, device slabs).
+    new_k, new_v
+        ``[1, kv_heads, new_from + L, dim]``: the step's new tokens up to the end of the block.
+    new_from
+        How many new tokens come before the block (all visible to it).
+    scale
+        The logit scale.
 
     Returns
     -------
-    ``[1, q_len, q_heads, dim]``, the layout transformers' attention functions return.
+    ``[1, L, q_heads, dim]`` in the query's dtype, the layout transformers' attention functions return.
     """
-    q_heads, q_len, dim = query.shape[1], query.shape[2], query.shape[3]
-    kv_heads, n = key.shape[1], key.shape[2]
+    _, q_heads, L, dim = query.shape
+    kv_heads = new_k.shape[1]
     group = q_heads // kv_heads
-    r = rec_k.shape[1]
-    keys = torch.cat([rec_k.unsqueeze(0).to(key.dtype), key], dim=2)
-    values = torch.cat([rec_v.unsqueeze(0).to(value.dtype), value], dim=2)
-    past = n - q_len
-    causal = torch.ones(q_len, past + q_len, dtype=torch.bool, device=key.device)
-    causal[:, past:] = torch.tril(causal[:, past:])
-    mask = torch.cat([rec_valid[:, None, :].expand(kv_heads, q_len, r),
-                      causal.expand(kv_heads, q_len, past + q_len)], dim=2)
-    # run on the KV heads: the `group` query heads of a KV head become extra query rows (no K/V copies)
-    packed_q = query.reshape(1, kv_heads, group * q_len, dim)
-    packed_mask = mask[:, None].expand(kv_heads, group, q_len, r + n).reshape(1, kv_heads, group * q_len, r + n)
-    out = F.scaled_dot_product_attention(packed_q, keys, values, attn_mask=packed_mask, scale=scaling)
-    return out.reshape(1, q_heads, q_len, dim).transpose(1, 2).contiguous()
+    packed = query.reshape(1, kv_heads, group * L, dim)   # a KV head's query heads become extra rows
+    parts = [attend_with_lse(packed, k, v, scale) for k, v in past if k.shape[2]]
+    if new_from:
+        parts.append(attend_with_lse(packed, new_k[:, :, :new_from], new_v[:, :, :new_from], scale))
+    if L == 1:
+        parts.append(attend_with_lse(packed, new_k[:, :, new_from:], new_v[:, :, new_from:], scale))
+    else:  # the causal square, one query head at a time against its KV head
+        sq_k = new_k[:, :, new_from:].repeat_interleave(group, dim=1)
+        sq_v = new_v[:, :, new_from:].repeat_interleave(group, dim=1)
+        out, lse = attend_with_lse(query, sq_k, sq_v, scale, causal=True)
+        parts.append((out.reshape(1, kv_heads, group * L, dim), lse.reshape(1, kv_heads, group * L)))
+    out = merge(parts).reshape(1, q_heads, L, dim)
+    return out.transpose(1, 2).to(query.dtype).contiguous()

@@ -1,88 +1,105 @@
-"""One layer's cache: write new KV, score it, place it in the tiers, and recall demoted pages for a query.
+"""One layer's cache: the life of a step.
 
-Life of a step: `write` scores the new tokens and returns the device entries followed by the new ones
-(what attention reads); `recall` picks demoted pages for the step's query and brings them to the device;
-`commit` then runs the placement: entries over the device budget go to host pages (or are dropped in
-evict mode), host pages over the host budget go to disk.
+`write` scores the step's new tokens and stages them on the device (what attention reads); `attend` picks
+demoted pages for each block of the step's queries, brings them up and computes attention over the parts;
+`commit` then places: whole pages of the lowest-ranked device entries go down the hierarchy (host memory,
+then disk) or are dropped in evict mode. The engine holds no policy: plans come from `placement`, page
+choices from `recall`, storage from `tiers`.
 """
 
 from __future__ import annotations
 
-import math
-import time
+import os
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
 
 from ..config import TieredCacheConfig
 from ..errors import ScorerError, UnsupportedError
-from ..placement import plan_device_demotion, plan_host_overflow, protected_count
+from ..placement import page_rank, plan_device_demotion, plan_host_overflow
 from ..placement.page_table import DISK, HOST, PageTable
-from ..recall import PageIndex, select_pages
+from ..recall import PageIndex, grouped, select_pages
 from ..scoring import Scorer, checked_scores
 from ..tiers.device import DevicePool
-from ..tiers.disk import DiskStore
 from ..tiers.host import HostPool
-from ..transfer import TransferManager
-from . import parking
-from .stats import MoveCounters
+from ..tiers.readahead import DiskReadAhead
+from .attention import attend_split
+from .parking import ParkedLayer, check_target
+from .resources import SharedResources
+
+QUERY_BLOCK = 128     # query tokens that share one recall (a long query is attended block by block)
+SLAB_TOKENS = 4096    # device entries per slab (at least; a fixed budget gets one slab that holds it)
 
 
 @dataclass
 class _Pending:
-    """New tokens of the current step, returned to attention but not yet placed."""
+    """New tokens of the current step: staged on the device, not yet placed."""
 
     k: torch.Tensor          # [1, heads, q, dim]
     v: torch.Tensor
-    pos: torch.Tensor        # [heads, q]
+    pos: torch.Tensor        # [q]
     score: torch.Tensor | None  # [heads, q]; None until attention for scorers that need the query
-    staged: bool             # written into the device pool right after the committed entries
-    returned: tuple[torch.Tensor, torch.Tensor]
-
-
-@dataclass
-class Recalled:
-    """Pages brought back for one step: ``k, v`` ``[heads, r, dim]``, ``valid`` ``[heads, r]``."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    valid: torch.Tensor
-    page_ids: torch.Tensor   # [heads, pages]
 
 
 class LayerEngine:
     """The tiers, the page table and the placement of one layer."""
 
     def __init__(self, layer_idx: int, config: TieredCacheConfig, scorer: Scorer,
-                 transfer: Callable[[torch.device], TransferManager], disk_dir: Callable[[], str],
-                 counters: MoveCounters) -> None:
-        self.layer_idx, self.cfg, self.scorer = layer_idx, config, scorer
+                 shared: SharedResources) -> None:
+        self.layer_idx, self.cfg, self.scorer, self.shared = layer_idx, config, scorer, shared
+        self.counters = shared.counters
         self.heads, self.head_dim = config.shape.num_kv_heads, config.shape.head_dim
-        self._transfer_for, self._disk_dir, self.counters = transfer, disk_dir, counters
         self.seen = 0
         self.pool: DevicePool | None = None
-        self.host: HostPool | None = None
-        self.disk: DiskStore | None = None
-        self.table = PageTable(self.heads)
-        self.index: PageIndex | None = None   # what recall reads about the demoted pages, on the device
+        self.index: PageIndex | None = None
+        self.table = PageTable(self.heads, config.page_size)
+        self.tiers: list = []              # the hierarchy below the device, fastest first: [host, disk]
+        self.readahead: DiskReadAhead | None = None
         self.pending: _Pending | None = None
-        self.parked = None            # a parking.Parked while the layer is parked between turns
-        self.parking: DiskStore | None = None
+        self.parked: ParkedLayer | None = None
+        self.last_recall: torch.Tensor | None = None   # [heads, pages] ids recalled for the last query block
 
     # ------------------------------------------------------------------ write
     def _init(self, k: torch.Tensor) -> None:
         self.device, self.dtype = k.device, k.dtype
-        self.transfer = self._transfer_for(k.device)
-        self.pool = DevicePool(self.heads, self.head_dim, k.dtype, k.device)
+        self.pin = k.device.type == "cuda"
+        self.transfer = self.shared.transfer(k.device)
+        budget = self.cfg.device_budget
+        slab = SLAB_TOKENS if budget.is_fraction else max(SLAB_TOKENS, int(budget.value) + 2 * self.cfg.page_size)
+        self.pool = DevicePool(self.heads, self.head_dim, k.dtype, k.device, slab)
         if self.cfg.mode == "tier":
-            self.host = HostPool(self.heads, self.cfg.page_size, self.head_dim, k.dtype,
-                                 pin=k.device.type == "cuda")
-        self.index = PageIndex.empty(self.heads, self.cfg.page_size, self.head_dim, k.dtype, k.device)
+            self.index = PageIndex(self.heads, self.cfg.page_size, self.head_dim, k.dtype, k.device, self.pin)
+            self.tiers = [HostPool(self.cfg.page_size, self.head_dim, k.dtype, self.pin)]
+
+    @property
+    def host(self) -> HostPool | None:
+        return self.tiers[0] if self.tiers else None
+
+    @property
+    def disk(self):
+        """The cache's disk store once this layer has used it."""
+        return self.tiers[1] if len(self.tiers) > 1 else None
+
+    def _disk(self):
+        if len(self.tiers) < 2:
+            disk = self.shared.disk(self.cfg.page_size, self.head_dim, self.dtype)
+            self.tiers.append(disk)
+            pages = self._readahead_pages()
+            if pages:
+                self.readahead = DiskReadAhead(disk, pages * self.heads, self.cfg.page_size, self.head_dim,
+                                               self.dtype, self.pin)
+        return self.tiers[1]
+
+    def _readahead_pages(self) -> int:
+        """Disk pages per head kept in host memory: the recall budget, at most half the host budget."""
+        host = self.cfg.host_tokens(max(self.seen, 1))
+        if host is None:
+            return 0
+        return min(self.cfg.recall_pages, host // (2 * self.cfg.page_size))
 
     def write(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Take a step's new K/V ``[1, heads, q, dim]``; return what attention reads."""
+        """Take a step's new K/V ``[1, heads, q, dim]``; return what attention reads (device entries, new last)."""
         if k.dim() != 4 or k.shape[0] != 1:
             raise UnsupportedError(f"batch size {k.shape[0] if k.dim() == 4 else '?'} (key shape "
                                    f"{list(k.shape)}) is not supported yet; allowed: batch size 1")
@@ -93,21 +110,16 @@ class LayerEngine:
         if self.pool is None:
             self._init(k)
         if self.parked is not None:
-            parking.restore(self)
+            self.restore()
         q = k.shape[2]
         positions = torch.arange(self.seen, self.seen + q, device=k.device)
         score = None  # scored after attention, with the query, by attention-based scorers
         if not getattr(self.scorer, "needs_query", False):
             score = checked_scores(self.scorer, k, v, positions, self.layer_idx)[0]
-        staged = self.pool.fits(q)
-        if staged:
-            returned = self.pool.stage(k, v)
-        else:
-            ck, cv, _, _ = self.pool.committed()
-            returned = (torch.cat([ck, k], dim=2), torch.cat([cv, v], dim=2))
-        self.pending = _Pending(k, v, positions.expand(self.heads, q), score, staged, returned)
+        self.pool.stage(k, v, positions.expand(self.heads, q))
+        self.pending = _Pending(k, v, positions, score)
         self.seen += q
-        return returned
+        return self.pool.contiguous(self.pool.count + q)
 
     @property
     def stored(self) -> int:
@@ -116,60 +128,98 @@ class LayerEngine:
             return self.parked.count
         return 0 if self.pool is None else self.pool.count
 
-    # ------------------------------------------------------------------ recall
-    def recall(self, query: torch.Tensor, scaling: float | None = None) -> Recalled | None:
-        """Bring back the demoted pages most likely to matter to `query` ``[1, q_heads, q_len, dim]``."""
-        n = self.table.n
-        if n == 0 or self.cfg.recall_pages == 0 or self.cfg.mode != "tier":
+    # ------------------------------------------------------------------ attention
+    def attend(self, query: torch.Tensor, scaling: float | None = None) -> torch.Tensor | None:
+        """Attention of the step's `query` ``[1, q_heads, q_len, dim]`` over the device entries, the new
+        tokens and, per block of `QUERY_BLOCK` query tokens, the demoted pages recalled for that block.
+
+        Returns ``[1, q_len, q_heads, dim]``, or None when no page is demoted (the caller's own attention
+        then runs over what `write` returned, bit-identical to a plain cache).
+        """
+        p = self.pending
+        if p is None or self.table.n == 0 or self.cfg.recall_pages == 0 or self.cfg.mode != "tier":
             return None
-        # what attention reads anyway: the device entries and the step's new tokens
-        resident = self.pending.returned[0][0] if self.pending is not None else self.pool.committed()[0][0]
-        index = self.index.first(n)
-        ids = select_pages(query, index.lo, index.hi, index.codes, index.counts, self.cfg.recall_pages, scaling,
-                           resident=resident)
-        r = ids.shape[1]
-        heads = np.repeat(np.arange(self.heads), r)
-        pids = ids.cpu().numpy().reshape(-1)
-        tiers = self.table.tier[heads, pids]
+        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+        device = self.pool.spans(self.pool.count)
+        outs = []
+        for b0 in range(0, query.shape[2], QUERY_BLOCK):
+            block = query[:, :, b0:b0 + QUERY_BLOCK]
+            b1 = b0 + block.shape[2]
+            resident = [k[0] for k, _ in device] + [p.k[0, :, :b1]]
+            ids, shortlist = select_pages(grouped(block, self.heads), self.index, self.cfg.recall_pages, scale,
+                                          resident)
+            rk, rv = self._fetch(ids, shortlist)
+            self.last_recall = ids
+            outs.append(attend_split(block, [(rk[None], rv[None]), *device], p.k[:, :, :b1], p.v[:, :, :b1],
+                                     b0, scale))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+    def _fetch(self, ids: torch.Tensor, shortlist: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Bring pages ``ids`` ``[heads, r]`` to the device: ``[heads, r * page_size, dim]`` keys and values."""
+        H, r = ids.shape
         P, D = self.cfg.page_size, self.head_dim
-        pin = self.device.type == "cuda"
-        on_host = np.flatnonzero(tiers == HOST)
-        on_disk = np.flatnonzero(tiers == DISK)
-        if len(on_disk) == 0:  # the common case: one gather, straight into the staging buffer
+        heads = np.repeat(np.arange(H), r)
+        pids = ids.cpu().numpy().reshape(-1)
+        tier, slot = self.table.lookup(heads, pids)
+        # within a head the order of pages is free (attention reads them as a set): sort by tier and slot so
+        # that gathers run over contiguous stretches of the same slab
+        order = (np.argsort(tier.astype(np.int64).reshape(H, r) * (1 << 40) + slot.reshape(H, r), axis=1,
+                            kind="stable") + np.arange(H)[:, None] * r).reshape(-1)
+        pids, tier, slot = pids[order], tier[order], slot[order]
+        on_host, on_disk = np.flatnonzero(tier == HOST), np.flatnonzero(tier == DISK)
+        if len(on_disk) == 0:
             out = None
-            if pin:
+            if self.pin:
                 out = (torch.empty(len(pids), P, D, dtype=self.dtype, pin_memory=True),
                        torch.empty(len(pids), P, D, dtype=self.dtype, pin_memory=True))
-            stage_k, stage_v = self.host.load(heads, self.table.slot[heads, pids], out=out)
+            stage_k, stage_v = self.host.load(slot, out=out)
         else:
-            stage_k = torch.empty(len(pids), P, D, dtype=self.dtype, pin_memory=pin)
-            stage_v = torch.empty_like(stage_k, pin_memory=pin)
+            stage_k = torch.empty(len(pids), P, D, dtype=self.dtype, pin_memory=self.pin)
+            stage_v = torch.empty_like(stage_k, pin_memory=self.pin)
             if len(on_host):
-                hk, hv = self.host.load(heads[on_host], self.table.slot[heads[on_host], pids[on_host]])
                 rows = torch.from_numpy(on_host)
-                stage_k[rows], stage_v[rows] = hk, hv
-            t0 = time.perf_counter()
-            dk, dv, _, _, _ = self.disk.read_many(heads[on_disk], pids[on_disk],
-                                                  self.table.crc[heads[on_disk], pids[on_disk]])
-            self.counters.disk_wait_seconds += time.perf_counter() - t0
+                stage_k[rows], stage_v[rows] = self.host.load(slot[on_host])
             rows = torch.from_numpy(on_disk)
-            stage_k[rows], stage_v[rows] = dk, dv
+            stage_k[rows], stage_v[rows] = self._load_disk(slot[on_disk])
+        self._read_ahead(ids, shortlist)
         if self.device.type == "cpu":
             k_dev, v_dev = stage_k, stage_v
         else:
             k_dev = torch.empty(stage_k.shape, dtype=self.dtype, device=self.device)
             v_dev = torch.empty_like(k_dev)
             self.transfer.wait([self.transfer.submit(k_dev, stage_k), self.transfer.submit(v_dev, stage_v)])
-        page_bytes = 2 * P * D * stage_k.element_size()
-        self.counters.bytes_moved["host_to_device"] += len(on_host) * page_bytes
-        self.counters.bytes_moved["disk_to_device"] += len(on_disk) * page_bytes
-        self.counters.pages_recalled["host"] += len(on_host)
-        self.counters.pages_recalled["disk"] += len(on_disk)
-        self.counters.recall_steps += 1
-        counts = torch.from_numpy(self.table.count[heads, pids]).to(self.device)
-        valid = torch.arange(P, device=self.device) < counts[:, None]
-        return Recalled(k_dev.view(self.heads, r * P, D), v_dev.view(self.heads, r * P, D),
-                        valid.view(self.heads, r * P), ids)
+        page_bytes = self.host.page_bytes()
+        c = self.counters
+        c.bytes_moved["host_to_device"] += len(on_host) * page_bytes
+        c.bytes_moved["disk_to_device"] += len(on_disk) * page_bytes
+        c.pages_recalled["host"] += len(on_host)
+        c.pages_recalled["disk"] += len(on_disk)
+        c.recall_steps += 1
+        return k_dev.view(H, r * P, D), v_dev.view(H, r * P, D)
+
+    def _load_disk(self, slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        import time
+
+        t0 = time.perf_counter()
+        try:
+            if self.readahead is not None:
+                return self.readahead.load(slots)
+            return self.disk.load(slots)
+        finally:
+            self.counters.disk_wait_seconds += time.perf_counter() - t0
+
+    def _read_ahead(self, ids: torch.Tensor, shortlist: torch.Tensor) -> None:
+        """Start reading the short-listed disk pages that were not taken: the likeliest next ones."""
+        if self.readahead is None or shortlist is ids:
+            return
+        H, m = shortlist.shape
+        cand = shortlist.cpu().numpy()
+        taken = ids.cpu().numpy()
+        heads = np.repeat(np.arange(H), m)
+        pids = cand.reshape(-1)
+        keep = ~np.concatenate([np.isin(cand[h], taken[h]) for h in range(H)])
+        tier, slot = self.table.lookup(heads[keep], pids[keep])
+        self.readahead.prefetch(slot[tier == DISK])
 
     # ------------------------------------------------------------------ placement
     def flush(self) -> None:
@@ -178,88 +228,61 @@ class LayerEngine:
             self.commit()
 
     def commit(self, query: torch.Tensor | None = None, scaling: float | None = None) -> None:
-        """Place the step's new tokens: keep the best on the device, demote (or drop) the rest.
+        """Place the step's new tokens: keep the best on the device, demote (or drop) whole pages of the rest.
 
         `query` (what attention used) is needed only by scorers that rank from attention weights.
         """
         p = self.pending
         if p is None:
             return
+        q = p.k.shape[2]
         if p.score is None:
             if query is None:  # the step stays pending: nothing is lost
                 raise ScorerError(f"scorer {getattr(self.scorer, 'name', self.scorer)!r} needs the attention "
                                   "query, but this layer's attention did not run through kvtier; use the model "
                                   "whose config the TieredCache was built with")
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-            p.score = checked_scores(self.scorer, p.k, p.v, p.pos[0], self.layer_idx, query=query,
-                                     context_keys=p.returned[0], scaling=scale)[0]
+            context = self.pool.contiguous(self.pool.count + q)[0]
+            p.score = checked_scores(self.scorer, p.k, p.v, p.pos, self.layer_idx, query=query,
+                                     context_keys=context, scaling=scale)[0]
         self.pending = None
-        pool, cfg = self.pool, self.cfg
-        q = p.k.shape[2]
-        if p.staged:
-            n = pool.count + q
-            pool.pos[:, pool.count:n] = p.pos
-            pool.score[:, pool.count:n] = p.score
-            k_all, v_all = pool.k[:, :, :n], pool.v[:, :, :n]
-            pos_all, score_all = pool.pos[:, :n], pool.score[:, :n]
+        self.pool.commit(q, p.score)
+        self._demote()
+
+    def _demote(self) -> None:
+        cfg, pool = self.cfg, self.pool
+        pos, score = pool.meta()
+        idx = plan_device_demotion(score, pos, self.seen, cfg.device_tokens(self.seen), cfg.sink_tokens,
+                                   cfg.recent_tokens, cfg.page_size)
+        if idx is None:
+            return
+        if cfg.mode == "tier":
+            k, v = pool.take(idx)
+            self._to_host(k, v, torch.gather(pos, 1, idx), torch.gather(score, 1, idx))
         else:
-            k_all, v_all = p.returned
-            pos_all = torch.cat([pool.pos[:, :pool.count], p.pos], dim=1)
-            score_all = torch.cat([pool.score[:, :pool.count], p.score], dim=1)
-        budget = cfg.device_tokens(self.seen)
-        slack = max(0, min(cfg.page_size, budget - protected_count(self.seen, cfg.sink_tokens,
-                                                                   cfg.recent_tokens)))
-        plan = plan_device_demotion(score_all, pos_all, self.seen, budget, cfg.sink_tokens,
-                                    cfg.recent_tokens, slack)
-        if plan is None:
-            if p.staged:
-                pool.count += q
-            else:
-                pool.replace(k_all[0], v_all[0], pos_all, score_all)
-        else:
-            keep, demote = plan
-            demoted = [_take(t, demote) for t in (k_all[0], v_all[0], pos_all, score_all)]
-            kept = [_take(t, keep) for t in (k_all[0], v_all[0], pos_all, score_all)]
-            pool.replace(*kept)
-            if cfg.mode == "tier":
-                self._to_host(*demoted)
-                self._host_overflow()
-            else:
-                self.counters.tokens_dropped += demote.numel()
-        pool.reserve(budget + cfg.page_size + 1)
+            self.counters.tokens_dropped += idx.numel()
+        pool.remove(idx)
+        pool.trim()
+        if cfg.mode == "tier":
+            self._host_overflow()
 
     def _to_host(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, score: torch.Tensor) -> None:
-        """Cut demoted entries ``[heads, m, ...]`` (in position order) into pages and store them on the host."""
+        """Cut demoted entries ``[heads, m, ...]`` (position order, ``m`` whole pages) into pages on the host."""
         H, m, D = k.shape
         P = self.cfg.page_size
-        n_pages = math.ceil(m / P)
-        pad = n_pages * P - m
-        if pad:
-            k = torch.cat([k, k.new_zeros(H, pad, D)], dim=1)
-            v = torch.cat([v, v.new_zeros(H, pad, D)], dim=1)
-            pos = torch.cat([pos, pos.new_full((H, pad), -1)], dim=1)
-            score = torch.cat([score, score.new_full((H, pad), float("-inf"))], dim=1)
-        counts = np.full(n_pages, P, dtype=np.int64)
-        counts[-1] = P - pad
-        k, v = k.reshape(H, n_pages, P, D), v.reshape(H, n_pages, P, D)
-        pos, score = pos.reshape(H, n_pages, P), score.reshape(H, n_pages, P)
-        ids = self.table.add(n_pages)
-        self.index.add(int(ids[0]), k, torch.from_numpy(counts).to(k.device).expand(H, n_pages),
-                       self.table.capacity)
-        rank = score.amax(dim=2)
-        pin = self.device.type == "cuda"
-        staged = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in (k, v, pos, score, rank)]
-        jobs = [self.transfer.submit(dst, src) for dst, src in zip(staged, (k, v, pos, score, rank))]
-        self.transfer.wait(jobs)
-        hk, hv, hpos, hscore, hrank = staged
-        heads = np.repeat(np.arange(H), n_pages)
-        slots = self.host.store(heads, hk.reshape(-1, P, D), hv.reshape(-1, P, D), hpos.reshape(-1, P),
-                                hscore.reshape(-1, P))
-        cols = np.tile(ids, H)
-        self.table.tier[heads, cols] = HOST
-        self.table.slot[heads, cols] = slots
-        self.table.count[:, ids] = counts
-        self.table.rank[:, ids] = hrank.numpy()
+        n = m // P
+        k_pages, v_pages = k.reshape(H, n, P, D), v.reshape(H, n, P, D)
+        staged = [torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin) for t in (k_pages, v_pages)]
+        self.transfer.wait([self.transfer.submit(d, s) for d, s in zip(staged, (k_pages, v_pages))])
+        slots = self.host.store(staged[0].reshape(H * n, P, D), staged[1].reshape(H * n, P, D))
+        try:
+            self.index.add(k_pages)
+        except BaseException:
+            self.host.free(slots)
+            raise
+        rank = page_rank(score.reshape(H, n, P)).cpu().numpy()
+        ids = self.table.add(rank, pos.reshape(H, n, P).cpu().numpy())
+        self.table.place(np.repeat(np.arange(H), n), np.tile(ids, H), HOST, slots)
         self.counters.bytes_moved["device_to_host"] += m * H * 2 * D * k.element_size()
 
     def _host_overflow(self) -> None:
@@ -267,92 +290,131 @@ class LayerEngine:
         budget = self.cfg.host_tokens(self.seen)
         if budget is None or self.table.n == 0:
             return
+        budget = max(0, budget - self._readahead_pages() * self.cfg.page_size)
         n = self.table.n
-        plans = plan_host_overflow(self.table.rank[:, :n], self.table.count[:, :n],
-                                   self.table.tier[:, :n] == HOST, budget, min(self.cfg.page_size, budget))
+        tier = self.table.tier
+        plans = plan_host_overflow(self.table.rank, np.full((self.heads, n), self.cfg.page_size), tier == HOST,
+                                   budget, 0)
         heads = np.concatenate([np.full(len(ids), h) for h, ids in enumerate(plans)]).astype(np.int64)
-        if len(heads) == 0:
+        if len(heads):
+            self.move_down(heads, np.concatenate(plans).astype(np.int64))
+
+    def move_down(self, heads: np.ndarray, pids: np.ndarray) -> None:
+        """Write host pages ``(heads[i], pids[i])`` to disk, then free their host slots (all or nothing)."""
+        slots = self.table.lookup(heads, pids)[1]
+        disk = self._disk()
+        disk_slots = disk.store(*self.host.load(slots))
+        self.table.place(heads, pids, DISK, disk_slots)
+        self.host.free(slots)
+        self.counters.bytes_moved["host_to_disk"] += len(pids) * self.host.page_bytes()
+
+    # ------------------------------------------------------------------ parking
+    def park(self, to: str) -> None:
+        """Move what the layer holds on the device (and, for disk, on the host) down to `to`."""
+        check_target(to)
+        self.flush()
+        if self.pool is None:
             return
-        self.move_host_pages_to_disk(heads, np.concatenate(plans).astype(np.int64))
+        current = self.parked
+        if current is not None and (current.where == to or current.where == "disk"):
+            return
+        if current is None:
+            n = self.pool.count
+            k, v = self.pool.contiguous(n)
+            pos, score = self.pool.meta()
+            meta = {"pos": pos, "score": score}
+            if self.index is not None:
+                meta.update(self.index.state())
+            current = ParkedLayer.take(k[0], v[0], meta, self.transfer, self.pin)
+        moved = current.host_bytes()
+        if to == "disk":
+            path = os.path.join(self.shared.private_dir(), f"layer{self.layer_idx:03d}.parked.safetensors")
+            current = current.to_disk(self._disk(), self.host, self.table, path, self.cfg.page_size)
+        if self.parked is None:   # everything that could fail has succeeded: let the device go
+            self.counters.bytes_moved["device_to_host"] += moved
+            self.pool.clear()
+            if self.index is not None:
+                self.index.release()
+        self.parked = current
 
-    def move_host_pages_to_disk(self, heads: np.ndarray, pids: np.ndarray) -> None:
-        """Write the given host pages (one per ``(head, page id)``) to disk and free their host slots."""
-        slots = self.table.slot[heads, pids]
-        k, v = self.host.load(heads, slots)
-        pos, score = self.host.load_meta(heads, slots)
-        disk = self._disk_store()
-        counts = self.table.count[heads, pids]
-        crcs = disk.write_many(heads, pids, counts, k, v, pos, score)
-        self.table.crc[heads, pids] = crcs
-        self.table.tier[heads, pids] = DISK
-        self.table.slot[heads, pids] = -1
-        self.host.free(heads, slots)
-        self.counters.bytes_moved["host_to_disk"] += len(pids) * disk.payload_size
-
-    def bring_disk_pages_to_host(self, heads: np.ndarray, pids: np.ndarray) -> None:
-        """Read the given disk pages back into the host pool (the disk records stay valid)."""
-        k, v, pos, score, _ = self.disk.read_many(heads, pids, self.table.crc[heads, pids])
-        slots = self.host.store(heads, k, v, pos, score)
-        self.table.tier[heads, pids] = HOST
-        self.table.slot[heads, pids] = slots
-
-    def _disk_store(self) -> DiskStore:
-        if self.disk is None:
-            self.disk = DiskStore(self._disk_dir(), self.layer_idx, self.heads, self.cfg.page_size,
-                                  self.head_dim, self.dtype)
-        return self.disk
+    def restore(self) -> None:
+        """Bring a parked layer back to the state it was parked in."""
+        parked = self.parked
+        if parked is None:
+            return
+        got = parked.read(self.disk, self.table, self.cfg.page_size)
+        meta = got["meta"]
+        dev = self.device
+        self.pool.replace(got["k"].to(dev), got["v"].to(dev), meta["pos"].to(dev), meta["score"].to(dev))
+        if self.index is not None:
+            self.index.load_state({name: meta[name] for name in ("lo", "hi", "codes")})
+        parked.release(got, self.disk, self.host, self.table, self.readahead)
+        kind = "host_to_device" if parked.where == "host" else "disk_to_device"
+        self.counters.bytes_moved[kind] += sum(t.numel() * t.element_size() for t in (got["k"], got["v"]))
+        self.parked = None
 
     # ------------------------------------------------------------------ accounting
     def usage(self) -> dict[str, dict[str, int]]:
         """Tokens (summed over heads) and bytes per tier, measured from the pools."""
-        device_tokens = 0 if self.pool is None else self.pool.count * self.heads
+        P, H = self.cfg.page_size, self.heads
         entry = 0 if self.pool is None else self.pool.entry_bytes()
-        host_tokens = 0 if self.host is None else int(self.host.held_tokens().sum())
+        device_tokens = 0 if self.pool is None else self.pool.count * H
+        host_tokens = int(self.table.tokens(HOST).sum())
         disk_tokens = int(self.table.tokens(DISK).sum())
-        host_index = disk_index = 0
-        if self.parked is not None:  # the device entries and the recall index wait on the host or on disk
-            parked = self.parked.count * self.heads
-            host_tokens += parked if self.parked.where == "host" else 0
-            disk_tokens += parked if self.parked.where == "disk" else 0
-            if self.parked.index is not None:
-                host_index = self.parked.index.nbytes()
-            disk_index = self.parked.index_file_bytes
+        host_bytes = 0 if self.host is None else self.host.nbytes()
+        host_bytes += 0 if self.index is None else self.index.host_bytes()
+        disk_bytes = disk_tokens * (entry - 12)
+        if self.readahead is not None:
+            host_bytes += self.readahead.nbytes()
+        if self.parked is not None:
+            tokens = self.parked.count * H
+            if self.parked.where == "host":
+                host_tokens += tokens
+                host_bytes += self.parked.host_bytes()
+            else:
+                disk_tokens += tokens
+                disk_bytes += self.parked.disk_bytes(0 if self.host is None else self.host.page_bytes())
         return {
             "device": {"tokens": device_tokens, "bytes": device_tokens * entry,
                        "reserved_bytes": 0 if self.pool is None else self.pool.reserved_bytes(),
                        "index_bytes": self.index_bytes()},
-            "host": {"tokens": host_tokens, "bytes": host_tokens * entry + host_index,
-                     "reserved_bytes": 0 if self.host is None else self.host.reserved_bytes()},
-            "disk": {"tokens": disk_tokens, "bytes": disk_tokens * entry + disk_index,
-                     "reserved_bytes": 0 if self.disk is None else self.disk.file_bytes()},
+            "host": {"tokens": host_tokens, "bytes": host_bytes,
+                     "reserved_bytes": (0 if self.host is None else self.host.reserved_bytes()) +
+                     (0 if self.readahead is None else self.readahead.pool.reserved_bytes())},
+            "disk": {"tokens": disk_tokens, "bytes": disk_bytes},
         }
 
     def index_bytes(self) -> int:
-        """Device bytes of the recall index (bounds, codes, counts) of the pages in use."""
-        return 0 if self.index is None else self.index.first(self.table.n).nbytes()
+        """Device bytes of the recall index (the key bounds of the demoted pages)."""
+        return 0 if self.index is None else self.index.device_bytes()
 
     def reset(self) -> None:
-        """Forget every entry (the files stay open for reuse)."""
+        """Forget every entry (the shared disk store stays open for reuse)."""
         self.pending = None
-        parking.forget(self)
+        if self.parked is not None:
+            self.parked.discard(self.disk)
+            self.parked = None
+        if self.disk is not None:
+            heads, pids = self.table.pages_in(DISK)
+            if len(heads):
+                slots = self.table.lookup(heads, pids)[1]
+                if self.readahead is not None:
+                    self.readahead.forget(slots)
+                self.disk.free(slots)
         self.seen = 0
         self.table.clear()
         if self.pool is not None:
             self.pool.clear()
-            self.index = self.index.first(0)
+        if self.index is not None:
+            self.index.release()
         if self.host is not None:
             self.host.clear()
 
     def close(self) -> None:
         self.reset()
-        for store in (self.disk, self.parking):
-            if store is not None:
-                store.close()
-        self.disk = self.parking = None
-
-
-def _take(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Gather ``t`` ``[heads, n, ...]`` at ``idx`` ``[heads, m]`` along the token axis."""
-    if t.dim() == 3:
-        return torch.gather(t, 1, idx[..., None].expand(-1, -1, t.shape[2]))
-    return torch.gather(t, 1, idx)
+        if self.readahead is not None:
+            self.readahead.close()
+            self.readahead = None
+        if self.host is not None:
+            self.host.close()
+        self.tiers = []

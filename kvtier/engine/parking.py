@@ -1,174 +1,167 @@
-"""Parking a layer between conversation turns: its device entries (and host pages) go to host memory or
-disk, and come back before the layer's next write, exactly as they were.
+"""A layer parked between conversation turns: its device entries (and host pages) in host memory or on
+disk, brought back before the layer's next write exactly as they were.
 
-A layer parked on the host keeps its device entries (pinned) and its recall index in host memory. A layer
-parked on disk writes the entries as checksummed pages to a parking file and the index to a checksummed file
-beside it, and moves its host pages into its disk store, remembering which they were so resuming puts them
-back on the host: the resumed layer is in the very state it was parked in, so decoding continues
-bit-identically. Resuming is lazy: each layer restores at its own first write, so restoring interleaves with
-the next turn's prefill, layer by layer.
+A layer parked on the host keeps its device entries and its recall index in host memory. A layer parked on
+disk writes the entries as pages to the cache's disk store, its recall index (with the entries' positions
+and scores) to a checksummed file in the private folder, and moves its host pages into the disk store,
+remembering which they were so resuming puts them back on the host: the resumed layer is in the very state
+it was parked in, so decoding continues bit-identically.
+
+Every change is all or nothing: what can fail (a write, a read) happens before anything is let go, and a
+failure leaves the layer as it was (the written pages are freed again).
 """
 
 from __future__ import annotations
 
-import math
 import os
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-from ..errors import ConfigError, CorruptPageError
-from ..placement.page_table import DISK, HOST
-from ..recall import PageIndex
-from ..tiers.disk import DiskStore
+from ..errors import CapacityError, ConfigError, CorruptPageError
+from ..placement.page_table import DISK, HOST, PageTable
 
 PARK_TARGETS = ("host", "disk")
+_OPEN_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def check_target(to: str) -> None:
+    if to not in PARK_TARGETS:
+        raise ConfigError(f"park to {to!r}; allowed: {', '.join(map(repr, PARK_TARGETS))}")
 
 
 @dataclass
-class Parked:
-    """Where a parked layer's entries are."""
+class ParkedLayer:
+    """Where a parked layer's entries are, and how to bring them back."""
 
     where: str
     count: int                                    # device entries per head when parked
-    host: tuple[torch.Tensor, ...] | None = None  # k, v [heads, n, dim]; pos, score [heads, n]
-    crcs: np.ndarray | None = None                # [heads, pages] of the parking file
-    was_on_host: np.ndarray | None = None         # [heads, pages] page-table cells to bring back to the host
-    index: PageIndex | None = None                # the recall index, in host memory
-    index_crc: int | None = None                  # ... or in a file of the private folder, with its CRC-32
-    index_file_bytes: int = 0
+    meta: dict[str, torch.Tensor] = field(default_factory=dict)   # pos, score [heads, n]; lo, hi, codes
+    entries: tuple[torch.Tensor, torch.Tensor] | None = None      # k, v [heads, n, dim] in host memory
+    slots: np.ndarray | None = None               # [heads, pages] disk slots of the entries
+    was_on_host: tuple[np.ndarray, np.ndarray] | None = None      # (heads, page ids) to put back on the host
+    file: str | None = None                       # meta in a checksummed file when parked on disk
+    file_crc: int = 0
+    file_bytes: int = 0
+
+    @classmethod
+    def take(cls, k: torch.Tensor, v: torch.Tensor, meta: dict[str, torch.Tensor], transfer,
+             pin: bool) -> ParkedLayer:
+        """Copy device entries ``k, v`` ``[heads, n, dim]`` and their metadata to host memory."""
+        staged = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in (k, v)]
+        transfer.wait([transfer.submit(d, s) for d, s in zip(staged, (k, v))])
+        return cls("host", k.shape[1], {name: t.cpu() for name, t in meta.items()}, (staged[0], staged[1]))
+
+    def host_bytes(self) -> int:
+        held = [*self.entries, *self.meta.values()] if self.where == "host" else []
+        return sum(t.numel() * t.element_size() for t in held)
+
+    def disk_bytes(self, page_bytes: int) -> int:
+        return 0 if self.slots is None else self.slots.size * page_bytes + self.file_bytes
+
+    def to_disk(self, disk, host, table: PageTable, path: str, page_size: int) -> ParkedLayer:
+        """The same layer parked on disk: entries and host pages written to `disk`, meta to `path`."""
+        k, v = self.entries
+        H, n, D = k.shape
+        pages = max(1, -(-n // page_size))
+        pad = pages * page_size - n
+
+        def paged(t: torch.Tensor) -> torch.Tensor:
+            if pad:
+                t = torch.cat([t, t.new_zeros(H, pad, D)], dim=1)
+            return t.reshape(H * pages, page_size, D)
+
+        written: list[np.ndarray] = []
+        try:
+            slots = disk.store(paged(k), paged(v))
+            written.append(slots)
+            heads, pids = table.pages_in(HOST) if host is not None else (np.empty(0, int), np.empty(0, int))
+            host_slots = table.lookup(heads, pids)[1]
+            if len(heads):
+                written.append(disk.store(*host.load(host_slots)))
+            crc, size = _write_meta(path, self.meta)
+        except BaseException:
+            for s in written:
+                disk.free(s)
+            raise
+        if len(heads):   # nothing can fail from here on
+            table.place(heads, pids, DISK, written[1])
+            host.free(host_slots)
+        return replace(self, where="disk", entries=None, meta={}, slots=slots.reshape(H, pages),
+                       was_on_host=(heads, pids), file=path, file_crc=crc, file_bytes=size)
+
+    def read(self, disk, table: PageTable, page_size: int) -> dict:
+        """Everything a restore needs, read and verified first (nothing is changed): the entries ``k, v``
+        ``[heads, n, dim]``, the meta, and the pages to put back on the host."""
+        if self.where == "host":
+            k, v = self.entries
+            return {"k": k, "v": v, "meta": self.meta, "host_pages": None}
+        H, pages = self.slots.shape
+        k, v = disk.load(self.slots.reshape(-1))
+        n = self.count
+        heads, pids = self.was_on_host
+        back = None
+        if len(heads):
+            disk_slots = table.lookup(heads, pids)[1]
+            back = (disk_slots, *disk.load(disk_slots))
+        return {"k": k.reshape(H, pages * page_size, -1)[:, :n], "v": v.reshape(H, pages * page_size, -1)[:, :n],
+                "meta": _read_meta(self.file, self.file_crc), "host_pages": back}
+
+    def release(self, restored: dict, disk, host, table: PageTable, readahead=None) -> None:
+        """After the layer took its entries back: host pages return to the host, parking slots and file go."""
+        if self.where != "disk":
+            return
+        if restored["host_pages"] is not None:
+            heads, pids = self.was_on_host
+            disk_slots, hk, hv = restored["host_pages"]
+            table.place(heads, pids, HOST, host.store(hk, hv))
+            if readahead is not None:
+                readahead.forget(disk_slots)
+            disk.free(disk_slots)
+        self.discard(disk)
+
+    def discard(self, disk) -> None:
+        """Drop what the parked layer keeps on disk (the layer is being reset or closed)."""
+        if self.slots is not None and disk is not None:
+            disk.free(self.slots.reshape(-1))
+            self.slots = None
+        if self.file is not None:
+            try:
+                os.remove(self.file)
+            except FileNotFoundError:
+                pass
+            self.file = None
 
 
-def park(engine, to: str) -> None:
-    """Move everything the layer holds on the device (and, for disk, on the host) down to `to`."""
-    if to not in PARK_TARGETS:
-        raise ConfigError(f"park to {to!r}; allowed: {', '.join(map(repr, PARK_TARGETS))}")
-    engine.flush()
-    if engine.pool is None:
-        return
-    current: Parked | None = engine.parked
-    if current is not None and (current.where == to or current.where == "disk"):
-        return
-    if current is None:
-        k, v, pos, score = engine.pool.committed()
-        pin = engine.device.type == "cuda"
-        staged = [torch.empty(t.shape[-3:] if t.dim() == 4 else t.shape, dtype=t.dtype, pin_memory=pin)
-                  for t in (k, v, pos, score)]
-        sources = (k[0], v[0], pos, score)
-        engine.transfer.wait([engine.transfer.submit(d, s) for d, s in zip(staged, sources)])
-        index = engine.index.first(engine.table.n).to("cpu")
-        current = Parked("host", engine.pool.count, tuple(staged), index=index)
-        engine.counters.bytes_moved["device_to_host"] += _bytes(staged[:2]) + index.nbytes()
-        engine.pool.clear()
-        engine.index = engine.index.first(0).to(engine.device)   # a copy: the old storage is let go
-    if to == "disk":
-        current = _to_disk(engine, current)
-    engine.parked = current
-
-
-def _to_disk(engine, parked: Parked) -> Parked:
-    k, v, pos, score = parked.host
-    H, n = pos.shape
-    P = engine.cfg.page_size
-    pages = max(1, math.ceil(n / P))
-    pad = pages * P - n
-
-    def paged(t: torch.Tensor, fill: float) -> torch.Tensor:
-        if pad:
-            t = torch.cat([t, t.new_full((H, pad, *t.shape[2:]), fill)], dim=1)
-        return t.reshape(H * pages, P, *t.shape[2:])
-
-    heads = np.repeat(np.arange(H), pages)
-    ids = np.tile(np.arange(pages), H)
-    counts = np.clip(n - ids * P, 0, P)
-    store = _parking_store(engine)
-    crcs = store.write_many(heads, ids, counts, paged(k, 0), paged(v, 0), paged(pos, -1), paged(score, float("-inf")))
-    was_on_host = None
-    if engine.host is not None and engine.table.n:
-        was_on_host = engine.table.tier[:, :engine.table.n] == HOST
-        h, p = np.nonzero(was_on_host)
-        if len(h):
-            engine.move_host_pages_to_disk(h, p)
-        engine.host.clear()
-    crc, size = _index_to_disk(engine, parked.index)
-    return Parked("disk", n, None, crcs.reshape(H, pages), was_on_host, None, crc, size)
-
-
-def _index_path(engine) -> str:
-    return os.path.join(engine._disk_dir(), f"layer{engine.layer_idx}.parked-index.safetensors")
-
-
-def _index_to_disk(engine, index: PageIndex) -> tuple[int, int]:
-    data = save_tensors({name: t.contiguous() for name, t in index.tensors().items()})
-    with open(_index_path(engine), "wb") as f:
-        f.write(data)
+def _write_meta(path: str, meta: dict[str, torch.Tensor]) -> tuple[int, int]:
+    data = save_tensors({name: t.contiguous() for name, t in meta.items()})
+    try:
+        fd = os.open(path, _OPEN_NEW, 0o600)
+    except OSError as e:
+        raise CapacityError(f"could not create {path}: {e.strerror or e}") from e
+    try:
+        view, done = memoryview(data), 0
+        while done < len(data):
+            done += os.write(fd, view[done:])
+    except OSError as e:
+        os.close(fd)
+        os.remove(path)
+        raise CapacityError(f"could not write {path}: {e.strerror or e}") from e
+    os.close(fd)
     return zlib.crc32(data), len(data)
 
 
-def _index_from_disk(engine, crc: int) -> PageIndex:
-    path = _index_path(engine)
+def _read_meta(path: str, crc: int) -> dict[str, torch.Tensor]:
     try:
-        with open(path, "rb") as f:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        with os.fdopen(fd, "rb") as f:
             data = f.read()
-    except FileNotFoundError as e:
-        raise CorruptPageError(f"the parked recall index of layer {engine.layer_idx} is missing ({path})") from e
+    except OSError as e:
+        raise CorruptPageError(f"the parked layer file {path} is missing or unreadable ({e.strerror or e})") from e
     if zlib.crc32(data) != crc:
-        raise CorruptPageError(f"the parked recall index of layer {engine.layer_idx} fails its CRC-32 check "
-                               f"({path})")
-    os.remove(path)
-    return PageIndex(**load_tensors(data))
-
-
-def _parking_store(engine) -> DiskStore:
-    if engine.parking is None:
-        engine.parking = DiskStore(engine._disk_dir(), engine.layer_idx, engine.heads, engine.cfg.page_size,
-                                   engine.head_dim, engine.dtype, name="parked")
-    return engine.parking
-
-
-def restore(engine) -> None:
-    """Bring a parked layer back to the state it was parked in."""
-    parked: Parked | None = engine.parked
-    if parked is None:
-        return
-    if parked.where == "host":
-        k, v, pos, score = parked.host
-    else:
-        H, pages = parked.crcs.shape
-        heads = np.repeat(np.arange(H), pages)
-        ids = np.tile(np.arange(pages), H)
-        rk, rv, rpos, rscore, _ = engine.parking.read_many(heads, ids, parked.crcs.reshape(-1))
-        n = parked.count
-        k = rk.reshape(H, pages * engine.cfg.page_size, -1)[:, :n]
-        v = rv.reshape(H, pages * engine.cfg.page_size, -1)[:, :n]
-        pos = rpos.reshape(H, -1)[:, :n]
-        score = rscore.reshape(H, -1)[:, :n]
-        engine.parking.discard()
-        if parked.was_on_host is not None:
-            h, p = np.nonzero(parked.was_on_host)
-            if len(h):
-                engine.bring_disk_pages_to_host(h, p)
-    engine.pool.replace(k.to(engine.device), v.to(engine.device), pos.to(engine.device), score.to(engine.device))
-    index = parked.index if parked.index is not None else _index_from_disk(engine, parked.index_crc)
-    engine.index = index.to(engine.device)
-    engine.counters.bytes_moved["host_to_device" if parked.where == "host" else "disk_to_device"] += \
-        _bytes((k, v)) + index.nbytes()
-    engine.parked = None
-
-
-def forget(engine) -> None:
-    """Drop what a parked layer left in its parking files (the layer is being reset)."""
-    parked: Parked | None = engine.parked
-    if engine.parking is not None:
-        engine.parking.discard()
-    if parked is not None and parked.index_crc is not None and os.path.exists(_index_path(engine)):
-        os.remove(_index_path(engine))
-    engine.parked = None
-
-
-def _bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+        raise CorruptPageError(f"the parked layer file {path} fails its CRC-32 check")
+    return dict(load_tensors(data))

@@ -2,7 +2,7 @@
 
 transformers calls the cache's ``update`` and then the attention function of the model's config, and
 never hands the cache to that function. ``update`` therefore leaves a claim: "this key tensor is mine".
-The function below looks the key up; a claimed key gets recall and the union attention, any other key
+The function below looks the key up; a claimed key gets recall and the split attention, any other key
 (another cache, no cache) goes straight to the attention implementation it wraps, with the same
 arguments, so other caches see no change at all.
 
@@ -19,7 +19,6 @@ from typing import Any, Callable
 
 import torch
 
-from ..engine.attention import attend_union
 from ..errors import ConfigError
 
 PREFIX = "kvtier_"
@@ -66,10 +65,9 @@ def _make_attention(base: str) -> Callable:
         if engine is None:
             return _base_function(base, module)(module, query, key, value, attention_mask, **kwargs)
         try:
-            recalled = engine.recall(query, kwargs.get("scaling"))
-            if recalled is None:
+            out = engine.attend(query, kwargs.get("scaling"))
+            if out is None:
                 return _base_function(base, module)(module, query, key, value, attention_mask, **kwargs)
-            out = attend_union(query, key, value, recalled.k, recalled.v, recalled.valid, kwargs.get("scaling"))
             return out, None
         finally:
             engine.commit(query, kwargs.get("scaling"))

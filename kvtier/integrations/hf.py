@@ -9,8 +9,6 @@ transformers' sliding-window layer does.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import weakref
 from typing import Any
 
@@ -20,13 +18,12 @@ from packaging.version import Version
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..config import ModelShape, TieredCacheConfig
-from ..engine import parking
 from ..engine.layer import LayerEngine
-from ..engine.stats import MoveCounters
+from ..engine.parking import check_target
+from ..engine.resources import SharedResources, make_private_dir
 from ..errors import ConfigError, UnsupportedError
 from ..placement.budget import Budget
 from ..scoring import Scorer, make_scorer
-from ..transfer import TransferManager, make_transfer_manager
 from .attention import claim, restore_attention, use_tiered_attention
 
 
@@ -92,14 +89,10 @@ class TieredLayer(CacheLayerMixin):
             raise UnsupportedError("batch_select_indices: TieredCache supports batch size 1 only")
 
 
-def _close(engines: list[LayerEngine], transfers: dict, private_dir: list[str]) -> None:
+def _close(engines: list[LayerEngine], shared: SharedResources) -> None:
     for engine in engines:
         engine.close()
-    for t in transfers.values():
-        t.close()
-    transfers.clear()
-    if private_dir:
-        shutil.rmtree(private_dir.pop(), ignore_errors=True)
+    shared.close()
 
 
 class TieredCache(Cache):
@@ -156,28 +149,17 @@ class TieredCache(Cache):
         self.scorer = make_scorer(scorer, **scorer_kwargs)
         if hasattr(self.scorer, "check_model"):
             self.scorer.check_model(shape.num_layers, shape.num_kv_heads, shape.head_dim)
-        self._private_dir: list[str] = []
+        self._shared = SharedResources(self.settings.disk_dir)
         if self.settings.mode == "tier" and self.settings.host_budget is not None:
-            self._private_dir.append(make_private_dir(self.settings.disk_dir))
-        self._transfers: dict[torch.device, TransferManager] = {}
-        self.counters = MoveCounters()
-        engines = [LayerEngine(i, self.settings, self.scorer, self._transfer_for, self._disk_path, self.counters)
-                   for i in range(shape.num_layers)]
+            self._shared.private_dir()   # a bad disk_dir fails here, not in the middle of a step
+        self.counters = self._shared.counters
+        engines = [LayerEngine(i, self.settings, self.scorer, self._shared) for i in range(shape.num_layers)]
         super().__init__(layers=[TieredLayer(e) for e in engines])
         self._engines = engines
-        self._finalizer = weakref.finalize(self, _close, engines, self._transfers, self._private_dir)
+        # the finalizer holds the engines and the shared resources, never the cache: a dropped cache is collected
+        self._finalizer = weakref.finalize(self, _close, engines, self._shared)
         self.model_config = config
         use_tiered_attention(config)
-
-    def _transfer_for(self, device: torch.device) -> TransferManager:
-        if device not in self._transfers:
-            self._transfers[device] = make_transfer_manager(device)
-        return self._transfers[device]
-
-    def _disk_path(self) -> str:
-        if not self._private_dir:  # no disk tier, but a session is being parked on disk
-            self._private_dir.append(make_private_dir(self.settings.disk_dir))
-        return self._private_dir[0]
 
     def park(self, to: str = "host") -> None:
         """Move the whole cache off the device between turns: ``"host"`` memory or ``"disk"``.
@@ -185,14 +167,14 @@ class TieredCache(Cache):
         The next forward restores each layer just before it is used (so restoring overlaps that forward,
         layer by layer), and generation continues exactly as if the cache had never moved.
         """
+        check_target(to)
         for engine in self._engines:
-            parking.park(engine, to)
+            engine.park(to)
 
     def resume(self) -> None:
         """Restore every parked layer now (otherwise each comes back at its next use)."""
         for engine in self._engines:
-            if engine.parked is not None:
-                parking.restore(engine)
+            engine.restore()
 
     @property
     def parked(self) -> str | None:
@@ -203,14 +185,16 @@ class TieredCache(Cache):
     @property
     def disk_path(self) -> str | None:
         """The private folder holding this cache's disk pages (None without a disk tier)."""
-        return self._private_dir[0] if self._private_dir else None
+        return self._shared.private_path
 
     def stats(self) -> dict[str, Any]:
         """What the cache holds and what it moved.
 
         ``device``/``host``/``disk``: ``tokens`` (entries summed over layers and KV heads, measured
-        from the pools), ``bytes`` held, ``reserved_bytes`` allocated; ``device.index_bytes``: the recall
-        index of the demoted pages (key bounds and 2-bit codes, 1/8 of their K+V size in 16-bit dtypes).
+        from the pools), ``bytes`` held (host bytes include the 2-bit key codes of the recall index and the
+        disk pages kept for read-ahead), ``reserved_bytes`` allocated; ``device.index_bytes``: the key bounds
+        of the demoted pages, 1/16 of their K+V size at 16 entries a page. ``read_ahead``: disk pages served
+        from host memory (``hits``) or read on demand (``misses``), and the ``hit_rate``.
         ``bytes_moved`` per direction,
         ``pages_recalled`` per source tier, ``transfer_wait_seconds`` (blocked on copies and disk reads).
         """
@@ -221,8 +205,12 @@ class TieredCache(Cache):
             for tier, numbers in engine.usage().items():
                 for key, value in numbers.items():
                     tiers[tier][key] += value
+        if self._shared.disk_store is not None:
+            tiers["disk"]["reserved_bytes"] = self._shared.disk_store.file_bytes()
         c = self.counters
-        wait = c.disk_wait_seconds + sum(t.counters.wait_seconds for t in self._transfers.values())
+        wait = c.disk_wait_seconds + sum(t.counters.wait_seconds for t in self._shared.transfers.values())
+        ahead = [e.readahead for e in self._engines if e.readahead is not None]
+        hits, misses = sum(r.hits for r in ahead), sum(r.misses for r in ahead)
         seen = self._engines[0].seen if self._engines else 0
         s = self.settings
         return {
@@ -237,6 +225,9 @@ class TieredCache(Cache):
             "recall_steps": c.recall_steps,
             "tokens_dropped": c.tokens_dropped,
             "transfer_wait_seconds": wait,
+            "read_ahead": {"hits": hits, "misses": misses, "pages_read_ahead": sum(r.read_ahead for r in ahead),
+                           "hit_rate": hits / (hits + misses) if hits + misses else None,
+                           "pages_held": sum(r.pages() for r in ahead)},
             "parked": self.parked,
             "mode": s.mode,
             "scorer": s.scorer_name,
@@ -259,21 +250,6 @@ class TieredCache(Cache):
     def detach_attention(self) -> None:
         """Give the model back its own attention implementation."""
         restore_attention(self.model_config)
-
-
-def make_private_dir(disk_dir: str | None) -> str:
-    try:
-        if disk_dir is not None:
-            os.makedirs(disk_dir, exist_ok=True)
-        path = tempfile.mkdtemp(prefix="kvtier-", dir=disk_dir)
-        probe = os.path.join(path, ".probe")
-        with open(probe, "wb") as f:
-            f.write(b"\0")
-        os.remove(probe)
-        return path
-    except OSError as e:
-        raise ConfigError(f"disk_dir={disk_dir!r} is not a writable folder ({e.strerror or e}); allowed: a "
-                          "folder this process can create files in, or None for a temporary folder") from e
 
 
 def cache_kwargs(cache: Cache) -> dict[str, Cache]:

@@ -1,6 +1,6 @@
 """Placement: budgets and the plans that say which entries move between tiers (no data is touched here)."""
 
 from .budget import Budget
-from .planner import plan_device_demotion, plan_host_overflow, protected_count
+from .planner import page_rank, plan_device_demotion, plan_host_overflow, protected_count
 
-__all__ = ["Budget", "plan_device_demotion", "plan_host_overflow", "protected_count"]
+__all__ = ["Budget", "page_rank", "plan_device_demotion", "plan_host_overflow", "protected_count"]

@@ -1,8 +1,9 @@
-"""Where each demoted page lives: host slot or disk record, its size, rank and checksum.
+"""Where each demoted page lives: which tier, which slot there, its rank and the positions it holds.
 
 Pages are numbered per layer; every head gets the same number of pages at each demotion (budgets are
-equal per head), so page ``p`` exists for all heads and the table is a ``[heads, pages]`` grid. Pages are
-never destroyed in tier mode; they only move down.
+equal per head), so page ``p`` exists for all heads and the table is a ``[heads, pages]`` grid. In tier mode
+pages are never destroyed; they only move between tiers. Changes go through `add` and `place`: the engine
+never writes cells itself.
 """
 
 from __future__ import annotations
@@ -11,46 +12,101 @@ import numpy as np
 
 EMPTY, HOST, DISK = 0, 1, 2
 TIER_NAMES = {HOST: "host", DISK: "disk"}
+LEVELS = (HOST, DISK)          # the hierarchy below the device, fastest first
 
 
 class PageTable:
-    """Metadata of the demoted pages of one layer (numpy, no tensors)."""
+    """Metadata of the demoted pages of one layer (numpy, no tensors).
 
-    def __init__(self, heads: int) -> None:
-        self.heads = heads
+    Columns are kept in chunks of `chunk_pages` page ids so the table never copies itself to grow.
+    """
+
+    def __init__(self, heads: int, page_size: int, chunk_pages: int = 1024) -> None:
+        self.heads, self.page_size, self.chunk = heads, page_size, chunk_pages
         self.n = 0
-        self._alloc(0)
+        self._chunks: list[dict[str, np.ndarray]] = []
 
-    def _alloc(self, cap: int) -> None:
-        self.tier = np.zeros((self.heads, cap), dtype=np.int8)
-        self.slot = np.full((self.heads, cap), -1, dtype=np.int64)
-        self.count = np.zeros((self.heads, cap), dtype=np.int64)
-        self.rank = np.full((self.heads, cap), -np.inf, dtype=np.float32)
-        self.crc = np.zeros((self.heads, cap), dtype=np.uint32)
+    def _new_chunk(self) -> dict[str, np.ndarray]:
+        H, C = self.heads, self.chunk
+        return {"tier": np.zeros((H, C), dtype=np.int8), "slot": np.full((H, C), -1, dtype=np.int64),
+                "rank": np.full((H, C), -np.inf, dtype=np.float32),
+                "pos": np.full((H, C, self.page_size), -1, dtype=np.int64)}
 
-    @property
-    def capacity(self) -> int:
-        return self.tier.shape[1]
+    def _column(self, name: str) -> np.ndarray:
+        """The first `n` page ids of a field as one array (a copy across chunks)."""
+        n = self.n
+        if not self._chunks:
+            shape = (self.heads, 0, self.page_size) if name == "pos" else (self.heads, 0)
+            return np.zeros(shape, dtype=self._new_chunk()[name].dtype)
+        parts = [c[name] for c in self._chunks]
+        whole = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
+        return whole[:, :n]
 
-    def add(self, n_new: int) -> np.ndarray:
-        """Reserve `n_new` page ids (for every head); returns them."""
-        if self.n + n_new > self.capacity:
-            old = (self.tier, self.slot, self.count, self.rank, self.crc)
-            self._alloc(max(self.n + n_new, 2 * self.capacity, 64))
-            for new, prev in zip((self.tier, self.slot, self.count, self.rank, self.crc), old):
-                new[:, : self.n] = prev[:, : self.n]
+    def add(self, rank: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Number `n` new pages (``rank`` ``[heads, n]``, ``positions`` ``[heads, n, page_size]``); returns ids."""
+        n_new = rank.shape[1]
         ids = np.arange(self.n, self.n + n_new)
+        while len(self._chunks) * self.chunk < self.n + n_new:
+            self._chunks.append(self._new_chunk())
+        for i, pid in enumerate(ids):
+            c = self._chunks[pid // self.chunk]
+            c["rank"][:, pid % self.chunk] = rank[:, i]
+            c["pos"][:, pid % self.chunk] = positions[:, i]
         self.n += n_new
         return ids
 
+    def _cells(self, heads: np.ndarray, pids: np.ndarray):
+        pids = np.asarray(pids, dtype=np.int64)
+        return np.asarray(heads, dtype=np.int64), pids // self.chunk, pids % self.chunk
+
+    def place(self, heads: np.ndarray, pids: np.ndarray, tier: int, slots: np.ndarray) -> None:
+        """Record that pages ``(heads[i], pids[i])`` now live in `tier` at `slots`."""
+        h, c, o = self._cells(heads, pids)
+        for ci in np.unique(c):
+            sel = c == ci
+            self._chunks[ci]["tier"][h[sel], o[sel]] = tier
+            self._chunks[ci]["slot"][h[sel], o[sel]] = slots[sel]
+
+    def lookup(self, heads: np.ndarray, pids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Tier and slot of each page ``(heads[i], pids[i])``."""
+        h, c, o = self._cells(heads, pids)
+        if len(self._chunks) == 1:
+            ch = self._chunks[0]
+            return ch["tier"][h, o], ch["slot"][h, o]
+        tier, slot = np.empty(len(h), dtype=np.int8), np.empty(len(h), dtype=np.int64)
+        for ci in np.unique(c):
+            sel = c == ci
+            tier[sel] = self._chunks[ci]["tier"][h[sel], o[sel]]
+            slot[sel] = self._chunks[ci]["slot"][h[sel], o[sel]]
+        return tier, slot
+
+    def positions(self, head: int, pid: int) -> np.ndarray:
+        """Positions held by one page."""
+        return self._chunks[pid // self.chunk]["pos"][head, pid % self.chunk]
+
+    @property
+    def tier(self) -> np.ndarray:
+        """``[heads, n]`` tier of every page (a read-only snapshot)."""
+        return self._column("tier")
+
+    @property
+    def rank(self) -> np.ndarray:
+        return self._column("rank")
+
+    def pages_in(self, tier: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(heads, page ids)`` of the pages in `tier`."""
+        return np.nonzero(self.tier == tier)
+
     def tokens(self, tier: int) -> np.ndarray:
-        """Entries per head held in `tier`."""
-        n = self.n
-        return np.where(self.tier[:, :n] == tier, self.count[:, :n], 0).sum(axis=1)
+        """Entries per head held in `tier` (every page is full)."""
+        return (self.tier == tier).sum(axis=1) * self.page_size
 
     def pages(self, tier: int) -> int:
-        return int((self.tier[:, : self.n] == tier).sum())
+        return int((self.tier == tier).sum())
+
+    def nbytes(self) -> int:
+        return sum(a.nbytes for c in self._chunks for a in c.values())
 
     def clear(self) -> None:
         self.n = 0
-        self._alloc(0)
+        self._chunks = []

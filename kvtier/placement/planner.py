@@ -22,42 +22,50 @@ def plan_device_demotion(
     budget_tokens: int,
     sink_tokens: int,
     recent_tokens: int,
-    slack: int,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Choose the device entries to demote so the device tier fits its budget.
+    page_size: int,
+) -> torch.Tensor | None:
+    """Choose the device entries to demote, in whole pages, so the device tier fits its budget.
 
     Parameters
     ----------
     scores, positions
-        ``[heads, n]``: the entries on the device (and the ones just written), in position order per head.
+        ``[heads, n]``: the entries on the device (and the ones just written), in any order.
     seen
         Tokens written so far (the logical length).
     budget_tokens
         Device budget per head, in tokens, already resolved for `seen`.
-    slack
-        Hysteresis: when over budget, demote down to ``budget_tokens - slack`` so that demotions come in
-        batches of about a page instead of one token per decode step.
+    page_size
+        Entries per page: demotions come in whole pages, which is also the hysteresis (after a demotion
+        the tier sits up to a page under its budget, so a decoding layer demotes once every page of steps).
 
     Returns
     -------
-    None when the entries fit; else ``(keep, demote)``: ``[heads, n_keep]`` and ``[heads, m]`` indices, both
-    in position order. Pages are cut from ``demote`` in that order: neighbouring tokens have alike keys
-    (same rotary phase, related content), so a page's key range stays tight and recall can tell pages apart;
-    pages cut in score order mix distant tokens, and recall then picks poorly.
+    None when nothing is to move; else ``[heads, m]`` indices into the entries, ``m`` a multiple of
+    `page_size`, in position order per head. Pages are cut from them in that order: neighbouring tokens have
+    alike keys (same rotary phase, related content), so a page's key range stays tight and recall can tell
+    pages apart. When the unprotected entries do not fill the pages the budget asks for, only whole pages
+    move and the rest wait on the device until they fill one: a demoted page is never partly filled.
     """
     heads, n = scores.shape
     if n <= budget_tokens:
         return None
     protected = (positions < sink_tokens) | (positions >= seen - recent_tokens)
-    n_protected = int(protected[0].sum())
-    target = max(budget_tokens - slack, n_protected)
-    m = n - target
+    movable = n - int(protected[0].sum())
+    pages = min(-(-(n - budget_tokens) // page_size), movable // page_size)
+    if pages <= 0:
+        return None
+    m = pages * page_size
     ranked = torch.where(protected, torch.full_like(scores, float("inf")), scores.float())
-    # stable ascending sort: lowest score first, older position first among equal scores
-    order = torch.sort(ranked, dim=1, stable=True).indices
-    demote = torch.sort(order[:, :m], dim=1).values
-    keep = torch.sort(order[:, m:], dim=1).values
-    return keep, demote
+    # lowest score first; among equal scores the older position first
+    order = torch.argsort(positions, dim=1)
+    by_score = torch.sort(torch.gather(ranked, 1, order), dim=1, stable=True).indices
+    chosen = torch.gather(order, 1, by_score[:, :m])
+    return torch.gather(chosen, 1, torch.argsort(torch.gather(positions, 1, chosen), dim=1))
+
+
+def page_rank(scores: torch.Tensor) -> torch.Tensor:
+    """A page's rank is the best score among its entries: ``[..., page_size]`` -> ``[...]``."""
+    return scores.amax(dim=-1)
 
 
 def plan_host_overflow(

@@ -1,56 +1,108 @@
-"""The recall index: what recall reads about every demoted page, kept beside the device entries.
+"""The recall index: what recall reads about every demoted page.
 
-Per KV head and page: the elementwise key bounds (cache dtype, rounded outward), 2-bit key codes inside
-them and the number of valid entries. Columns are page ids of the page table; the index grows with it.
+Per KV head and page: the elementwise key bounds (cache dtype, rounded outward) on the device, and 2-bit key
+codes inside them in host memory. Every step reads the bounds of all pages (one number per page and query
+comes out), but only the codes of a short list of candidates, so only the bounds need to sit beside the
+device entries: ``2 * head_dim`` values per page, 1/16 of the page's keys and values at 16 entries a page.
+Rows are page ids of the page table; both parts grow a slab at a time and are never copied.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-
 import torch
 
+from ..tiers.slabs import SlabRows
 from .bounds import page_bounds, round_outward
 from .codes import code_width, encode
 
+PAGES_PER_SLAB = 1024
+_CHUNK_ELEMENTS = 1 << 22    # query rows x pages per bound product, bounds the working memory
 
-@dataclass
+
 class PageIndex:
-    lo: torch.Tensor       # [heads, capacity, dim]
-    hi: torch.Tensor
-    codes: torch.Tensor    # [heads, capacity, page_size, code_width(dim)] uint8
-    counts: torch.Tensor   # [heads, capacity] int32
+    """Bounds (device) and codes (host) of a layer's demoted pages, by page id."""
 
-    @classmethod
-    def empty(cls, heads: int, page_size: int, dim: int, dtype: torch.dtype, device: torch.device) -> PageIndex:
-        lo = torch.empty(heads, 0, dim, dtype=dtype, device=device)
-        return cls(lo, torch.empty_like(lo),
-                   torch.empty(heads, 0, page_size, code_width(dim), dtype=torch.uint8, device=device),
-                   torch.empty(heads, 0, dtype=torch.int32, device=device))
+    def __init__(self, heads: int, page_size: int, dim: int, dtype: torch.dtype, device: torch.device,
+                 pin: bool = False, pages_per_slab: int = PAGES_PER_SLAB) -> None:
+        self.heads, self.page_size, self.dim, self.dtype, self.device = heads, page_size, dim, dtype, device
+        # one row per (page, head): row = page * heads + head, so a short list is one gather
+        self.lo = SlabRows((dim,), dtype, device, pages_per_slab * heads)
+        self.hi = SlabRows((dim,), dtype, device, pages_per_slab * heads)
+        self.codes = SlabRows((page_size, code_width(dim)), torch.uint8, "cpu", pages_per_slab * heads, pin)
+        self.n = 0
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+    def add(self, k_pages: torch.Tensor) -> None:
+        """Index the next pages from their keys ``[heads, pages, page_size, dim]`` (all entries valid)."""
+        full = torch.full(k_pages.shape[:2], self.page_size, device=k_pages.device)
+        lo, hi = round_outward(*page_bounds(k_pages, full), self.dtype)
+        codes = encode(k_pages, lo, hi)
+        m, H = k_pages.shape[1], self.heads
+        rows = torch.arange(self.n * H, (self.n + m) * H)
+        for part in (self.lo, self.hi, self.codes):
+            part.ensure((self.n + m) * H)
+        self.lo.scatter(rows.to(self.device), lo.transpose(0, 1).reshape(m * H, -1))
+        self.hi.scatter(rows.to(self.device), hi.transpose(0, 1).reshape(m * H, -1))
+        self.codes.scatter(rows, codes.transpose(0, 1).reshape(m * H, self.page_size, -1).cpu())
+        self.n += m
 
-    def add(self, first: int, k_pages: torch.Tensor, counts: torch.Tensor, capacity: int) -> None:
-        """Index pages ``first, first + 1, ...`` from their keys ``[heads, pages, page_size, dim]`` and valid
-        entries ``[heads, pages]``, growing the columns to `capacity` when needed."""
-        lo, hi = round_outward(*page_bounds(k_pages, counts), k_pages.dtype)
-        new = {"lo": lo, "hi": hi, "codes": encode(k_pages, lo, hi), "counts": counts}
-        grow = capacity - self.lo.shape[1]
-        cols = slice(first, first + k_pages.shape[1])
-        for name, t in self.tensors().items():
-            if grow > 0:
-                t = torch.cat([t, t.new_empty(t.shape[0], grow, *t.shape[2:])], dim=1)
-                setattr(self, name, t)
-            t[:, cols] = new[name]
+    def upper_bounds(self, q: torch.Tensor) -> torch.Tensor:
+        """The largest logit any key of each page can give a KV head's queries ``q`` ``[heads, rows, dim]``.
 
-    def first(self, n: int) -> PageIndex:
-        """Views of the first `n` pages."""
-        return PageIndex(**{name: t[:, :n] for name, t in self.tensors().items()})
+        Returns ``[heads, n]`` float32, computed slab by slab and in blocks of query rows.
+        """
+        q = q.float()
+        pos, neg = q.clamp(min=0), q.clamp(max=0)
+        out = []
+        H = self.heads
+        for (_, lo), (_, hi) in zip(self.lo.spans(self.n * H), self.hi.spans(self.n * H)):
+            lo_t = lo.float().view(-1, H, self.dim).permute(1, 2, 0)      # [heads, dim, pages]
+            hi_t = hi.float().view(-1, H, self.dim).permute(1, 2, 0)
+            step = max(1, _CHUNK_ELEMENTS // (H * lo_t.shape[2]))
+            best = None
+            for r in range(0, q.shape[1], step):
+                ub = torch.bmm(pos[:, r:r + step], hi_t).add_(torch.bmm(neg[:, r:r + step], lo_t)).amax(dim=1)
+                best = ub if best is None else torch.maximum(best, ub)
+            out.append(best)
+        return torch.cat(out, dim=1) if out else torch.empty(self.heads, 0, device=q.device)
 
-    def to(self, device: torch.device | str) -> PageIndex:
-        """A copy on `device` (always a copy, so the source's storage can be let go)."""
-        return PageIndex(**{name: t.to(device, copy=True) for name, t in self.tensors().items()})
+    def pick(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Bounds ``[heads, m, dim]`` and codes ``[heads, m, page_size, dim/4]`` of pages ``ids`` ``[heads, m]``,
+        all on the device."""
+        heads, m = ids.shape
+        rows = (ids * heads + torch.arange(heads, device=ids.device)[:, None]).reshape(-1)
+        lo, hi = self.lo.gather(rows.to(self.device)), self.hi.gather(rows.to(self.device))
+        codes = self.codes.gather(rows.cpu())
+        return (lo.view(heads, m, self.dim), hi.view(heads, m, self.dim),
+                codes.view(heads, m, self.page_size, -1).to(self.device, non_blocking=True))
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+    def device_bytes(self) -> int:
+        """Device bytes of the bounds of the indexed pages."""
+        return 2 * self.n * self.heads * self.dim * torch.empty((), dtype=self.dtype).element_size()
+
+    def host_bytes(self) -> int:
+        """Host bytes of the codes of the indexed pages."""
+        return self.n * self.heads * self.page_size * code_width(self.dim)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The indexed pages as plain CPU tensors ``[n * heads, ...]`` (for parking)."""
+        def rows(part: SlabRows) -> torch.Tensor:
+            spans = [t for _, t in part.spans(self.n * self.heads)]
+            return torch.cat(spans).cpu() if spans else torch.empty(0, *part.row_shape, dtype=part.dtype)
+        return {"lo": rows(self.lo), "hi": rows(self.hi), "codes": rows(self.codes)}
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Make `state` (from `state()`) the indexed pages."""
+        rows_n = state["lo"].shape[0]
+        for part in (self.lo, self.hi, self.codes):
+            part.ensure(rows_n)
+        rows = torch.arange(rows_n)
+        self.lo.scatter(rows.to(self.device), state["lo"].to(self.device))
+        self.hi.scatter(rows.to(self.device), state["hi"].to(self.device))
+        self.codes.scatter(rows, state["codes"])
+        self.n = rows_n // self.heads
+
+    def release(self) -> None:
+        """Forget every page and give the slabs back."""
+        for part in (self.lo, self.hi, self.codes):
+            part.close()
+        self.n = 0

@@ -1,182 +1,351 @@
-"""The disk tier of one layer: checksummed page records in one file, read back in parallel.
+"""The disk tier: one file of page records for a whole cache, addressed by slot.
 
-Each record holds one page of one KV head at a fixed offset, ``(page_id * heads + head) * record_size``:
-a header (magic, version, layer, head, page, count, page size, head size, dtype, CRC-32 of the payload)
-then keys, values, positions and scores. A read checks the header and the CRC against the value kept
-in memory when the page was written: a corrupt, stale or missing page raises `CorruptPageError`.
+Record ``slot`` lies at ``slot * record_size`` and is the raw payload (a page's keys, then its values)
+zero-padded to a multiple of 4 KiB, so records never share a file-system block and a run of consecutive
+slots is one ``preadv``/``pwritev``. There is no header on disk: the store keeps a CRC-32 and a write
+generation per slot in memory, and seeds each CRC with ``crc32(slot, generation)``, so a record read from
+the wrong slot, or a stale earlier write at a reused slot, fails the check instead of being returned.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import heapq
 import os
 import struct
+import threading
 import zlib
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import numpy as np
 import torch
 
-from ..errors import CapacityError, CorruptPageError
+from ..errors import CapacityError, ConfigError, CorruptPageError
 
-MAGIC = b"KVTP"
-VERSION = 1
-_HEADER = struct.Struct("<4sHHIIIIIII")
-_HEADER_DTYPE = np.dtype([("magic", "S4"), ("version", "<u2"), ("dtype", "<u2"), ("layer", "<u4"), ("head", "<u4"),
-                          ("page", "<u4"), ("count", "<u4"), ("page_size", "<u4"), ("head_dim", "<u4"),
-                          ("crc", "<u4")])
-HEADER_SIZE = 64
-_DTYPES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4}
-
-
-def _rows(t: torch.Tensor, n: int) -> np.ndarray:
-    """``t`` ``[n, ...]`` as ``[n, bytes]`` uint8."""
-    return t.detach().cpu().contiguous().reshape(n, -1).view(torch.uint8).numpy()
+ALIGN = 4096  # records start and end on 4 KiB boundaries
+CHUNK = 4096  # slots per chunk of the in-memory per-slot arrays
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_SEED = struct.Struct("<QI")
+_MIN_TASK_BYTES = 1 << 18  # I/O is split across threads in pieces of at least this much
+_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+_FLAGS = (os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") and os.sysconf("SC_IOV_MAX") > 0 else 16
 
 
-def _chunks(n: int, parts: int) -> list[range]:
-    step = max(1, -(-n // parts))
-    return [range(i, min(i + step, n)) for i in range(0, n, step)]
+def _seed(slot: int, gen: int) -> int:
+    return zlib.crc32(_SEED.pack(slot, gen))
+
+
+def _oserr(e: OSError) -> str:
+    if e.errno is None:
+        return str(e)
+    return f"{errno.errorcode.get(e.errno, e.errno)}: {e.strerror or os.strerror(e.errno)}"
+
+
+def _transfer(op, fd: int, bufs: list, offset: int) -> int:
+    """Repeat ``op`` (``os.preadv``/``os.pwritev``) until `bufs` are done or no progress; returns bytes done."""
+    views = [memoryview(b).cast("B") for b in bufs]
+    done, total, i = 0, sum(len(b) for b in views), 0
+    while done < total:
+        n = op(fd, views[i:i + _IOV_MAX], offset + done)
+        if n <= 0:
+            break
+        done += n
+        while i < len(views) and n >= len(views[i]):
+            n, i = n - len(views[i]), i + 1
+        if n:
+            views[i] = views[i][n:]
+    return done
+
+
+class _Column:
+    """A per-slot array grown in chunks of `CHUNK` slots (never reallocated or copied)."""
+
+    def __init__(self, dtype) -> None:
+        self.dtype, self.chunks = np.dtype(dtype), []
+
+    def grow(self, slots: int) -> None:
+        self.chunks += [np.zeros(CHUNK, self.dtype) for _ in range(len(self.chunks), -(-slots // CHUNK))]
+
+    def _parts(self, slots: np.ndarray) -> list:
+        c, o = np.divmod(slots, CHUNK)
+        return [(self.chunks[i], c == i, o[c == i]) for i in np.unique(c)]
+
+    def get(self, slots: np.ndarray) -> np.ndarray:
+        out = np.empty(len(slots), self.dtype)
+        for chunk, m, o in self._parts(slots):
+            out[m] = chunk[o]
+        return out
+
+    def set(self, slots: np.ndarray, values) -> None:
+        values = np.broadcast_to(np.asarray(values, self.dtype), slots.shape)
+        for chunk, m, o in self._parts(slots):
+            chunk[o] = values[m]
 
 
 class DiskStore:
-    """Page records of one layer in the file ``<name>_NNN.kvtp`` under `directory`."""
+    """One file of page records for a whole cache (all layers, and parked layers too).
 
-    def __init__(self, directory: str, layer_idx: int, heads: int, page_size: int, head_dim: int,
-                 dtype: torch.dtype, io_threads: int = 4, name: str = "layer") -> None:
+    Parameters
+    ----------
+    directory : str
+        Existing folder; ``<directory>/<name>.kvtp`` must not exist yet (it is never reused or followed).
+    page_size, head_dim : int
+        A page is keys ``[page_size, head_dim]``, then values of the same shape.
+    dtype : torch.dtype
+        float32, float16, bfloat16 or float64.
+    io_threads, name : int, str
+        Threads that read, write and checksum (started on first use); stem of the file name.
+
+    Methods may be called from several threads, but not concurrently with `close`.
+    """
+
+    def __init__(self, directory: str, page_size: int, head_dim: int, dtype: torch.dtype,
+                 io_threads: int = 4, name: str = "pages") -> None:
+        self._fd: int | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self.path = os.path.join(directory, f"{name}.kvtp")
         if dtype not in _DTYPES:
-            raise CapacityError(f"dtype {dtype} cannot be stored on disk; allowed: {list(_DTYPES)}")
-        self.layer_idx, self.heads, self.page_size, self.head_dim, self.dtype = (
-            layer_idx, heads, page_size, head_dim, dtype)
-        self.path = os.path.join(directory, f"{name}_{layer_idx:03d}.kvtp")
-        self._esize = torch.empty((), dtype=dtype).element_size()
-        self._kv_bytes = page_size * head_dim * self._esize
-        self.payload_size = 2 * self._kv_bytes + page_size * (8 + 4)
-        self.record_size = HEADER_SIZE + self.payload_size
-        self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
-        self.io_threads = io_threads
-        self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix=f"kvtier-disk-{layer_idx}")
-        self.records = 0
+            raise CapacityError(f"dtype {dtype} cannot be stored on disk; allowed: "
+                                "torch.float32, torch.float16, torch.bfloat16, torch.float64")
+        if min(page_size, head_dim, io_threads) < 1:
+            raise ConfigError(f"page_size, head_dim and io_threads must be >= 1; got {page_size}, {head_dim}, "
+                              f"{io_threads}")
+        self.page_size, self.head_dim, self.dtype, self.io_threads = page_size, head_dim, dtype, io_threads
+        self._kv_bytes = page_size * head_dim * torch.empty((), dtype=dtype).element_size()
+        self.payload_size = 2 * self._kv_bytes
+        self.record_size = -(-self.payload_size // ALIGN) * ALIGN
+        self._crc, self._gen, self._used = _Column(np.uint32), _Column(np.uint32), _Column(np.bool_)
+        self._free: list[int] = []  # heap of freed slots below `_next`; slots >= `_next` were never handed out
+        self._next = self._count = 0
+        try:
+            self._fd = os.open(self.path, _FLAGS, 0o600)
+        except OSError as e:
+            what = "a symlink" if os.path.islink(self.path) else "something"
+            why = (f"{what} already exists there; refusing to reuse or follow it"
+                   if e.errno in (errno.EEXIST, errno.ELOOP) else _oserr(e))
+            raise CapacityError(f"cannot create page file {self.path}: {why}") from e
 
-    def _offset(self, head: int, page: int) -> int:
-        return (page * self.heads + head) * self.record_size
-
-    def _fd_or_raise(self) -> int:
+    def _check_open(self) -> int:
         if self._fd is None:
             raise CorruptPageError(f"disk store {self.path} is closed")
         return self._fd
 
-    def _records(self, heads: np.ndarray, pages: np.ndarray, counts: np.ndarray, k: torch.Tensor,
-                 v: torch.Tensor, pos: torch.Tensor, score: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-        """Serialise pages ``[n, page_size, ...]`` into ``[n, record_size]`` bytes; returns them and their CRCs."""
-        n = len(heads)
-        rec = np.zeros((n, self.record_size), dtype=np.uint8)
-        kb, P = self._kv_bytes, self.page_size
-        payload = rec[:, HEADER_SIZE:]
-        payload[:, :kb] = _rows(k, n)
-        payload[:, kb:2 * kb] = _rows(v, n)
-        payload[:, 2 * kb:2 * kb + 8 * P] = _rows(pos.to(torch.int64), n)
-        payload[:, 2 * kb + 8 * P:] = _rows(score.to(torch.float32), n)
-        crcs = np.array([zlib.crc32(row) for row in payload], dtype=np.uint32)
-        for i in range(n):
-            rec[i, :_HEADER.size] = np.frombuffer(_HEADER.pack(
-                MAGIC, VERSION, _DTYPES[self.dtype], self.layer_idx, int(heads[i]), int(pages[i]), int(counts[i]),
-                self.page_size, self.head_dim, int(crcs[i])), dtype=np.uint8)
-        return rec, crcs
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix="kvtier-disk")
+            return self._pool
 
-    def write_many(self, heads: np.ndarray, pages: np.ndarray, counts: np.ndarray, k: torch.Tensor,
-                   v: torch.Tensor, pos: torch.Tensor, score: torch.Tensor) -> np.ndarray:
-        """Write pages (``k, v`` ``[n, page_size, dim]``, ``pos, score`` ``[n, page_size]``); returns CRC-32s."""
-        rec, crcs = self._records(heads, pages, counts, k, v, pos, score)
-        fd = self._fd_or_raise()
-        offsets = [self._offset(int(h), int(p)) for h, p in zip(heads, pages)]
+    def _check_used(self, slots: np.ndarray) -> None:
+        """Raise unless every slot holds a page (call with the lock held)."""
+        bad = (slots < 0) | (slots >= self._next)
+        if bad.any() or (bad := ~self._used.get(slots)).any():
+            raise CorruptPageError(f"slot {int(slots[np.flatnonzero(bad)[0]])} of {self.path} holds no page")
 
-        def write_rows(rows: range) -> None:
-            for i in rows:
+    def _plan(self, slots: np.ndarray, iov_per_record: int) -> tuple[np.ndarray, np.ndarray, list]:
+        """Sort `slots`; cut them into one task per thread, each a list of runs ``(lo, hi)`` of sorted
+        positions whose slots are consecutive (one syscall each)."""
+        order = np.argsort(slots, kind="stable")
+        s, n = slots[order], len(slots)
+        step = max(-(-n // self.io_threads), -(-_MIN_TASK_BYTES // self.record_size))
+        cap = max(1, _IOV_MAX // iov_per_record)
+        tasks = []
+        for a in range(0, n, step):
+            b = min(a + step, n)
+            edges = [a, *(np.flatnonzero(np.diff(s[a:b]) != 1) + a + 1).tolist(), b]
+            tasks.append([(x, min(x + cap, hi)) for lo, hi in zip(edges, edges[1:]) for x in range(lo, hi, cap)])
+        return order, s, tasks
+
+    def _run(self, fn, tasks: list) -> None:
+        """Run ``fn(task)`` for each task (on the I/O threads if several); all finish before any error is raised."""
+        if len(tasks) == 1:
+            return fn(tasks[0])
+        futures = [self._executor().submit(fn, t) for t in tasks]
+        wait(futures)
+        for f in futures:
+            f.result()
+
+    def store(self, k: torch.Tensor, v: torch.Tensor) -> np.ndarray:
+        """Write pages ``k, v`` ``[n, page_size, head_dim]`` (store's dtype, any device) to free slots, lowest
+        first (the file grows by appending); returns their slots, int64 ``[n]``.
+
+        Raises `CapacityError` on a wrong shape or dtype, a full disk, a file too large, any other write
+        error or a short write. The store is then left as it was: the slots taken by this call are free
+        again, no other slot's CRC or generation changed, and the pages stored before still load.
+        """
+        fd = self._check_open()
+        P, D, kb, rs, pay = self.page_size, self.head_dim, self._kv_bytes, self.record_size, self.payload_size
+        if k.dim() != 3 or tuple(k.shape[1:]) != (P, D) or k.shape != v.shape or {k.dtype, v.dtype} != {self.dtype}:
+            raise CapacityError(f"{self.path} holds [n, {P}, {D}] {self.dtype} pages; got k {tuple(k.shape)} "
+                                f"{k.dtype}, v {tuple(v.shape)} {v.dtype}")
+        n = k.shape[0]
+        if n == 0:
+            return np.empty(0, np.int64)
+        buf = np.empty((n, rs), np.uint8)  # record r = keys, values, zero padding
+        buf[:, pay:] = 0
+        for t, a in ((k, 0), (v, kb)):
+            torch.from_numpy(buf)[:, a:a + kb].view(self.dtype).view(n, P, D).copy_(t.detach())
+        with self._lock:
+            reused = [heapq.heappop(self._free) for _ in range(min(n, len(self._free)))]
+            lo, hi = self._next, self._next + n - len(reused)
+            self._next = hi
+            for c in (self._crc, self._gen, self._used):
+                c.grow(hi)
+            slots = np.array(reused + list(range(lo, hi)), dtype=np.int64)
+            gens = self._gen.get(slots) + np.uint32(1)
+        crcs = np.empty(n, np.uint32)
+        order, s, tasks = self._plan(slots, 1)
+
+        def write(runs: list) -> None:
+            for a, b in runs:
+                idx = order[a:b]
+                for r in idx:
+                    crcs[r] = zlib.crc32(buf[r, :pay], _seed(int(slots[r]), int(gens[r])))
                 try:
-                    written = os.pwrite(fd, rec[i], offsets[i])
+                    done = _transfer(os.pwritev, fd, [buf[r] for r in idx], int(s[a]) * rs)
                 except OSError as e:
-                    kind = "disk full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "could not write"
-                    raise CapacityError(f"{kind} writing a page to {self.path}: {e}") from e
-                if written != self.record_size:
-                    raise CapacityError(f"short write to {self.path}: {written} of {self.record_size} bytes "
-                                        "(disk full?)")
+                    kind = "disk full" if e.errno in _FULL else "could not write"
+                    raise CapacityError(f"{kind}: writing {b - a} page(s) to {self.path} failed: {_oserr(e)}") from e
+                if done != (b - a) * rs:
+                    raise CapacityError(f"short write to {self.path}: {done} of {(b - a) * rs} bytes (disk full?)")
 
-        list(self._pool.map(write_rows, _chunks(len(heads), self.io_threads)))
-        self.records += len(heads)
-        return crcs
+        try:
+            self._run(write, tasks)
+        except BaseException:
+            with self._lock:
+                back = reused if self._next == hi else reused + list(range(lo, hi))
+                if self._next == hi:  # nothing was allocated after us: give the file its old length back
+                    self._next = lo
+                    with contextlib.suppress(OSError):
+                        if os.fstat(fd).st_size > lo * rs:
+                            os.ftruncate(fd, lo * rs)
+                for slot in back:
+                    heapq.heappush(self._free, slot)
+            raise
+        with self._lock:
+            for column, values in ((self._crc, crcs), (self._gen, gens), (self._used, True)):
+                column.set(slots, values)
+            self._count += n
+        return slots
 
-    def read_many(self, heads: np.ndarray, pages: np.ndarray, crcs: np.ndarray) -> tuple[torch.Tensor, ...]:
-        """Read pages back, verified: ``(k, v)`` ``[n, page_size, dim]``, ``(pos, score)`` ``[n, page_size]``,
-        ``counts`` ``[n]``. Reads run on the I/O threads (they release the GIL)."""
-        n = len(heads)
-        rec = np.empty((n, self.record_size), dtype=np.uint8)
-        fd = self._fd_or_raise()
-        offsets = [self._offset(int(h), int(p)) for h, p in zip(heads, pages)]
+    def free(self, slots: np.ndarray) -> None:
+        """Give slots ``[m]`` back; their records can no longer be loaded and later `store` calls reuse them.
+        Raises `CorruptPageError` (freeing nothing) if a slot holds no page or is given twice."""
+        self._check_open()
+        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+        with self._lock:
+            self._check_used(slots)
+            if len(np.unique(slots)) != len(slots):
+                raise CorruptPageError(f"a slot is freed twice in one call to {self.path}")
+            self._used.set(slots, False)
+            self._count -= len(slots)
+            for slot in slots.tolist():
+                heapq.heappush(self._free, slot)
 
-        def read_rows(rows: range) -> list[int]:
-            short = []
-            for i in rows:
+    def _start_read(self, slots: np.ndarray, out):
+        """Check `slots` and plan their reads: ``(tasks, read, finish)``; ``finish()`` returns ``(k, v)``."""
+        fd = self._check_open()
+        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+        n, P, D, kb, rs = len(slots), self.page_size, self.head_dim, self._kv_bytes, self.record_size
+        with self._lock:
+            self._check_used(slots)
+            crcs, gens = self._crc.get(slots), self._gen.get(slots)
+        if out is not None and (len(out) != 2 or any(tuple(t.shape) != (n, P, D) for t in out)):
+            raise CapacityError(f"out must be two tensors [{n}, {P}, {D}]; got {[tuple(t.shape) for t in out]}")
+        direct = out is not None and all(t.device.type == "cpu" and t.dtype == self.dtype and t.is_contiguous()
+                                         for t in out)
+        kv = out if direct else [torch.empty((n, P, D), dtype=self.dtype) for _ in range(2)]
+        kn, vn = (t.detach().view(torch.uint8).reshape(n, kb).numpy() for t in kv)  # the reads land in `kv`
+        pad = rs - self.payload_size
+        order, s, tasks = self._plan(slots, 3 if pad else 2)
+
+        def read(runs: list) -> None:
+            scratch = [np.empty(pad, np.uint8)] if pad else []  # the padding is read and dropped
+            for a, b in runs:
+                idx, first = order[a:b], int(s[a])
                 try:
-                    got = os.preadv(fd, [rec[i]], offsets[i])
+                    done = _transfer(os.preadv, fd, [x for r in idx for x in (kn[r], vn[r], *scratch)], first * rs)
                 except OSError as e:
-                    raise CorruptPageError(f"could not read {self._where(heads[i], pages[i])}: {e}") from e
-                if got != self.record_size:
-                    short.append(i)
-            return short
+                    raise CorruptPageError(f"could not read slots {first}..{int(s[b - 1])} of {self.path}: "
+                                           f"{_oserr(e)}") from e
+                if done != (b - a) * rs:
+                    raise CorruptPageError(f"page missing or truncated in {self.path} at slot "
+                                           f"{int(s[a + done // rs])} (the file ends at byte {first * rs + done})")
+                for r in idx:
+                    got = zlib.crc32(vn[r], zlib.crc32(kn[r], _seed(int(slots[r]), int(gens[r]))))
+                    if got != crcs[r]:
+                        raise CorruptPageError(f"checksum mismatch in {self.path} at slot {int(slots[r])}: "
+                                               f"expected {int(crcs[r]):#010x}, read {got:#010x}")
 
-        for short in self._pool.map(read_rows, _chunks(n, self.io_threads)):
-            if short:
-                i = short[0]
-                raise CorruptPageError(f"page missing or truncated in {self._where(heads[i], pages[i])}")
-        header = rec[:, :_HEADER.size].copy().view(_HEADER_DTYPE)[:, 0]
-        expect = (header["magic"] == np.frombuffer(MAGIC, dtype="S4")[0]) & (header["version"] == VERSION) & (
-            header["dtype"] == _DTYPES[self.dtype]) & (header["layer"] == self.layer_idx) & (
-            header["head"] == heads) & (header["page"] == pages) & (header["page_size"] == self.page_size) & (
-            header["head_dim"] == self.head_dim)
-        if not expect.all():
-            i = int(np.flatnonzero(~expect)[0])
-            raise CorruptPageError(f"bad page header in {self._where(heads[i], pages[i])}")
-        payload = rec[:, HEADER_SIZE:]
-        actual = np.array([zlib.crc32(row) for row in payload], dtype=np.uint32)
-        bad = (actual != header["crc"]) | (header["crc"] != crcs.astype(np.uint32))
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            raise CorruptPageError(f"checksum mismatch in {self._where(heads[i], pages[i])}: stored "
-                                   f"{int(header['crc'][i]):#010x}, computed {int(actual[i]):#010x}, expected "
-                                   f"{int(crcs[i]):#010x}")
-        data = torch.from_numpy(payload)
-        kb, P, D = self._kv_bytes, self.page_size, self.head_dim
-        def column(a: int, b: int, dtype: torch.dtype) -> torch.Tensor:
-            return data[:, a:b].reshape(-1).clone().view(dtype).reshape(n, -1)
+        def finish() -> tuple[torch.Tensor, torch.Tensor]:
+            return (out[0].copy_(kv[0]), out[1].copy_(kv[1])) if out is not None and not direct else (kv[0], kv[1])
 
-        k = column(0, kb, self.dtype).reshape(n, P, D)
-        v = column(kb, 2 * kb, self.dtype).reshape(n, P, D)
-        pos = column(2 * kb, 2 * kb + 8 * P, torch.int64)
-        score = column(2 * kb + 8 * P, self.payload_size, torch.float32)
-        return k, v, pos, score, torch.from_numpy(header["count"].astype(np.int64))
+        return tasks, read, finish
 
-    def read(self, head: int, page: int, expected_crc: int) -> tuple[torch.Tensor, ...]:
-        """Read one page back as ``(k, v, pos, score, count)``, verified."""
-        k, v, pos, score, count = self.read_many(np.array([head]), np.array([page]), np.array([expected_crc]))
-        return k[0], v[0], pos[0], score[0], int(count[0])
+    def load(self, slots: np.ndarray, out: tuple[torch.Tensor, torch.Tensor] | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Read pages back, verified, in the order of `slots` ``[n]``.
 
-    def _where(self, head: int, page: int) -> str:
-        return f"{self.path} (layer {self.layer_idx}, head {int(head)}, page {int(page)})"
+        Returns ``(k, v)``, each ``[n, page_size, head_dim]``: `out` when given (filled in place; read into
+        directly when it is contiguous CPU memory of the store's dtype, e.g. pinned staging), else new CPU
+        tensors of `dtype`. Raises `CorruptPageError` naming the file and slot when a slot holds no page, the
+        file is short or unreadable, or a CRC does not match (`out` then holds garbage).
+        """
+        tasks, read, finish = self._start_read(slots, out)
+        self._run(read, tasks)
+        return finish()
 
-    def discard(self) -> None:
-        """Drop every record (the file is emptied; its pages must not be read again)."""
-        os.ftruncate(self._fd_or_raise(), 0)
-        self.records = 0
+    def load_async(self, slots: np.ndarray) -> Future:
+        """`load` (without `out`) on the I/O threads, for read-ahead: a future of ``(k, v)`` or of the error."""
+        result: Future = Future()
+        try:
+            tasks, read, finish = self._start_read(slots, None)
+            futures = [self._executor().submit(read, t) for t in tasks]
+        except Exception as e:
+            result.set_exception(e)
+            return result
+        left, lock = [len(futures)], threading.Lock()
+
+        def done(_=None) -> None:
+            with lock:
+                left[0] -= 1
+                if left[0] > 0:
+                    return
+            try:
+                for f in futures:
+                    f.result()
+                result.set_result(finish())
+            except Exception as e:
+                result.set_exception(e)
+
+        for f in futures:
+            f.add_done_callback(done)
+        if not futures:
+            done()
+        return result
+
+    def pages(self) -> int:
+        """Slots in use."""
+        return self._count
+
+    def nbytes(self) -> int:
+        """``pages() * payload_size``."""
+        return self._count * self.payload_size
 
     def file_bytes(self) -> int:
+        """Size of the file on disk (0 once closed)."""
         return os.fstat(self._fd).st_size if self._fd is not None else 0
 
-    def close(self, remove: bool = True) -> None:
-        """Close the file (and delete it unless told not to)."""
-        self._pool.shutdown(wait=True)
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-            if remove and os.path.exists(self.path):
-                os.remove(self.path)
+    def close(self) -> None:
+        """Wait for in-flight I/O, stop the I/O threads, close and delete the file. Safe to call again."""
+        pool, self._pool = getattr(self, "_pool", None), None
+        if pool is not None:
+            pool.shutdown(wait=True)
+        fd, self._fd = getattr(self, "_fd", None), None
+        if fd is not None:
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)

@@ -1,109 +1,87 @@
-"""The host tier of one layer: fixed-size pages in (pinned, on CUDA machines) host memory."""
+"""The host tier: pages of demoted entries in host memory (pinned on CUDA machines), in fixed-size slabs.
+
+A page is ``page_size`` entries of one KV head, keys and values each contiguous, so a recall moves whole
+blocks. Slots are shared by all heads of a layer and handed out from a free list; the pool grows a slab at a
+time (about `slab_bytes` each) and never copies what it holds.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from ..errors import CapacityError
+from .slabs import SlabRows
+
+SLAB_BYTES = 4 << 20
 
 
 class HostPool:
-    """Pages of demoted entries, ``page_size`` tokens each, one free list per KV head.
+    """Host-memory page slots (the `Tier` protocol).
 
-    Pages of a head are whole and contiguous (``page_size * head_dim`` elements), so a recall copies
-    large blocks. The pool grows in chunks; on a CUDA machine its memory is pinned so copies to the
-    GPU are true DMA.
-
-    Shapes: ``k``, ``v`` ``[heads, capacity, page_size, head_dim]``; ``pos`` ``[heads, capacity,
-    page_size]`` int64; ``score`` float32 likewise.
+    Shapes: a page is ``[page_size, head_dim]`` keys plus as many values.
     """
 
-    def __init__(self, heads: int, page_size: int, head_dim: int, dtype: torch.dtype, pin: bool,
-                 chunk_pages: int = 64) -> None:
-        self.heads, self.page_size, self.head_dim, self.dtype = heads, page_size, head_dim, dtype
-        self.pin, self.chunk_pages = pin, chunk_pages
-        self._free: list[list[int]] = [[] for _ in range(heads)]
-        self.k = self._empty((heads, 0, page_size, head_dim), dtype)
-        self.v = self._empty((heads, 0, page_size, head_dim), dtype)
-        self.pos = self._empty((heads, 0, page_size), torch.int64)  # -1 marks an empty row
-        self.score = self._empty((heads, 0, page_size), torch.float32)
+    name = "host"
 
-    def _empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        try:
-            return torch.empty(shape, dtype=dtype, pin_memory=self.pin)
-        except RuntimeError as e:
-            raise CapacityError(f"could not allocate {'pinned ' if self.pin else ''}host memory for "
-                                f"{shape} {dtype}: {e}; check `ulimit -l` (memlock) and free memory") from e
+    def __init__(self, page_size: int, head_dim: int, dtype: torch.dtype, pin: bool,
+                 slab_bytes: int = SLAB_BYTES) -> None:
+        self.page_size, self.head_dim, self.dtype, self.pin = page_size, head_dim, dtype, pin
+        page_bytes = page_size * head_dim * torch.empty((), dtype=dtype).element_size()
+        per_slab = max(1, slab_bytes // page_bytes)
+        self.k = SlabRows((page_size, head_dim), dtype, "cpu", per_slab, pin)
+        self.v = SlabRows((page_size, head_dim), dtype, "cpu", per_slab, pin)
+        self._free: list[int] = []      # a stack: the lowest free slot on top
+        self._used = 0
 
-    @property
-    def capacity(self) -> int:
-        return self.k.shape[1]
-
-    def held_pages(self, head: int) -> int:
-        return self.capacity - len(self._free[head])
-
-    def _grow(self, need: int) -> None:
-        old_cap = self.capacity
-        new_cap = max(old_cap + need, old_cap + self.chunk_pages, old_cap * 3 // 2)
-        for name in ("k", "v", "pos", "score"):
-            old = getattr(self, name)
-            new = self._empty((old.shape[0], new_cap, *old.shape[2:]), old.dtype)
-            new[:, :old_cap].copy_(old)
-            if name == "pos":
-                new[:, old_cap:] = -1
-            setattr(self, name, new)
-        for free in self._free:
-            free.extend(range(new_cap - 1, old_cap - 1, -1))
-
-    def store(self, heads: np.ndarray, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
-              score: torch.Tensor) -> np.ndarray:
-        """Store pages ``k, v`` ``[n, page_size, dim]`` for the given heads; returns their slots."""
-        need = max((int((heads == h).sum()) - len(self._free[h]) for h in range(self.heads)), default=0)
-        if need > 0:
-            self._grow(need)
-        slots = np.array([self._free[int(h)].pop() for h in heads], dtype=np.int64)
-        hi, si = torch.from_numpy(heads.astype(np.int64)), torch.from_numpy(slots)
-        self.k[hi, si] = k
-        self.v[hi, si] = v
-        self.pos[hi, si] = pos
-        self.score[hi, si] = score
+    def _take(self, n: int) -> np.ndarray:
+        if len(self._free) < n:
+            old = self.k.capacity
+            self.k.ensure(old + n - len(self._free))
+            self.v.ensure(self.k.capacity)
+            self._free[:0] = range(self.k.capacity - 1, old - 1, -1)
+        slots = np.array([self._free.pop() for _ in range(n)], dtype=np.int64)
+        self._used += n
         return slots
 
-    def load(self, heads: np.ndarray, slots: np.ndarray,
+    def store(self, k: torch.Tensor, v: torch.Tensor) -> np.ndarray:
+        """Keep pages ``k, v`` ``[n, page_size, head_dim]``; returns their slots."""
+        slots = self._take(k.shape[0])
+        rows = torch.from_numpy(slots)
+        self.k.scatter(rows, k)
+        self.v.scatter(rows, v)
+        return slots
+
+    def load(self, slots: np.ndarray,
              out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gather pages ``[n, page_size, dim]`` (into `out` when given, e.g. pinned staging)."""
-        flat = torch.from_numpy(heads.astype(np.int64) * self.capacity + slots.astype(np.int64))
-        k = self.k.view(-1, self.page_size, self.head_dim)
-        v = self.v.view(-1, self.page_size, self.head_dim)
+        """Gather pages ``[n, page_size, head_dim]`` (into `out` when given, e.g. pinned staging)."""
+        rows = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64))
         if out is None:
-            return torch.index_select(k, 0, flat), torch.index_select(v, 0, flat)
-        torch.index_select(k, 0, flat, out=out[0])
-        torch.index_select(v, 0, flat, out=out[1])
-        return out
+            return self.k.gather(rows), self.v.gather(rows)
+        return self.k.gather(rows, out=out[0]), self.v.gather(rows, out=out[1])
 
-    def load_meta(self, heads: np.ndarray, slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        hi, si = torch.from_numpy(heads.astype(np.int64)), torch.from_numpy(slots.astype(np.int64))
-        return self.pos[hi, si], self.score[hi, si]
+    def free(self, slots: np.ndarray) -> None:
+        self._free.extend(sorted(np.asarray(slots).tolist(), reverse=True))
+        self._used -= len(slots)
 
-    def free(self, heads: np.ndarray, slots: np.ndarray) -> None:
-        self.pos[torch.from_numpy(heads.astype(np.int64)), torch.from_numpy(slots.astype(np.int64))] = -1
-        for h, s in zip(heads.tolist(), slots.tolist()):
-            self._free[h].append(s)
+    def pages(self) -> int:
+        return self._used
 
-    def slot_positions(self, head: int, slot: int) -> torch.Tensor:
-        """Positions stored in one page (-1 for empty rows)."""
-        return self.pos[head, slot]
-
-    def held_tokens(self) -> torch.Tensor:
-        """Entries held per head, counted from the pool itself: ``[heads]``."""
-        return (self.pos >= 0).sum(dim=(1, 2))
+    def nbytes(self) -> int:
+        """Bytes of the pages held."""
+        return self._used * self.page_bytes()
 
     def page_bytes(self) -> int:
-        return self.page_size * (2 * self.head_dim * self.k.element_size() + 8 + 4)
+        return 2 * self.page_size * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
 
     def reserved_bytes(self) -> int:
-        return self.capacity * self.heads * self.page_bytes()
+        return self.k.nbytes() + self.v.nbytes()
 
     def clear(self) -> None:
-        self.__init__(self.heads, self.page_size, self.head_dim, self.dtype, self.pin, self.chunk_pages)
+        """Forget every page (the slabs stay for reuse)."""
+        self._free = list(range(self.k.capacity - 1, -1, -1))
+        self._used = 0
+
+    def close(self) -> None:
+        self.k.close()
+        self.v.close()
+        self._free, self._used = [], 0

@@ -58,4 +58,11 @@ def test_query_needing_scorer_without_query_is_an_error(make_engine):
         engine.commit()
     assert engine.pending is not None  # nothing was lost; it can still be placed with the query
     engine.commit(query=torch.randn(1, engine.heads * 2, 20, engine.head_dim))
+    assert engine.pending is None
     assert engine.pool.count <= 8 and engine.table.n > 0
+    # nothing was lost: the device and the (whole) demoted pages hold every position once
+    pos, _ = engine.pool.meta()
+    for h in range(engine.heads):
+        pages = [engine.table.positions(h, p) for p in range(engine.table.n)]
+        held = sorted(pos[h].tolist() + [int(x) for page in pages for x in page])
+        assert held == list(range(20))

@@ -6,6 +6,7 @@ import errno
 import importlib.util
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -26,26 +27,59 @@ def test_unknown_hub_id_does_not_download(monkeypatch, tmp_path):
         load_model("no-such-org/no-such-model")
 
 
+def _where(engine):
+    """Every position of every head, with the data held for it: {(head, pos): (key, value)} over the tiers."""
+    out = {}
+    k, v = engine.pool.contiguous(engine.pool.count)
+    pos, _ = engine.pool.meta()
+    for h in range(engine.heads):
+        for i, p in enumerate(pos[h].tolist()):
+            out[h, p] = (k[0, h, i], v[0, h, i])
+    heads, pids = np.nonzero(engine.table.tier != 0)
+    tier, slot = engine.table.lookup(heads, pids)
+    for h, pid, t, s in zip(heads.tolist(), pids.tolist(), tier.tolist(), slot.tolist()):
+        pk, pv = (engine.host if t == HOST else engine.disk).load(np.array([s]))
+        for i, p in enumerate(engine.table.positions(h, pid).tolist()):
+            assert (h, p) not in out, "a position is held twice"
+            out[h, p] = (pk[0, i], pv[0, i])
+    return out
+
+
 def test_disk_full_is_an_error_and_nothing_is_lost(make_engine, monkeypatch):
     engine = make_engine(device_budget=16, host_budget=8, recall_pages=10_000)
     g = torch.Generator().manual_seed(0)
     k = torch.randn(1, engine.heads, 40, engine.head_dim, generator=g)
-    engine.write(k, k)
+    engine.write(k, k + 1)
     engine.commit()
-    before = int((engine.table.tier[:, :engine.table.n] == DISK).sum())
+    before = int((engine.table.tier == DISK).sum())
+    assert before > 0 and engine.disk is not None
+    disk_pages = engine.disk.pages()
 
-    def full(fd, data, offset):
+    def full(*args):
         raise OSError(errno.ENOSPC, "No space left on device")
 
+    monkeypatch.setattr(os, "pwritev", full)
     monkeypatch.setattr(os, "pwrite", full)
     k2 = torch.randn(1, engine.heads, 40, engine.head_dim, generator=g)
-    engine.write(k2, k2)
+    engine.write(k2, k2 + 1)
     with pytest.raises(CapacityError, match="disk full"):
         engine.commit()
     monkeypatch.undo()
-    # the pages that could not go down are still on the host; every position is still somewhere
-    tiers = engine.table.tier[:, :engine.table.n]
-    assert int((tiers == DISK).sum()) == before
-    held = engine.pool.count + engine.host.held_tokens() + torch.from_numpy(engine.table.tokens(DISK))
-    assert (held == 80).all()
+    # the pages that could not go down are still on the host; every position is still somewhere, intact
+    tiers = engine.table.tier
+    assert int((tiers == DISK).sum()) == before and engine.disk.pages() == disk_pages
     assert (tiers == HOST).any()
+    held = engine.pool.count + engine.table.tokens(HOST) + engine.table.tokens(DISK)
+    assert (held == 80).all()
+    assert engine.host.pages() == int((tiers == HOST).sum())
+    everything = torch.cat([k, k2], dim=2)
+    where = _where(engine)
+    assert len(where) == engine.heads * 80
+    for (h, p), (key, value) in where.items():
+        assert torch.equal(key, everything[0, h, p]) and torch.equal(value, everything[0, h, p] + 1)
+    # with room again the cache goes on and the host comes back under its budget
+    k3 = torch.randn(1, engine.heads, 12, engine.head_dim, generator=g)
+    engine.write(k3, k3 + 1)
+    engine.commit()
+    assert len(_where(engine)) == engine.heads * 92
+    assert (engine.table.tokens(HOST) <= 8).all()

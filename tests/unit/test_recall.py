@@ -1,5 +1,6 @@
-"""Page bounds really bound q.k, codes decode within half a step, the selector finds the pages that matter,
-and union attention is exact."""
+"""Page bounds really bound q.k (also as the PageIndex keeps them), codes decode within half a step, the
+selector finds the pages that matter, and split attention over recalled pages, device slabs and the new
+tokens is exact."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.engine.attention import attend_union
-from kvtier.recall import decode_codes, encode_codes, page_bounds, page_shares, round_outward, select_pages, upper_bounds
+from kvtier.engine.attention import attend_split
+from kvtier.recall import (PageIndex, decode_codes, encode_codes, grouped, page_bounds, page_shares, round_outward,
+                           select_pages, upper_bounds)
 
 
 @settings(max_examples=50, deadline=None)
@@ -27,10 +29,43 @@ def test_upper_bound_holds(seed, page_size, count):
     assert (ub >= true - 1e-4).all()
 
 
-def _index(keys, count):
-    counts = torch.full(keys.shape[:2], count)
-    lo, hi = page_bounds(keys, counts)
-    return lo, hi, encode_codes(keys, lo, hi), counts
+def _make_index(keys, dtype=torch.float32, pages_per_slab=1024):
+    """A PageIndex holding ``keys`` ``[heads, pages, page_size, dim]`` (whole pages), added in two calls."""
+    heads, pages, page_size, dim = keys.shape
+    index = PageIndex(heads, page_size, dim, dtype, torch.device("cpu"), pages_per_slab=pages_per_slab)
+    cut = pages // 2
+    index.add(keys[:, :cut].to(dtype))
+    index.add(keys[:, cut:].to(dtype))
+    assert index.n == pages
+    return index
+
+
+def _index(keys):
+    lo, hi = page_bounds(keys, torch.full(keys.shape[:2], keys.shape[2]))
+    return lo, hi, encode_codes(keys, lo, hi)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), page_size=st.integers(1, 9), slab=st.integers(1, 7),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+def test_page_index_bounds_hold_across_slabs_and_dtypes(seed, page_size, slab, dtype):
+    """The index's stored (rounded outward) bounds give, slab by slab, an upper bound on every true logit,
+    equal to the plain bound of the same stored keys; `pick` returns the rows of the asked page ids."""
+    g = torch.Generator().manual_seed(seed)
+    keys = (torch.randn(3, 11, page_size, 16, generator=g) * 3).to(dtype)
+    index = _make_index(keys, dtype, pages_per_slab=slab)
+    q = torch.randn(3, 4, 16, generator=g)
+    ub = index.upper_bounds(q)
+    assert ub.shape == (3, 11)
+    true = torch.einsum("hqd,hpkd->hqpk", q, keys.float()).amax(dim=(1, 3))
+    assert (ub >= true - 1e-4 * true.abs().clamp(min=1)).all()
+    lo, hi = round_outward(*page_bounds(keys, torch.full((3, 11), page_size)), dtype)
+    torch.testing.assert_close(ub, upper_bounds(q, lo, hi), rtol=1e-5, atol=1e-4)
+    ids = torch.tensor([[3, 0, 10], [7, 7, 1], [5, 2, 9]])
+    p_lo, p_hi, p_codes = index.pick(ids)
+    for h in range(3):
+        assert torch.equal(p_lo[h], lo[h, ids[h]]) and torch.equal(p_hi[h], hi[h, ids[h]])
+        assert torch.equal(p_codes[h], encode_codes(keys[h, ids[h]], lo[h, ids[h]], hi[h, ids[h]]))
 
 
 @pytest.mark.parametrize("shortlist", [1, 8])
@@ -40,12 +75,20 @@ def test_selector_picks_the_page_holding_the_matching_key(shortlist):
     needle = torch.randn(8, generator=g)
     keys[0, 17, 2] = needle * 10
     keys[1, 3, 0] = -needle * 10
-    lo, hi, codes, counts = _index(keys, 4)
+    index = _make_index(keys)
     query = torch.stack([needle, needle, -needle, -needle])[None, :, None, :]  # 4 q heads, 2 per kv head
-    chosen = select_pages(query, lo, hi, codes, counts, 2, shortlist=shortlist, shortlist_min=0)
+    q = grouped(query, 2)
+    assert q.shape == (2, 2, 8)
+    chosen, short = select_pages(q, index, 2, 8 ** -0.5, shortlist=shortlist, shortlist_min=0)
     assert 17 in chosen[0].tolist() and 3 in chosen[1].tolist()
     assert chosen.shape == (2, 2)
-    assert select_pages(query, lo, hi, codes, counts, 100).shape == (2, 40)
+    assert (chosen[:, 1:] > chosen[:, :-1]).all()  # ascending
+    assert short.shape == (2, shortlist * 2)  # the shortlist: `shortlist` times the budget (no floor here)
+    for h in range(2):
+        assert set(chosen[h].tolist()) <= set(short[h].tolist())
+    everything, short_all = select_pages(q, index, 100, 8 ** -0.5)
+    assert everything.shape == (2, 40) and torch.equal(everything[0], torch.arange(40))
+    assert short_all is everything
 
 
 @settings(max_examples=30, deadline=None)
@@ -53,7 +96,7 @@ def test_selector_picks_the_page_holding_the_matching_key(shortlist):
 def test_codes_round_trip_within_half_a_step(seed, dim, page_size):
     g = torch.Generator().manual_seed(seed)
     keys = torch.randn(2, 3, page_size, dim, generator=g) * 4
-    lo, hi, codes, _ = _index(keys, page_size)
+    lo, hi, codes = _index(keys)
     assert codes.dtype == torch.uint8 and codes.shape == (2, 3, page_size, -(-dim // 4))
     err = (decode_codes(codes, lo, hi) - keys).abs()
     step = ((hi - lo) / 3)[:, :, None, :]
@@ -68,14 +111,20 @@ def test_page_shares_are_exact_when_keys_sit_on_code_levels():
     levels = torch.randint(0, 4, (kv_heads, pages, page_size, dim), generator=g)
     levels[:, :, 0], levels[:, :, 1] = 0, 3          # every channel reaches both ends of its page
     keys = base + levels * width / 3
-    lo, hi, codes, counts = _index(keys, page_size)
+    lo, hi, codes = _index(keys)
     q = torch.randn(kv_heads, 5, dim, generator=g)
-    resident = torch.randn(kv_heads, 7, dim, generator=g)
-    got = page_shares(q, lo, hi, codes, counts, 0.3, resident)
+    resident = [torch.randn(kv_heads, 7, dim, generator=g), torch.randn(kv_heads, 3, dim, generator=g),
+                torch.randn(kv_heads, 0, dim)]
+    got = page_shares(q, lo, hi, codes, 0.3, resident)
     logits = torch.einsum("hrd,hpkd->hrpk", q, keys) * 0.3
     page_lse = torch.logsumexp(logits, dim=3)
-    total = torch.logaddexp(torch.logsumexp(page_lse, dim=2), torch.logsumexp(q @ resident.transpose(1, 2) * 0.3, 2))
+    res = torch.cat(resident, dim=1)
+    total = torch.logaddexp(torch.logsumexp(page_lse, dim=2), torch.logsumexp(q @ res.transpose(1, 2) * 0.3, 2))
     torch.testing.assert_close(got, (page_lse - total[..., None]).amax(dim=1), rtol=1e-4, atol=1e-4)
+    # without resident keys the pages share all the mass
+    alone = torch.logsumexp(page_lse, dim=2)
+    torch.testing.assert_close(page_shares(q, lo, hi, codes, 0.3), (page_lse - alone[..., None]).amax(dim=1),
+                               rtol=1e-4, atol=1e-4)
 
 
 def test_bounds_rounded_to_bf16_still_bound_every_key():
@@ -85,20 +134,22 @@ def test_bounds_rounded_to_bf16_still_bound_every_key():
     assert (lo.float()[:, :, None] <= keys).all() and (hi.float()[:, :, None] >= keys).all()
 
 
-def test_union_attention_equals_full_attention():
+@pytest.mark.parametrize("q_len", [1, 4])
+def test_split_attention_equals_full_attention(q_len):
+    """Recalled pages (in any order), device slabs (one empty) and the new tokens, merged, equal attention
+    over their concatenation with the causal square on the new tokens."""
     g = torch.Generator().manual_seed(1)
-    kv_heads, group, dim, old, past, q_len = 2, 3, 16, 20, 10, 4
+    kv_heads, group, dim, old, past = 2, 3, 16, 20, 10
     k_old = torch.randn(kv_heads, old, dim, generator=g)
     v_old = torch.randn(kv_heads, old, dim, generator=g)
     key = torch.randn(1, kv_heads, past + q_len, dim, generator=g)
     value = torch.randn(1, kv_heads, past + q_len, dim, generator=g)
     query = torch.randn(1, kv_heads * group, q_len, dim, generator=g)
-    # recalled rows: the old entries plus 4 padding rows marked invalid, in shuffled order
-    perm = torch.randperm(old, generator=g)
-    rec_k = torch.cat([k_old[:, perm], torch.full((kv_heads, 4, dim), 99.0)], dim=1)
-    rec_v = torch.cat([v_old[:, perm], torch.full((kv_heads, 4, dim), 99.0)], dim=1)
-    valid = torch.arange(old + 4).expand(kv_heads, -1) < old
-    out = attend_union(query, key, value, rec_k, rec_v, valid, scaling=None)
+    perm = torch.randperm(old, generator=g)  # recalled rows come in page order, not position order
+    parts = [(k_old[None, :, perm], v_old[None, :, perm]), (key[:, :, :6], value[:, :, :6]),
+             (key[:, :, :0], value[:, :, :0]), (key[:, :, 6:past], value[:, :, 6:past])]
+    out = attend_split(query, parts, key[:, :, past:], value[:, :, past:], 0, dim ** -0.5)
+    assert out.shape == (1, q_len, kv_heads * group, dim) and out.dtype == query.dtype
     full_k = torch.cat([k_old[None], key], dim=2).repeat_interleave(group, dim=1)
     full_v = torch.cat([v_old[None], value], dim=2).repeat_interleave(group, dim=1)
     mask = torch.ones(q_len, old + past + q_len, dtype=torch.bool)
@@ -112,10 +163,20 @@ def test_page_shares_are_the_same_in_small_chunks(monkeypatch):
 
     g = torch.Generator().manual_seed(5)
     keys = torch.randn(2, 30, 4, 8, generator=g)
-    lo, hi, codes, counts = _index(keys, 4)
-    counts[:, -1] = 2                                 # a partly filled last page
+    lo, hi, codes = _index(keys)
     q = torch.randn(2, 9, 8, generator=g)
-    resident = torch.randn(2, 11, 8, generator=g)
-    whole = page_shares(q, lo, hi, codes, counts, 0.35, resident)
+    resident = [torch.randn(2, 11, 8, generator=g), torch.randn(2, 5, 8, generator=g)]
+    whole = page_shares(q, lo, hi, codes, 0.35, resident)
     monkeypatch.setattr(selector, "_CHUNK_ELEMENTS", 40)  # one page and one row at a time
-    torch.testing.assert_close(page_shares(q, lo, hi, codes, counts, 0.35, resident), whole)
+    torch.testing.assert_close(page_shares(q, lo, hi, codes, 0.35, resident), whole)
+
+
+def test_index_bounds_are_the_same_in_small_chunks(monkeypatch):
+    import kvtier.recall.index as index_mod
+
+    g = torch.Generator().manual_seed(6)
+    index = _make_index(torch.randn(2, 30, 4, 8, generator=g), pages_per_slab=7)
+    q = torch.randn(2, 13, 8, generator=g)
+    whole = index.upper_bounds(q)
+    monkeypatch.setattr(index_mod, "_CHUNK_ELEMENTS", 1)  # one query row at a time
+    torch.testing.assert_close(index.upper_bounds(q), whole)

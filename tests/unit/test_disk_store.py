@@ -1,0 +1,319 @@
+"""The slot-based disk page store: layout, round trips, integrity checks, write failures, file hygiene."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier.errors import CapacityError, CorruptPageError
+from kvtier.tiers.disk import DiskStore
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture
+def make(tmp_path):
+    """Build stores under `tmp_path`; every one is closed after the test."""
+    stores = []
+
+    def make(page_size=16, head_dim=64, dtype=torch.bfloat16, **kw):
+        kw.setdefault("name", f"pages{len(stores)}")
+        store = DiskStore(str(tmp_path), page_size, head_dim, dtype, **kw)
+        stores.append(store)
+        return store
+
+    yield make
+    for store in stores:
+        store.close()
+
+
+def pages(n, store, seed=0):
+    """Random bit patterns (NaNs and all) as ``[n, page_size, head_dim]`` keys and values."""
+    g = torch.Generator().manual_seed(seed)
+    esize = torch.empty((), dtype=store.dtype).element_size()
+    shape = (n, store.page_size, store.head_dim * esize)
+    return tuple(torch.randint(0, 256, shape, dtype=torch.uint8, generator=g).view(store.dtype) for _ in range(2))
+
+
+def same(a, b):
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.uint8),
+                                                                     b.contiguous().view(torch.uint8))
+
+
+def record(store, slot):
+    with open(store.path, "rb") as f:
+        f.seek(slot * store.record_size)
+        return f.read(store.record_size)
+
+
+def overwrite(store, slot, data, at=0):
+    with open(store.path, "r+b") as f:
+        f.seek(slot * store.record_size + at)
+        f.write(data)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_round_trip_is_bit_exact(make, dtype):
+    store = make(page_size=8, head_dim=32, dtype=dtype)
+    k, v = pages(37, store)
+    slots = store.store(k, v)
+    assert slots.dtype == np.int64 and sorted(slots.tolist()) == list(range(37))
+    assert store.pages() == 37 and store.nbytes() == 37 * store.payload_size
+    perm = np.random.default_rng(1).permutation(37)
+    lk, lv = store.load(slots[perm])
+    assert same(lk, k[perm]) and same(lv, v[perm]) and lk.is_contiguous()
+    sub = np.array([5, 6, 7, 20, 3, 30, 31, 6])  # consecutive runs, gaps, out of order, a repeat
+    lk, lv = store.load(slots[sub])
+    assert same(lk, k[sub]) and same(lv, v[sub])
+    staging = (torch.empty(len(sub), 8, 32, dtype=dtype), torch.empty(len(sub), 8, 32, dtype=dtype))
+    got = store.load(slots[sub], out=staging)
+    assert got[0] is staging[0] and got[1] is staging[1] and same(staging[0], k[sub]) and same(staging[1], v[sub])
+    strided = torch.empty(8, 32, len(sub), dtype=dtype).permute(2, 0, 1)  # not contiguous: filled by a copy
+    got = store.load(slots[sub], out=(strided, staging[1]))
+    assert got[0] is strided and same(strided, k[sub])
+    k2, v2 = pages(5, store, seed=2)
+    slots2 = store.store(k2, v2)
+    assert sorted(slots2.tolist()) == list(range(37, 42))
+    lk, lv = store.load(np.concatenate([slots2, slots[:3]]))
+    assert same(lk, torch.cat([k2, k[:3]])) and same(lv, torch.cat([v2, v[:3]]))
+    assert [t.shape for t in store.load(np.array([], dtype=np.int64))] == [(0, 8, 32)] * 2
+
+
+def test_many_pages_spread_over_threads_and_load_async(make):
+    store = make(io_threads=3)
+    k, v = pages(300, store)  # 300 records of 4 KiB: several tasks, the pool is used
+    slots = store.store(k, v)
+    perm = np.random.default_rng(0).permutation(300)
+    expect = store.load(slots[perm])
+    assert same(expect[0], k[perm]) and same(expect[1], v[perm])
+    ak, av = store.load_async(slots[perm]).result(timeout=10)
+    assert same(ak, expect[0]) and same(av, expect[1])
+    ak, av = store.load_async(slots[:2]).result(timeout=10)
+    assert same(ak, k[:2]) and same(av, v[:2])
+    assert any(t.name.startswith("kvtier-disk") for t in threading.enumerate())
+    store.close()
+    assert not any(t.name.startswith("kvtier-disk") for t in threading.enumerate())
+
+
+def test_load_async_reports_errors_in_the_future(make):
+    store = make()
+    k, v = pages(2, store)
+    store.store(k, v)
+    overwrite(store, 1, b"\xff\x00")
+    with pytest.raises(CorruptPageError, match="checksum"):
+        store.load_async(np.array([0, 1])).result(timeout=10)
+    with pytest.raises(CorruptPageError, match="holds no page"):
+        store.load_async(np.array([7])).result(timeout=10)
+
+
+@pytest.mark.parametrize("shape, size", [((16, 64, torch.bfloat16), 4096), ((3, 5, torch.float32), 4096),
+                                           ((20, 100, torch.float32), 16384), ((16, 128, torch.float64), 32768)])
+def test_records_are_4k_aligned_raw_payloads(make, shape, size):
+    store = make(*shape)
+    assert store.record_size == size and store.record_size % 4096 == 0
+    assert store.payload_size == 2 * shape[0] * shape[1] * torch.empty((), dtype=shape[2]).element_size()
+    k, v = pages(3, store)
+    slots = store.store(k, v)
+    assert store.file_bytes() == 3 * size
+    pad = size - store.payload_size
+    for i, slot in enumerate(slots.tolist()):
+        payload = k[i].view(torch.uint8).numpy().tobytes() + v[i].view(torch.uint8).numpy().tobytes()
+        assert record(store, slot) == payload + b"\0" * pad
+
+
+def test_freed_slots_are_reused_lowest_first(make):
+    store = make()
+    k, v = pages(6, store)
+    slots = store.store(k[:4], v[:4])
+    assert slots.tolist() == [0, 1, 2, 3]
+    store.free(np.array([2, 1]))
+    assert store.pages() == 2 and store.nbytes() == 2 * store.payload_size
+    with pytest.raises(CorruptPageError, match="slot 1 .*holds no page"):
+        store.load(np.array([0, 1]))
+    with pytest.raises(CorruptPageError):
+        store.free(np.array([3, 1]))  # 1 is already free: nothing is freed
+    with pytest.raises(CorruptPageError, match="twice"):
+        store.free(np.array([3, 3]))
+    assert store.pages() == 2
+    assert store.store(k[4:5], v[4:5]).tolist() == [1]
+    assert store.store(k[4:6], v[4:6]).tolist() == [2, 4]
+    assert store.file_bytes() == 5 * store.record_size
+    lk, _ = store.load(np.array([0, 1, 2, 3, 4]))
+    assert same(lk, torch.stack([k[0], k[4], k[4], k[3], k[5]]))
+
+
+def test_stale_or_misplaced_record_is_rejected(make):
+    store = make()
+    k, v = pages(3, store)
+    slot = int(store.store(k[:1], v[:1])[0])
+    old = record(store, slot)
+    store.free(np.array([slot]))
+    assert int(store.store(k[1:2], v[1:2])[0]) == slot
+    overwrite(store, slot, old)  # the earlier write at this slot comes back
+    with pytest.raises(CorruptPageError, match=f"{store.path}.*slot {slot}.*expected 0x[0-9a-f]{{8}}, read 0x"):
+        store.load(np.array([slot]))
+    other = int(store.store(k[2:3], v[2:3])[0])
+    overwrite(store, other, record(store, slot))  # a valid record, but of another slot
+    with pytest.raises(CorruptPageError, match=f"slot {other}"):
+        store.load(np.array([other]))
+
+
+def test_flipped_byte_truncated_file_and_free_slot(make):
+    store = make()
+    k, v = pages(3, store)
+    slots = store.store(k, v)
+    byte = record(store, 1)[100]
+    overwrite(store, 1, bytes([byte ^ 0x01]), at=100)
+    assert same(store.load(slots[[0, 2]])[0], k[[0, 2]])
+    with pytest.raises(CorruptPageError, match="checksum mismatch.*slot 1"):
+        store.load(slots)
+    os.truncate(store.path, 2 * store.record_size + 10)
+    with pytest.raises(CorruptPageError, match="truncated.*slot 2"):
+        store.load(np.array([0, 2]))
+    with pytest.raises(CorruptPageError, match="holds no page"):
+        store.load(np.array([3]))
+    with pytest.raises(CorruptPageError, match="holds no page"):
+        store.load(np.array([-1]))
+
+
+def test_read_error_is_a_corrupt_page(make, monkeypatch):
+    store = make()
+    k, v = pages(1, store)
+    store.store(k, v)
+
+    def fail(*args):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(os, "preadv", fail)
+    with pytest.raises(CorruptPageError, match="EIO"):
+        store.load(np.array([0]))
+
+
+@pytest.mark.parametrize("err, message", [(errno.ENOSPC, "disk full.*ENOSPC"), (errno.EDQUOT, "disk full"),
+                                          (errno.EFBIG, "could not write.*EFBIG"), (None, "short write")])
+def test_write_failure_leaves_the_store_unchanged(make, monkeypatch, err, message):
+    store = make()
+    k, v = pages(10, store)
+    slots = store.store(k[:4], v[:4])
+    store.free(slots[1:2])
+    size, real = store.file_bytes(), os.pwritev
+
+    def failing(fd, bufs, offset):
+        if offset < 4 * store.record_size:  # the write into the freed slot 1 goes through
+            return real(fd, bufs, offset)
+        if err is None:
+            return 0
+        raise OSError(err, os.strerror(err))
+
+    monkeypatch.setattr(os, "pwritev", failing)
+    with pytest.raises(CapacityError, match=message):
+        store.store(k[4:8], v[4:8])
+    monkeypatch.undo()
+    assert store.pages() == 3 and store.file_bytes() == size
+    lk, lv = store.load(slots[[0, 2, 3]])
+    assert same(lk, k[[0, 2, 3]]) and same(lv, v[[0, 2, 3]])
+    with pytest.raises(CorruptPageError):
+        store.load(slots[1:2])
+    again = store.store(k[4:8], v[4:8])
+    assert again.tolist() == [1, 4, 5, 6]
+    lk, lv = store.load(np.concatenate([again, slots[[0, 2, 3]]]))
+    assert same(lk, torch.cat([k[4:8], k[[0, 2, 3]]])) and same(lv, torch.cat([v[4:8], v[[0, 2, 3]]]))
+
+
+def test_failure_in_one_of_several_parallel_writes(make, monkeypatch):
+    store = make(io_threads=4)
+    k, v = pages(300, store)
+    slots = store.store(k[:10], v[:10])
+    real = os.pwritev
+
+    def failing(fd, bufs, offset):  # the last of the parallel pieces fails, the others are written
+        if offset >= 200 * store.record_size:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, bufs, offset)
+
+    monkeypatch.setattr(os, "pwritev", failing)
+    with pytest.raises(CapacityError, match="disk full"):
+        store.store(k[10:], v[10:])
+    monkeypatch.undo()
+    assert store.pages() == 10 and store.file_bytes() == 10 * store.record_size
+    assert same(store.load(slots)[0], k[:10])
+    strided = k[10:].transpose(1, 2).contiguous().transpose(1, 2)  # any layout is accepted
+    assert store.store(strided, v[10:]).tolist() == list(range(10, 300))
+    lk, lv = store.load(np.arange(300))
+    assert same(lk, k) and same(lv, v)
+
+
+def test_file_size_limit_is_a_capacity_error(tmp_path):
+    script = textwrap.dedent(f"""
+        import resource, signal, torch
+        from kvtier.errors import CapacityError
+        from kvtier.tiers.disk import DiskStore
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        store = DiskStore({str(tmp_path)!r}, 16, 64, torch.bfloat16)
+        k = torch.ones(8, 16, 64, dtype=torch.bfloat16)
+        first = store.store(k[:2], k[:2])
+        resource.setrlimit(resource.RLIMIT_FSIZE, (3 * 4096 + 100, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+        try:
+            store.store(k, k)
+        except CapacityError as e:
+            print("CAPACITY", e)
+        assert store.pages() == 2 and store.file_bytes() == 2 * 4096, (store.pages(), store.file_bytes())
+        assert torch.equal(store.load(first)[0], k[:2])
+        store.close()
+        print("OK")
+    """)
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "CAPACITY" in proc.stdout and "EFBIG" in proc.stdout and "OK" in proc.stdout, proc.stdout
+
+
+def test_file_is_private_never_follows_a_symlink_and_is_removed(make, tmp_path):
+    store = make()
+    assert store.path == str(tmp_path / "pages0.kvtp")
+    assert stat.S_IMODE(os.stat(store.path).st_mode) == 0o600
+    store.close()
+    assert not os.path.exists(store.path) and store.file_bytes() == 0
+    store.close()
+    for call in (lambda: store.store(*pages(1, store)), lambda: store.load(np.array([0])),
+                 lambda: store.free(np.array([0]))):
+        with pytest.raises(CorruptPageError, match="is closed"):
+            call()
+    with pytest.raises(CorruptPageError, match="is closed"):
+        store.load_async(np.array([0])).result(timeout=10)
+
+    target = tmp_path / "target"
+    target.write_bytes(b"keep me")
+    os.symlink(target, tmp_path / "linked.kvtp")
+    broken = DiskStore.__new__(DiskStore)
+    with pytest.raises(CapacityError, match="symlink"):
+        broken.__init__(str(tmp_path), 16, 64, torch.bfloat16, name="linked")
+    broken.close()
+    broken.close()
+    assert target.read_bytes() == b"keep me" and os.path.islink(tmp_path / "linked.kvtp")
+    (tmp_path / "left.kvtp").write_bytes(b"old")
+    with pytest.raises(CapacityError, match="already exists"):
+        DiskStore(str(tmp_path), 16, 64, torch.bfloat16, name="left")
+    assert (tmp_path / "left.kvtp").read_bytes() == b"old"
+
+
+def test_bad_dtype_and_shapes(make):
+    with pytest.raises(CapacityError, match=r"torch\.int8.*bfloat16"):
+        make(dtype=torch.int8)
+    store = make(dtype=torch.float16)
+    with pytest.raises(CapacityError, match="holds"):
+        store.store(torch.zeros(2, 16, 32, dtype=torch.float16), torch.zeros(2, 16, 32, dtype=torch.float16))
+    with pytest.raises(CapacityError, match="holds"):
+        store.store(torch.zeros(2, 16, 64), torch.zeros(2, 16, 64))
+    assert store.store(torch.zeros(0, 16, 64, dtype=torch.float16),
+                       torch.zeros(0, 16, 64, dtype=torch.float16)).tolist() == []
+    assert store.pages() == 0 and store.file_bytes() == 0
