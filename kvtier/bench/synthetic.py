@@ -9,8 +9,6 @@ attention over every key, computed chunk by chunk from the same seeds (nothing i
 from __future__ import annotations
 
 import math
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -70,8 +68,7 @@ def synthetic_needles(arch: str = "llama-3.1-8b", context: int = 2**20, needles:
     marks = torch.randn(needles, kv_heads, dim, generator=g)
     cfg = TieredCacheConfig(shape=ModelShape(1, kv_heads, dim), device_budget=Budget(device_budget, "device_budget"),
                             host_budget=Budget(host_budget, "host_budget", allow_zero=True), recall_pages=recall_pages)
-    folder = tempfile.mkdtemp(prefix="kvtier-synthetic-", dir=disk_dir)
-    shared = SharedResources(folder)
+    shared = SharedResources(disk_dir)   # a private folder inside disk_dir, removed on close
     engine = LayerEngine(0, cfg, make_scorer("keynorm"), shared)
 
     def planted(start: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,7 +115,6 @@ def synthetic_needles(arch: str = "llama-3.1-8b", context: int = 2**20, needles:
     finally:
         engine.close()
         shared.close()
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _recalled(engine: LayerEngine, page_ids: torch.Tensor, position: int) -> bool:

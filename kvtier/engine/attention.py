@@ -64,9 +64,9 @@ def merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     return out
 
 
-def attend_split(query: torch.Tensor, past: list[tuple[torch.Tensor, torch.Tensor]], new_k: torch.Tensor,
-                 new_v: torch.Tensor, new_from: int, scale: float) -> torch.Tensor:
-    """Attention of a block of queries over older key sets plus the step's new tokens, merged exactly.
+def attend_parts(query: torch.Tensor, past: list[tuple[torch.Tensor, torch.Tensor]], new_k: torch.Tensor | None,
+                 new_v: torch.Tensor | None, new_from: int, scale: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Attention of a block of queries over each of several key sets: ``(out, lse)`` per set, to be merged.
 
     Parameters
     ----------
@@ -76,7 +76,8 @@ def attend_split(query: torch.Tensor, past: list[tuple[torch.Tensor, torch.Tenso
     past
         ``(k, v)`` ``[1, kv_heads, n_i, dim]`` key sets older than every query (recalled pages, device slabs).
     new_k, new_v
-        ``[1, kv_heads, new_from + L, dim]``: the step's new tokens up to the end of the block.
+        ``[1, kv_heads, new_from + L, dim]``: the step's new tokens up to the end of the block; None when a
+        single query's own token is already in `past` (no part needs a causal mask then).
     new_from
         How many new tokens come before the block (all visible to it).
     scale
@@ -84,21 +85,36 @@ def attend_split(query: torch.Tensor, past: list[tuple[torch.Tensor, torch.Tenso
 
     Returns
     -------
-    ``[1, L, q_heads, dim]`` in the query's dtype, the layout transformers' attention functions return.
+    ``(out, lse)`` per non-empty key set: ``[1, kv_heads, group * L, dim]`` and ``[1, kv_heads, group * L]``
+    float32, the query heads of a KV head packed as rows (row ``g * L + t``).
     """
     _, q_heads, L, dim = query.shape
-    kv_heads = new_k.shape[1]
+    kv_heads = past[0][0].shape[1] if new_k is None else new_k.shape[1]
     group = q_heads // kv_heads
     packed = query.reshape(1, kv_heads, group * L, dim)   # a KV head's query heads become extra rows
     parts = [attend_with_lse(packed, k, v, scale) for k, v in past if k.shape[2]]
-    if new_from:
-        parts.append(attend_with_lse(packed, new_k[:, :, :new_from], new_v[:, :, :new_from], scale))
-    if L == 1:
-        parts.append(attend_with_lse(packed, new_k[:, :, new_from:], new_v[:, :, new_from:], scale))
-    else:  # the causal square, one query head at a time against its KV head
-        sq_k = new_k[:, :, new_from:].repeat_interleave(group, dim=1)
-        sq_v = new_v[:, :, new_from:].repeat_interleave(group, dim=1)
-        out, lse = attend_with_lse(query, sq_k, sq_v, scale, causal=True)
-        parts.append((out.reshape(1, kv_heads, group * L, dim), lse.reshape(1, kv_heads, group * L)))
+    if new_k is not None:
+        if new_from:
+            parts.append(attend_with_lse(packed, new_k[:, :, :new_from], new_v[:, :, :new_from], scale))
+        if L == 1:
+            parts.append(attend_with_lse(packed, new_k[:, :, new_from:], new_v[:, :, new_from:], scale))
+        else:  # the causal square, one query head at a time against its KV head
+            sq_k = new_k[:, :, new_from:].repeat_interleave(group, dim=1)
+            sq_v = new_v[:, :, new_from:].repeat_interleave(group, dim=1)
+            out, lse = attend_with_lse(query, sq_k, sq_v, scale, causal=True)
+            parts.append((out.reshape(1, kv_heads, group * L, dim), lse.reshape(1, kv_heads, group * L)))
+    return parts
+
+
+def finish(parts: list[tuple[torch.Tensor, torch.Tensor]], query: torch.Tensor) -> torch.Tensor:
+    """Merge `attend_parts` results into ``[1, L, q_heads, dim]`` in the query's dtype (transformers' layout)."""
+    _, q_heads, L, dim = query.shape
     out = merge(parts).reshape(1, q_heads, L, dim)
     return out.transpose(1, 2).to(query.dtype).contiguous()
+
+
+def attend_split(query: torch.Tensor, past: list[tuple[torch.Tensor, torch.Tensor]], new_k: torch.Tensor | None,
+                 new_v: torch.Tensor | None, new_from: int, scale: float) -> torch.Tensor:
+    """Exact attention of a block of queries over `past` key sets and the step's new tokens (see
+    `attend_parts`): ``[1, L, q_heads, dim]``."""
+    return finish(attend_parts(query, past, new_k, new_v, new_from, scale), query)

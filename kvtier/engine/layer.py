@@ -20,11 +20,12 @@ from ..errors import ScorerError, UnsupportedError
 from ..placement import page_rank, plan_device_demotion, plan_host_overflow
 from ..placement.page_table import DISK, HOST, PageTable
 from ..recall import PageIndex, grouped, select_pages
+from ..recall.buffer import RecallBuffer
 from ..scoring import Scorer, checked_scores
 from ..tiers.device import DevicePool
 from ..tiers.host import HostPool
 from ..tiers.readahead import DiskReadAhead
-from .attention import attend_split
+from .attention import attend_parts, attend_with_lse, finish
 from .parking import ParkedLayer, check_target
 from .resources import SharedResources
 
@@ -54,11 +55,12 @@ class LayerEngine:
         self.pool: DevicePool | None = None
         self.index: PageIndex | None = None
         self.table = PageTable(self.heads, config.page_size)
-        self.tiers: list = []              # the hierarchy below the device, fastest first: [host, disk]
+        self.tiers: list = [None, None]    # the hierarchy below the device, fastest first: [host, disk]
         self.readahead: DiskReadAhead | None = None
         self.pending: _Pending | None = None
         self.parked: ParkedLayer | None = None
         self.last_recall: torch.Tensor | None = None   # [heads, pages] ids recalled for the last query block
+        self.recalled: RecallBuffer | None = None       # those pages, on the device
 
     # ------------------------------------------------------------------ write
     def _init(self, k: torch.Tensor) -> None:
@@ -70,22 +72,22 @@ class LayerEngine:
         self.pool = DevicePool(self.heads, self.head_dim, k.dtype, k.device, slab)
         if self.cfg.mode == "tier":
             self.index = PageIndex(self.heads, self.cfg.page_size, self.head_dim, k.dtype, k.device, self.pin)
-            self.tiers = [HostPool(self.cfg.page_size, self.head_dim, k.dtype, self.pin)]
+            self.tiers[0] = HostPool(self.cfg.page_size, self.head_dim, k.dtype, self.pin)
 
     @property
     def host(self) -> HostPool | None:
-        return self.tiers[0] if self.tiers else None
+        return self.tiers[0]
 
     @property
     def disk(self):
         """The cache's disk store once this layer has used it."""
-        return self.tiers[1] if len(self.tiers) > 1 else None
+        return self.tiers[1]
 
     def _disk(self):
-        if len(self.tiers) < 2:
+        if self.tiers[1] is None:
             disk = self.shared.disk(self.cfg.page_size, self.head_dim, self.dtype)
-            self.tiers.append(disk)
-            pages = self._readahead_pages()
+            self.tiers[1] = disk
+            pages = self._readahead_pages() if self.cfg.mode == "tier" else 0
             if pages:
                 self.readahead = DiskReadAhead(disk, pages * self.heads, self.cfg.page_size, self.head_dim,
                                                self.dtype, self.pin)
@@ -140,62 +142,82 @@ class LayerEngine:
         if p is None or self.table.n == 0 or self.cfg.recall_pages == 0 or self.cfg.mode != "tier":
             return None
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-        device = self.pool.spans(self.pool.count)
+        q_len = query.shape[2]
         outs = []
-        for b0 in range(0, query.shape[2], QUERY_BLOCK):
+        for b0 in range(0, q_len, QUERY_BLOCK):
             block = query[:, :, b0:b0 + QUERY_BLOCK]
             b1 = b0 + block.shape[2]
-            resident = [k[0] for k, _ in device] + [p.k[0, :, :b1]]
+            # what the block reads anyway first: its log-sum-exp is the rest of the softmax's total, which
+            # the page choice needs
+            if q_len == 1:   # a decode step: its own token sits right after the device entries
+                parts = attend_parts(block, self.pool.spans(self.pool.count + 1), None, None, 0, scale)
+            else:
+                parts = attend_parts(block, self.pool.spans(self.pool.count), p.k[:, :, :b1], p.v[:, :, :b1],
+                                     b0, scale)
+            resident = torch.logsumexp(torch.stack([lse[0] for _, lse in parts]), dim=0)
             ids, shortlist = select_pages(grouped(block, self.heads), self.index, self.cfg.recall_pages, scale,
-                                          resident)
+                                          resident_lse=resident)
             rk, rv = self._fetch(ids, shortlist)
             self.last_recall = ids
-            outs.append(attend_split(block, [(rk[None], rv[None]), *device], p.k[:, :, :b1], p.v[:, :, :b1],
-                                     b0, scale))
+            packed = block.reshape(1, self.heads, -1, block.shape[3])
+            parts.append(attend_with_lse(packed, rk[None], rv[None], scale))
+            outs.append(finish(parts, block))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
     def _fetch(self, ids: torch.Tensor, shortlist: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Bring pages ``ids`` ``[heads, r]`` to the device: ``[heads, r * page_size, dim]`` keys and values."""
-        H, r = ids.shape
+        """Pages ``ids`` ``[heads, r]`` on the device: ``[heads, r * page_size, dim]`` keys and values.
+
+        Pages the recall buffer already holds stay; only the others are brought up.
+        """
+        want = ids.cpu().numpy()
+        H, r = want.shape
+        buf = self.recalled
+        if buf is None or buf.pages != r:
+            buf = self.recalled = RecallBuffer(H, r, self.cfg.page_size, self.head_dim, self.dtype, self.device)
+        heads, pids, slots = buf.plan(want)
+        self.counters.pages_reused += H * r - len(pids)
+        if len(pids):
+            k, v = self._bring_up(heads, pids)
+            buf.fill(heads, pids, slots, k, v)
+        self._read_ahead(ids, shortlist)
+        self.counters.recall_steps += 1
+        return buf.k, buf.v
+
+    def _bring_up(self, heads: np.ndarray, pids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pages ``(heads[i], pids[i])`` from the host and disk tiers to the device: ``[n, page_size, dim]``."""
         P, D = self.cfg.page_size, self.head_dim
-        heads = np.repeat(np.arange(H), r)
-        pids = ids.cpu().numpy().reshape(-1)
         tier, slot = self.table.lookup(heads, pids)
-        # within a head the order of pages is free (attention reads them as a set): sort by tier and slot so
-        # that gathers run over contiguous stretches of the same slab
-        order = (np.argsort(tier.astype(np.int64).reshape(H, r) * (1 << 40) + slot.reshape(H, r), axis=1,
-                            kind="stable") + np.arange(H)[:, None] * r).reshape(-1)
-        pids, tier, slot = pids[order], tier[order], slot[order]
+        # gather in order of tier and slot (runs over the same slab), then put the rows back in the asked order
+        order = np.lexsort((slot, tier))
+        tier, slot = tier[order], slot[order]
         on_host, on_disk = np.flatnonzero(tier == HOST), np.flatnonzero(tier == DISK)
+        n = len(pids)
+        stage_k = torch.empty(n, P, D, dtype=self.dtype, pin_memory=self.pin)
+        stage_v = torch.empty_like(stage_k, pin_memory=self.pin)
         if len(on_disk) == 0:
-            out = None
-            if self.pin:
-                out = (torch.empty(len(pids), P, D, dtype=self.dtype, pin_memory=True),
-                       torch.empty(len(pids), P, D, dtype=self.dtype, pin_memory=True))
-            stage_k, stage_v = self.host.load(slot, out=out)
+            self.host.load(slot, out=(stage_k, stage_v))
         else:
-            stage_k = torch.empty(len(pids), P, D, dtype=self.dtype, pin_memory=self.pin)
-            stage_v = torch.empty_like(stage_k, pin_memory=self.pin)
             if len(on_host):
                 rows = torch.from_numpy(on_host)
                 stage_k[rows], stage_v[rows] = self.host.load(slot[on_host])
             rows = torch.from_numpy(on_disk)
             stage_k[rows], stage_v[rows] = self._load_disk(slot[on_disk])
-        self._read_ahead(ids, shortlist)
+        back = torch.from_numpy(np.argsort(order))
         if self.device.type == "cpu":
-            k_dev, v_dev = stage_k, stage_v
+            k_dev, v_dev = stage_k[back], stage_v[back]
         else:
             k_dev = torch.empty(stage_k.shape, dtype=self.dtype, device=self.device)
             v_dev = torch.empty_like(k_dev)
             self.transfer.wait([self.transfer.submit(k_dev, stage_k), self.transfer.submit(v_dev, stage_v)])
+            back = back.to(self.device)
+            k_dev, v_dev = k_dev[back], v_dev[back]
         page_bytes = self.host.page_bytes()
         c = self.counters
         c.bytes_moved["host_to_device"] += len(on_host) * page_bytes
         c.bytes_moved["disk_to_device"] += len(on_disk) * page_bytes
         c.pages_recalled["host"] += len(on_host)
         c.pages_recalled["disk"] += len(on_disk)
-        c.recall_steps += 1
-        return k_dev.view(H, r * P, D), v_dev.view(H, r * P, D)
+        return k_dev, v_dev
 
     def _load_disk(self, slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         import time
@@ -330,9 +352,12 @@ class LayerEngine:
         if to == "disk":
             path = os.path.join(self.shared.private_dir(), f"layer{self.layer_idx:03d}.parked.safetensors")
             current = current.to_disk(self._disk(), self.host, self.table, path, self.cfg.page_size)
+        if to == "disk" and self.readahead is not None:   # a layer parked on disk holds no host memory
+            self.readahead.clear()
         if self.parked is None:   # everything that could fail has succeeded: let the device go
             self.counters.bytes_moved["device_to_host"] += moved
             self.pool.clear()
+            self.recalled = None
             if self.index is not None:
                 self.index.release()
         self.parked = current
@@ -391,6 +416,7 @@ class LayerEngine:
     def reset(self) -> None:
         """Forget every entry (the shared disk store stays open for reuse)."""
         self.pending = None
+        self.recalled = None
         if self.parked is not None:
             self.parked.discard(self.disk)
             self.parked = None
@@ -417,4 +443,4 @@ class LayerEngine:
             self.readahead = None
         if self.host is not None:
             self.host.close()
-        self.tiers = []
+        self.tiers = [None, None]

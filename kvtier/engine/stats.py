@@ -14,6 +14,7 @@ class MoveCounters:
     bytes_moved: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MOVES, 0))
     pages_recalled: dict[str, int] = field(default_factory=lambda: {"host": 0, "disk": 0})
     recall_steps: int = 0
+    pages_reused: int = 0        # chosen pages already on the device from an earlier step (nothing moved)
     tokens_dropped: int = 0
     disk_wait_seconds: float = 0.0
 

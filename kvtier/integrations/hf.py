@@ -196,7 +196,8 @@ class TieredCache(Cache):
         of the demoted pages, 1/16 of their K+V size at 16 entries a page. ``read_ahead``: disk pages served
         from host memory (``hits``) or read on demand (``misses``), and the ``hit_rate``.
         ``bytes_moved`` per direction,
-        ``pages_recalled`` per source tier, ``transfer_wait_seconds`` (blocked on copies and disk reads).
+        ``pages_recalled`` per source tier (pages moved up), ``pages_reused`` (chosen pages the device already
+        held from the step before), ``transfer_wait_seconds`` (blocked on copies and disk reads).
         """
         tiers: dict[str, dict[str, int]] = {t: {"tokens": 0, "bytes": 0, "reserved_bytes": 0}
                                              for t in ("device", "host", "disk")}
@@ -223,6 +224,7 @@ class TieredCache(Cache):
             "pages_recalled": c.pages_recalled["host"] + c.pages_recalled["disk"],
             "pages_recalled_from": dict(c.pages_recalled),
             "recall_steps": c.recall_steps,
+            "pages_reused": c.pages_reused,
             "tokens_dropped": c.tokens_dropped,
             "transfer_wait_seconds": wait,
             "read_ahead": {"hits": hits, "misses": misses, "pages_read_ahead": sum(r.read_ahead for r in ahead),

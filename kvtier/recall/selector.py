@@ -45,7 +45,7 @@ def _resident_lse(q: torch.Tensor, resident: list[torch.Tensor], scaling: float)
 
 
 def page_shares(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, codes: torch.Tensor, scaling: float,
-                resident: list[torch.Tensor] | None = None) -> torch.Tensor:
+                resident: list[torch.Tensor] | None = None, resident_lse: torch.Tensor | None = None) -> torch.Tensor:
     """Log of each page's estimated share of attention, the largest over a KV head's query rows.
 
     Parameters
@@ -56,6 +56,9 @@ def page_shares(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, codes: torc
         ``[kv_heads, pages, dim]`` bounds and ``[kv_heads, pages, page_size, dim/4]`` codes of the candidates.
     resident
         Keys ``[kv_heads, n, dim]`` attention reads anyway; their mass counts in the total.
+    resident_lse
+        ``[kv_heads, rows]``: the log-sum-exp of those keys' logits when attention already computed it (then
+        `resident` is not needed).
 
     Returns
     -------
@@ -77,7 +80,8 @@ def page_shares(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, codes: torc
             parts.append(torch.logsumexp(logits.view(kv_heads, -1, c, page_size), dim=3))   # [H, rows, c]
         page_lse = torch.cat(parts, dim=2)
         total = torch.logsumexp(page_lse, dim=2)
-        res = _resident_lse(qr, resident or [], scaling)
+        res = resident_lse[:, r0:r0 + row_step] if resident_lse is not None else \
+            _resident_lse(qr, resident or [], scaling)
         if res is not None:
             total = torch.logaddexp(total, res)
         shares = (page_lse - total[..., None]).amax(dim=1)
@@ -86,7 +90,8 @@ def page_shares(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, codes: torc
 
 
 def select_pages(q: torch.Tensor, index: PageIndex, budget: int, scaling: float,
-                 resident: list[torch.Tensor] | None = None, shortlist: int = SHORTLIST,
+                 resident: list[torch.Tensor] | None = None, resident_lse: torch.Tensor | None = None,
+                 shortlist: int = SHORTLIST,
                  shortlist_min: int = SHORTLIST_MIN) -> tuple[torch.Tensor, torch.Tensor]:
     """The `budget` pages per KV head with the largest estimated share of the queries' attention.
 
@@ -100,8 +105,9 @@ def select_pages(q: torch.Tensor, index: PageIndex, budget: int, scaling: float,
         Pages per KV head (capped by how many there are).
     scaling
         The attention's logit scale.
-    resident
-        Keys ``[kv_heads, n, dim]`` on the device, which attention reads anyway.
+    resident, resident_lse
+        Keys ``[kv_heads, n, dim]`` on the device, which attention reads anyway, or the log-sum-exp of their
+        logits ``[kv_heads, rows]``.
 
     Returns
     -------
@@ -117,5 +123,5 @@ def select_pages(q: torch.Tensor, index: PageIndex, budget: int, scaling: float,
     cand = torch.topk(index.upper_bounds(q), m, dim=1).indices if m < pages else \
         torch.arange(pages, device=q.device).expand(kv_heads, -1)
     lo, hi, codes = index.pick(cand)
-    best = torch.topk(page_shares(q, lo, hi, codes, scaling, resident), n, dim=1).indices
+    best = torch.topk(page_shares(q, lo, hi, codes, scaling, resident, resident_lse), n, dim=1).indices
     return torch.sort(torch.gather(cand, 1, best), dim=1).values, cand

@@ -93,8 +93,8 @@ class DiskReadAhead:
     def prefetch(self, slots: np.ndarray) -> None:
         """Start reading pages at disk `slots` that are neither cached nor on their way."""
         todo = [s for s in dict.fromkeys(slots.tolist()) if s not in self._where and s not in self._pending]
-        room = self.capacity - len(self._where) - len(self._pending)
-        todo = todo[:max(0, min(room, self.capacity // 2))]
+        # at most a quarter of the cache a step: pages read ahead replace the least recently used ones
+        todo = todo[:max(0, self.capacity // 4 - len(self._pending))]
         if not todo:
             return
         fut = self.disk.load_async(np.array(todo, dtype=np.int64))
@@ -109,6 +109,10 @@ class DiskReadAhead:
         drop = [self._where.pop(s) for s in slots.tolist() if s in self._where]
         if drop:
             self.pool.free(np.array(drop, dtype=np.int64))
+
+    def clear(self) -> None:
+        """Drop every cached page (reads under way are let finish and dropped too)."""
+        self.forget(np.array(list(self._where) + list(self._pending), dtype=np.int64))
 
     def pages(self) -> int:
         return len(self._where)

@@ -139,16 +139,16 @@ def test_demo_synthetic_honours_disk_dir(tmp_path, monkeypatch):
 
 def test_demo_synthetic_writes_its_pages_in_disk_dir(tmp_path, monkeypatch):
     """A real (small) synthetic run: its private folder is made inside --disk-dir, and removed after."""
-    import kvtier.bench.synthetic as synthetic
+    import kvtier.engine.resources as resources
 
     made = []
-    real_mkdtemp = synthetic.tempfile.mkdtemp
+    real_mkdtemp = resources.tempfile.mkdtemp
 
     def spy(*args, **kwargs):
         made.append(real_mkdtemp(*args, **kwargs))
         return made[-1]
 
-    monkeypatch.setattr(synthetic.tempfile, "mkdtemp", spy)
+    monkeypatch.setattr(resources.tempfile, "mkdtemp", spy)
     disk = tmp_path / "disk"
     result = run("demo", "--synthetic", "--context", "4K", "--needles", "1", "--disk-dir", disk, "--json")
     assert result.exit_code == 0, result.output

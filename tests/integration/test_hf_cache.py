@@ -10,6 +10,7 @@ from transformers import DynamicCache
 
 from kvtier import TieredCache, UnsupportedError
 from kvtier.integrations.hf import cache_kwargs
+from kvtier.placement.page_table import HOST
 from kvtier.tasks import make_needle_task
 
 pytestmark = pytest.mark.slow
@@ -95,8 +96,9 @@ def test_tiers_stay_within_budget_over_a_long_generation(fresh_attention):
         host_budget = cache.settings.host_tokens(seen)
         for layer in cache.layers:
             engine = layer.engine
-            assert engine.pool.count <= device_budget  # measured from the pool
-            assert int(engine.host.held_tokens().max()) <= host_budget
+            # measured from the pool; whole pages move, so up to a page waits above the budget
+            assert engine.pool.count <= device_budget + engine.cfg.page_size - 1
+            assert int(engine.table.tokens(HOST).max()) <= host_budget
     s = cache.stats()
     assert s["tokens_seen"] == ids.shape[1] + 300
     total = s["device"]["tokens"] + s["host"]["tokens"] + s["disk"]["tokens"]

@@ -214,7 +214,8 @@ def test_host_pool_page_index_and_device_slabs_grow_without_copying(make_engine)
              for name, part in parts.items()}
     device_first = (engine.pool.k[0], id(engine.pool.k[0]), engine.pool.k[0].data_ptr())
     used = engine.table.n                                      # page ids (index rows) in use so far
-    snap = {"index.lo": engine.index.lo.slabs[0][:used].clone(), "index.codes": engine.index.codes.slabs[0][:used].clone()}
+    snap = {"index.lo": engine.index.lo.slabs[0][:used].clone(),
+            "index.codes": engine.index.codes.slabs[0][:used].clone()}
     host_rows = engine.host.pages()
     snap["host.k"] = engine.host.k.slabs[0][:host_rows].clone()
     for a in range(chunk, total, chunk):

@@ -151,7 +151,7 @@ def _spy_fetches(engine):
     return got
 
 
-settings_ = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+settings_ = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 @settings_

@@ -166,3 +166,81 @@ def test_close_frees_pages_and_closing_the_cache_removes_files(make_engine):
     assert disk.pages() == 0  # the layer gave its slots back to the cache's shared store
     engine.shared.close()
     assert not os.path.exists(path) and not os.path.exists(folder)
+
+
+def _decode_with_few_recall_pages(engine, monkeypatch, total=1200, prefill=600):
+    """Prefill, then decode one token at a time with queries near stored keys (recall keeps coming back to
+    the same region); check that every recalled page is exactly the page the table names."""
+    g = torch.Generator().manual_seed(9)
+    k_all = torch.randn(1, engine.heads, total, engine.head_dim, generator=g)
+    v_all = torch.randn(1, engine.heads, total, engine.head_dim, generator=g)
+    fetched = _capture_fetches(engine, monkeypatch)
+    engine.write(k_all[:, :, :prefill], v_all[:, :, :prefill])
+    engine.commit()
+    P, D = engine.cfg.page_size, engine.head_dim
+    for t in range(prefill, total):
+        engine.write(k_all[:, :, t:t + 1], v_all[:, :, t:t + 1])
+        near = k_all[0, :, (t * 7) % prefill].repeat_interleave(2, dim=0)[None, :, None] * 3
+        fetched.clear()
+        engine.attend(near + 0.1 * torch.randn(1, engine.heads * 2, 1, D, generator=g))
+        engine.commit()
+        ids, rk, rv = fetched[0]
+        for h in range(engine.heads):
+            at = torch.from_numpy(np.stack([engine.table.positions(h, int(p)) for p in ids[h]]))
+            expect = torch.cat([k_all[0, h, at], v_all[0, h, at]], dim=2)
+            got = torch.cat([rk[h].view(-1, P, D), rv[h].view(-1, P, D)], dim=2)
+            assert _same_pages(got, expect), f"step {t}, head {h}"
+
+
+def test_recall_through_the_read_ahead_cache_is_bit_exact(make_engine, monkeypatch):
+    engine = make_engine(heads=2, head_dim=8, device_budget=32, host_budget=64, page_size=4, recall_pages=3)
+    _decode_with_few_recall_pages(engine, monkeypatch)
+    ra = engine.readahead
+    assert ra is not None and ra.hits > 0 and ra.pages() <= ra.capacity
+    assert engine.counters.pages_recalled["disk"] > 0
+
+
+def test_read_ahead_runs_once_its_cache_is_full(make_engine, monkeypatch):
+    """The read-ahead cache holds about one step's recall, which the first recall's own disk pages fill;
+    short-listed pages are still read ahead (replacing the least recently used), so reading ahead goes on
+    in a steady decode."""
+    engine = make_engine(heads=2, head_dim=8, device_budget=32, host_budget=64, page_size=4, recall_pages=3)
+    _decode_with_few_recall_pages(engine, monkeypatch)
+    assert engine.readahead.pages() == engine.readahead.capacity
+    assert engine.readahead.read_ahead > 0, "no short-listed disk page was ever read ahead"
+
+
+def test_read_ahead_cache_serves_verified_pages(tmp_path):
+    """The read-ahead cache on its own: pages read ahead are served from memory, bit-exact; demand reads
+    are kept too; the least recently used go first; forgotten slots are read again."""
+    from kvtier.tiers.disk import DiskStore
+    from kvtier.tiers.readahead import DiskReadAhead
+
+    disk = DiskStore(str(tmp_path), 4, 8, torch.float32)
+    try:
+        g = torch.Generator().manual_seed(10)
+        k, v = torch.randn(20, 4, 8, generator=g), torch.randn(20, 4, 8, generator=g)
+        slots = disk.store(k, v)
+        ra = DiskReadAhead(disk, 8, 4, 8, torch.float32, pin=False)
+        ra.prefetch(slots[[3, 5, 7, 9, 11]])
+        assert ra.read_ahead == 2          # at most a quarter of the capacity is read ahead a step
+        got = ra.load(slots[[5, 3]])
+        assert torch.equal(got[0], k[[5, 3]]) and torch.equal(got[1], v[[5, 3]])
+        assert ra.hits == 2 and ra.misses == 0
+        got = ra.load(slots[[0, 1, 7, 2]])
+        assert torch.equal(got[0], k[[0, 1, 7, 2]]) and torch.equal(got[1], v[[0, 1, 7, 2]])
+        assert ra.hits == 2 and ra.misses == 4 and ra.pages() == 6
+        ra.load(slots[[12, 13, 14]])       # over capacity: the least recently used (5) goes
+        assert ra.pages() == 8
+        hits, misses = ra.hits, ra.misses
+        ra.load(slots[[3, 7, 0]])
+        assert (ra.hits, ra.misses) == (hits + 3, misses)
+        got = ra.load(slots[[5]])
+        assert (ra.hits, ra.misses) == (hits + 3, misses + 1) and torch.equal(got[0], k[[5]])
+        ra.forget(slots[[12]])
+        assert ra.pages() == 7
+        got = ra.load(slots[[12, 14]])
+        assert torch.equal(got[0], k[[12, 14]]) and torch.equal(got[1], v[[12, 14]])
+        ra.close()
+    finally:
+        disk.close()

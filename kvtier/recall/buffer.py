@@ -1,0 +1,58 @@
+"""The pages recalled for the last query block, kept on the device between steps.
+
+Consecutive decode steps ask for nearly the same pages (the query moves slowly), so a step fetches only the
+pages that are not in the buffer yet, into the slots of the pages no longer wanted. Attention reads the
+buffer as a set of keys: the order of pages in it carries no meaning. Pages never change once demoted, so
+a buffered copy stays right until the layer is reset or parked.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class RecallBuffer:
+    """``[heads, pages * page_size, dim]`` keys and values on the device, and which page each slot holds."""
+
+    def __init__(self, heads: int, pages: int, page_size: int, dim: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.page_size = page_size
+        self.k = torch.empty(heads, pages * page_size, dim, dtype=dtype, device=device)
+        self.v = torch.empty_like(self.k)
+        self.ids = np.full((heads, pages), -1, dtype=np.int64)
+
+    @property
+    def pages(self) -> int:
+        return self.ids.shape[1]
+
+    def plan(self, want: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Where the wanted pages ``[heads, pages]`` go: ``(heads, page ids, slots)`` of those to fetch.
+
+        Pages already held keep their slots; the missing ones take the slots of pages no longer wanted.
+        """
+        H, r = want.shape
+        n = int(max(want.max(initial=-1), self.ids.max(initial=-1))) + 1
+        rows = np.arange(H)[:, None]
+        wanted = np.zeros((H, n + 1), dtype=bool)       # column n stands for an empty slot (-1)
+        wanted[rows, want] = True
+        held = np.zeros((H, n + 1), dtype=bool)
+        held[rows, self.ids] = True
+        held[:, -1] = False
+        missing = ~held[rows, want]                     # [H, r]: wanted pages not in the buffer
+        free = ~wanted[rows, self.ids]                  # [H, r]: slots whose page is no longer wanted
+        heads, col = np.nonzero(missing)
+        pids = want[heads, col]
+        # the k-th missing page of a head takes the k-th free slot of that head (as many of each)
+        slot_heads, slot_cols = np.nonzero(free)
+        return heads.astype(np.int64), pids.astype(np.int64), slot_cols.astype(np.int64)
+
+    def fill(self, heads: np.ndarray, pids: np.ndarray, slots: np.ndarray, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+        """Put pages ``k, v`` ``[n, page_size, dim]`` (ids `pids` of `heads`) in buffer `slots`."""
+        H, D = self.k.shape[0], self.k.shape[2]
+        h = torch.from_numpy(heads).to(self.k.device)
+        s = torch.from_numpy(slots).to(self.k.device)
+        self.k.view(H, self.pages, self.page_size, D)[h, s] = k
+        self.v.view(H, self.pages, self.page_size, D)[h, s] = v
+        self.ids[heads, slots] = pids
