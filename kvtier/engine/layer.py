@@ -154,7 +154,8 @@ class LayerEngine:
             else:
                 parts = attend_parts(block, self.pool.spans(self.pool.count), p.k[:, :, :b1], p.v[:, :, :b1],
                                      b0, scale)
-            resident = torch.logsumexp(torch.stack([lse[0] for _, lse in parts]), dim=0)
+            resident = parts[0][1][0] if len(parts) == 1 else \
+                torch.logsumexp(torch.stack([lse[0] for _, lse in parts]), dim=0)
             ids, shortlist = select_pages(grouped(block, self.heads), self.index, self.cfg.recall_pages, scale,
                                           resident_lse=resident)
             rk, rv = self._fetch(ids, shortlist)
@@ -177,17 +178,20 @@ class LayerEngine:
         heads, pids, slots = buf.plan(want)
         self.counters.pages_reused += H * r - len(pids)
         if len(pids):
-            k, v = self._bring_up(heads, pids)
-            buf.fill(heads, pids, slots, k, v)
+            order, k, v = self._bring_up(heads, pids)
+            buf.fill(heads[order], pids[order], slots[order], k, v)
         self._read_ahead(ids, shortlist)
         self.counters.recall_steps += 1
         return buf.k, buf.v
 
-    def _bring_up(self, heads: np.ndarray, pids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pages ``(heads[i], pids[i])`` from the host and disk tiers to the device: ``[n, page_size, dim]``."""
+    def _bring_up(self, heads: np.ndarray, pids: np.ndarray) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+        """Pages ``(heads[i], pids[i])`` from the host and disk tiers to the device.
+
+        Returns ``(order, k, v)``: the pages come in the order ``order`` of the request (by tier and slot,
+        so gathers run over the same slab), ``[n, page_size, dim]`` each.
+        """
         P, D = self.cfg.page_size, self.head_dim
         tier, slot = self.table.lookup(heads, pids)
-        # gather in order of tier and slot (runs over the same slab), then put the rows back in the asked order
         order = np.lexsort((slot, tier))
         tier, slot = tier[order], slot[order]
         on_host, on_disk = np.flatnonzero(tier == HOST), np.flatnonzero(tier == DISK)
@@ -202,22 +206,19 @@ class LayerEngine:
                 stage_k[rows], stage_v[rows] = self.host.load(slot[on_host])
             rows = torch.from_numpy(on_disk)
             stage_k[rows], stage_v[rows] = self._load_disk(slot[on_disk])
-        back = torch.from_numpy(np.argsort(order))
         if self.device.type == "cpu":
-            k_dev, v_dev = stage_k[back], stage_v[back]
+            k_dev, v_dev = stage_k, stage_v
         else:
             k_dev = torch.empty(stage_k.shape, dtype=self.dtype, device=self.device)
             v_dev = torch.empty_like(k_dev)
             self.transfer.wait([self.transfer.submit(k_dev, stage_k), self.transfer.submit(v_dev, stage_v)])
-            back = back.to(self.device)
-            k_dev, v_dev = k_dev[back], v_dev[back]
         page_bytes = self.host.page_bytes()
         c = self.counters
         c.bytes_moved["host_to_device"] += len(on_host) * page_bytes
         c.bytes_moved["disk_to_device"] += len(on_disk) * page_bytes
         c.pages_recalled["host"] += len(on_host)
         c.pages_recalled["disk"] += len(on_disk)
-        return k_dev, v_dev
+        return order, k_dev, v_dev
 
     def _load_disk(self, slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         import time
@@ -372,7 +373,7 @@ class LayerEngine:
         dev = self.device
         self.pool.replace(got["k"].to(dev), got["v"].to(dev), meta["pos"].to(dev), meta["score"].to(dev))
         if self.index is not None:
-            self.index.load_state({name: meta[name] for name in ("lo", "hi", "codes")})
+            self.index.load_state({name: meta[name] for name in ("bounds", "codes")})
         parked.release(got, self.disk, self.host, self.table, self.readahead)
         kind = "host_to_device" if parked.where == "host" else "disk_to_device"
         self.counters.bytes_moved[kind] += sum(t.numel() * t.element_size() for t in (got["k"], got["v"]))

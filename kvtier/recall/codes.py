@@ -8,6 +8,8 @@ bounds alone, which only say what the single best key of a page could score.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 
@@ -53,3 +55,30 @@ def decode(codes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Ten
     dim = lo.shape[-1]
     c = F.embedding(codes.long(), _table(codes.device)).view(*codes.shape[:-1], -1)[..., :dim]
     return torch.addcmul(lo.float()[..., None, :], c, _step(lo, hi)[..., None, :])
+
+
+_ORDERS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def unpacked(codes: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The codes of ``[..., dim/4]`` bytes as floats ``[..., dim]``, and the channel order they come in.
+
+    With 16 channels to a 32-bit word, four shifts and masks of the words unpack every code at once, but
+    leave the channels of a word in the order ``4 * byte + shift``; the returned order (channel of each
+    column, None for the natural one) lets the caller permute its other operand instead of the codes.
+    """
+    if dim % 16 or sys.byteorder != "little" or not codes.is_contiguous():
+        c = F.embedding(codes.long(), _table(codes.device)).view(*codes.shape[:-1], -1)[..., :dim]
+        return c, None
+    words = codes.view(torch.int32)
+    c = torch.stack([(words >> (2 * j)) & 0x03030303 for j in range(PER_BYTE)], dim=-1)
+    key = (dim, codes.device)
+    if key not in _ORDERS:
+        _ORDERS[key] = torch.tensor([16 * g + 4 * b + j for g in range(dim // 16) for j in range(4)
+                                     for b in range(4)], device=codes.device)
+    return c.view(torch.uint8).view(*codes.shape[:-1], dim).float(), _ORDERS[key]
+
+
+def step(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """The value of one code level per channel: ``[..., dim]`` float32."""
+    return _step(lo, hi)

@@ -25,9 +25,9 @@ class PageIndex:
     def __init__(self, heads: int, page_size: int, dim: int, dtype: torch.dtype, device: torch.device,
                  pin: bool = False, pages_per_slab: int = PAGES_PER_SLAB) -> None:
         self.heads, self.page_size, self.dim, self.dtype, self.device = heads, page_size, dim, dtype, device
-        # one row per (page, head): row = page * heads + head, so a short list is one gather
-        self.lo = SlabRows((dim,), dtype, device, pages_per_slab * heads)
-        self.hi = SlabRows((dim,), dtype, device, pages_per_slab * heads)
+        # one row per (page, head): row = page * heads + head, so a short list is one gather; a row is the
+        # key maximum then the key minimum, so the bound of every page is one product with [q+, q-]
+        self.bounds = SlabRows((2 * dim,), dtype, device, pages_per_slab * heads)
         self.codes = SlabRows((page_size, code_width(dim)), torch.uint8, "cpu", pages_per_slab * heads, pin)
         self.n = 0
 
@@ -38,10 +38,10 @@ class PageIndex:
         codes = encode(k_pages, lo, hi)
         m, H = k_pages.shape[1], self.heads
         rows = torch.arange(self.n * H, (self.n + m) * H)
-        for part in (self.lo, self.hi, self.codes):
+        for part in (self.bounds, self.codes):
             part.ensure((self.n + m) * H)
-        self.lo.scatter(rows.to(self.device), lo.transpose(0, 1).reshape(m * H, -1))
-        self.hi.scatter(rows.to(self.device), hi.transpose(0, 1).reshape(m * H, -1))
+        bounds = torch.cat([hi, lo], dim=-1).transpose(0, 1).reshape(m * H, -1)
+        self.bounds.scatter(rows.to(self.device), bounds)
         self.codes.scatter(rows, codes.transpose(0, 1).reshape(m * H, self.page_size, -1).cpu())
         self.n += m
 
@@ -50,29 +50,29 @@ class PageIndex:
 
         Returns ``[heads, n]`` float32, computed slab by slab and in blocks of query rows.
         """
-        q = q.float()
-        pos, neg = q.clamp(min=0), q.clamp(max=0)
-        out = []
         H = self.heads
-        for (_, lo), (_, hi) in zip(self.lo.spans(self.n * H), self.hi.spans(self.n * H)):
-            lo_t = lo.float().view(-1, H, self.dim).permute(1, 2, 0)      # [heads, dim, pages]
-            hi_t = hi.float().view(-1, H, self.dim).permute(1, 2, 0)
-            step = max(1, _CHUNK_ELEMENTS // (H * lo_t.shape[2]))
+        q2 = torch.cat([q.float().clamp(min=0), q.float().clamp(max=0)], dim=-1)    # [heads, rows, 2 dim]
+        out = []
+        for _, b in self.bounds.spans(self.n * H):
+            b_t = b.float().view(-1, H, 2 * self.dim).permute(1, 2, 0)             # [heads, 2 dim, pages]
+            step = max(1, _CHUNK_ELEMENTS // (H * b_t.shape[2]))
             best = None
-            for r in range(0, q.shape[1], step):
-                ub = torch.bmm(pos[:, r:r + step], hi_t).add_(torch.bmm(neg[:, r:r + step], lo_t)).amax(dim=1)
+            for r in range(0, q2.shape[1], step):
+                ub = torch.bmm(q2[:, r:r + step], b_t).amax(dim=1)
                 best = ub if best is None else torch.maximum(best, ub)
             out.append(best)
-        return torch.cat(out, dim=1) if out else torch.empty(self.heads, 0, device=q.device)
+        if not out:
+            return torch.empty(H, 0, device=q.device)
+        return out[0] if len(out) == 1 else torch.cat(out, dim=1)
 
     def pick(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Bounds ``[heads, m, dim]`` and codes ``[heads, m, page_size, dim/4]`` of pages ``ids`` ``[heads, m]``,
         all on the device."""
         heads, m = ids.shape
         rows = (ids * heads + torch.arange(heads, device=ids.device)[:, None]).reshape(-1)
-        lo, hi = self.lo.gather(rows.to(self.device)), self.hi.gather(rows.to(self.device))
+        bounds = self.bounds.gather(rows.to(self.device)).view(heads, m, 2 * self.dim)
         codes = self.codes.gather(rows.cpu())
-        return (lo.view(heads, m, self.dim), hi.view(heads, m, self.dim),
+        return (bounds[..., self.dim:], bounds[..., :self.dim],
                 codes.view(heads, m, self.page_size, -1).to(self.device, non_blocking=True))
 
     def device_bytes(self) -> int:
@@ -88,21 +88,20 @@ class PageIndex:
         def rows(part: SlabRows) -> torch.Tensor:
             spans = [t for _, t in part.spans(self.n * self.heads)]
             return torch.cat(spans).cpu() if spans else torch.empty(0, *part.row_shape, dtype=part.dtype)
-        return {"lo": rows(self.lo), "hi": rows(self.hi), "codes": rows(self.codes)}
+        return {"bounds": rows(self.bounds), "codes": rows(self.codes)}
 
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
         """Make `state` (from `state()`) the indexed pages."""
-        rows_n = state["lo"].shape[0]
-        for part in (self.lo, self.hi, self.codes):
+        rows_n = state["bounds"].shape[0]
+        for part in (self.bounds, self.codes):
             part.ensure(rows_n)
         rows = torch.arange(rows_n)
-        self.lo.scatter(rows.to(self.device), state["lo"].to(self.device))
-        self.hi.scatter(rows.to(self.device), state["hi"].to(self.device))
+        self.bounds.scatter(rows.to(self.device), state["bounds"].to(self.device))
         self.codes.scatter(rows, state["codes"])
         self.n = rows_n // self.heads
 
     def release(self) -> None:
         """Forget every page and give the slabs back."""
-        for part in (self.lo, self.hi, self.codes):
+        for part in (self.bounds, self.codes):
             part.close()
         self.n = 0

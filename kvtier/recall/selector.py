@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import torch
 
-from .codes import decode
+from .codes import step as code_step
+from .codes import unpacked
 from .index import PageIndex
 
-SHORTLIST = 2
-SHORTLIST_MIN = 128
+SHORTLIST = 1.5
+SHORTLIST_MIN = 96
 _CHUNK_ELEMENTS = 1 << 22   # floats per product chunk, bounds the working memory
 
 
@@ -68,17 +69,24 @@ def page_shares(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, codes: torc
     kv_heads, pages, page_size = codes.shape[0], codes.shape[1], codes.shape[2]
     rows, dim = q.shape[1], lo.shape[2]
     page_step = max(1, _CHUNK_ELEMENTS // (kv_heads * page_size * dim))
-    row_step = max(1, _CHUNK_ELEMENTS // (kv_heads * min(pages, page_step) * page_size))
+    row_step = max(1, _CHUNK_ELEMENTS // (kv_heads * min(pages, page_step) * max(page_size, dim)))
     best = None
     for r0 in range(0, rows, row_step):
         qr = q[:, r0:r0 + row_step]
         parts = []
         for s in range(0, pages, page_step):
-            k = decode(codes[:, s:s + page_step], lo[:, s:s + page_step], hi[:, s:s + page_step])  # [H, c, P, D]
-            c = k.shape[1]
-            logits = torch.bmm(qr, k.reshape(kv_heads, c * page_size, dim).transpose(1, 2)).mul_(scaling)
-            parts.append(torch.logsumexp(logits.view(kv_heads, -1, c, page_size), dim=3))   # [H, rows, c]
-        page_lse = torch.cat(parts, dim=2)
+            # a decoded key is lo + code * step, so q . key = q . lo + (q * step) . code: the codes are
+            # multiplied as they are, never turned into keys
+            c, order = unpacked(codes[:, s:s + page_step], dim)                 # [H, c, P, D]
+            lo_s = lo[:, s:s + page_step].float()
+            step, qo = code_step(lo_s, hi[:, s:s + page_step]), qr
+            if order is not None:   # put the query and steps in the codes' channel order
+                step, qo = step.index_select(2, order), qr.index_select(2, order)
+            w = qo[:, None] * step[:, :, None, :]                                 # [H, c, rows, D]
+            logits = torch.matmul(w, c.transpose(-1, -2)).mul_(scaling)          # [H, c, rows, P]
+            base = torch.bmm(qr, lo_s.transpose(1, 2)).mul_(scaling)             # [H, rows, c]
+            parts.append(torch.logsumexp(logits, dim=3).transpose(1, 2) + base)  # [H, rows, c]
+        page_lse = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
         total = torch.logsumexp(page_lse, dim=2)
         res = resident_lse[:, r0:r0 + row_step] if resident_lse is not None else \
             _resident_lse(qr, resident or [], scaling)
@@ -119,7 +127,7 @@ def select_pages(q: torch.Tensor, index: PageIndex, budget: int, scaling: float,
     if n == pages:
         ids = torch.arange(pages, device=q.device).expand(kv_heads, -1)
         return ids, ids
-    m = min(pages, max(shortlist * n, shortlist_min))
+    m = min(pages, max(int(shortlist * n), shortlist_min))
     cand = torch.topk(index.upper_bounds(q), m, dim=1).indices if m < pages else \
         torch.arange(pages, device=q.device).expand(kv_heads, -1)
     lo, hi, codes = index.pick(cand)

@@ -208,13 +208,13 @@ def test_host_pool_page_index_and_device_slabs_grow_without_copying(make_engine)
     engine.write(k_all[:, :, :chunk], k_all[:, :, :chunk])
     engine.commit()
     assert engine.table.n > 0
-    parts = {"host.k": engine.host.k, "host.v": engine.host.v, "index.lo": engine.index.lo,
-             "index.hi": engine.index.hi, "index.codes": engine.index.codes}
+    parts = {"host.k": engine.host.k, "host.v": engine.host.v, "index.bounds": engine.index.bounds,
+             "index.codes": engine.index.codes}
     first = {name: (part.slabs[0], id(part.slabs[0]), part.slabs[0].data_ptr(), len(part.slabs))
              for name, part in parts.items()}
     device_first = (engine.pool.k[0], id(engine.pool.k[0]), engine.pool.k[0].data_ptr())
     used = engine.table.n                                      # page ids (index rows) in use so far
-    snap = {"index.lo": engine.index.lo.slabs[0][:used].clone(),
+    snap = {"index.bounds": engine.index.bounds.slabs[0][:used].clone(),
             "index.codes": engine.index.codes.slabs[0][:used].clone()}
     host_rows = engine.host.pages()
     snap["host.k"] = engine.host.k.slabs[0][:host_rows].clone()
@@ -228,7 +228,7 @@ def test_host_pool_page_index_and_device_slabs_grow_without_copying(make_engine)
             f"{name} copied its first slab to grow"
     assert engine.pool.k[0] is device_first[0] and engine.pool.k[0].data_ptr() == device_first[2]
     # what was stored before the growth is still there, unmoved
-    assert torch.equal(engine.index.lo.slabs[0][:used], snap["index.lo"])
+    assert torch.equal(engine.index.bounds.slabs[0][:used], snap["index.bounds"])
     assert torch.equal(engine.index.codes.slabs[0][:used], snap["index.codes"])
     assert torch.equal(engine.host.k.slabs[0][:host_rows], snap["host.k"])
 
