@@ -41,6 +41,24 @@ def fresh_attention(default_model):
 
 
 @pytest.fixture
+def watch_fetches(monkeypatch):
+    """``watch(engine)`` records ``(ids, k, v)`` for every page fetch of `engine` while `attend` runs."""
+
+    def watch(engine):
+        got, real = [], engine._fetch
+
+        def spy(ids, shortlist):
+            k, v = real(ids, shortlist)
+            got.append((ids.clone(), k.clone(), v.clone()))
+            return k, v
+
+        monkeypatch.setattr(engine, "_fetch", spy)
+        return got
+
+    return watch
+
+
+@pytest.fixture
 def make_engine(tmp_path):
     """Build `LayerEngine`s on the CPU with a private disk folder; all are closed after the test."""
     from kvtier.config import ModelShape, TieredCacheConfig

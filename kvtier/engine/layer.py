@@ -68,7 +68,8 @@ class LayerEngine:
         self.pin = k.device.type == "cuda"
         self.transfer = self.shared.transfer(k.device)
         budget = self.cfg.device_budget
-        slab = SLAB_TOKENS if budget.is_fraction else max(SLAB_TOKENS, int(budget.value) + 2 * self.cfg.page_size)
+        slab = SLAB_TOKENS if budget.is_fraction or budget.value > 65536 else \
+            max(SLAB_TOKENS, int(budget.value) + 2 * self.cfg.page_size)   # a huge budget grows slab by slab
         self.pool = DevicePool(self.heads, self.head_dim, k.dtype, k.device, slab)
         if self.cfg.mode == "tier":
             self.index = PageIndex(self.heads, self.cfg.page_size, self.head_dim, k.dtype, k.device, self.pin)
@@ -94,11 +95,11 @@ class LayerEngine:
         return self.tiers[1]
 
     def _readahead_pages(self) -> int:
-        """Disk pages per head kept in host memory: the recall budget, at most half the host budget."""
+        """Disk pages per head kept in host memory: half the recall budget, at most a quarter of the host budget."""
         host = self.cfg.host_tokens(max(self.seen, 1))
         if host is None:
             return 0
-        return min(self.cfg.recall_pages, host // (2 * self.cfg.page_size))
+        return min(self.cfg.recall_pages // 2, host // (4 * self.cfg.page_size))
 
     def write(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Take a step's new K/V ``[1, heads, q, dim]``; return what attention reads (device entries, new last)."""

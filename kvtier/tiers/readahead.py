@@ -94,7 +94,7 @@ class DiskReadAhead:
         """Start reading pages at disk `slots` that are neither cached nor on their way."""
         todo = [s for s in dict.fromkeys(slots.tolist()) if s not in self._where and s not in self._pending]
         # at most a quarter of the cache a step: pages read ahead replace the least recently used ones
-        todo = todo[:max(0, self.capacity // 4 - len(self._pending))]
+        todo = todo[:max(0, max(1, self.capacity // 4) - len(self._pending))]
         if not todo:
             return
         fut = self.disk.load_async(np.array(todo, dtype=np.int64))

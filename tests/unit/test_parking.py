@@ -97,7 +97,7 @@ def test_park_and_resume_round_trip(make_engine, to):
     assert torch.equal(chosen, _selection(engine, query))
 
 
-def test_parked_then_written_matches_a_twin_never_parked(make_engine):
+def test_parked_then_written_matches_a_twin_never_parked(make_engine, watch_fetches):
     parked = make_engine(device_budget=16, host_budget=20)
     twin = make_engine(device_budget=16, host_budget=20, layer_idx=1)
     for engine in (parked, twin):
@@ -115,28 +115,16 @@ def test_parked_then_written_matches_a_twin_never_parked(make_engine):
     query = torch.randn(1, parked.heads * 2, 5, parked.head_dim, generator=g)
     ids, outs = [], []
     for engine in (parked, twin):
-        fetched = _spy_fetches(engine)
+        fetched = watch_fetches(engine)
         engine.write(k, k)
         outs.append(engine.attend(query))
         engine.commit()
         assert len(fetched) == 1
-        ids.append(fetched[0])
+        ids.append(fetched[0][0])
     assert ids[0].shape == (parked.heads, 4) and parked.table.n > 4
     assert torch.equal(ids[0], ids[1])
     assert torch.equal(outs[0], outs[1])
     _assert_same(_state(parked), _state(twin))
-
-
-def _spy_fetches(engine):
-    """Record the page ids of every `_fetch` call."""
-    got, real = [], engine._fetch
-
-    def spy(ids, shortlist):
-        got.append(ids.clone())
-        return real(ids, shortlist)
-
-    engine._fetch = spy
-    return got
 
 
 def test_bad_target(make_engine):

@@ -57,7 +57,7 @@ class Reference:
 
     def readahead_pages(self):
         host = self.cfg.host_tokens(max(self.seen, 1))
-        return 0 if host is None else min(self.cfg.recall_pages, host // (2 * self.cfg.page_size))
+        return 0 if host is None else min(self.cfg.recall_pages // 2, host // (4 * self.cfg.page_size))
 
     def step(self, new):  # new: per head [(pos, score)]
         cfg, P = self.cfg, self.cfg.page_size
@@ -138,19 +138,6 @@ def _exact_attention(ref, query, positions, heads, dim, scale):
     return out
 
 
-def _spy_fetches(engine):
-    got = []
-    real = engine._fetch
-
-    def spy(ids, shortlist):
-        k, v = real(ids, shortlist)
-        got.append((ids.clone(), k.clone(), v.clone()))
-        return k, v
-
-    engine._fetch = spy
-    return got
-
-
 settings_ = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
@@ -174,7 +161,7 @@ settings_ = settings(max_examples=80, deadline=None, suppress_health_check=[Heal
 @example(chunks=[23, 23, 4, 1, 1, 1], device_budget=10, host_budget=None, page_size=5, sink=3, recent=5,
          mode="evict", recall_pages=3, recall_after=[True] * 14)
 def test_engine_matches_reference(make_engine, chunks, device_budget, host_budget, page_size, sink, recent,
-                                  mode, recall_pages, recall_after):
+                                  mode, recall_pages, recall_after, watch_fetches):
     if isinstance(device_budget, int) and device_budget < sink + recent:
         device_budget = sink + recent + 1
     if mode == "evict":
@@ -183,7 +170,7 @@ def test_engine_matches_reference(make_engine, chunks, device_budget, host_budge
     engine = make_engine(heads=heads, head_dim=dim, device_budget=device_budget, host_budget=host_budget,
                          mode=mode, recall_pages=recall_pages, page_size=page_size, sink_tokens=sink,
                          recent_tokens=recent, scorer=HashScorer())
-    fetched = _spy_fetches(engine)
+    fetched = watch_fetches(engine)
     ref = Reference(engine.cfg, heads)
     seen = 0
     for step, q in enumerate(chunks):

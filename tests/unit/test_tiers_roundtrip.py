@@ -24,22 +24,8 @@ def _feed(engine, tokens, dtype=torch.float32, seed=0, chunk=7):
     return k_all, v_all
 
 
-def _capture_fetches(engine, monkeypatch):
-    """Record every ``(ids, k, v)`` that `engine._fetch` returns while `attend` runs."""
-    got = []
-    real = engine._fetch
-
-    def spy(ids, shortlist):
-        k, v = real(ids, shortlist)
-        got.append((ids.clone(), k.clone(), v.clone()))
-        return k, v
-
-    monkeypatch.setattr(engine, "_fetch", spy)
-    return got
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_round_trip_every_tier_is_bit_exact(make_engine, monkeypatch, dtype):
+def test_round_trip_every_tier_is_bit_exact(make_engine, watch_fetches, dtype):
     engine = make_engine(device_budget=16, host_budget=12, page_size=4, recall_pages=10_000)
     k_all, v_all = _feed(engine, 120, dtype)
     n, P = engine.table.n, engine.cfg.page_size
@@ -64,7 +50,7 @@ def test_round_trip_every_tier_is_bit_exact(make_engine, monkeypatch, dtype):
         everything = torch.cat([pos[h], *positions]).sort().values
         assert torch.equal(everything, torch.arange(120)), "a position is lost or held twice"
     # every demoted page comes back through recall (the budget covers all), bit-exact, from host and disk
-    fetched = _capture_fetches(engine, monkeypatch)
+    fetched = watch_fetches(engine)
     k_new = torch.randn(1, engine.heads, 1, engine.head_dim).to(dtype)
     engine.write(k_new, k_new)
     out = engine.attend(torch.randn(1, engine.heads * 2, 1, engine.head_dim).to(dtype))
@@ -168,13 +154,13 @@ def test_close_frees_pages_and_closing_the_cache_removes_files(make_engine):
     assert not os.path.exists(path) and not os.path.exists(folder)
 
 
-def _decode_with_few_recall_pages(engine, monkeypatch, total=1200, prefill=600):
+def _decode_with_few_recall_pages(engine, watch_fetches, total=1200, prefill=600):
     """Prefill, then decode one token at a time with queries near stored keys (recall keeps coming back to
     the same region); check that every recalled page is exactly the page the table names."""
     g = torch.Generator().manual_seed(9)
     k_all = torch.randn(1, engine.heads, total, engine.head_dim, generator=g)
     v_all = torch.randn(1, engine.heads, total, engine.head_dim, generator=g)
-    fetched = _capture_fetches(engine, monkeypatch)
+    fetched = watch_fetches(engine)
     engine.write(k_all[:, :, :prefill], v_all[:, :, :prefill])
     engine.commit()
     P, D = engine.cfg.page_size, engine.head_dim
@@ -192,20 +178,20 @@ def _decode_with_few_recall_pages(engine, monkeypatch, total=1200, prefill=600):
             assert _same_pages(got, expect), f"step {t}, head {h}"
 
 
-def test_recall_through_the_read_ahead_cache_is_bit_exact(make_engine, monkeypatch):
+def test_recall_through_the_read_ahead_cache_is_bit_exact(make_engine, watch_fetches):
     engine = make_engine(heads=2, head_dim=8, device_budget=32, host_budget=64, page_size=4, recall_pages=3)
-    _decode_with_few_recall_pages(engine, monkeypatch)
+    _decode_with_few_recall_pages(engine, watch_fetches)
     ra = engine.readahead
     assert ra is not None and ra.hits > 0 and ra.pages() <= ra.capacity
     assert engine.counters.pages_recalled["disk"] > 0
 
 
-def test_read_ahead_runs_once_its_cache_is_full(make_engine, monkeypatch):
+def test_read_ahead_runs_once_its_cache_is_full(make_engine, watch_fetches):
     """The read-ahead cache holds about one step's recall, which the first recall's own disk pages fill;
     short-listed pages are still read ahead (replacing the least recently used), so reading ahead goes on
     in a steady decode."""
     engine = make_engine(heads=2, head_dim=8, device_budget=32, host_budget=64, page_size=4, recall_pages=3)
-    _decode_with_few_recall_pages(engine, monkeypatch)
+    _decode_with_few_recall_pages(engine, watch_fetches)
     assert engine.readahead.pages() == engine.readahead.capacity
     assert engine.readahead.read_ahead > 0, "no short-listed disk page was ever read ahead"
 
