@@ -64,22 +64,30 @@ def summary_lines(results: list[dict[str, Any]], budget: float = 0.1, scorer: st
     tier, evict = f"tier:{scorer}", f"evict:{scorer}"
     free = [f"evict:{s}" for s in BASELINES_ATTENTION_FREE]
     based = [f"evict:{s}" for s in BASELINES_ATTENTION_BASED]
-    out = [f"## Summary at {budget:.0%} of the cache on the device\n",
-           f"| task | full | {tier} | {evict} | best other attention-free evict | best attention-based evict |",
-           "| --- | --- | --- | --- | --- | --- |"]
+    present = {r["policy"] for r in results}
 
     def cell(value: float, ppl: bool) -> str:
         return f"{value:.2f}" if ppl else f"{value:.1f}"
 
+    def best_of(group: list[str]):
+        return lambda rows, ppl: "{} ({})".format(cell(_best(rows, group, budget, lower=ppl)[1], ppl),
+                                                  _best(rows, group, budget, lower=ppl)[0].partition(":")[2])
+
+    def policy(name: str):
+        return lambda rows, ppl: cell(rows.get(name, {}).get(budget, float("nan")), ppl)
+
+    columns = [(title, fn) for title, fn, shown in (
+        (tier, policy(tier), tier in present), (evict, policy(evict), evict in present),
+        ("best other attention-free evict", best_of(free), bool(present.intersection(free))),
+        ("best attention-based evict", best_of(based), bool(present.intersection(based)))) if shown]
+    out = [f"## Summary at {budget:.0%} of the cache on the device\n",
+           "| task | full | " + " | ".join(title for title, _ in columns) + " |",
+           "| --- | --- | " + " | ".join("---" for _ in columns) + " |"]
     for task in tasks:
         ppl = task == "perplexity"
         rows = table[task]
         full = rows.get("full", {}).get(1.0, float("nan"))
-        others = [cell(rows.get(p, {}).get(budget, float("nan")), ppl) for p in (tier, evict)]
-        for group in (free, based):
-            name, value = _best(rows, group, budget, lower=ppl)
-            others.append(f"{cell(value, ppl)} ({name.partition(':')[2]})")
-        out.append(f"| {task} | {cell(full, ppl)} | " + " | ".join(others) + " |")
+        out.append(f"| {task} | {cell(full, ppl)} | " + " | ".join(fn(rows, ppl) for _, fn in columns) + " |")
     budgets = sorted({r["budget"] for r in results if r["policy"] != "full"})
     policies = sorted({r["policy"] for r in results}, key=lambda p: (p != "full", not p.startswith("tier"), p))
     means = {p: {b: mean(table[t][p][b] for t in generation) for b in budgets + [1.0]
