@@ -4,8 +4,8 @@ The public interface: `TieredCache` (a drop-in transformers cache), `load_defaul
 `load_model`, the scorers (`make_scorer`) and the errors.
 """
 
-from .errors import (CapacityError, ConfigError, CorruptPageError, KVTierError, ModelNotInstalledError,
-                     ScorerError, TransferError, UnsupportedError)
+from .errors import (BrokenCacheError, CapacityError, ClosedCacheError, ConfigError, CorruptPageError, KVTierError,
+                     ModelNotInstalledError, ScorerError, TransferError, UnsupportedError)
 from .integrations.hf import TieredCache, cache_kwargs
 from .models import load_default_model, load_model
 from .scoring import Scorer, available_scorers, make_scorer
@@ -13,7 +13,7 @@ from .scoring import Scorer, available_scorers, make_scorer
 __version__ = "0.1.0"
 
 __all__ = [
-    "CapacityError", "ConfigError", "CorruptPageError", "KVTierError", "ModelNotInstalledError", "Scorer",
+    "BrokenCacheError", "CapacityError", "ClosedCacheError", "ConfigError", "CorruptPageError", "KVTierError", "ModelNotInstalledError", "Scorer",
     "ScorerError", "TieredCache", "TransferError", "cache_kwargs", "UnsupportedError", "available_scorers", "load_default_model",
     "load_model", "make_scorer", "__version__",
 ]

@@ -10,11 +10,23 @@ from .errors import ConfigError, UnsupportedError
 from .placement.budget import Budget
 
 MODES = ("tier", "evict")
+# defaults, defined once: the cache's keywords, its settings and the tools that train and grade scorers use them
+DEFAULT_RECALL_PAGES = 64
+DEFAULT_PAGE_SIZE = 16
+DEFAULT_SINK_TOKENS = 4
+DEFAULT_RECENT_TOKENS = 16
 
 
 def _whole(name: str, value: Any, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
         raise ConfigError(f"{name}={value!r} is not allowed; allowed: a whole number >= {low}")
+    return int(value)
+
+
+def _count(config: str, name: str, value: Any) -> int:
+    """A positive whole number read from a model config, else a `ConfigError` naming it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ConfigError(f"the model config {config} has {name}={value!r}; allowed: a whole number >= 1")
     return int(value)
 
 
@@ -31,14 +43,29 @@ class ModelShape:
         """Read the shape from a transformers config (the text config of a multimodal model)."""
         if hasattr(config, "get_text_config"):
             config = config.get_text_config()
+        name = type(config).__name__
         try:
-            layers = int(config.num_hidden_layers)
-            q_heads = int(config.num_attention_heads)
+            layers = config.num_hidden_layers
+            q_heads = config.num_attention_heads
         except AttributeError as e:
-            raise ConfigError(f"the model config {type(config).__name__} has no {e.name!r}; "
+            raise ConfigError(f"the model config {name} has no {e.name!r}; "
                               "kvtier needs num_hidden_layers and num_attention_heads") from e
-        kv_heads = int(getattr(config, "num_key_value_heads", None) or q_heads)
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // q_heads
+        layers = _count(name, "num_hidden_layers", layers)
+        q_heads = _count(name, "num_attention_heads", q_heads)
+        kv_heads = getattr(config, "num_key_value_heads", None)
+        kv_heads = q_heads if kv_heads is None else _count(name, "num_key_value_heads", kv_heads)
+        if q_heads % kv_heads:
+            raise ConfigError(f"the model config {name} has num_attention_heads={q_heads}, not a multiple of "
+                              f"num_key_value_heads={kv_heads}; allowed: query heads in whole groups per KV head")
+        head_dim = getattr(config, "head_dim", None)
+        if head_dim is None:
+            hidden = _count(name, "hidden_size", getattr(config, "hidden_size", None))
+            if hidden % q_heads:
+                raise ConfigError(f"the model config {name} has hidden_size={hidden}, not divisible by "
+                                  f"num_attention_heads={q_heads}, and no head_dim; allowed: a hidden size that "
+                                  "is a multiple of the heads, or an explicit head_dim")
+            head_dim = hidden // q_heads
+        head_dim = _count(name, "head_dim", head_dim)
         types = getattr(config, "layer_types", None)
         if types is not None:
             other = sorted({t for t in types if t != "full_attention"})
@@ -78,10 +105,10 @@ class TieredCacheConfig:
     host_budget: Budget | None = None
     disk_dir: str | None = None
     mode: str = "tier"
-    recall_pages: int = 64
-    page_size: int = 16
-    sink_tokens: int = 4
-    recent_tokens: int = 16
+    recall_pages: int = DEFAULT_RECALL_PAGES
+    page_size: int = DEFAULT_PAGE_SIZE
+    sink_tokens: int = DEFAULT_SINK_TOKENS
+    recent_tokens: int = DEFAULT_RECENT_TOKENS
     scorer_name: str = field(default="keynorm", compare=False)
 
     def __post_init__(self) -> None:

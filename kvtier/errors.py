@@ -37,3 +37,66 @@ class UnsupportedError(KVTierError, NotImplementedError):
 
 class ModelNotInstalledError(KVTierError, FileNotFoundError):
     """The default model's package is not installed; the message says how to install it."""
+
+
+class ClosedCacheError(KVTierError):
+    """The cache was closed (`close()`, or collected): it holds nothing and takes nothing any more."""
+
+
+class BrokenCacheError(KVTierError):
+    """A step failed after some layers had taken it, so the layers may disagree on their length.
+
+    Every later use raises this error, naming the original one (also its ``__cause__``); ``reset()`` empties
+    the cache and makes it usable again.
+    """
+
+
+_OS_REASONS = {
+    "ENOSPC": "disk full",
+    "EDQUOT": "disk quota exceeded",
+    "EFBIG": "file-size limit reached (RLIMIT_FSIZE or the file system's largest file)",
+    "EMFILE": "too many open files (RLIMIT_NOFILE)",
+    "ENFILE": "too many open files in the system",
+    "EROFS": "read-only folder (read-only file system)",
+    "EACCES": "permission denied",
+    "EPERM": "operation not permitted",
+    "ENOMEM": "out of memory",
+    "EAGAIN": "resource temporarily unavailable (a process or thread limit?)",
+    "EEXIST": "a file is already in the way (never reused or followed)",
+    "ELOOP": "a symlink is in the way (never followed)",
+    "EIO": "I/O error",
+}
+
+
+def os_reason(e: BaseException) -> str:
+    """What an OS-level failure means, in words: ``"disk full (ENOSPC: No space left on device)"``.
+
+    Looks through ``e`` and its causes for the first `OSError` (or `MemoryError`); falls back to ``str(e)``.
+    """
+    import errno
+    import os
+
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, MemoryError):
+            return "out of memory"
+        if isinstance(cur, OSError) and cur.errno is not None:
+            name = errno.errorcode.get(cur.errno, str(cur.errno))
+            what = _OS_REASONS.get(name)
+            detail = f"{name}: {cur.strerror or os.strerror(cur.errno)}"
+            return f"{what} ({detail})" if what else detail
+        if isinstance(cur, RuntimeError) and "can't start new thread" in str(cur):
+            return "too many threads (cannot start an I/O thread; RLIMIT_NPROC?)"
+        cur = cur.__cause__ or cur.__context__
+    return str(e)
+
+
+def is_resource_error(e: BaseException) -> bool:
+    """Whether ``e`` is a raw resource failure (an OSError, MemoryError, or a thread that could not start)
+    that kvtier reports as `CapacityError`."""
+    if isinstance(e, KVTierError):
+        return False
+    return isinstance(e, (OSError, MemoryError)) or (isinstance(e, RuntimeError)
+                                                      and "can't start new thread" in str(e))

@@ -13,6 +13,7 @@ failure leaves the layer as it was (the written pages are freed again).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import zlib
 from dataclasses import dataclass, field, replace
@@ -22,7 +23,7 @@ import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-from ..errors import CapacityError, ConfigError, CorruptPageError
+from ..errors import CapacityError, ConfigError, CorruptPageError, os_reason
 from ..placement.page_table import DISK, HOST, PageTable
 
 PARK_TARGETS = ("host", "disk")
@@ -130,27 +131,27 @@ class ParkedLayer:
             disk.free(self.slots.reshape(-1))
             self.slots = None
         if self.file is not None:
-            try:
+            with contextlib.suppress(OSError):   # gone already, or cannot go: the folder goes on close
                 os.remove(self.file)
-            except FileNotFoundError:
-                pass
             self.file = None
 
 
 def _write_meta(path: str, meta: dict[str, torch.Tensor]) -> tuple[int, int]:
+    """Write `meta` to a new file at `path` (never an existing file, never through a symlink; mode 0600)."""
     data = save_tensors({name: t.contiguous() for name, t in meta.items()})
     try:
         fd = os.open(path, _OPEN_NEW, 0o600)
     except OSError as e:
-        raise CapacityError(f"could not create {path}: {e.strerror or e}") from e
+        raise CapacityError(f"could not create {path}: {os_reason(e)}") from e
     try:
         view, done = memoryview(data), 0
         while done < len(data):
             done += os.write(fd, view[done:])
     except OSError as e:
         os.close(fd)
-        os.remove(path)
-        raise CapacityError(f"could not write {path}: {e.strerror or e}") from e
+        with contextlib.suppress(OSError):
+            os.remove(path)
+        raise CapacityError(f"could not write {path}: {os_reason(e)}") from e
     os.close(fd)
     return zlib.crc32(data), len(data)
 

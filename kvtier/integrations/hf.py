@@ -8,6 +8,7 @@ transformers' sliding-window layer does.
 
 from __future__ import annotations
 
+import inspect
 import os
 import weakref
 from typing import Any
@@ -17,36 +18,118 @@ import transformers
 from packaging.version import Version
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..config import ModelShape, TieredCacheConfig
+from ..config import (DEFAULT_PAGE_SIZE, DEFAULT_RECALL_PAGES, DEFAULT_RECENT_TOKENS, DEFAULT_SINK_TOKENS,
+                      ModelShape, TieredCacheConfig)
 from ..engine.layer import LayerEngine
 from ..engine.parking import check_target
-from ..engine.resources import SharedResources, make_private_dir
-from ..errors import ConfigError, UnsupportedError
+from ..engine.resources import SharedResources
+from ..errors import (BrokenCacheError, CapacityError, ClosedCacheError, ConfigError, UnsupportedError,
+                      is_resource_error, os_reason)
 from ..placement.budget import Budget
 from ..scoring import Scorer, make_scorer
 from .attention import claim, restore_attention, use_tiered_attention
 
 
+class _CacheState:
+    """What a cache's layers and its finalizer share: the engines, the shared resources and whether the cache
+    is closed or broken. Never the cache itself, so a dropped cache is collected."""
+
+    def __init__(self, engines: list[LayerEngine], shared: SharedResources) -> None:
+        self.engines, self.shared = engines, shared
+        self.closed = False
+        self.broken: str | None = None     # what failed, in words (no exception is kept: it would hold frames)
+        self.pid = os.getpid()
+
+    def check(self) -> None:
+        """Raise unless the cache can be used."""
+        if self.closed:
+            raise ClosedCacheError("this TieredCache is closed: it holds nothing and takes nothing any more "
+                                   "(stats() still answers); make a new TieredCache")
+        if self.broken is not None:
+            raise BrokenCacheError(f"this TieredCache is broken: {self.broken}; its layers may disagree on "
+                                   "their length, so it refuses to go on; call reset() to empty it and start "
+                                   "again (or close() it)")
+
+    def break_with(self, what: BaseException | str, where: str = "") -> None:
+        if self.broken is None:
+            text = what if isinstance(what, str) else f"{type(what).__name__}: {what}"
+            self.broken = f"{where}failed ({text})" if where else text
+
+    def lengths(self) -> set[int]:
+        """Tokens seen by each layer that has taken a step."""
+        return {e.seen for e in self.engines if e.pool is not None}
+
+
+def _capacity(e: BaseException, what: str) -> CapacityError | None:
+    """A raw resource failure (OSError, MemoryError, no thread) as a `CapacityError`; None for other errors."""
+    return CapacityError(f"{what}: {os_reason(e)}") if is_resource_error(e) else None
+
+
 class TieredLayer(CacheLayerMixin):
-    """One model layer of a `TieredCache`; forwards to its `LayerEngine`."""
+    """One model layer of a `TieredCache`; forwards to its `LayerEngine`.
+
+    A step that fails after some layers took it (an exception out of `update`, `attend` or `commit` once a
+    layer's length moved) marks the cache broken; a failure before anything changed (a bad shape) does not.
+    """
 
     is_compileable = False
     is_croppable = False
     is_sliding = False
 
-    def __init__(self, engine: LayerEngine) -> None:
+    def __init__(self, engine: LayerEngine, state: _CacheState | None = None) -> None:
         super().__init__()
         self.engine = engine
+        self._state = state if state is not None else _CacheState([engine], engine.shared)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = self.engine.write(key_states, value_states)
+        st, engine = self._state, self.engine
+        st.check()
+        before = engine.seen
+        if engine.layer_idx == 0 and len(st.lengths()) > 1:   # a step starts: every layer must agree
+            st.break_with(f"the layers disagree on their length ({sorted(st.lengths())} tokens): an earlier "
+                          "step was interrupted between layers")
+            st.check()
+        try:
+            with torch.no_grad():   # inference only: stored entries never carry an autograd graph
+                keys, values = engine.write(key_states, value_states)
+        except BaseException as e:
+            if engine.seen != before or any(n != before for n in st.lengths()):
+                st.break_with(e, f"layer {engine.layer_idx} write ")
+            err = _capacity(e, f"layer {engine.layer_idx} could not take the step")
+            if err is None:
+                raise
+            raise err from e
         self.is_initialized = True
-        claim(keys, self.engine)
+        claim(keys, self)   # the attention function calls `attend` and `commit` below
         return keys, values
+
+    def attend(self, query: torch.Tensor, scaling: float | None = None) -> torch.Tensor | None:
+        """The engine's `attend`; a failure breaks the cache (this layer already took the step)."""
+        try:
+            with torch.no_grad():
+                return self.engine.attend(query, scaling)
+        except BaseException as e:
+            self._state.break_with(e, f"layer {self.engine.layer_idx} attention ")
+            err = _capacity(e, f"layer {self.engine.layer_idx} could not recall its pages")
+            if err is None:
+                raise
+            raise err from e
+
+    def commit(self, query: torch.Tensor | None = None, scaling: float | None = None) -> None:
+        """The engine's `commit`; a failure breaks the cache (this layer already took the step)."""
+        try:
+            with torch.no_grad():
+                self.engine.commit(query, scaling)
+        except BaseException as e:
+            self._state.break_with(e, f"layer {self.engine.layer_idx} commit ")
+            err = _capacity(e, f"layer {self.engine.layer_idx} could not place the step's entries")
+            if err is None:
+                raise
+            raise err from e
 
     def get_seq_length(self, *args: Any) -> int:
         return self.engine.seen
@@ -89,10 +172,15 @@ class TieredLayer(CacheLayerMixin):
             raise UnsupportedError("batch_select_indices: TieredCache supports batch size 1 only")
 
 
-def _close(engines: list[LayerEngine], shared: SharedResources) -> None:
-    for engine in engines:
-        engine.close()
-    shared.close()
+def _close(state: _CacheState) -> None:
+    state.closed = True
+    if os.getpid() != state.pid:   # a forked child: the pools and files are its parent's
+        return
+    try:
+        for engine in state.engines:
+            engine.close()
+    finally:
+        state.shared.close()
 
 
 class TieredCache(Cache):
@@ -126,9 +214,16 @@ class TieredCache(Cache):
 
     def __init__(self, config: Any, device_budget: float | int = 0.25, host_budget: float | int | None = None,
                  disk_dir: str | os.PathLike | None = None, scorer: str | Scorer | None = None,
-                 mode: str = "tier", recall_pages: int = 64, *, page_size: int = 16, sink_tokens: int = 4,
-                 recent_tokens: int = 16, scorer_kwargs: dict[str, Any] | None = None) -> None:
+                 mode: str = "tier", recall_pages: int = DEFAULT_RECALL_PAGES, *,
+                 page_size: int = DEFAULT_PAGE_SIZE, sink_tokens: int = DEFAULT_SINK_TOKENS,
+                 recent_tokens: int = DEFAULT_RECENT_TOKENS, scorer_kwargs: dict[str, Any] | None = None) -> None:
         shape = ModelShape.from_config(config)
+        if scorer_kwargs is not None and not isinstance(scorer_kwargs, dict):
+            raise ConfigError(f"scorer_kwargs={scorer_kwargs!r}; allowed: a dict of settings for a scorer given "
+                              "by name, or None")
+        if scorer_kwargs and scorer is not None and not isinstance(scorer, str):
+            raise ConfigError(f"scorer_kwargs={scorer_kwargs!r} is given with a scorer object, which takes no "
+                              "settings; allowed: scorer_kwargs only with a scorer given by name")
         scorer_kwargs = dict(scorer_kwargs or {})
         if scorer is None:
             from ..scoring.kvp import shipped_for
@@ -146,35 +241,96 @@ class TieredCache(Cache):
             recent_tokens=recent_tokens,
             scorer_name=scorer if isinstance(scorer, str) else getattr(scorer, "name", type(scorer).__name__),
         )
+        if isinstance(scorer, str):
+            _check_scorer_kwargs(scorer, scorer_kwargs)
         self.scorer = make_scorer(scorer, **scorer_kwargs)
         if hasattr(self.scorer, "check_model"):
             self.scorer.check_model(shape.num_layers, shape.num_kv_heads, shape.head_dim)
         self._shared = SharedResources(self.settings.disk_dir)
-        if self.settings.mode == "tier" and self.settings.host_budget is not None:
-            self._shared.private_dir()   # a bad disk_dir fails here, not in the middle of a step
         self.counters = self._shared.counters
         engines = [LayerEngine(i, self.settings, self.scorer, self._shared) for i in range(shape.num_layers)]
-        super().__init__(layers=[TieredLayer(e) for e in engines])
         self._engines = engines
-        # the finalizer holds the engines and the shared resources, never the cache: a dropped cache is collected
-        self._finalizer = weakref.finalize(self, _close, engines, self._shared)
-        self.model_config = config
-        use_tiered_attention(config)
+        self._state = _CacheState(engines, self._shared)
+        # the finalizer holds the engines and the shared resources, never the cache: a dropped cache is
+        # collected (and closed); registered before anything is made, so a failure below leaves nothing behind
+        self._finalizer = weakref.finalize(self, _close, self._state)
+        try:
+            if self.settings.mode == "tier" and self.settings.host_budget is not None:
+                self._shared.private_dir(validate=True)   # a bad disk_dir fails here, not in the middle of a step
+            super().__init__(layers=[TieredLayer(e, self._state) for e in engines])
+            self.model_config = config
+            use_tiered_attention(config)
+        except BaseException:
+            self._finalizer()
+            raise
 
     def park(self, to: str = "host") -> None:
         """Move the whole cache off the device between turns: ``"host"`` memory or ``"disk"``.
 
         The next forward restores each layer just before it is used (so restoring overlaps that forward,
         layer by layer), and generation continues exactly as if the cache had never moved.
+
+        All or nothing: when a layer cannot be parked (disk full, file-size limit, too many open files,
+        read-only folder, ...), the layers this call already parked are put back as they were and a
+        `CapacityError` naming the cause is raised; the cache then generates exactly as if never asked.
         """
+        st = self._state
+        st.check()
         check_target(to)
+        done: list[tuple[LayerEngine, str | None]] = []
         for engine in self._engines:
-            engine.park(to)
+            before = None if engine.parked is None else engine.parked.where
+            try:
+                engine.park(to)
+            except BaseException as e:
+                undone = self._undo_park(done)
+                if not (isinstance(e, CapacityError) or is_resource_error(e)):
+                    raise
+                state = ("every layer is as it was before the call" if undone else
+                         f"putting the parked layers back failed too, so the cache is broken ({st.broken})")
+                reason = os_reason(e)
+                detail = "" if reason == str(e) else f" [{e}]"
+                raise CapacityError(f"park({to!r}) failed at layer {engine.layer_idx} of {len(self._engines)}: "
+                                    f"{reason}{detail}; {state}") from e
+            after = None if engine.parked is None else engine.parked.where
+            if after != before:
+                done.append((engine, before))
+
+    def _undo_park(self, done: list[tuple[LayerEngine, str | None]]) -> bool:
+        """Put layers parked by a failed `park` back where they were; False (and the cache broken) if one fails."""
+        for engine, before in reversed(done):
+            try:
+                engine.restore()
+                if before is not None:
+                    engine.park(before)
+            except BaseException as e:
+                self._state.break_with(e, f"putting layer {engine.layer_idx} back after a failed park ")
+                return False
+        return True
 
     def resume(self) -> None:
         """Restore every parked layer now (otherwise each comes back at its next use)."""
+        self._state.check()
         for engine in self._engines:
-            engine.restore()
+            try:
+                engine.restore()
+            except BaseException as e:
+                err = _capacity(e, f"layer {engine.layer_idx} could not be restored")
+                if err is None:
+                    raise
+                raise err from e
+
+    def reset(self) -> None:
+        """Forget every entry (the cache stays open); also makes a broken cache usable again."""
+        if self._state.closed:
+            self._state.check()
+        super().reset()
+        self._state.broken = None
+
+    @property
+    def broken(self) -> str | None:
+        """Why the cache is broken (a step failed midway), or None; `reset()` clears it."""
+        return self._state.broken
 
     @property
     def parked(self) -> str | None:
@@ -241,7 +397,7 @@ class TieredCache(Cache):
 
     @property
     def closed(self) -> bool:
-        return not self._finalizer.alive
+        return self._state.closed
 
     def __enter__(self) -> TieredCache:
         return self
@@ -252,6 +408,42 @@ class TieredCache(Cache):
     def detach_attention(self) -> None:
         """Give the model back its own attention implementation."""
         restore_attention(self.model_config)
+
+
+def _scorer_class(name: str) -> Any | None:
+    """The class a scorer name resolves to (None when unknown: `make_scorer` then says so)."""
+    import importlib
+    from importlib.metadata import entry_points
+
+    from ..scoring.registry import _BUILTIN
+
+    try:
+        if name in _BUILTIN:
+            module_path, class_name = _BUILTIN[name]
+            return getattr(importlib.import_module(module_path), class_name)
+        found = [ep for ep in entry_points(group="kvtier.scorers") if ep.name == name]
+        return found[0].load() if found else None
+    except Exception:   # a broken plugin: make_scorer reports it
+        return None
+
+
+def _check_scorer_kwargs(name: str, kwargs: dict[str, Any]) -> None:
+    """Refuse `scorer_kwargs` keys the scorer does not take, naming the key and the allowed ones."""
+    cls = _scorer_class(name)
+    if cls is None or not kwargs:
+        return
+    try:
+        params = inspect.signature(cls).parameters.values()
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return
+    allowed = [p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                    inspect.Parameter.KEYWORD_ONLY)]
+    unknown = [key for key in kwargs if key not in allowed]
+    if unknown:
+        raise ConfigError(f"scorer_kwargs key {unknown[0]!r} is not a setting of scorer {name!r}; allowed: "
+                          f"{', '.join(map(repr, allowed)) or 'none (the scorer takes no settings)'}")
 
 
 def cache_kwargs(cache: Cache) -> dict[str, Cache]:

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 
+MAX_TOKENS = 2**40   # a token budget above this (about 10^12 tokens per KV head) is a mistake, not a setting
+
 
 @dataclass(frozen=True)
 class Budget:
@@ -35,8 +37,9 @@ class Budget:
         if isinstance(v, bool) or not isinstance(v, numbers.Real):
             raise ConfigError(f"{self.name}={v!r} is not a number; allowed: {allowed}")
         if isinstance(v, numbers.Integral):
-            if v < 0 or (v == 0 and not self.allow_zero):
-                raise ConfigError(f"{self.name}={v!r} is out of range; allowed: {allowed}")
+            if v < 0 or (v == 0 and not self.allow_zero) or v > MAX_TOKENS:
+                raise ConfigError(f"{self.name}={v!r} is out of range; allowed: {allowed} (at most "
+                                  f"{MAX_TOKENS:,} tokens)")
             object.__setattr__(self, "value", int(v))
             return
         v = float(v)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from ..config import DEFAULT_RECENT_TOKENS, DEFAULT_SINK_TOKENS
 from ..scoring.features import entry_features
 from .traces import load_trace, read_manifest
 
@@ -26,7 +27,7 @@ def rankable(n: int, sink_tokens: int, recent_tokens: int) -> torch.Tensor:
     return torch.arange(sink_tokens, max(n - recent_tokens, sink_tokens))
 
 
-def load_folder(folder: str | Path, sink_tokens: int = 4, recent_tokens: int = 16) -> tuple[dict, list[TraceTensors]]:
+def load_folder(folder: str | Path, sink_tokens: int = DEFAULT_SINK_TOKENS, recent_tokens: int = DEFAULT_RECENT_TOKENS) -> tuple[dict, list[TraceTensors]]:
     """Read every trace of a folder written by `kvtier traces`."""
     manifest = read_manifest(folder)
     out = []

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ..config import DEFAULT_RECENT_TOKENS, DEFAULT_SINK_TOKENS
 from ..scoring import BASELINES_ATTENTION_BASED, make_scorer
 from ..scoring.kvp import KVPScorer
 
@@ -27,8 +28,8 @@ def trace_scores(name: str, raw: dict[str, torch.Tensor], kvp: KVPScorer | None 
                         for l in range(keys.shape[0])])
 
 
-def kept_mass(scores: torch.Tensor, importance: torch.Tensor, budget: float, sink_tokens: int = 4,
-              recent_tokens: int = 16) -> torch.Tensor:
+def kept_mass(scores: torch.Tensor, importance: torch.Tensor, budget: float, sink_tokens: int = DEFAULT_SINK_TOKENS,
+              recent_tokens: int = DEFAULT_RECENT_TOKENS) -> torch.Tensor:
     """Share of importance kept by the top entries, ``[...]`` from ``[..., n]`` inputs."""
     n = scores.shape[-1]
     keep_n = math.ceil(budget * n)

@@ -1,0 +1,285 @@
+"""The life of a cache: dropped caches are freed, a closed cache refuses every use, and a step that fails
+midway marks the cache broken until `reset()`."""
+
+from __future__ import annotations
+
+import errno
+import gc
+import os
+import threading
+import types
+import weakref
+
+import psutil
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+import kvtier.tiers.disk as disk_module
+from kvtier import CapacityError, ConfigError, ScorerError, TieredCache, UnsupportedError, cache_kwargs
+from kvtier.errors import BrokenCacheError, ClosedCacheError, KVTierError
+from kvtier.scoring.keynorm import KeyNormScorer
+
+PROMPT = torch.randint(0, 128, (1, 60), generator=torch.Generator().manual_seed(2))
+SETTINGS = dict(device_budget=24, host_budget=16, recall_pages=1000)
+
+
+def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=128, vocab_size=128, attn_implementation="sdpa")
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def model():
+    from kvtier.integrations.attention import restore_attention
+
+    m = tiny_llama()
+    yield m
+    restore_attention(m.config)
+
+
+@torch.no_grad()
+def generate(model, cache, ids=PROMPT, n=4) -> tuple[list[int], torch.Tensor]:
+    logits = model(ids, **cache_kwargs(cache)).logits
+    tokens = []
+    for _ in range(n):
+        nxt = logits[:, -1:].argmax(-1)
+        tokens.append(int(nxt))
+        logits = model(nxt, **cache_kwargs(cache)).logits
+    return tokens, logits
+
+
+@pytest.fixture(scope="module")
+def expected(model, tmp_path_factory):
+    with TieredCache(model.config, disk_dir=tmp_path_factory.mktemp("ref"), scorer="keynorm", **SETTINGS) as c:
+        return generate(model, c)
+
+
+def same(result, expected) -> bool:
+    return result[0] == expected[0] and torch.equal(result[1], expected[1])
+
+
+def private_dirs(folder) -> list[str]:
+    return sorted(n for n in os.listdir(folder) if n.startswith("kvtier-"))
+
+
+# ------------------------------------------------------------------------------------------------ dropped caches
+def test_dropped_caches_are_freed(model, tmp_path, monkeypatch):
+    """300 caches with a disk tier, made, used (I/O threads too), some parked on disk, some closed and
+    some just dropped: open files, threads, private folders and memory stay flat."""
+    monkeypatch.setattr(disk_module, "_MIN_TASK_BYTES", 1)   # any write of 2+ pages runs on the I/O threads
+    proc = psutil.Process()
+    ids = PROMPT[:, :40]
+    peak_threads, refs = 0, []
+
+    @torch.no_grad()
+    def cycle(i: int) -> weakref.ref:
+        nonlocal peak_threads
+        cache = TieredCache(model.config, device_budget=20, host_budget=0, disk_dir=tmp_path, recall_pages=100,
+                            scorer="keynorm")
+        out = model(ids, **cache_kwargs(cache))
+        model(out.logits[:, -1:].argmax(-1), **cache_kwargs(cache))
+        peak_threads = max(peak_threads, threading.active_count())
+        if i % 3 == 1:
+            cache.park("disk")
+        if i % 5 == 0:
+            cache.close()
+        return weakref.ref(cache)
+
+    gc.collect()
+    gc.freeze()   # the model and the libraries stay put: gc.collect() below then looks at new objects only
+    try:
+        for i in range(20):
+            cycle(i)
+        gc.collect()
+        fds, threads, rss = proc.num_fds(), threading.active_count(), proc.memory_info().rss
+        for i in range(20, 300):
+            ref = cycle(i)
+            gc.collect()
+            refs.append(ref)
+        assert all(r() is None for r in refs), "a dropped cache is still alive"
+        assert private_dirs(tmp_path) == []
+        assert proc.num_fds() == fds
+        assert threading.active_count() == threads
+        assert peak_threads > threads   # the I/O threads did run
+        grown = (proc.memory_info().rss - rss) / 2**20
+        assert grown < 40, f"RSS grew by {grown:.1f} MiB over 280 caches"
+    finally:
+        gc.unfreeze()
+
+
+def test_a_cache_that_fails_to_build_leaves_no_folder(tmp_path):
+    """The private folder is made while the settings are checked; a failure after it removes it."""
+    config = types.SimpleNamespace(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                   hidden_size=32, _attn_implementation={"text_config": "sdpa"})
+    with pytest.raises(ConfigError, match="attn_implementation"):
+        TieredCache(config, host_budget=0.1, disk_dir=tmp_path)
+    assert private_dirs(tmp_path) == []
+
+
+# ------------------------------------------------------------------------------------------------ closed caches
+@pytest.mark.parametrize("host_budget", [16, None])
+def test_a_closed_cache_refuses_every_use_and_makes_no_folder(model, tmp_path, host_budget):
+    cache = TieredCache(model.config, device_budget=24, host_budget=host_budget, disk_dir=tmp_path,
+                        scorer="keynorm")
+    generate(model, cache)
+    cache.close()
+    cache.close()   # twice is fine
+    assert cache.closed and private_dirs(tmp_path) == []
+    calls = {
+        "forward": lambda: model(PROMPT[:, :3], **cache_kwargs(cache)),
+        "generate": lambda: model.generate(PROMPT[:, :3], **cache_kwargs(cache), max_new_tokens=2,
+                                           do_sample=False, pad_token_id=0),
+        "update": lambda: cache.update(torch.zeros(1, 2, 1, 16), torch.zeros(1, 2, 1, 16), 0),
+        "park host": lambda: cache.park("host"),
+        "park disk": lambda: cache.park("disk"),
+        "resume": cache.resume,
+        "reset": cache.reset,
+    }
+    for name, call in calls.items():
+        with pytest.raises(ClosedCacheError, match="closed"):
+            call()
+        assert private_dirs(tmp_path) == [], f"{name} made a folder"
+    stats = cache.stats()   # still answers
+    assert stats["device"]["tokens"] == 0 and stats["disk"]["tokens"] == 0
+
+
+# ------------------------------------------------------------------------------------------------ broken caches
+class FailingScorer(KeyNormScorer):
+    """keynorm that raises once on one layer when armed."""
+
+    def __init__(self, layer: int, error: BaseException) -> None:
+        super().__init__()
+        self.layer, self.error, self.armed = layer, error, False
+
+    def score(self, keys, values, positions, layer_idx):
+        if self.armed and layer_idx == self.layer:
+            self.armed = False
+            raise self.error
+        return super().score(keys, values, positions, layer_idx)
+
+
+def _check_broken_then_reset(model, cache, expected, words):
+    assert cache.broken is not None and words in cache.broken
+    for call in (lambda: generate(model, cache, n=1), lambda: cache.park("disk"), cache.resume,
+                 lambda: cache.update(torch.zeros(1, 2, 1, 16), torch.zeros(1, 2, 1, 16), 0)):
+        with pytest.raises(BrokenCacheError, match=f"broken.*{words}.*reset") as err:
+            call()
+        assert isinstance(err.value, KVTierError)
+    assert cache.stats()["tokens_seen"] > 0   # still answers
+    cache.reset()
+    assert cache.broken is None
+    assert same(generate(model, cache), expected)   # as good as new
+
+
+def test_a_write_failing_after_an_earlier_layer_took_the_step_breaks_the_cache(model, tmp_path, expected):
+    scorer = FailingScorer(1, RuntimeError("boom in layer 1"))
+    cache = TieredCache(model.config, disk_dir=tmp_path, scorer=scorer, **SETTINGS)
+    generate(model, cache)
+    scorer.armed = True
+    with pytest.raises(RuntimeError, match="boom in layer 1"):
+        generate(model, cache, n=1)
+    assert cache._engines[0].seen != cache._engines[1].seen   # what makes it broken
+    _check_broken_then_reset(model, cache, expected, "RuntimeError: boom in layer 1")
+    cache.close()
+
+
+def test_attention_failing_breaks_the_cache(model, tmp_path, expected, monkeypatch):
+    cache = TieredCache(model.config, disk_dir=tmp_path, scorer="keynorm", **SETTINGS)
+    generate(model, cache)
+
+    def fail(*args, **kwargs):
+        raise ValueError("no attention today")
+
+    monkeypatch.setattr(cache._engines[1], "attend", fail)
+    with pytest.raises(ValueError, match="no attention today"):
+        generate(model, cache, n=1)
+    monkeypatch.undo()
+    _check_broken_then_reset(model, cache, expected, "ValueError: no attention today")
+    cache.close()
+
+
+def test_disk_full_while_placing_a_step_breaks_the_cache(model, tmp_path, expected, monkeypatch):
+    """The real case of a failing commit: layer 0 cannot move its pages to disk in the middle of a step."""
+    cache = TieredCache(model.config, disk_dir=tmp_path, scorer="keynorm", **SETTINGS)
+    logits = model(PROMPT, **cache_kwargs(cache)).logits
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "pwritev", full)
+    with pytest.raises(CapacityError, match="disk full"):
+        with torch.no_grad():
+            model(torch.randint(0, 128, (1, 40)), **cache_kwargs(cache))   # 40 more tokens: pages go to disk
+    monkeypatch.undo()
+    assert logits is not None
+    _check_broken_then_reset(model, cache, expected, "CapacityError: disk full")
+    cache.close()
+
+
+def test_an_interruption_between_layers_is_caught_at_the_next_step(model, tmp_path, expected, monkeypatch):
+    """An exception outside kvtier (here in layer 0's MLP, as a Ctrl-C would land) leaves layer 0 ahead of
+    layer 1; the next step sees the layers disagree and refuses."""
+    cache = TieredCache(model.config, disk_dir=tmp_path, scorer="keynorm", **SETTINGS)
+    generate(model, cache)
+    mlp = model.model.layers[0].mlp
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(mlp, "forward", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        generate(model, cache, n=1)
+    monkeypatch.undo()
+    with pytest.raises(BrokenCacheError, match="disagree on their length"):
+        generate(model, cache, n=1)
+    _check_broken_then_reset(model, cache, expected, "disagree on their length")
+    cache.close()
+
+
+@pytest.mark.parametrize("bad", ["heads", "batch", "scorer on layer 0"])
+def test_errors_before_any_change_do_not_break_the_cache(model, tmp_path, expected, bad):
+    scorer = FailingScorer(0, ScorerError("scores of the wrong shape"))
+    cache = TieredCache(model.config, disk_dir=tmp_path, scorer=scorer, **SETTINGS)
+    twin = TieredCache(model.config, disk_dir=tmp_path, scorer="keynorm", **SETTINGS)
+    generate(model, cache, n=2)
+    generate(model, twin, n=2)
+    with pytest.raises((UnsupportedError, ScorerError)):
+        if bad == "heads":
+            cache.update(torch.zeros(1, 3, 1, 16), torch.zeros(1, 3, 1, 16), 0)
+        elif bad == "batch":
+            with torch.no_grad():
+                model(PROMPT[:, :2].repeat(2, 1), **cache_kwargs(cache))
+        else:
+            scorer.armed = True
+            with torch.no_grad():
+                model(PROMPT[:, :2], **cache_kwargs(cache))
+    assert cache.broken is None
+    ids = PROMPT[:, 10:14]
+    assert same(generate(model, cache, ids), generate(model, twin, ids))
+    cache.close()
+    twin.close()
+
+
+def test_a_full_cache_still_matches_dynamic_cache_through_the_guards(model, tmp_path):
+    """With budgets that hold everything the guarded cache is still bit-identical to DynamicCache."""
+    cache = TieredCache(model.config, device_budget=1.0, disk_dir=tmp_path, scorer="keynorm")
+    assert same(generate(model, cache), generate(model, DynamicCache(config=model.config)))
+    cache.close()
+
+
+def test_a_forward_without_no_grad_works_and_matches(model, tmp_path):
+    """A plain ``model(ids, past_key_values=cache)`` (autograd on) used to fail at the first demotion
+    (``numpy()`` of scores that required grad); stored entries now never carry a graph."""
+    results = []
+    for grad in (False, True):
+        cache = TieredCache(model.config, disk_dir=tmp_path, scorer="keynorm", **SETTINGS)
+        with torch.set_grad_enabled(grad):
+            logits = model(PROMPT, **cache_kwargs(cache)).logits
+            logits = model(logits[:, -1:].argmax(-1), **cache_kwargs(cache)).logits
+        assert cache.stats()["disk"]["tokens"] > 0
+        results.append(logits.detach())
+        cache.close()
+    assert torch.equal(results[0], results[1])
