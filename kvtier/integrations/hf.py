@@ -137,6 +137,14 @@ class TieredLayer(CacheLayerMixin):
     def get_mask_sizes(self, query_length: int | torch.Tensor, *args: Any) -> tuple[int, int]:
         if isinstance(query_length, torch.Tensor):  # older API passed cache_position
             query_length = query_length.shape[0]
+        if self.engine.pending is not None:
+            # a model is about to run a step, but the last step's attention never came through kvtier (which
+            # places the step and recalls demoted pages): answers would silently lose the demoted entries
+            raise UnsupportedError(
+                "the model's attention did not run through kvtier on the last step, so demoted entries would "
+                "never be recalled; build the TieredCache with the model's own config (model.config), not a "
+                "copy of it (e.g. copy.deepcopy(model.config)), and do not change the model's "
+                "attn_implementation after building the cache")
         self.engine.flush()
         stored = self.engine.stored
         return stored + int(query_length), self.engine.seen - stored

@@ -283,3 +283,18 @@ def test_a_forward_without_no_grad_works_and_matches(model, tmp_path):
         results.append(logits.detach())
         cache.close()
     assert torch.equal(results[0], results[1])
+
+
+def test_a_cache_built_from_a_copy_of_the_config_refuses_instead_of_skipping_recall():
+    """A copy of the config is routed through kvtier, the model is not: the model's next step raises instead
+    of decoding silently without recall."""
+    import copy
+
+    model = tiny_llama()
+    cache = TieredCache(copy.deepcopy(model.config), device_budget=24, recall_pages=1_000)
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(ids, past_key_values=cache).logits
+        with pytest.raises(UnsupportedError, match="copy of it"):
+            model(logits[:, -1:].argmax(-1), past_key_values=cache)
+    cache.close()
