@@ -41,6 +41,7 @@ class _Pending:
     v: torch.Tensor
     pos: torch.Tensor        # [q]
     score: torch.Tensor | None  # [heads, q]; None until attention for scorers that need the query
+    masked: torch.Tensor | None = None   # [q] bool: padding no query attends; dropped at commit
 
 
 class LayerEngine:
@@ -130,6 +131,17 @@ class LayerEngine:
         if self.parked is not None:
             return self.parked.count
         return 0 if self.pool is None else self.pool.count
+
+    def mask_new_tokens(self, masked: torch.Tensor) -> None:
+        """Mark new tokens ``[q]`` that no query may ever attend (padding): they are dropped when placed.
+
+        Attention over what `write` returned follows the mask itself; once pages are demoted, the split
+        attention has no mask, so padding inside such a step is refused.
+        """
+        if self.table.n and self.cfg.mode == "tier" and self.cfg.recall_pages:
+            raise UnsupportedError("masked-out (padding) tokens in a step after entries were demoted; allowed: "
+                                   "padding in the first step only (left padding), or no padding")
+        self.pending.masked = masked
 
     # ------------------------------------------------------------------ attention
     def attend(self, query: torch.Tensor, scaling: float | None = None) -> torch.Tensor | None:
@@ -271,6 +283,10 @@ class LayerEngine:
                                      context_keys=context, scaling=scale)[0]
         self.pending = None
         self.pool.commit(q, p.score)
+        if p.masked is not None:   # padding leaves the cache at once: nothing ever attends it
+            gone = torch.nonzero(p.masked).squeeze(1) + (self.pool.count - q)
+            self.pool.remove(gone.to(self.device).expand(self.heads, -1))
+            self.counters.tokens_masked += gone.numel() * self.heads
         self._demote()
 
     def _demote(self) -> None:

@@ -16,6 +16,7 @@ class MoveCounters:
     recall_steps: int = 0
     pages_reused: int = 0        # chosen pages already on the device from an earlier step (nothing moved)
     tokens_dropped: int = 0
+    tokens_masked: int = 0       # padding the attention mask left out, never stored
     disk_wait_seconds: float = 0.0
 
     def reset(self) -> None:

@@ -65,7 +65,7 @@ def _make_attention(base: str) -> Callable:
         if engine is None:
             return _base_function(base, module)(module, query, key, value, attention_mask, **kwargs)
         try:
-            out = engine.attend(query, kwargs.get("scaling"))
+            out = engine.attend(query, kwargs.get("scaling"), attention_mask)
             if out is None:
                 return _base_function(base, module)(module, query, key, value, attention_mask, **kwargs)
             return out, None
@@ -74,6 +74,29 @@ def _make_attention(base: str) -> Callable:
 
     kvtier_attention.__name__ = f"{PREFIX}{base}"
     return kvtier_attention
+
+
+def masked_new_tokens(attention_mask: torch.Tensor | None, stored: int, q_len: int) -> torch.Tensor | None:
+    """Which of a step's `q_len` new tokens no query may attend (padding), from the mask transformers built:
+    ``[q_len]`` bool, or None when nothing is masked out beyond causality.
+
+    A column is padding when no row of the mask allows it (the last row of a causal mask allows every column,
+    so causality alone never marks one). Columns are the entries `update` returned: `stored` device entries,
+    then the new tokens.
+    """
+    if attention_mask is None or attention_mask.dim() != 4:
+        return None
+    allowed = attention_mask if attention_mask.dtype == torch.bool else \
+        attention_mask > torch.finfo(attention_mask.dtype).min / 2
+    seen_by_any = allowed[0].any(dim=0).any(dim=0)            # [columns]
+    if seen_by_any.all():
+        return None
+    if seen_by_any.shape[0] != stored + q_len:
+        raise ConfigError(f"an attention mask of {seen_by_any.shape[0]} columns with masked-out entries, for "
+                          f"{stored} stored entries and {q_len} new tokens; allowed: a mask that matches "
+                          "the cache's mask sizes")
+    masked = ~seen_by_any[stored:]
+    return masked if masked.any() else None
 
 
 def _text_config(config: Any) -> Any:

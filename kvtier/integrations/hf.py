@@ -27,7 +27,7 @@ from ..errors import (BrokenCacheError, CapacityError, ClosedCacheError, ConfigE
                       is_resource_error, os_reason)
 from ..placement.budget import Budget
 from ..scoring import Scorer, make_scorer
-from .attention import claim, restore_attention, use_tiered_attention
+from .attention import claim, masked_new_tokens, restore_attention, use_tiered_attention
 
 
 class _CacheState:
@@ -107,10 +107,17 @@ class TieredLayer(CacheLayerMixin):
         claim(keys, self)   # the attention function calls `attend` and `commit` below
         return keys, values
 
-    def attend(self, query: torch.Tensor, scaling: float | None = None) -> torch.Tensor | None:
-        """The engine's `attend`; a failure breaks the cache (this layer already took the step)."""
+    def attend(self, query: torch.Tensor, scaling: float | None = None,
+               attention_mask: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The engine's `attend`, after telling it which new tokens the mask leaves out (left padding); a
+        failure breaks the cache (this layer already took the step)."""
         try:
             with torch.no_grad():
+                pending = self.engine.pending
+                if pending is not None:
+                    masked = masked_new_tokens(attention_mask, self.engine.pool.count, pending.k.shape[2])
+                    if masked is not None:
+                        self.engine.mask_new_tokens(masked)
                 return self.engine.attend(query, scaling)
         except BaseException as e:
             self._state.break_with(e, f"layer {self.engine.layer_idx} attention ")
@@ -390,6 +397,7 @@ class TieredCache(Cache):
             "recall_steps": c.recall_steps,
             "pages_reused": c.pages_reused,
             "tokens_dropped": c.tokens_dropped,
+            "tokens_masked": c.tokens_masked,
             "transfer_wait_seconds": wait,
             "read_ahead": {"hits": hits, "misses": misses, "pages_read_ahead": sum(r.read_ahead for r in ahead),
                            "hit_rate": hits / (hits + misses) if hits + misses else None,

@@ -298,3 +298,22 @@ def test_a_cache_built_from_a_copy_of_the_config_refuses_instead_of_skipping_rec
         with pytest.raises(UnsupportedError, match="copy of it"):
             model(logits[:, -1:].argmax(-1), past_key_values=cache)
     cache.close()
+
+
+@pytest.mark.parametrize("budget", [24, 1.0])
+def test_left_padding_gives_the_full_caches_tokens(model, budget):
+    """A left-padded prompt with its attention mask: the padding is never attended (it leaves the cache when
+    placed), so greedy tokens equal DynamicCache's with the same mask, with pages demoted and recalled."""
+    pad = 9
+    ids = torch.cat([torch.zeros(1, pad, dtype=torch.long), PROMPT], dim=1)
+    mask = torch.cat([torch.zeros(1, pad, dtype=torch.long), torch.ones_like(PROMPT)], dim=1)
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                         past_key_values=DynamicCache(config=model.config))
+    cache = TieredCache(model.config, device_budget=budget, recall_pages=1_000)
+    got = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, **cache_kwargs(cache))
+    assert torch.equal(got, ref)
+    s = cache.stats()
+    assert s["tokens_masked"] == pad * s["layers"] * s["kv_heads"]
+    if budget == 24:
+        assert s["pages_recalled"] > 0
+    cache.close()
