@@ -10,6 +10,7 @@ choices from `recall`, storage from `tiers`.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -234,8 +235,6 @@ class LayerEngine:
         return order, k_dev, v_dev
 
     def _load_disk(self, slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        import time
-
         t0 = time.perf_counter()
         try:
             if self.readahead is not None:

@@ -101,6 +101,8 @@ class DiskStore:
     Methods may be called from several threads, but not concurrently with `close`.
     """
 
+    name = "disk"   # the tier's name (the file is named by the `name` argument)
+
     def __init__(self, directory: str, page_size: int, head_dim: int, dtype: torch.dtype,
                  io_threads: int = 4, name: str = "pages") -> None:
         self._fd: int | None = None
