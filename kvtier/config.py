@@ -6,7 +6,7 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import ConfigError, UnsupportedError
+from .errors import ConfigError
 from .placement.budget import Budget
 
 MODES = ("tier", "evict")
@@ -66,12 +66,6 @@ class ModelShape:
                                   "is a multiple of the heads, or an explicit head_dim")
             head_dim = hidden // q_heads
         head_dim = _count(name, "head_dim", head_dim)
-        types = getattr(config, "layer_types", None)
-        if types is not None:
-            other = sorted({t for t in types if t != "full_attention"})
-            if other:
-                raise UnsupportedError(f"layer types {other} are not supported yet; kvtier tiers "
-                                       "full-attention layers only (layer_types must all be 'full_attention')")
         return cls(layers, kv_heads, int(head_dim))
 
 

@@ -26,9 +26,10 @@ from ..scoring import Scorer, checked_scores
 from ..tiers.device import DevicePool
 from ..tiers.host import HostPool
 from ..tiers.readahead import DiskReadAhead
-from .attention import attend_parts, attend_with_lse, finish
+from .attention import attend_parts, attend_with_lse, finish_with_lse
 from .parking import ParkedLayer, check_target
 from .resources import SharedResources
+from .weights import unpack_rows, weights_by_position
 
 QUERY_BLOCK = 128     # query tokens that share one recall (a long query is attended block by block)
 SLAB_TOKENS = 4096    # device entries per slab (at least; a fixed budget gets one slab that holds it)
@@ -65,17 +66,17 @@ class LayerEngine:
         self.recalled: RecallBuffer | None = None       # those pages, on the device
 
     # ------------------------------------------------------------------ write
-    def _init(self, k: torch.Tensor) -> None:
-        self.device, self.dtype = k.device, k.dtype
-        self.pin = k.device.type == "cuda"
-        self.transfer = self.shared.transfer(k.device)
+    def _init(self, device: torch.device, dtype: torch.dtype) -> None:
+        self.device, self.dtype = device, dtype
+        self.pin = device.type == "cuda"
+        self.transfer = self.shared.transfer(device)
         budget = self.cfg.device_budget
         slab = SLAB_TOKENS if budget.is_fraction or budget.value > 65536 else \
             max(SLAB_TOKENS, int(budget.value) + 2 * self.cfg.page_size)   # a huge budget grows slab by slab
-        self.pool = DevicePool(self.heads, self.head_dim, k.dtype, k.device, slab)
+        self.pool = DevicePool(self.heads, self.head_dim, dtype, device, slab)
         if self.cfg.mode == "tier":
-            self.index = PageIndex(self.heads, self.cfg.page_size, self.head_dim, k.dtype, k.device, self.pin)
-            self.tiers[0] = HostPool(self.cfg.page_size, self.head_dim, k.dtype, self.pin)
+            self.index = PageIndex(self.heads, self.cfg.page_size, self.head_dim, dtype, device, self.pin)
+            self.tiers[0] = HostPool(self.cfg.page_size, self.head_dim, dtype, self.pin)
 
     @property
     def host(self) -> HostPool | None:
@@ -113,7 +114,7 @@ class LayerEngine:
                                    f"[1, {self.heads}, tokens, {self.head_dim}]")
         self.flush()
         if self.pool is None:
-            self._init(k)
+            self._init(k.device, k.dtype)
         if self.parked is not None:
             self.restore()
         q = k.shape[2]
@@ -145,29 +146,39 @@ class LayerEngine:
         self.pending.masked = masked
 
     # ------------------------------------------------------------------ attention
-    def attend(self, query: torch.Tensor, scaling: float | None = None) -> torch.Tensor | None:
+    def recalls(self) -> bool:
+        """Whether `attend` will run the split attention with recall this step (else the model's own runs)."""
+        return (self.pending is not None and self.table.n > 0 and self.cfg.recall_pages > 0
+                and self.cfg.mode == "tier")
+
+    def attend(self, query: torch.Tensor, scaling: float | None = None, softcap: float | None = None,
+               sinks: torch.Tensor | None = None,
+               weights: bool = False) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """Attention of the step's `query` ``[1, q_heads, q_len, dim]`` over the device entries, the new
         tokens and, per block of `QUERY_BLOCK` query tokens, the demoted pages recalled for that block.
 
-        Returns ``[1, q_len, q_heads, dim]``, or None when no page is demoted (the caller's own attention
-        then runs over what `write` returned, bit-identical to a plain cache).
+        `softcap` and `sinks` (``[q_heads]`` logits) are the model's logit soft-cap and attention sinks.
+        Returns ``(out [1, q_len, q_heads, dim], attention weights or None)``, or None when no page is
+        demoted (the caller's own attention then runs over what `write` returned, bit-identical to a plain
+        cache). With `weights`, the weights are ``[1, q_heads, q_len, seen]``, by token position.
         """
-        p = self.pending
-        if p is None or self.table.n == 0 or self.cfg.recall_pages == 0 or self.cfg.mode != "tier":
+        if not self.recalls():
             return None
+        p = self.pending
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
         q_len = query.shape[2]
-        outs = []
+        outs, maps = [], []
         for b0 in range(0, q_len, QUERY_BLOCK):
             block = query[:, :, b0:b0 + QUERY_BLOCK]
             b1 = b0 + block.shape[2]
             # what the block reads anyway first: its log-sum-exp is the rest of the softmax's total, which
             # the page choice needs
             if q_len == 1:   # a decode step: its own token sits right after the device entries
-                parts = attend_parts(block, self.pool.spans(self.pool.count + 1), None, None, 0, scale)
+                parts = attend_parts(block, self.pool.spans(self.pool.count + 1), None, None, 0, scale, softcap,
+                                     sinks)
             else:
                 parts = attend_parts(block, self.pool.spans(self.pool.count), p.k[:, :, :b1], p.v[:, :, :b1],
-                                     b0, scale)
+                                     b0, scale, softcap, sinks)
             resident = parts[0][1][0] if len(parts) == 1 else \
                 torch.logsumexp(torch.stack([lse[0] for _, lse in parts]), dim=0)
             ids, shortlist = select_pages(grouped(block, self.heads), self.index, self.cfg.recall_pages, scale,
@@ -175,9 +186,29 @@ class LayerEngine:
             rk, rv = self._fetch(ids, shortlist)
             self.last_recall = ids
             packed = block.reshape(1, self.heads, -1, block.shape[3])
-            parts.append(attend_with_lse(packed, rk[None], rv[None], scale))
-            outs.append(finish(parts, block))
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+            parts.append(attend_with_lse(packed, rk[None], rv[None], scale, softcap=softcap))
+            out, lse = finish_with_lse(parts, block)
+            outs.append(out)
+            if weights:
+                maps.append(self._weights(packed, lse, p, b0, b1, q_len, scale, softcap, query.shape[1]))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        if not weights:
+            return out, None
+        return out, torch.cat(maps, dim=2).to(query.dtype)
+
+    def _weights(self, packed: torch.Tensor, lse: torch.Tensor, p: _Pending, b0: int, b1: int, q_len: int,
+                 scale: float, softcap: float | None, q_heads: int) -> torch.Tensor:
+        """The block's attention weights by position (see `engine.weights`): ``[1, q_heads, b1 - b0, seen]``."""
+        n = self.pool.count + (1 if q_len == 1 else 0)
+        k, _ = self.pool.contiguous(n)
+        sets = [(k[0], self.pool.meta(n)[0])]
+        if q_len > 1:
+            sets.append((p.k[0, :, :b1], p.pos[:b1].expand(self.heads, -1)))
+        buf = self.recalled
+        pos = np.stack([np.stack([self.table.positions(h, pid) for pid in row]) for h, row in enumerate(buf.ids)])
+        sets.append((buf.k, torch.from_numpy(pos.reshape(self.heads, -1)).to(self.device)))
+        w = weights_by_position(packed, sets, lse, p.pos[b0:b1], self.seen, scale, softcap)
+        return unpack_rows(w, q_heads)
 
     def _fetch(self, ids: torch.Tensor, shortlist: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Pages ``ids`` ``[heads, r]`` on the device: ``[heads, r * page_size, dim]`` keys and values.

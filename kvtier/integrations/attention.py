@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import warnings
 import weakref
 from typing import Any, Callable
 
@@ -58,19 +59,39 @@ def _base_function(name: str, module: torch.nn.Module) -> Callable:
     return eager
 
 
+# keywords an attention function may get that change what it computes beyond the query and the keys; the split
+# attention over recalled pages cannot apply them, so a layer that recalls refuses them
+UNSUPPORTED_KWARGS = {
+    "position_bias": "an additive position bias",
+    "cu_seq_lens_q": "packed sequences",
+    "cu_seq_lens_k": "packed sequences",
+    "sliding_window": "a sliding window on a full-attention layer",
+}
+_warned: set[str] = set()
+
+
 def _make_attention(base: str) -> Callable:
     def kvtier_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                         attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
-        engine = _take_claim(key)
-        if engine is None:
+                         attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+        layer = _take_claim(key)
+        if layer is None:
             return _base_function(base, module)(module, query, key, value, attention_mask, **kwargs)
         try:
-            out = engine.attend(query, kwargs.get("scaling"), attention_mask)
-            if out is None:
+            asked = bool(kwargs.get("output_attentions"))
+            result = layer.attend(query, attention_mask, scaling=kwargs.get("scaling"),
+                                  softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"),
+                                  weights=asked and base == "eager",
+                                  refuse=[UNSUPPORTED_KWARGS[k] for k in UNSUPPORTED_KWARGS
+                                          if kwargs.get(k) is not None])
+            if result is None:
                 return _base_function(base, module)(module, query, key, value, attention_mask, **kwargs)
-            return out, None
+            if asked and base != "eager" and base not in _warned:
+                _warned.add(base)   # what the base implementation itself does: no weights, one warning
+                warnings.warn(f"output_attentions=True with attn_implementation={base!r} returns no attention "
+                              "weights; use attn_implementation='eager' to get them", stacklevel=2)
+            return result
         finally:
-            engine.commit(query, kwargs.get("scaling"))
+            layer.commit(query, kwargs.get("scaling"))
 
     kvtier_attention.__name__ = f"{PREFIX}{base}"
     return kvtier_attention

@@ -8,56 +8,30 @@ transformers' sliding-window layer does.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import os
+import warnings
 import weakref
 from typing import Any
 
 import torch
 import transformers
 from packaging.version import Version
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from ..config import (DEFAULT_PAGE_SIZE, DEFAULT_RECALL_PAGES, DEFAULT_RECENT_TOKENS, DEFAULT_SINK_TOKENS,
                       ModelShape, TieredCacheConfig)
+from ..engine.copy import clone_counters, copy_layer
 from ..engine.layer import LayerEngine
 from ..engine.parking import check_target
 from ..engine.resources import SharedResources
-from ..errors import (BrokenCacheError, CapacityError, ClosedCacheError, ConfigError, UnsupportedError,
-                      is_resource_error, os_reason)
+from ..errors import CapacityError, ConfigError, UnsupportedError, is_resource_error, os_reason
 from ..placement.budget import Budget
 from ..scoring import Scorer, make_scorer
-from .attention import claim, masked_new_tokens, restore_attention, use_tiered_attention
-
-
-class _CacheState:
-    """What a cache's layers and its finalizer share: the engines, the shared resources and whether the cache
-    is closed or broken. Never the cache itself, so a dropped cache is collected."""
-
-    def __init__(self, engines: list[LayerEngine], shared: SharedResources) -> None:
-        self.engines, self.shared = engines, shared
-        self.closed = False
-        self.broken: str | None = None     # what failed, in words (no exception is kept: it would hold frames)
-        self.pid = os.getpid()
-
-    def check(self) -> None:
-        """Raise unless the cache can be used."""
-        if self.closed:
-            raise ClosedCacheError("this TieredCache is closed: it holds nothing and takes nothing any more "
-                                   "(stats() still answers); make a new TieredCache")
-        if self.broken is not None:
-            raise BrokenCacheError(f"this TieredCache is broken: {self.broken}; its layers may disagree on "
-                                   "their length, so it refuses to go on; call reset() to empty it and start "
-                                   "again (or close() it)")
-
-    def break_with(self, what: BaseException | str, where: str = "") -> None:
-        if self.broken is None:
-            text = what if isinstance(what, str) else f"{type(what).__name__}: {what}"
-            self.broken = f"{where}failed ({text})" if where else text
-
-    def lengths(self) -> set[int]:
-        """Tokens seen by each layer that has taken a step."""
-        return {e.seen for e in self.engines if e.pool is not None}
+from .attention import restore_attention, use_tiered_attention
+from .layers import NO_CACHE, TIERED, WINDOWED, LayerPlan, WindowLayer, layer_plan
+from .tiered_layer import CacheState, GuardedWindow, TieredLayer, batch_refusal, crop_refusal
 
 
 def _capacity(e: BaseException, what: str) -> CapacityError | None:
@@ -65,135 +39,15 @@ def _capacity(e: BaseException, what: str) -> CapacityError | None:
     return CapacityError(f"{what}: {os_reason(e)}") if is_resource_error(e) else None
 
 
-class TieredLayer(CacheLayerMixin):
-    """One model layer of a `TieredCache`; forwards to its `LayerEngine`.
-
-    A step that fails after some layers took it (an exception out of `update`, `attend` or `commit` once a
-    layer's length moved) marks the cache broken; a failure before anything changed (a bad shape) does not.
-    """
-
-    is_compileable = False
-    is_croppable = False
-    is_sliding = False
-
-    def __init__(self, engine: LayerEngine, state: _CacheState | None = None) -> None:
-        super().__init__()
-        self.engine = engine
-        self._state = state if state is not None else _CacheState([engine], engine.shared)
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
-        self.is_initialized = True
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
-               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        st, engine = self._state, self.engine
-        st.check()
-        before = engine.seen
-        if engine.layer_idx == 0 and len(st.lengths()) > 1:   # a step starts: every layer must agree
-            st.break_with(f"the layers disagree on their length ({sorted(st.lengths())} tokens): an earlier "
-                          "step was interrupted between layers")
-            st.check()
-        try:
-            with torch.no_grad():   # inference only: stored entries never carry an autograd graph
-                keys, values = engine.write(key_states, value_states)
-        except BaseException as e:
-            if engine.seen != before or any(n != before for n in st.lengths()):
-                st.break_with(e, f"layer {engine.layer_idx} write ")
-            err = _capacity(e, f"layer {engine.layer_idx} could not take the step")
-            if err is None:
-                raise
-            raise err from e
-        self.is_initialized = True
-        claim(keys, self)   # the attention function calls `attend` and `commit` below
-        return keys, values
-
-    def attend(self, query: torch.Tensor, scaling: float | None = None,
-               attention_mask: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The engine's `attend`, after telling it which new tokens the mask leaves out (left padding); a
-        failure breaks the cache (this layer already took the step)."""
-        try:
-            with torch.no_grad():
-                pending = self.engine.pending
-                if pending is not None:
-                    masked = masked_new_tokens(attention_mask, self.engine.pool.count, pending.k.shape[2])
-                    if masked is not None:
-                        self.engine.mask_new_tokens(masked)
-                return self.engine.attend(query, scaling)
-        except BaseException as e:
-            self._state.break_with(e, f"layer {self.engine.layer_idx} attention ")
-            err = _capacity(e, f"layer {self.engine.layer_idx} could not recall its pages")
-            if err is None:
-                raise
-            raise err from e
-
-    def commit(self, query: torch.Tensor | None = None, scaling: float | None = None) -> None:
-        """The engine's `commit`; a failure breaks the cache (this layer already took the step)."""
-        try:
-            with torch.no_grad():
-                self.engine.commit(query, scaling)
-        except BaseException as e:
-            self._state.break_with(e, f"layer {self.engine.layer_idx} commit ")
-            err = _capacity(e, f"layer {self.engine.layer_idx} could not place the step's entries")
-            if err is None:
-                raise
-            raise err from e
-
-    def get_seq_length(self, *args: Any) -> int:
-        return self.engine.seen
-
-    def get_mask_sizes(self, query_length: int | torch.Tensor, *args: Any) -> tuple[int, int]:
-        if isinstance(query_length, torch.Tensor):  # older API passed cache_position
-            query_length = query_length.shape[0]
-        if self.engine.pending is not None:
-            # a model is about to run a step, but the last step's attention never came through kvtier (which
-            # places the step and recalls demoted pages): answers would silently lose the demoted entries
-            raise UnsupportedError(
-                "the model's attention did not run through kvtier on the last step, so demoted entries would "
-                "never be recalled; build the TieredCache with the model's own config (model.config), not a "
-                "copy of it (e.g. copy.deepcopy(model.config)), and do not change the model's "
-                "attn_implementation after building the cache")
-        self.engine.flush()
-        stored = self.engine.stored
-        return stored + int(query_length), self.engine.seen - stored
-
-    def get_max_length(self) -> int:
-        return -1
-
-    get_max_cache_shape = get_max_length
-
-    def reset(self) -> None:
-        self.engine.reset()
-
-    def offload(self) -> None:  # the tiers do their own moving
-        return None
-
-    def prefetch(self) -> None:
-        return None
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise UnsupportedError(f"crop({tokens_to_remove}) is not supported by TieredCache (assisted or "
-                               "speculative decoding); use greedy or sampling generation")
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        if beam_idx.numel() != 1 or int(beam_idx.reshape(-1)[0]) != 0:
-            raise UnsupportedError("beam search is not supported by TieredCache (batch size 1 only)")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if repeats != 1:
-            raise UnsupportedError(f"batch_repeat_interleave({repeats}): TieredCache supports batch size 1 only")
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if indices.numel() != 1 or int(indices.reshape(-1)[0]) != 0:
-            raise UnsupportedError("batch_select_indices: TieredCache supports batch size 1 only")
-
-
-def _close(state: _CacheState) -> None:
+def _close(state: CacheState) -> None:
     state.closed = True
     if os.getpid() != state.pid:   # a forked child: the pools and files are its parent's
         return
     try:
         for engine in state.engines:
             engine.close()
+        for window in state.windows:
+            window.reset()
     finally:
         state.shared.close()
 
@@ -232,6 +86,7 @@ class TieredCache(Cache):
                  mode: str = "tier", recall_pages: int = DEFAULT_RECALL_PAGES, *,
                  page_size: int = DEFAULT_PAGE_SIZE, sink_tokens: int = DEFAULT_SINK_TOKENS,
                  recent_tokens: int = DEFAULT_RECENT_TOKENS, scorer_kwargs: dict[str, Any] | None = None) -> None:
+        plan = layer_plan(config)
         shape = ModelShape.from_config(config)
         if scorer_kwargs is not None and not isinstance(scorer_kwargs, dict):
             raise ConfigError(f"scorer_kwargs={scorer_kwargs!r}; allowed: a dict of settings for a scorer given "
@@ -263,27 +118,56 @@ class TieredCache(Cache):
             self.scorer.check_model(shape.num_layers, shape.num_kv_heads, shape.head_dim)
         self._shared = SharedResources(self.settings.disk_dir)
         self.counters = self._shared.counters
-        engines = [LayerEngine(i, self.settings, self.scorer, self._shared) for i in range(shape.num_layers)]
-        self._engines = engines
-        self._state = _CacheState(engines, self._shared)
+        self.plan: LayerPlan = plan
+        self._state = CacheState([], [], self._shared)
+        layers = self._make_layers(plan)
+        self._engines = self._state.engines
         # the finalizer holds the engines and the shared resources, never the cache: a dropped cache is
         # collected (and closed); registered before anything is made, so a failure below leaves nothing behind
         self._finalizer = weakref.finalize(self, _close, self._state)
         try:
             if self.settings.mode == "tier" and self.settings.host_budget is not None:
                 self._shared.private_dir(validate=True)   # a bad disk_dir fails here, not in the middle of a step
-            super().__init__(layers=[TieredLayer(e, self._state) for e in engines])
+            super().__init__(layers=layers)
             self.model_config = config
             use_tiered_attention(config)
         except BaseException:
             self._finalizer()
             raise
+        if not self._engines:
+            warnings.warn(f"every cache layer of {type(config).__name__} is a sliding-window layer (window "
+                          f"{plan.settings[0].get('sliding_window') if plan.settings else None}): a TieredCache "
+                          "keeps them as transformers does and has nothing to tier", stacklevel=2)
+
+    def _make_layers(self, plan: LayerPlan) -> list:
+        """One cache layer per model layer: tiered full-attention layers, transformers' window layers, and
+        transformers' own placeholder for layers that store nothing."""
+        from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING
+
+        st, layers = self._state, []
+        for i, (kind, settings) in enumerate(zip(plan.kinds, plan.settings)):
+            if kind == TIERED:
+                engine = LayerEngine(i, self.settings, self.scorer, self._shared)
+                st.engines.append(engine)
+                layers.append(TieredLayer(engine, st))
+            elif kind in WINDOWED:
+                window = GuardedWindow(settings["sliding_window"], i, st)
+                st.windows.append(window)
+                layers.append(window)
+            else:
+                assert kind in NO_CACHE
+                layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind]())
+        stores = [i for i, kind in enumerate(plan.kinds) if kind not in NO_CACHE]
+        st.first = stores[0] if stores else 0
+        return layers
 
     def park(self, to: str = "host") -> None:
         """Move the whole cache off the device between turns: ``"host"`` memory or ``"disk"``.
 
         The next forward restores each layer just before it is used (so restoring overlaps that forward,
         layer by layer), and generation continues exactly as if the cache had never moved.
+
+        Sliding-window layers go to host memory for either target (they hold at most a window each).
 
         All or nothing: when a layer cannot be parked (disk full, file-size limit, too many open files,
         read-only folder, ...), the layers this call already parked are put back as they were and a
@@ -293,12 +177,25 @@ class TieredCache(Cache):
         st.check()
         check_target(to)
         done: list[tuple[LayerEngine, str | None]] = []
+        try:
+            for window in st.windows:
+                window.park()
+        except BaseException as e:
+            for window in st.windows:
+                window.restore()
+            err = _capacity(e, f"park({to!r}) could not move the sliding-window layers to host memory; every "
+                               "layer is as it was before the call")
+            if err is None:
+                raise
+            raise err from e
         for engine in self._engines:
             before = None if engine.parked is None else engine.parked.where
             try:
                 engine.park(to)
             except BaseException as e:
                 undone = self._undo_park(done)
+                for window in st.windows:
+                    window.restore()
                 if not (isinstance(e, CapacityError) or is_resource_error(e)):
                     raise
                 state = ("every layer is as it was before the call" if undone else
@@ -326,6 +223,8 @@ class TieredCache(Cache):
     def resume(self) -> None:
         """Restore every parked layer now (otherwise each comes back at its next use)."""
         self._state.check()
+        for window in self._state.windows:
+            window.restore()
         for engine in self._engines:
             try:
                 engine.restore()
@@ -351,6 +250,8 @@ class TieredCache(Cache):
     def parked(self) -> str | None:
         """Where the cache is parked (``"host"``, ``"disk"``), or None when it is live."""
         places = {e.parked.where for e in self._engines if e.parked is not None}
+        if any(w.parked for w in self._state.windows):
+            places.add("host")
         return max(places, key=("host", "disk").index) if places else None
 
     @property
@@ -366,6 +267,8 @@ class TieredCache(Cache):
         disk pages kept for read-ahead), ``reserved_bytes`` allocated; ``device.index_bytes``: the key bounds
         of the demoted pages, 1/16 of their K+V size at 16 entries a page. ``read_ahead``: disk pages served
         from host memory (``hits``) or read on demand (``misses``), and the ``hit_rate``.
+        Budgets and the tier figures count the tiered (full-attention) layers only; ``window`` gives the
+        sliding-window layers, which keep transformers' own window on the device.
         ``bytes_moved`` per direction,
         ``pages_recalled`` per source tier (pages moved up), ``pages_reused`` (chosen pages the device already
         held from the step before), ``transfer_wait_seconds`` (blocked on copies and disk reads).
@@ -383,12 +286,19 @@ class TieredCache(Cache):
         wait = c.disk_wait_seconds + sum(t.counters.wait_seconds for t in self._shared.transfers.values())
         ahead = [e.readahead for e in self._engines if e.readahead is not None]
         hits, misses = sum(r.hits for r in ahead), sum(r.misses for r in ahead)
-        seen = self._engines[0].seen if self._engines else 0
+        windows = self._state.windows
+        if self._engines:
+            seen = self._engines[0].seen
+        else:
+            seen = windows[0].cumulative_length if windows else 0
         s = self.settings
         return {
             **tiers,
             "tokens_seen": seen,
-            "layers": s.shape.num_layers,
+            "layers": len(self._engines),
+            "window": {"layers": len(windows), "tokens": sum(w.keys.shape[2] * w.keys.shape[1] for w in windows
+                                                           if w.is_initialized),
+                       "bytes": sum(w.nbytes() for w in windows)},
             "kv_heads": s.shape.num_kv_heads,
             "budget_tokens_per_head": {"device": s.device_tokens(seen), "host": s.host_tokens(seen)},
             "bytes_moved": dict(c.bytes_moved),
@@ -406,6 +316,63 @@ class TieredCache(Cache):
             "mode": s.mode,
             "scorer": s.scorer_name,
         }
+
+    # ------------------------------------------------------------------ what generate may ask for
+    def crop(self, max_length: int) -> None:
+        raise crop_refusal(max_length)
+
+    def activate_past_recording(self) -> None:
+        raise UnsupportedError("assisted decoding is not supported by TieredCache: it rolls the cache back, and "
+                               "demoted pages cannot be un-taken; allowed: generation without an assistant model")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if beam_idx.numel() != 1 or int(beam_idx.reshape(-1)[0]) != 0:
+            raise UnsupportedError("beam search is not supported by TieredCache (it holds one sequence); "
+                                   "allowed: num_beams=1")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if repeats != 1:
+            raise batch_refusal(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if indices.numel() != 1 or int(indices.reshape(-1)[0]) != 0:
+            raise UnsupportedError("batch_select_indices: a TieredCache holds one sequence; allowed: index 0")
+
+    # ------------------------------------------------------------------ copies
+    def __deepcopy__(self, memo: dict) -> TieredCache:
+        """An independent copy (every tier copied into the copy's own pools and disk store): prefill a shared
+        prompt once, then continue copies of it. The model config is shared, not copied."""
+        self._state.check()
+        s = self.settings
+        new = TieredCache(self.model_config, device_budget=s.device_budget.value,
+                          host_budget=None if s.host_budget is None else s.host_budget.value, disk_dir=s.disk_dir,
+                          scorer=self.scorer, mode=s.mode, recall_pages=s.recall_pages, page_size=s.page_size,
+                          sink_tokens=s.sink_tokens, recent_tokens=s.recent_tokens)
+        try:
+            for mine, theirs in zip(self.layers, new.layers):
+                if isinstance(mine, TieredLayer):
+                    copy_layer(mine.engine, theirs.engine)
+                    theirs.is_initialized = mine.is_initialized
+                elif isinstance(mine, WindowLayer):
+                    if mine.parked:
+                        raise UnsupportedError("copy.deepcopy of a parked TieredCache; call cache.resume() first")
+                    state = {k: v for k, v in vars(mine).items() if k != "_state"}
+                    vars(theirs).update(copy.deepcopy(state, memo))
+            clone_counters(self.counters, new.counters)
+            new.settings = s
+        except BaseException:
+            new.close()
+            raise
+        memo[id(self)] = new
+        return new
+
+    def __copy__(self) -> TieredCache:
+        raise UnsupportedError("copy.copy of a TieredCache would share its tiers with the original; allowed: "
+                               "copy.deepcopy(cache) for an independent copy")
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise UnsupportedError("a TieredCache cannot be pickled: it holds device pools, pinned memory and open "
+                               "files; allowed: copy.deepcopy(cache) in the same process, or park() it")
 
     def close(self) -> None:
         """Release pools, close and delete disk files (also done at exit and when collected)."""

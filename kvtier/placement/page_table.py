@@ -110,3 +110,11 @@ class PageTable:
     def clear(self) -> None:
         self.n = 0
         self._chunks = []
+
+    def copy_from(self, other: PageTable) -> None:
+        """Take `other`'s pages (ranks, positions, tiers, slots) as this table's own copy."""
+        if (other.heads, other.page_size) != (self.heads, self.page_size):
+            raise ValueError(f"a page table of {other.heads} heads x {other.page_size}-entry pages cannot be "
+                             f"copied into one of {self.heads} x {self.page_size}")
+        self.chunk, self.n = other.chunk, other.n
+        self._chunks = [{name: a.copy() for name, a in c.items()} for c in other._chunks]

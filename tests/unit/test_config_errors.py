@@ -54,9 +54,23 @@ def test_unwritable_disk_dir(tmp_path):
         TieredCache(CONFIG, host_budget=0.1, disk_dir=str(blocker / "sub"))
 
 
-def test_sliding_window_layers_are_refused():
-    cfg = types.SimpleNamespace(**vars(CONFIG), layer_types=["full_attention", "sliding_attention"])
-    with pytest.raises(UnsupportedError, match="sliding_attention"):
+def test_recurrent_layers_are_refused_by_name():
+    cfg = types.SimpleNamespace(**vars(CONFIG), layer_types=["full_attention", "linear_attention"])
+    with pytest.raises(UnsupportedError, match="linear_attention"):
+        TieredCache(cfg)
+
+
+def test_sliding_layers_are_kept_and_full_layers_tiered():
+    cfg = types.SimpleNamespace(**vars(CONFIG), layer_types=["full_attention", "sliding_attention"],
+                                sliding_window=64)
+    with TieredCache(cfg) as cache:
+        assert [type(layer).__name__ for layer in cache.layers] == ["TieredLayer", "GuardedWindow"]
+        assert cache.stats()["layers"] == 1 and cache.stats()["window"]["layers"] == 1
+
+
+def test_latent_attention_is_refused_with_the_reason():
+    cfg = types.SimpleNamespace(**vars(CONFIG), kv_lora_rank=512)
+    with pytest.raises(UnsupportedError, match="latent attention"):
         TieredCache(cfg)
 
 

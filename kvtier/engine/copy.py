@@ -1,0 +1,61 @@
+"""An independent copy of one layer's cache, for ``copy.deepcopy(cache)``: the prefix-reuse pattern (prefill
+a shared prompt once, copy the cache for each continuation).
+
+Everything is copied tier by tier: the device entries, the recall index, the page table, and every host and
+disk page into the copy's own pools and disk store, so the two caches share no storage and either can be
+closed, reset or parked without the other noticing. A parked layer is not copied (its pages are mid-move).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import UnsupportedError
+from ..placement.page_table import DISK, HOST
+from .layer import LayerEngine
+
+_PAGES_PER_BATCH = 1024   # pages moved at a time, so a copy's extra memory stays bounded
+
+
+def copy_layer(src: LayerEngine, dst: LayerEngine) -> None:
+    """Make the fresh engine `dst` hold what `src` holds (`src` is only read; its pending step is placed first)."""
+    if src.parked is not None:
+        raise UnsupportedError(f"copy.deepcopy of a parked TieredCache (layer {src.layer_idx} is parked in "
+                               f"{src.parked.where}); call cache.resume() first")
+    src.flush()
+    if src.pool is None:
+        return
+    dst._init(src.device, src.dtype)
+    n = src.pool.count
+    k, v = src.pool.contiguous(n)
+    pos, score = src.pool.meta()
+    dst.pool.replace(k[0].clone(), v[0].clone(), pos.clone(), score.clone())
+    dst.seen = src.seen
+    if src.index is not None:
+        dst.index.load_state(src.index.state())
+    dst.table.copy_from(src.table)
+    for tier in (HOST, DISK):
+        heads, pids = src.table.pages_in(tier)
+        for i in range(0, len(heads), _PAGES_PER_BATCH):
+            h, p = heads[i:i + _PAGES_PER_BATCH], pids[i:i + _PAGES_PER_BATCH]
+            _copy_pages(src, dst, tier, h.astype(np.int64), p.astype(np.int64))
+
+
+def _copy_pages(src: LayerEngine, dst: LayerEngine, tier: int, heads: np.ndarray, pids: np.ndarray) -> None:
+    slots = src.table.lookup(heads, pids)[1]
+    if tier == HOST:
+        k, v = src.host.load(slots)
+        new = dst.host.store(k, v)
+    else:
+        k, v = src.disk.load(slots)
+        new = dst._disk().store(k, v)
+    dst.table.place(heads, pids, tier, np.asarray(new, dtype=np.int64))
+
+
+def clone_counters(src, dst) -> None:
+    """Carry the move counters over, so the copy's `stats()` tell the same history."""
+    dst.bytes_moved.update(src.bytes_moved)
+    dst.pages_recalled.update(src.pages_recalled)
+    for name in ("recall_steps", "pages_reused", "tokens_dropped", "tokens_masked", "disk_wait_seconds"):
+        setattr(dst, name, getattr(src, name))
+

@@ -1,0 +1,144 @@
+"""Which of a model's layers kvtier tiers, and what the others keep.
+
+A model's cache layers come in kinds (transformers' ``layer_types``): full-attention layers grow with the
+context and are tiered; sliding-window and chunked layers hold a bounded window, so they keep transformers'
+own layer, on the device, with nothing to tier. The kinds are read with transformers' own function, so a
+TieredCache has exactly the layers a ``DynamicCache(config=...)`` would have, with the full-attention ones
+replaced. A model-wide ``sliding_window`` without ``layer_types`` (Mistral's configs) makes every layer a
+sliding one, as in transformers. Kinds kvtier cannot hold (recurrent states, latent caches) are refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers.cache_utils import DynamicSlidingWindowLayer
+
+from ..errors import UnsupportedError
+
+TIERED = "full_attention"
+WINDOWED = ("sliding_attention", "chunked_attention")
+NO_CACHE = ("dummy",)   # layers that hold nothing (shared-KV consumers, attention-free blocks)
+_WHY = {
+    "linear_attention": "a recurrent (linear-attention/state-space) layer keeps a state, not per-token K/V",
+    "conv": "a convolution layer keeps a state, not per-token K/V",
+    "hybrid": "a layer mixing a recurrent state with attention",
+    "hybrid_sliding": "a layer mixing a recurrent state with windowed attention",
+    "indexed_attention": "a sparse-attention layer with its own key index",
+    "deepseek_sparse_attention": "a sparse-attention layer with its own key index",
+    "qwen_sparse_attention": "a sparse-attention layer with its own key index",
+    "heavily_compressed_attention": "a layer caching compressed keys",
+    "compressed_sparse_attention": "a layer caching compressed keys",
+}
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """The kind of each cache layer and the settings transformers gives it (``sliding_window``)."""
+
+    kinds: tuple[str, ...]
+    settings: tuple[dict, ...]
+
+    @property
+    def tiered(self) -> list[int]:
+        """Indices of the layers kvtier tiers."""
+        return [i for i, kind in enumerate(self.kinds) if kind == TIERED]
+
+    def describe(self) -> list[dict]:
+        """Groups of consecutive settings: what each kind holds, for `kvtier info --model` and the docs."""
+        rows: dict[tuple, dict] = {}
+        for i, (kind, kw) in enumerate(zip(self.kinds, self.settings)):
+            key = (kind, kw.get("sliding_window"))
+            row = rows.setdefault(key, {"kind": kind, "window": kw.get("sliding_window"), "layers": [],
+                                        "tiered": kind == TIERED})
+            row["layers"].append(i)
+        return list(rows.values())
+
+
+def _text_config(config: Any) -> Any:
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def layer_plan(config: Any) -> LayerPlan:
+    """The cache layers a model needs, as transformers builds them; refuses kinds kvtier cannot hold."""
+    from transformers import PreTrainedConfig
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    text = _text_config(config)
+    check_per_head_kv(text)
+    if isinstance(text, PreTrainedConfig):
+        kinds, settings = get_layer_types_and_kwargs(text)
+    else:   # a plain object with the config's fields: transformers' rule, read directly
+        window = getattr(text, "sliding_window", None)
+        kinds = getattr(text, "layer_types", None) or \
+            ["sliding_attention" if window is not None else "full_attention"] * int(text.num_hidden_layers)
+        settings = {"sliding_window": window} if window is not None else {}
+    kinds = list(kinds)
+    if isinstance(settings, dict):   # transformers before 5.24: one set of settings for every layer
+        settings = [dict(settings) if kind in WINDOWED else {} for kind in kinds]
+    unknown = sorted({k for k in kinds if k != TIERED and k not in WINDOWED and k not in NO_CACHE})
+    if unknown:
+        why = "; ".join(f"{k!r}: {_WHY.get(k, 'a layer kind kvtier does not know')}" for k in unknown)
+        raise UnsupportedError(f"{type(text).__name__} has layer types {unknown} that kvtier cannot hold ({why}); "
+                               f"allowed: {TIERED!r} layers (tiered) with {' or '.join(map(repr, WINDOWED))} "
+                               "layers (kept as transformers keeps them)")
+    return LayerPlan(tuple(kinds), tuple(dict(s) for s in settings))
+
+
+def check_per_head_kv(text: Any) -> None:
+    """Refuse models whose cache is not per-head keys and values of one head size (DeepSeek's MLA)."""
+    name = type(text).__name__
+    if getattr(text, "kv_lora_rank", None) is not None:
+        raise UnsupportedError(
+            f"{name} uses multi-head latent attention (kv_lora_rank={text.kv_lora_rank}): its keys and values are "
+            "projected from a shared latent with different key and value head sizes, not per-head K/V of one "
+            "size, which is what kvtier pages, scores and recalls; allowed: models with per-head keys and values")
+    v_dim, qk_dim = getattr(text, "v_head_dim", None), getattr(text, "qk_head_dim", None)
+    if v_dim is not None and qk_dim is not None and v_dim != qk_dim:
+        raise UnsupportedError(f"{name} has key heads of {qk_dim} and value heads of {v_dim}; allowed: keys "
+                               "and values of one head size")
+
+
+class WindowLayer(DynamicSlidingWindowLayer):
+    """transformers' sliding-window layer, which a parked cache moves to host memory.
+
+    The window stays as transformers keeps it (the last ``sliding_window - 1`` entries); parking moves it off
+    the device and its next `update` brings it back. `reset` forgets it for real (transformers' own reset
+    zeroes the tensors in place and keeps their length, which suits static caches only).
+    """
+
+    def __init__(self, sliding_window: int, **kwargs: Any) -> None:
+        super().__init__(sliding_window=sliding_window, **kwargs)
+        self.home: torch.device | None = None   # where a parked window goes back to
+
+    def park(self) -> None:
+        if self.is_initialized and self.home is None and self.keys.device.type != "cpu":
+            self.home = self.keys.device
+            self.keys, self.values = self.keys.to("cpu"), self.values.to("cpu")
+
+    def restore(self) -> None:
+        if self.home is not None:
+            self.keys, self.values = self.keys.to(self.home), self.values.to(self.home)
+            self.home = None
+
+    @property
+    def parked(self) -> bool:
+        return self.home is not None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        self.restore()
+        return super().update(key_states, value_states, *args, **kwargs)
+
+    def reset(self) -> None:
+        self.keys = self.values = None
+        self.is_initialized = False
+        self.cumulative_length = 0
+        self.home = None
+
+    def nbytes(self) -> int:
+        if not self.is_initialized:
+            return 0
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values))

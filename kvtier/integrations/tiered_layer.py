@@ -1,0 +1,314 @@
+"""The cache layers a `TieredCache` hands to transformers, and the state they share.
+
+`TieredLayer` forwards a full-attention layer to its `LayerEngine`; sliding-window layers are
+transformers' own (`WindowLayer`). Every layer goes through the same guard: a closed or broken cache refuses
+use, a step that fails once some layer took it marks the cache broken, and raw resource failures become
+`CapacityError`s that name what ran out.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Callable
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from ..engine.layer import LayerEngine
+from ..engine.resources import SharedResources
+from ..errors import (BrokenCacheError, CapacityError, ClosedCacheError, ConfigError, UnsupportedError,
+                      is_resource_error, os_reason)
+from .attention import claim, masked_new_tokens
+from .layers import WindowLayer
+
+
+class CacheState:
+    """What a cache's layers and its finalizer share: the engines, the window layers, the shared resources and
+    whether the cache is closed or broken. Never the cache itself, so a dropped cache is collected."""
+
+    def __init__(self, engines: list[LayerEngine], windows: list[WindowLayer], shared: SharedResources,
+                 first: int = 0) -> None:
+        self.engines, self.windows, self.shared = engines, windows, shared
+        self.first = first                  # the model's first layer that stores entries: a step starts there
+        self.closed = False
+        self.broken: str | None = None     # what failed, in words (no exception is kept: it would hold frames)
+        self.pid = os.getpid()
+
+    def check(self) -> None:
+        """Raise unless the cache can be used."""
+        if self.closed:
+            raise ClosedCacheError("this TieredCache is closed: it holds nothing and takes nothing any more "
+                                   "(stats() still answers); make a new TieredCache")
+        if self.broken is not None:
+            raise BrokenCacheError(f"this TieredCache is broken: {self.broken}; its layers may disagree on "
+                                   "their length, so it refuses to go on; call reset() to empty it and start "
+                                   "again (or close() it)")
+
+    def break_with(self, what: BaseException | str, where: str = "") -> None:
+        if self.broken is None:
+            text = what if isinstance(what, str) else f"{type(what).__name__}: {what}"
+            self.broken = f"{where}failed ({text})" if where else text
+
+    def lengths(self) -> set[int]:
+        """Tokens seen by each layer that has taken a step."""
+        return ({e.seen for e in self.engines if e.pool is not None} |
+                {w.cumulative_length for w in self.windows if w.is_initialized})
+
+    def begin(self, layer_idx: int, length: int) -> None:
+        """Checks before a layer takes a step: the cache is usable and, at the first layer, every layer agrees."""
+        self.check()
+        if layer_idx == self.first and len(self.lengths()) > 1:
+            self.break_with(f"the layers disagree on their length ({sorted(self.lengths())} tokens): an earlier "
+                            "step was interrupted between layers")
+            self.check()
+
+    def guard(self, run: Callable[[], Any], where: str, capacity: str, before: int | None = None) -> Any:
+        """`run()` without autograd; a failure breaks the cache if any layer's length moved (always, when
+        `before` is None: the layer already took the step), and a resource failure becomes a `CapacityError`."""
+        try:
+            with torch.no_grad():   # inference only: stored entries never carry an autograd graph
+                return run()
+        except BaseException as e:
+            if before is None or any(n != before for n in self.lengths()):
+                self.break_with(e, where)
+            if not is_resource_error(e):
+                raise
+            raise CapacityError(f"{capacity}: {os_reason(e)}") from e
+
+
+def batch_refusal(batch: int) -> UnsupportedError:
+    """The error for a step of more than one sequence, naming the `generate` feature that asked for it."""
+    feature = _generate_feature()
+    asked = f"{feature} (a batch of {batch} sequences)" if feature else f"batch size {batch}"
+    return UnsupportedError(f"{asked} is not supported: a TieredCache holds one sequence; allowed: batch size "
+                            "1 with greedy or sampling generation (num_beams=1, num_return_sequences=1)")
+
+
+def _generate_feature() -> str | None:
+    """What the running transformers ``generate`` call asked for that needs several sequences, if any.
+
+    Read from the generation config of the ``generate`` frame on the stack, only to word an error.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "generate" and \
+                str(frame.f_globals.get("__name__", "")).startswith("transformers.generation"):
+            gc = frame.f_locals.get("generation_config")
+            beams = getattr(gc, "num_beams", 1) or 1
+            returned = getattr(gc, "num_return_sequences", 1) or 1
+            if beams > 1:
+                return f"beam search (num_beams={beams})"
+            if returned > 1:
+                return f"num_return_sequences={returned}"
+            return None
+        frame = frame.f_back
+    return None
+
+
+class TieredLayer(CacheLayerMixin):
+    """One full-attention layer of a `TieredCache`; forwards to its `LayerEngine`.
+
+    A step that fails after some layers took it (an exception out of `update`, `attend` or `commit` once a
+    layer's length moved) marks the cache broken; a failure before anything changed (a bad shape) does not.
+    ``keys``/``values`` are copies of the device tier's entries (``[1, kv_heads, n, head_dim]``, storage
+    order; `positions` says which tokens they are); demoted entries are not in them.
+    """
+
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+
+    def __init__(self, engine: LayerEngine, state: CacheState | None = None) -> None:
+        super().__init__()
+        self.engine = engine
+        self._state = state if state is not None else CacheState([engine], [], engine.shared, engine.layer_idx)
+
+    # ------------------------------------------------------------------ entries
+    def _entries(self, which: int) -> torch.Tensor | None:
+        engine = self.engine
+        if engine.parked is not None:
+            raise UnsupportedError(f"layer {engine.layer_idx} is parked in {engine.parked.where} memory: its "
+                                   "entries are off the device; call cache.resume() first")
+        if engine.pool is None:
+            return None   # no step yet (transformers' own layers hold None then too)
+        return engine.pool.contiguous(engine.pool.count)[which].clone()
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return self._entries(0)
+
+    @keys.setter
+    def keys(self, value: Any) -> None:
+        if value is not None:
+            raise UnsupportedError("a TieredLayer's keys cannot be assigned: its entries live in kvtier's tiers; "
+                                   "allowed: reading them")
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self._entries(1)
+
+    @values.setter
+    def values(self, value: Any) -> None:
+        if value is not None:
+            raise UnsupportedError("a TieredLayer's values cannot be assigned: its entries live in kvtier's "
+                                   "tiers; allowed: reading them")
+
+    @property
+    def positions(self) -> torch.Tensor | None:
+        """Token positions ``[kv_heads, n]`` of the entries in `keys`/`values`."""
+        if self._entries(0) is None:
+            return None
+        return self.engine.pool.meta()[0].clone()
+
+    # ------------------------------------------------------------------ a step
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        st, engine = self._state, self.engine
+        st.begin(engine.layer_idx, engine.seen)
+        if key_states.dim() == 4 and key_states.shape[0] != 1:
+            raise batch_refusal(key_states.shape[0])
+        keys, values = st.guard(lambda: engine.write(key_states, value_states), f"layer {engine.layer_idx} write ",
+                                f"layer {engine.layer_idx} could not take the step", before=engine.seen)
+        self.is_initialized = True
+        claim(keys, self)   # the attention function calls `attend` and `commit` below
+        return keys, values
+
+    def attend(self, query: torch.Tensor, attention_mask: torch.Tensor | None = None,
+               refuse: list[str] | None = None, **how: Any) -> Any:
+        """The engine's `attend` (keywords: `scaling`, `softcap`, `sinks`, `weights`), after telling it which
+        new tokens the mask leaves out (left padding); a failure breaks the cache (this layer took the step).
+
+        `refuse` names what the model asked of its attention that the split attention cannot do; it is refused
+        when this step recalls (otherwise the model's own attention runs and does it).
+        """
+        engine = self.engine
+
+        def run() -> Any:
+            pending = engine.pending
+            if pending is not None:
+                if engine.recalls():
+                    if refuse:
+                        raise UnsupportedError(f"layer {engine.layer_idx}'s attention was asked for {refuse[0]}, "
+                                               "which kvtier's split attention over recalled pages cannot apply")
+                    check_plain_mask(attention_mask)
+                masked = masked_new_tokens(attention_mask, engine.pool.count, pending.k.shape[2])
+                if masked is not None:
+                    engine.mask_new_tokens(masked)
+            return engine.attend(query, **how)
+
+        return self._state.guard(run, f"layer {engine.layer_idx} attention ",
+                                 f"layer {engine.layer_idx} could not recall its pages")
+
+    def commit(self, query: torch.Tensor | None = None, scaling: float | None = None) -> None:
+        """The engine's `commit`; a failure breaks the cache (this layer already took the step)."""
+        engine = self.engine
+        self._state.guard(lambda: engine.commit(query, scaling), f"layer {engine.layer_idx} commit ",
+                          f"layer {engine.layer_idx} could not place the step's entries")
+
+    def get_seq_length(self, *args: Any) -> int:
+        return self.engine.seen
+
+    def get_mask_sizes(self, query_length: int | torch.Tensor, *args: Any) -> tuple[int, int]:
+        if isinstance(query_length, torch.Tensor):  # older API passed cache_position
+            query_length = query_length.shape[0]
+        if self.engine.pending is not None:
+            # a model is about to run a step, but the last step's attention never came through kvtier (which
+            # places the step and recalls demoted pages): answers would silently lose the demoted entries
+            raise UnsupportedError(
+                "the model's attention did not run through kvtier on the last step, so demoted entries would "
+                "never be recalled; build the TieredCache with the model's own config (model.config), not a "
+                "copy of it (e.g. copy.deepcopy(model.config)), and do not change the model's "
+                "attn_implementation after building the cache")
+        self.engine.flush()
+        stored = self.engine.stored
+        return stored + int(query_length), self.engine.seen - stored
+
+    def get_max_length(self) -> int:
+        return -1
+
+    get_max_cache_shape = get_max_length
+
+    def reset(self) -> None:
+        self.engine.reset()
+
+    def offload(self) -> None:  # the tiers do their own moving
+        return None
+
+    def prefetch(self) -> None:
+        return None
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise crop_refusal(tokens_to_remove)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if beam_idx.numel() != 1 or int(beam_idx.reshape(-1)[0]) != 0:
+            raise UnsupportedError("beam search is not supported by TieredCache (it holds one sequence); "
+                                   "allowed: num_beams=1")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if repeats != 1:
+            raise batch_refusal(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if indices.numel() != 1 or int(indices.reshape(-1)[0]) != 0:
+            raise UnsupportedError("batch_select_indices: a TieredCache holds one sequence; allowed: index 0")
+
+
+def crop_refusal(tokens_to_remove: int) -> UnsupportedError:
+    return UnsupportedError(f"crop({tokens_to_remove}) is not supported by TieredCache: assisted and speculative "
+                            "decoding roll the cache back, and demoted pages cannot be un-taken; allowed: greedy "
+                            "or sampling generation without an assistant model")
+
+
+def check_plain_mask(mask: torch.Tensor | None) -> None:
+    """Refuse a float mask that adds biases (ALiBi, relative positions): the split attention applies no mask."""
+    if mask is None or mask.dtype == torch.bool or mask.dim() != 4:
+        return
+    low = torch.finfo(mask.dtype).min / 2
+    if bool(((mask != 0) & (mask > low)).any()):
+        raise UnsupportedError("the attention mask adds position biases (ALiBi or relative-position terms); "
+                               "kvtier's split attention over recalled pages cannot apply them; allowed: models "
+                               "whose mask only allows or blocks entries (rotary and other position encodings "
+                               "applied to the keys are fine)")
+
+
+class GuardedWindow(WindowLayer):
+    """A sliding-window layer under the cache's guard (closed, broken, one sequence, interrupted steps)."""
+
+    def __init__(self, sliding_window: int, layer_idx: int, state: CacheState | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(sliding_window=sliding_window, **kwargs)
+        self.layer_idx = layer_idx
+        self._state = state
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        st = self._state
+        if st is None:
+            raise ConfigError("a window layer of a TieredCache used before the cache was built")
+        st.begin(self.layer_idx, self.cumulative_length)
+        if key_states.dim() == 4 and key_states.shape[0] != 1:
+            raise batch_refusal(key_states.shape[0])
+        return st.guard(lambda: WindowLayer.update(self, key_states, value_states, *args, **kwargs),
+                        f"window layer {self.layer_idx} update ", f"window layer {self.layer_idx} could not take "
+                        "the step", before=self.cumulative_length)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise crop_refusal(tokens_to_remove)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if beam_idx.numel() != 1 or int(beam_idx.reshape(-1)[0]) != 0:
+            raise UnsupportedError("beam search is not supported by TieredCache (it holds one sequence); "
+                                   "allowed: num_beams=1")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if repeats != 1:
+            raise batch_refusal(repeats)
+
+    def activate_past_recording(self) -> None:
+        raise UnsupportedError("assisted decoding is not supported by TieredCache (it rolls the cache back); "
+                               "allowed: generation without an assistant model")
