@@ -1,0 +1,108 @@
+"""The split attention does what the model's own attention does: soft-capped logits (Gemma 2), learned sink
+logits (GPT-OSS), custom scaling, and the attention weights for ``output_attentions``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier import TieredCache, cache_kwargs
+from kvtier.engine.attention import attend_split
+from kvtier.engine.weights import unpack_rows, weights_by_position
+
+
+def _reference(q, k, v, scale, softcap=None, sinks=None, causal_from=None):
+    """Eager attention in float64 over one key set, per query head (GQA by repeating KV heads)."""
+    group = q.shape[1] // k.shape[1]
+    k = k.double().repeat_interleave(group, dim=1)
+    v = v.double().repeat_interleave(group, dim=1)
+    logits = q.double() @ k.transpose(-1, -2) * scale
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    if causal_from is not None:   # query t sits at key causal_from + t
+        L, S = logits.shape[-2:]
+        allowed = torch.arange(S)[None, :] <= causal_from + torch.arange(L)[:, None]
+        logits = logits.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        sink = sinks.double().reshape(1, -1, 1, 1).expand(*logits.shape[:3], 1)
+        probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(logits, dim=-1)
+    return (probs @ v).transpose(1, 2), probs
+
+
+@pytest.mark.parametrize("softcap", [None, 0.5, 5.0])
+@pytest.mark.parametrize("with_sinks", [False, True])
+@pytest.mark.parametrize("q_len", [1, 7])
+def test_split_attention_matches_eager_with_softcap_and_sinks(softcap, with_sinks, q_len):
+    g = torch.Generator().manual_seed(0)
+    kv, group, dim = 2, 3, 16
+    past = [torch.randn(1, kv, n, dim, generator=g) * 3 for n in (20, 9)]
+    values = [torch.randn(1, kv, n, dim, generator=g) for n in (20, 9)]
+    new_k, new_v = torch.randn(1, kv, q_len, dim, generator=g) * 3, torch.randn(1, kv, q_len, dim, generator=g)
+    q = torch.randn(1, kv * group, q_len, dim, generator=g)
+    sinks = torch.randn(kv * group, generator=g) * 2 if with_sinks else None
+    out = attend_split(q, list(zip(past, values)), new_k, new_v, 0, 0.3, softcap=softcap, sinks=sinks)
+    k_all = torch.cat(past + [new_k], dim=2)
+    v_all = torch.cat(values + [new_v], dim=2)
+    ref, _ = _reference(q, k_all, v_all, 0.3, softcap, sinks, causal_from=29)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-4)
+    if softcap is not None or with_sinks:   # the variant matters at these sizes: ignoring it would be caught
+        plain, _ = _reference(q, k_all, v_all, 0.3, None, None, causal_from=29)
+        assert (out.double() - plain).abs().max() > 1e-3
+
+
+def test_weights_by_position_equal_the_softmax_over_the_sequence():
+    g = torch.Generator().manual_seed(1)
+    kv, group, dim, L = 2, 2, 8, 3
+    k = torch.randn(1, kv, 12, dim, generator=g)
+    q = torch.randn(1, kv * group, L, dim, generator=g)
+    _, probs = _reference(q, k, torch.zeros_like(k), 0.5, softcap=2.0, causal_from=9)
+    # the same keys as two sets whose positions are shuffled per head, as the tiers hold them
+    perm = torch.stack([torch.randperm(12, generator=g) for _ in range(kv)])
+    keys = torch.gather(k[0], 1, perm[..., None].expand(-1, -1, dim))
+    packed = q.reshape(1, kv, group * L, dim)
+    logits = torch.tanh(packed[0] @ k[0].transpose(-1, -2) * 0.5 / 2.0) * 2.0
+    rows = torch.arange(9, 12).repeat(group)
+    logits = logits.masked_fill(torch.arange(12)[None, None, :] > rows[None, :, None], float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)[None]
+    w = weights_by_position(packed, [(keys[:, :5], perm[:, :5]), (keys[:, 5:], perm[:, 5:])], lse,
+                            torch.arange(9, 12), 12, 0.5, softcap=2.0)
+    torch.testing.assert_close(unpack_rows(w, kv * group).double(), probs, atol=1e-6, rtol=1e-5)
+
+
+def _tiny(config_cls, **kw):
+    torch.manual_seed(0)
+    cfg = config_cls(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=16, vocab_size=256, num_hidden_layers=4, sliding_window=64,
+                     layer_types=["sliding_attention", "full_attention"] * 2, **kw)
+    cfg._attn_implementation = "eager"
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def _generate(model, cache, ids):
+    return model.generate(ids, max_new_tokens=10, do_sample=False, output_logits=True,
+                          return_dict_in_generate=True, **cache_kwargs(cache))
+
+
+@pytest.mark.parametrize("variant", ["softcap", "sinks"])
+def test_models_whose_attention_differs_decode_the_same_with_recall(variant):
+    from transformers import DynamicCache, Gemma2Config, GptOssConfig
+
+    if variant == "softcap":   # a cap small enough to change every logit
+        model = _tiny(Gemma2Config, attn_logit_softcapping=1.0, final_logit_softcapping=None)
+    else:
+        model = _tiny(GptOssConfig, num_local_experts=4, num_experts_per_tok=2)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.copy_(torch.linspace(-2.0, 3.0, layer.self_attn.sinks.numel()))
+    ids = torch.randint(0, 256, (1, 200), generator=torch.Generator().manual_seed(2))
+    ref = _generate(model, DynamicCache(config=model.config), ids)
+    with TieredCache(model.config, device_budget=40, recall_pages=64) as cache:
+        out = _generate(model, cache, ids)
+        assert cache.stats()["pages_recalled"] > 0
+    assert torch.equal(ref.sequences, out.sequences)
+    for a, b in zip(ref.logits, out.logits):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
