@@ -67,6 +67,30 @@ def load_model(name_or_path: str, dtype: torch.dtype | str = "auto", device: str
         raise
 
 
+def load_config(name: str | None = None) -> Any:
+    """A model's config without its weights: a local folder or ``.gguf`` file, a Hugging Face id in the local
+    cache, or an architecture name transformers knows (``"gemma3_text"``, ``"llama"``: its default config);
+    None: the default model's."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if name is None:
+        path = default_model_path()
+        return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    if os.path.isfile(name) and name.endswith(".gguf"):
+        return AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(name)), gguf_file=os.path.basename(name))
+    if os.path.isdir(name):
+        return AutoConfig.from_pretrained(name)
+    if name in CONFIG_MAPPING:
+        return CONFIG_MAPPING[name]()
+    try:
+        return AutoConfig.from_pretrained(name, local_files_only=True)
+    except OSError as e:
+        raise ModelNotInstalledError(f"model {name!r} is neither a local path, an architecture name transformers "
+                                     "knows (e.g. 'llama', 'gemma3_text'), nor in the local Hugging Face cache"
+                                     ) from e
+
+
 def _load(source: str, kwargs: dict[str, Any], dtype: Any, device: Any, attn: str) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging

@@ -13,7 +13,7 @@ import click
 import psutil
 import torch
 
-from .common import check_writable_folder, user_errors
+from .common import UserError, check_writable_folder, one_line, user_errors
 from .format import human_bytes
 
 
@@ -66,15 +66,35 @@ def gather(disk_dir: str | None) -> dict:
     return info
 
 
+def model_support(model: str) -> dict:
+    """What kvtier does with `model` ("default": the packaged model); see `integrations.support`."""
+    from ..integrations.support import support
+    from ..models import load_config
+
+    try:
+        config = load_config(None if model == "default" else model)
+    except (OSError, ValueError, KeyError) as e:
+        raise UserError(f"Invalid value for '--model': {model!r} has no readable config ({type(e).__name__}: "
+                        f"{one_line(e)}); allowed: a model folder, a .gguf file, a Hugging Face id in the local "
+                        "cache, an architecture name such as 'llama' or 'gemma3_text', or 'default'") from e
+    return support(config)
+
+
 @click.command()
 @click.option("--disk-dir", default=None, help="The folder a disk tier would use (default: the temp folder).")
+@click.option("--model", default=None,
+              help="Also say what kvtier does with this model: a folder, .gguf file, Hugging Face id in the local "
+                   "cache, architecture name (llama, gemma3_text, ...) or 'default'.")
 @click.option("--json", "as_json", is_flag=True)
 @user_errors
-def info(disk_dir: str | None, as_json: bool) -> None:
-    """Versions, GPUs, memory, pinned-memory limit and free disk: what would limit a run."""
+def info(disk_dir: str | None, model: str | None, as_json: bool) -> None:
+    """Versions, GPUs, memory, pinned-memory limit and free disk: what would limit a run; with --model, which of
+    the model's layers are tiered, which attention variants apply and the limits that hold."""
     if disk_dir is not None:
         check_writable_folder(disk_dir, "--disk-dir")
     data = gather(disk_dir)
+    if model is not None:
+        data["model"] = model_support(model)
     if as_json:
         click.echo(json.dumps(data, indent=2))
         return
@@ -90,3 +110,8 @@ def info(disk_dir: str | None, as_json: bool) -> None:
     click.echo(f"default model: {data['default_model']}")
     for line in data["limits"]:
         click.echo(f"limit: {line}")
+    if model is not None:
+        from ..integrations.support import describe_support
+
+        for line in describe_support(data["model"]):
+            click.echo(line)

@@ -20,9 +20,16 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, UnsupportedError
 
 PREFIX = "kvtier_"
+# implementations kvtier works with (the names transformers gives them); a kernel-hub name is passed through
+KNOWN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4")
+REFUSED_IMPLEMENTATIONS = {
+    "paged": "paged attention reads transformers' continuous-batching cache, not the cache it is given",
+    "flex_attention": "its block masks do not say which tokens are padding, so padding could come back with "
+                      "recalled pages",
+}
 _claims = threading.local()
 
 
@@ -103,13 +110,17 @@ def masked_new_tokens(attention_mask: torch.Tensor | None, stored: int, q_len: i
 
     A column is padding when no row of the mask allows it (the last row of a causal mask allows every column,
     so causality alone never marks one). Columns are the entries `update` returned: `stored` device entries,
-    then the new tokens.
+    then the new tokens. Flash attention gets the 2D padding mask ``[batch, columns]`` instead of a 4D one.
     """
-    if attention_mask is None or attention_mask.dim() != 4:
+    if attention_mask is None or attention_mask.dim() not in (2, 4):
         return None
     allowed = attention_mask if attention_mask.dtype == torch.bool else \
         attention_mask > torch.finfo(attention_mask.dtype).min / 2
-    seen_by_any = allowed[0].any(dim=0).any(dim=0)            # [columns]
+    if attention_mask.dim() == 2:   # 1 keeps a token, 0 is padding
+        allowed = attention_mask.bool()
+        seen_by_any = allowed[0]
+    else:
+        seen_by_any = allowed[0].any(dim=0).any(dim=0)            # [columns]
     if seen_by_any.all():
         return None
     if seen_by_any.shape[0] != stored + q_len:
@@ -136,6 +147,10 @@ def use_tiered_attention(config: Any) -> str:
                           "name for the text model (e.g. 'sdpa' or 'eager')")
     if current.startswith(PREFIX):
         return current
+    for name, why in REFUSED_IMPLEMENTATIONS.items():
+        if name in current:
+            raise UnsupportedError(f"attn_implementation={current!r} is not supported by TieredCache: {why}; "
+                                   f"allowed: {', '.join(map(repr, KNOWN_IMPLEMENTATIONS))}")
     name = f"{PREFIX}{current}"
     AttentionInterface.register(name, _make_attention(current))
     if current in ALL_MASK_ATTENTION_FUNCTIONS:
