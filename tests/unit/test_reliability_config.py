@@ -10,7 +10,7 @@ import types
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+
 
 from kvtier import CapacityError, ConfigError, TieredCache, cache_kwargs
 from kvtier.config import ModelShape
@@ -24,16 +24,6 @@ def config(**changes):
     return types.SimpleNamespace(**{k: v for k, v in base.items() if v is not ...})
 
 
-@pytest.fixture(scope="module")
-def model():
-    from kvtier.integrations.attention import restore_attention
-
-    torch.manual_seed(0)
-    m = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
-                                     num_key_value_heads=2, intermediate_size=128, vocab_size=128,
-                                     attn_implementation="sdpa")).eval()
-    yield m
-    restore_attention(m.config)
 
 
 # ------------------------------------------------------------------------------------------------ budgets

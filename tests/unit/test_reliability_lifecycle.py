@@ -13,31 +13,16 @@ import weakref
 import psutil
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache
 
 import kvtier.tiers.disk as disk_module
+from tiny_models import tiny_llama
 from kvtier import CapacityError, ConfigError, ScorerError, TieredCache, UnsupportedError, cache_kwargs
 from kvtier.errors import BrokenCacheError, ClosedCacheError, KVTierError
 from kvtier.scoring.keynorm import KeyNormScorer
 
 PROMPT = torch.randint(0, 128, (1, 60), generator=torch.Generator().manual_seed(2))
 SETTINGS = dict(device_budget=24, host_budget=16, recall_pages=1000)
-
-
-def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=128, vocab_size=128, attn_implementation="sdpa")
-    return LlamaForCausalLM(config).eval()
-
-
-@pytest.fixture(scope="module")
-def model():
-    from kvtier.integrations.attention import restore_attention
-
-    m = tiny_llama()
-    yield m
-    restore_attention(m.config)
 
 
 @torch.no_grad()

@@ -20,7 +20,7 @@ import textwrap
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+
 
 import kvtier.tiers.disk as disk_module
 from kvtier import CapacityError, TieredCache, cache_kwargs
@@ -32,22 +32,6 @@ KINDS = {  # host tier with pages on disk already; no host budget (the private f
     "tiered": dict(device_budget=24, host_budget=32, recall_pages=1000),
     "no-disk-yet": dict(device_budget=24, host_budget=None, recall_pages=1000),
 }
-
-
-def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=128, vocab_size=128, attn_implementation="sdpa")
-    return LlamaForCausalLM(config).eval()
-
-
-@pytest.fixture(scope="module")
-def model():
-    from kvtier.integrations.attention import restore_attention
-
-    m = tiny_llama()
-    yield m
-    restore_attention(m.config)
 
 
 @torch.no_grad()
@@ -243,7 +227,8 @@ def test_a_real_file_size_limit(tmp_path):
         import json, os, resource, sys, torch
         torch.set_num_threads(1)
         sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
-        from test_reliability_park import KINDS, tiny_llama, prefill, continue_greedy, where
+        from test_reliability_park import KINDS, prefill, continue_greedy, where
+        from tiny_models import tiny_llama
         from kvtier import CapacityError, TieredCache
         model = tiny_llama()
         twin = TieredCache(model.config, disk_dir={str(tmp_path)!r}, scorer="keynorm", **KINDS["tiered"])

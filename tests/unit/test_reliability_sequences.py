@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache
 
 from kvtier import TieredCache, cache_kwargs
 
@@ -21,16 +21,6 @@ OPS = st.one_of(
 )
 
 
-@pytest.fixture(scope="module")
-def model():
-    from kvtier.integrations.attention import restore_attention
-
-    torch.manual_seed(0)
-    config = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=128, vocab_size=128, attn_implementation="sdpa")
-    m = LlamaForCausalLM(config).eval()
-    yield m
-    restore_attention(m.config)
 
 
 @pytest.fixture(scope="module")

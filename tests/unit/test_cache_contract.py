@@ -1,0 +1,123 @@
+"""The rest of transformers' Cache contract: independent deep copies (pages on host and disk included), layer
+keys/values, and refusals that name the feature asked for (beam search, several sequences, assisted decoding,
+crop, shallow copies, pickling)."""
+
+from __future__ import annotations
+
+import copy
+import os
+import pickle
+
+import pytest
+import torch
+from tiny_models import tiny_llama
+from transformers import DynamicCache
+
+from kvtier import TieredCache, UnsupportedError, cache_kwargs
+
+PROMPT = torch.randint(0, 128, (1, 160), generator=torch.Generator().manual_seed(3))
+TIERED = dict(device_budget=24, host_budget=40, recall_pages=1000, scorer="keynorm")
+
+
+@torch.no_grad()
+def greedy(model, cache, ids, n=6) -> list[int]:
+    """Feed `ids`, then `n` greedy tokens one at a time."""
+    out, step = [], ids
+    for _ in range(n):
+        logits = model(step, **cache_kwargs(cache)).logits
+        step = logits[:, -1:].argmax(-1)
+        out.append(int(step))
+    return out
+
+
+def test_deepcopy_is_an_independent_copy_of_every_tier(model, tmp_path):
+    cache, ref = TieredCache(model.config, disk_dir=tmp_path, **TIERED), DynamicCache(config=model.config)
+    assert greedy(model, cache, PROMPT, n=1) == greedy(model, ref, PROMPT, n=1)
+    before = cache.stats()
+    assert before["host"]["tokens"] and before["disk"]["tokens"]   # all three tiers hold pages
+    twin, ref_twin = copy.deepcopy(cache), copy.deepcopy(ref)
+    assert not twin.closed and twin.disk_path != cache.disk_path
+    after = twin.stats()
+    for tier in ("device", "host", "disk"):
+        assert after[tier]["tokens"] == before[tier]["tokens"]
+    assert after["tokens_seen"] == before["tokens_seen"]
+    follow = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(4))
+    assert greedy(model, twin, follow) == greedy(model, ref_twin, follow)
+    other = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(5))
+    assert greedy(model, cache, other) == greedy(model, ref, other)   # the copy's steps left the original alone
+    path = cache.disk_path
+    cache.close()                          # the original going away leaves the copy whole
+    assert not os.path.exists(path)
+    again, ref_again = copy.deepcopy(twin), copy.deepcopy(ref_twin)
+    twin.close()
+    assert greedy(model, again, other) == greedy(model, ref_again, other)
+    again.close()
+
+
+def test_deepcopy_of_a_parked_cache_is_refused_and_changes_nothing(model, tmp_path):
+    with TieredCache(model.config, disk_dir=tmp_path, **TIERED) as cache:
+        greedy(model, cache, PROMPT, n=1)
+        cache.park("host")
+        with pytest.raises(UnsupportedError, match="resume"):
+            copy.deepcopy(cache)
+        assert cache.parked == "host"
+        cache.resume()
+        assert copy.deepcopy(cache).stats()["tokens_seen"] == cache.stats()["tokens_seen"]
+
+
+def test_shallow_copies_and_pickling_are_refused(model):
+    with TieredCache(model.config, device_budget=1.0) as cache:
+        with pytest.raises(UnsupportedError, match="deepcopy"):
+            copy.copy(cache)
+        with pytest.raises(UnsupportedError, match="pickled"):
+            pickle.dumps(cache)
+
+
+def test_layer_keys_and_values_are_the_device_entries(model, tmp_path):
+    with TieredCache(model.config, disk_dir=tmp_path, **TIERED) as cache:
+        assert cache.layers[0].keys is None        # no step yet, as transformers' own layers
+        greedy(model, cache, PROMPT, n=1)
+        layer = cache.layers[0]
+        keys, values, pos = layer.keys, layer.values, layer.positions
+        assert keys.shape == values.shape == (1, 2, pos.shape[1], 16)
+        assert keys.shape[2] == cache.stats()["device"]["tokens"] // (2 * len(cache.layers))
+        ref = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(PROMPT, **cache_kwargs(ref))
+        for h in range(2):   # the same entries a plain cache holds at those positions
+            assert torch.equal(keys[0, h], ref.layers[0].keys[0, h, pos[h]])
+            assert torch.equal(values[0, h], ref.layers[0].values[0, h, pos[h]])
+        keys.zero_()                                # a copy: the cache is untouched
+        assert not torch.equal(layer.keys, keys)
+        with pytest.raises(UnsupportedError, match="cannot be assigned"):
+            layer.keys = torch.zeros(1)
+        cache.park("host")
+        with pytest.raises(UnsupportedError, match="resume"):
+            _ = layer.keys
+
+
+@pytest.mark.parametrize("kwargs, feature", [
+    (dict(num_beams=3), "beam search"),
+    (dict(do_sample=True, num_return_sequences=2), "num_return_sequences=2"),
+])
+def test_generate_features_that_need_several_sequences_are_named(model, kwargs, feature):
+    with TieredCache(model.config) as cache:
+        with pytest.raises(UnsupportedError, match=feature):
+            model.generate(PROMPT[:, :20], max_new_tokens=3, **kwargs, **cache_kwargs(cache))
+        assert cache.broken is None and cache.get_seq_length() == 0   # refused before any layer took it
+
+
+def test_assisted_decoding_and_crop_are_named(model):
+    assistant = tiny_llama(seed=1)
+    with TieredCache(model.config) as cache:
+        with pytest.raises(UnsupportedError, match="assisted decoding"):
+            model.generate(PROMPT[:, :20], max_new_tokens=3, assistant_model=assistant, do_sample=False,
+                           **cache_kwargs(cache))
+        with pytest.raises(UnsupportedError, match=r"crop\(-2\)"):
+            cache.crop(-2)
+
+
+def test_batched_prompts_are_refused_by_batch_size(model):
+    with TieredCache(model.config) as cache:
+        with pytest.raises(UnsupportedError, match="batch size 2"):
+            model(PROMPT[:, :10].repeat(2, 1), **cache_kwargs(cache))

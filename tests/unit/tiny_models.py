@@ -1,0 +1,14 @@
+"""The tiny random-weight model the reliability tests run (importable from subprocesses too)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
+    """A 2-layer Llama with 2 KV heads, sdpa attention, vocabulary 128: milliseconds a step."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=128, vocab_size=128, attn_implementation="sdpa")
+    return LlamaForCausalLM(config).eval()
