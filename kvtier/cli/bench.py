@@ -78,3 +78,89 @@ def decode(context: int, new_tokens: int, rounds: int, device_budget: str, host_
                f"{torch.get_num_threads()} thread(s), {device}")
     for r in out["results"]:
         click.echo(f"  {r['cache']:<14}{r['tokens_per_second']:>8.1f} tokens/s   x{r['ratio']:.2f}")
+
+
+@bench.command("gpu")
+@click.option("--contexts", default="32K,128K", show_default=True,
+              help="Comma list of prefilled contexts whose decode step is timed (e.g. 32K,128K).")
+@click.option("--million/--no-million", default=True, show_default=True,
+              help="The synthetic 1M-token row (filled through the cache's update, no prefill).")
+@click.option("--million-context", default="1M", show_default=True, help="Tokens of the synthetic row.")
+@click.option("--million-layers", default="auto", show_default=True,
+              help="Layers filled in the synthetic row (auto: as host memory allows, at most 8; reported "
+                   "and projected to the shape's layers).")
+@click.option("--device-budget", default="0.1", show_default=True,
+              help="kvtier's device tokens per KV head: a fraction or a token count.")
+@click.option("--recall-pages", default=64, show_default=True, type=click.IntRange(min=0),
+              help="Pages recalled per layer and KV head per step.")
+@click.option("--layers", default=None, type=click.IntRange(min=1),
+              help="Model layers (default: the shape's own, 32 for the 8B shape; fewer is quicker and is "
+                   "reported as a truncated shape).")
+@click.option("--shape", default="llama-3.1-8b", show_default=True, type=click.Choice(["llama-3.1-8b", "tiny"]),
+              help="Model shape (random weights); tiny is for tests.")
+@click.option("--steps", default=10, show_default=True, type=click.IntRange(min=1),
+              help="Timed decode steps per row (after the warm-up); the median is reported.")
+@click.option("--warmup", default=3, show_default=True, type=click.IntRange(min=0),
+              help="Untimed decode steps first.")
+@click.option("--growth-steps", default=1000, show_default=True, type=click.IntRange(min=0),
+              help="kvtier decode steps at the smallest context over which memory growth is measured (0: skip).")
+@click.option("--growth-seconds", default=120.0, show_default=True, type=click.FloatRange(min=0),
+              help="Stop the growth run past this many seconds (recorded; the target then has no verdict).")
+@click.option("--prefill-chunk", default=8192, show_default=True, type=click.IntRange(min=1),
+              help="Tokens per prefill forward (keeps activation memory small).")
+@click.option("--copy-mib", default=1024, show_default=True, type=click.IntRange(min=1),
+              help="Size of the raw pinned copy the batches are compared with.")
+@click.option("--batch-mib", default=64, show_default=True, type=click.IntRange(min=1),
+              help="Size of the demotion and recall batches timed through the engine.")
+@click.option("--device", default="cuda", show_default=True,
+              help="cuda, cuda:N, or cpu (the same code at the sizes asked, plain memory, wall-clock timing).")
+@click.option("--threads", default=None, type=THREADS, help="torch CPU threads (default: torch's own).")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--out", "out_path", default="kvtier-bench-gpu.json", show_default=True, help="Where the JSON goes.")
+@click.option("--quiet", is_flag=True, help="No progress on stderr.")
+@user_errors
+def gpu(contexts: str, million: bool, million_context: str, million_layers: str, device_budget: str,
+        recall_pages: int, layers: int | None, shape: str, steps: int, warmup: int, growth_steps: int,
+        growth_seconds: float, prefill_chunk: int, copy_mib: int, batch_mib: int, device: str, threads: int | None,
+        seed: int, out_path: str, quiet: bool) -> None:
+    """Demotion/recall GB/s vs a raw pinned copy; decode step of the Llama-3.1-8B shape (random weights, bf16,
+    batch 1) with kvtier vs DynamicCache on the GPU vs DynamicCache(offloading=True); a synthetic 1M row; KVP
+    scoring as a fraction of prefill. Prints a table and writes JSON with each target's pass/fail."""
+    from pathlib import Path
+
+    from .common import bad_option, check_output_file, parse_context, split_list
+
+    ctx = tuple(sorted({parse_context(c, "--contexts", 16) for c in split_list(contexts, "--contexts")}))
+    budget = parse_budget(device_budget, "--device-budget")
+    if budget is None:
+        raise bad_option("--device-budget", device_budget, "a fraction like 0.1 or a token count like 4096",
+                         "leaves no device tier")
+    check_cache_options(budget, None, None, recall_pages)
+    m_ctx = parse_context(million_context, "--million-context", 16)
+    if million_layers.strip().lower() == "auto":
+        m_layers = None
+    else:
+        try:
+            m_layers = int(million_layers)
+        except ValueError:
+            raise bad_option("--million-layers", million_layers, "auto or a whole number >= 1",
+                             "is not a whole number") from None
+        if m_layers < 1:
+            raise bad_option("--million-layers", million_layers, "auto or a whole number >= 1", "is out of range")
+    from ..bench.gpu import SHAPES, GpuBenchConfig, Progress, format_report, run_gpu_bench
+
+    if layers is not None and layers > SHAPES[shape]["num_hidden_layers"]:
+        raise bad_option("--layers", layers, f"1 to {SHAPES[shape]['num_hidden_layers']} for {shape}", "is too many")
+    check_device(device)
+    check_output_file(out_path, "--out")
+    if threads is not None:
+        set_threads(threads)
+    cfg = GpuBenchConfig(device=device, shape=shape, layers=layers, contexts=ctx, million=million,
+                         million_context=m_ctx, million_layers=m_layers, device_budget=budget,
+                         recall_pages=recall_pages, steps=steps, warmup=warmup, growth_steps=growth_steps,
+                         growth_seconds=growth_seconds, prefill_chunk=prefill_chunk, copy_mib=copy_mib,
+                         batch_mib=batch_mib, seed=seed)
+    result = run_gpu_bench(cfg, Progress(not quiet))
+    Path(out_path).expanduser().write_text(json.dumps(result, indent=2) + "\n")
+    click.echo(format_report(result))
+    click.echo(f"JSON: {out_path}")

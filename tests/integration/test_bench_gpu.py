@@ -1,0 +1,144 @@
+"""`kvtier bench gpu` end to end on the CPU at tiny sizes (same code as on the GPU), through click's runner:
+the JSON's structure, the ratios and the targets, rows skipped with a reason, and mistakes in the options."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from kvtier.bench.gpu import TARGET_CONTEXT, evaluate_targets
+from kvtier.cli import main
+
+TINY = ["bench", "gpu", "--shape", "tiny", "--layers", "2", "--contexts", "1K,2K", "--million-context", "8K",
+        "--steps", "2", "--warmup", "1", "--growth-steps", "12", "--copy-mib", "8", "--batch-mib", "1",
+        "--prefill-chunk", "512", "--threads", "1"]
+TARGETS = {"demotion_vs_raw_copy", "recall_vs_raw_copy", "decode_vs_dynamic_gpu", "decode_vs_offloading",
+           "million_gpu_bytes", "million_decode_vs_dynamic", "no_device_memory_growth", "no_host_memory_growth",
+           "under_5_minutes"}
+
+
+def run(*args):
+    return CliRunner().invoke(main, list(args))
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "gpu.json"
+    result = run(*TINY, "--device", "cpu", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    return result.output, json.loads(out.read_text())
+
+
+def test_table_and_json_are_written(cpu_run):
+    text, data = cpu_run
+    assert "decode step, ms" in text and "targets" in text and "TRUNCATED" in text
+    assert data["device"] == "cpu" and data["machine"]["torch_threads"] == 1
+    assert data["shape"] == {**data["shape"], "preset": "tiny", "layers": 2, "layers_in_shape": 4, "truncated": True,
+                             "dtype": "bfloat16", "batch": 1, "weights": "random"}
+    assert set(data["seconds"]) >= {"bandwidth", "model_init", "context_1024", "context_2048", "million", "total"}
+    assert "untrained" in data["scorer"]
+
+
+def test_bandwidth_rows(cpu_run):
+    bw = cpu_run[1]["bandwidth"]
+    assert "LayerEngine._to_host" in bw["method"] and "_bring_up" in bw["method"]
+    assert bw["raw_copy"]["bytes"] == 8 * 2**20 and bw["raw_copy"]["pinned"] is False
+    assert bw["raw_copy"]["host_to_device_gbps"] > 0
+    for key in ("demotion", "demotion_commit", "recall", "recall_step"):
+        row = bw["tiers"][key]
+        assert row["bytes"] > 0 and row["gbps"] > 0, key
+    # one step's recall: recall_pages (64) pages for each of the 2 KV heads
+    assert bw["tiers"]["recall_step"]["pages"] == 128
+
+
+def test_decode_rows_and_ratios(cpu_run):
+    rows = cpu_run[1]["decode"]
+    assert [r["context"] for r in rows] == [1024, 2048]
+    for r in rows:
+        kv, dyn, off = (r["rows"][n] for n in ("kvtier", "dynamic", "offloading"))
+        assert kv["steps"] == 2 and dyn["steps"] == 2 and kv["step_ms_median"] > 0
+        assert r["ratios"]["dynamic_over_kvtier"] == pytest.approx(dyn["step_ms_median"] / kv["step_ms_median"],
+                                                                  rel=1e-2)
+        assert "skipped" in off and "cpu" in off["skipped"] and r["ratios"]["offloading_over_kvtier"] is None
+        assert kv["tiers"]["host"]["tokens"] > 0 and kv["tiers"]["device"]["tokens"] > 0   # demoted, not dropped
+        assert 0 < r["kvp_scoring"]["fraction_of_prefill"] and r["kvp_scoring"]["layers"] == 2
+    growth = rows[0]["rows"]["kvtier"]["growth"]
+    assert growth["steps"] == 12 and growth["new_tokens"] == 12 and not growth["stopped_early"]
+    assert "growth" not in rows[1]["rows"]["kvtier"]
+
+
+def test_million_row(cpu_run):
+    mil = cpu_run[1]["million"]
+    assert mil["context"] == 8192 and mil["synthetic"] is True and 1 <= mil["layers"] <= 2
+    assert mil["steps"] == 2 and mil["step_ms_median"] > 0
+    assert mil["tiers"]["host"]["tokens"] > 0
+    assert mil["projected_gpu_bytes_full_shape"] == mil["per_layer_gpu_bytes"] * 4
+    assert mil["gpu_allocated_bytes"] is None   # no CUDA allocator: the cache's own pools are reported
+
+
+def test_targets_have_values_and_verdicts(cpu_run):
+    targets = {t["name"]: t for t in cpu_run[1]["targets"]}
+    assert set(targets) == TARGETS
+    for t in targets.values():
+        assert {"target", "measured", "unit", "threshold", "pass", "note"} <= set(t)
+    for name in ("demotion_vs_raw_copy", "recall_vs_raw_copy", "decode_vs_dynamic_gpu", "million_gpu_bytes",
+                 "million_decode_vs_dynamic", "no_device_memory_growth", "no_host_memory_growth"):
+        assert targets[name]["measured"] is not None and targets[name]["pass"] in (True, False), name
+    assert targets["decode_vs_dynamic_gpu"]["context"] == 2048 and "128K" in targets["decode_vs_dynamic_gpu"]["note"]
+    assert targets["decode_vs_offloading"]["pass"] is None and "cpu" in targets["decode_vs_offloading"]["note"]
+
+
+def test_targets_prefer_128k_and_judge_both_ways():
+    def row(context, kvtier, dynamic, offloading):
+        return {"context": context, "rows": {"kvtier": {"step_ms_median": kvtier}, "dynamic": {"step_ms_median": dynamic},
+                                             "offloading": {"step_ms_median": offloading}},
+                "ratios": {"dynamic_over_kvtier": dynamic / kvtier, "offloading_over_kvtier": offloading / kvtier}}
+
+    result = {"device": "cuda", "shape": {"layers": 32}, "seconds": {"total": 280.0},
+              "bandwidth": {"raw_copy": {"host_to_device_gbps": 55.0, "device_to_host_gbps": 50.0},
+                            "tiers": {"demotion": {"gbps": 46.0}, "recall": {"gbps": 20.0}}},
+              "decode": [row(32768, 50.0, 56.0, 192.0), row(TARGET_CONTEXT, 60.0, 58.0, 986.0)]}
+    got = {t["name"]: t for t in evaluate_targets(result)}
+    assert got["demotion_vs_raw_copy"]["pass"] is True and got["recall_vs_raw_copy"]["pass"] is False
+    assert got["decode_vs_dynamic_gpu"]["context"] == TARGET_CONTEXT and got["decode_vs_dynamic_gpu"]["pass"] is False
+    assert got["decode_vs_offloading"]["measured"] == pytest.approx(986 / 60, rel=1e-3)
+    assert got["decode_vs_offloading"]["pass"] is True and got["under_5_minutes"]["pass"] is True
+    assert got["million_gpu_bytes"]["pass"] is None and "--no-million" in got["million_gpu_bytes"]["note"]
+    assert got["no_device_memory_growth"]["pass"] is None
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--contexts", "abc"], "not a token count"),
+    (["--contexts", "1K,"], "empty item"),
+    (["--layers", "9"], "is too many"),
+    (["--device-budget", "none"], "leaves no device tier"),
+    (["--million-layers", "x"], "not a whole number"),
+    (["--device", "tpu"], "--device"),
+])
+def test_mistakes_exit_2(args, words, tmp_path):
+    result = run(*TINY, "--device", "cpu", "--out", str(tmp_path / "x.json"), *args)
+    assert result.exit_code == 2, result.output
+    assert words in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_cuda_without_a_gpu_is_a_mistake(tmp_path):
+    result = run(*TINY, "--out", str(tmp_path / "x.json"))
+    assert result.exit_code == 2 and "no CUDA device" in result.output
+
+
+@pytest.mark.cuda
+def test_tiny_on_cuda_measures_every_row(tmp_path):
+    out = tmp_path / "gpu.json"
+    result = run(*TINY, "--device", "cuda", "--out", str(out), "--quiet")
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert data["bandwidth"]["raw_copy"]["pinned"] is True and data["bandwidth"]["tiers"]["pinned"] is True
+    for r in data["decode"]:
+        assert all("skipped" not in r["rows"][n] for n in ("kvtier", "dynamic", "offloading")), r["rows"]
+        assert r["ratios"]["offloading_over_kvtier"] is not None
+    assert data["million"]["gpu_allocated_bytes"] > 0
+    assert all(t["measured"] is not None for t in data["targets"]), data["targets"]
