@@ -15,7 +15,6 @@ import warnings
 import weakref
 from typing import Any
 
-import torch
 import transformers
 from packaging.version import Version
 from transformers.cache_utils import Cache
@@ -31,7 +30,7 @@ from ..placement.budget import Budget
 from ..scoring import Scorer, make_scorer
 from .attention import restore_attention, use_tiered_attention
 from .layers import NO_CACHE, TIERED, WINDOWED, LayerPlan, WindowLayer, layer_plan
-from .tiered_layer import CacheState, GuardedWindow, TieredLayer, batch_refusal, crop_refusal
+from .tiered_layer import CacheState, GuardedWindow, OneSequence, TieredLayer
 
 
 def _capacity(e: BaseException, what: str) -> CapacityError | None:
@@ -52,7 +51,7 @@ def _close(state: CacheState) -> None:
         state.shared.close()
 
 
-class TieredCache(Cache):
+class TieredCache(OneSequence, Cache):
     """A drop-in transformers cache that keeps the best-ranked KV entries on the device.
 
     Parameters
@@ -316,27 +315,6 @@ class TieredCache(Cache):
             "mode": s.mode,
             "scorer": s.scorer_name,
         }
-
-    # ------------------------------------------------------------------ what generate may ask for
-    def crop(self, max_length: int) -> None:
-        raise crop_refusal(max_length)
-
-    def activate_past_recording(self) -> None:
-        raise UnsupportedError("assisted decoding is not supported by TieredCache: it rolls the cache back, and "
-                               "demoted pages cannot be un-taken; allowed: generation without an assistant model")
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        if beam_idx.numel() != 1 or int(beam_idx.reshape(-1)[0]) != 0:
-            raise UnsupportedError("beam search is not supported by TieredCache (it holds one sequence); "
-                                   "allowed: num_beams=1")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if repeats != 1:
-            raise batch_refusal(repeats)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if indices.numel() != 1 or int(indices.reshape(-1)[0]) != 0:
-            raise UnsupportedError("batch_select_indices: a TieredCache holds one sequence; allowed: index 0")
 
     # ------------------------------------------------------------------ copies
     def __deepcopy__(self, memo: dict) -> TieredCache:

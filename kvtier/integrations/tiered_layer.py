@@ -106,7 +106,38 @@ def _generate_feature() -> str | None:
     return None
 
 
-class TieredLayer(CacheLayerMixin):
+class OneSequence:
+    """What generate may ask of a cache or a layer that needs several sequences or a rollback: refused, by
+    name, before anything changes."""
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise crop_refusal(tokens_to_remove)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if beam_idx.numel() != 1 or int(beam_idx.reshape(-1)[0]) != 0:
+            raise UnsupportedError("beam search is not supported by TieredCache (it holds one sequence); "
+                                   "allowed: num_beams=1")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if repeats != 1:
+            raise batch_refusal(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if indices.numel() != 1 or int(indices.reshape(-1)[0]) != 0:
+            raise UnsupportedError("batch_select_indices: a TieredCache holds one sequence; allowed: index 0")
+
+    def activate_past_recording(self) -> None:
+        raise UnsupportedError("assisted decoding is not supported by TieredCache: it rolls the cache back, and "
+                               "demoted pages cannot be un-taken; allowed: generation without an assistant model")
+
+
+def crop_refusal(tokens_to_remove: int) -> UnsupportedError:
+    return UnsupportedError(f"crop({tokens_to_remove}) is not supported by TieredCache: assisted and speculative "
+                            "decoding roll the cache back, and demoted pages cannot be un-taken; allowed: greedy "
+                            "or sampling generation without an assistant model")
+
+
+class TieredLayer(OneSequence, CacheLayerMixin):
     """One full-attention layer of a `TieredCache`; forwards to its `LayerEngine`.
 
     A step that fails after some layers took it (an exception out of `update`, `attend` or `commit` once a
@@ -241,27 +272,6 @@ class TieredLayer(CacheLayerMixin):
     def prefetch(self) -> None:
         return None
 
-    def crop(self, tokens_to_remove: int) -> None:
-        raise crop_refusal(tokens_to_remove)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        if beam_idx.numel() != 1 or int(beam_idx.reshape(-1)[0]) != 0:
-            raise UnsupportedError("beam search is not supported by TieredCache (it holds one sequence); "
-                                   "allowed: num_beams=1")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if repeats != 1:
-            raise batch_refusal(repeats)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if indices.numel() != 1 or int(indices.reshape(-1)[0]) != 0:
-            raise UnsupportedError("batch_select_indices: a TieredCache holds one sequence; allowed: index 0")
-
-
-def crop_refusal(tokens_to_remove: int) -> UnsupportedError:
-    return UnsupportedError(f"crop({tokens_to_remove}) is not supported by TieredCache: assisted and speculative "
-                            "decoding roll the cache back, and demoted pages cannot be un-taken; allowed: greedy "
-                            "or sampling generation without an assistant model")
 
 
 def check_plain_mask(mask: torch.Tensor | None) -> None:
@@ -276,7 +286,7 @@ def check_plain_mask(mask: torch.Tensor | None) -> None:
                                "applied to the keys are fine)")
 
 
-class GuardedWindow(WindowLayer):
+class GuardedWindow(OneSequence, WindowLayer):
     """A sliding-window layer under the cache's guard (closed, broken, one sequence, interrupted steps)."""
 
     def __init__(self, sliding_window: int, layer_idx: int, state: CacheState | None = None,
@@ -296,19 +306,3 @@ class GuardedWindow(WindowLayer):
         return st.guard(lambda: WindowLayer.update(self, key_states, value_states, *args, **kwargs),
                         f"window layer {self.layer_idx} update ", f"window layer {self.layer_idx} could not take "
                         "the step", before=self.cumulative_length)
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise crop_refusal(tokens_to_remove)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        if beam_idx.numel() != 1 or int(beam_idx.reshape(-1)[0]) != 0:
-            raise UnsupportedError("beam search is not supported by TieredCache (it holds one sequence); "
-                                   "allowed: num_beams=1")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if repeats != 1:
-            raise batch_refusal(repeats)
-
-    def activate_past_recording(self) -> None:
-        raise UnsupportedError("assisted decoding is not supported by TieredCache (it rolls the cache back); "
-                               "allowed: generation without an assistant model")
