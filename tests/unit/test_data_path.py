@@ -148,7 +148,7 @@ def test_long_query_over_every_recalled_page_is_exact(make_engine, monkeypatch):
     monkeypatch.setattr(engine, "_fetch", lambda ids, short: blocks.append(ids.shape) or real(ids, short))
     engine.write(k_all[:, :, old:], v_all[:, :, old:])
     query = torch.randn(1, engine.heads * 3, new, engine.head_dim, generator=g)
-    out = engine.attend(query)
+    out, _ = engine.attend(query)
     assert blocks == [(engine.heads, engine.table.n)] * (new // 128)   # every block recalled every page
     ref = _exact_causal(query, k_all, v_all, old, engine.head_dim ** -0.5)
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-4)
@@ -189,7 +189,7 @@ def test_each_query_block_recalls_its_own_pages(make_engine, monkeypatch):
     query = torch.randn(1, engine.heads * 3, new, engine.head_dim, generator=g) * 0.3
     query[:, :, :128] = needles[0] * 4       # block 0 asks for the first planted key
     query[:, :, 128:256] = needles[1] * 4    # block 1 for the second
-    assert engine.attend(query).shape == (1, new, engine.heads * 3, engine.head_dim)
+    assert engine.attend(query)[0].shape == (1, new, engine.heads * 3, engine.head_dim)
     assert len(fetched) == new // 128 and all(ids.shape == (engine.heads, 2) for ids in fetched)
     for h in range(engine.heads):
         assert page_of[planted[0]][h] in fetched[0][h].tolist()

@@ -33,7 +33,7 @@ LONG_TURN = textwrap.dedent("""
     query = torch.randn(1, H * G, q_len, D, generator=g)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     engine.write(k, v)
-    out = engine.attend(query)
+    out, _ = engine.attend(query)
     engine.commit()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print(json.dumps({"extra_kib": peak - before, "out": list(out.shape)}))

@@ -117,7 +117,7 @@ def test_parked_then_written_matches_a_twin_never_parked(make_engine, watch_fetc
     for engine in (parked, twin):
         fetched = watch_fetches(engine)
         engine.write(k, k)
-        outs.append(engine.attend(query))
+        outs.append(engine.attend(query)[0])
         engine.commit()
         assert len(fetched) == 1
         ids.append(fetched[0][0])

@@ -53,7 +53,7 @@ def test_round_trip_every_tier_is_bit_exact(make_engine, watch_fetches, dtype):
     fetched = watch_fetches(engine)
     k_new = torch.randn(1, engine.heads, 1, engine.head_dim).to(dtype)
     engine.write(k_new, k_new)
-    out = engine.attend(torch.randn(1, engine.heads * 2, 1, engine.head_dim).to(dtype))
+    out, _ = engine.attend(torch.randn(1, engine.heads * 2, 1, engine.head_dim).to(dtype))
     assert out is not None and out.shape == (1, 1, engine.heads * 2, engine.head_dim)
     assert len(fetched) == 1
     ids, rk, rv = fetched[0]
@@ -89,7 +89,8 @@ def _first_disk_slot(engine):
 def _attend_all(engine):
     k = torch.randn(1, engine.heads, 1, engine.head_dim)
     engine.write(k, k)
-    return engine.attend(torch.randn(1, engine.heads * 2, 1, engine.head_dim))
+    result = engine.attend(torch.randn(1, engine.heads * 2, 1, engine.head_dim))
+    return None if result is None else result[0]
 
 
 def test_corrupted_disk_page_is_detected(make_engine):

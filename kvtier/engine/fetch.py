@@ -1,0 +1,97 @@
+"""Bringing chosen pages up to the device: what a layer's recall does once the pages are picked.
+
+Pages the recall buffer already holds stay; the others are gathered from the host slabs and the disk store
+(through the read-ahead cache) into staging and copied up; short-listed disk pages that were not taken are
+read ahead for the next step. Part of `LayerEngine`, kept apart so the life of a step reads on its own.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from ..placement.page_table import DISK, HOST
+from ..recall.buffer import RecallBuffer
+
+
+class PageFetching:
+    """The fetch half of a `LayerEngine` (uses its table, tiers, recall buffer, transfers and counters)."""
+
+    def _fetch(self, ids: torch.Tensor, shortlist: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pages ``ids`` ``[heads, r]`` on the device: ``[heads, r * page_size, dim]`` keys and values.
+
+        Pages the recall buffer already holds stay; only the others are brought up.
+        """
+        want = ids.cpu().numpy()
+        H, r = want.shape
+        buf = self.recalled
+        if buf is None or buf.pages != r:
+            buf = self.recalled = RecallBuffer(H, r, self.cfg.page_size, self.head_dim, self.dtype, self.device)
+        heads, pids, slots = buf.plan(want)
+        self.counters.pages_reused += H * r - len(pids)
+        if len(pids):
+            order, k, v = self._bring_up(heads, pids)
+            buf.fill(heads[order], pids[order], slots[order], k, v)
+        self._read_ahead(ids, shortlist)
+        self.counters.recall_steps += 1
+        return buf.k, buf.v
+
+    def _bring_up(self, heads: np.ndarray, pids: np.ndarray) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+        """Pages ``(heads[i], pids[i])`` from the host and disk tiers to the device.
+
+        Returns ``(order, k, v)``: the pages come in the order ``order`` of the request (by tier and slot,
+        so gathers run over the same slab), ``[n, page_size, dim]`` each.
+        """
+        P, D = self.cfg.page_size, self.head_dim
+        tier, slot = self.table.lookup(heads, pids)
+        order = np.lexsort((slot, tier))
+        tier, slot = tier[order], slot[order]
+        on_host, on_disk = np.flatnonzero(tier == HOST), np.flatnonzero(tier == DISK)
+        n = len(pids)
+        stage_k = torch.empty(n, P, D, dtype=self.dtype, pin_memory=self.pin)
+        stage_v = torch.empty_like(stage_k, pin_memory=self.pin)
+        if len(on_disk) == 0:
+            self.host.load(slot, out=(stage_k, stage_v))
+        else:
+            if len(on_host):
+                rows = torch.from_numpy(on_host)
+                stage_k[rows], stage_v[rows] = self.host.load(slot[on_host])
+            rows = torch.from_numpy(on_disk)
+            stage_k[rows], stage_v[rows] = self._load_disk(slot[on_disk])
+        if self.device.type == "cpu":
+            k_dev, v_dev = stage_k, stage_v
+        else:
+            k_dev = torch.empty(stage_k.shape, dtype=self.dtype, device=self.device)
+            v_dev = torch.empty_like(k_dev)
+            self.transfer.wait([self.transfer.submit(k_dev, stage_k), self.transfer.submit(v_dev, stage_v)])
+        page_bytes = self.host.page_bytes()
+        c = self.counters
+        c.bytes_moved["host_to_device"] += len(on_host) * page_bytes
+        c.bytes_moved["disk_to_device"] += len(on_disk) * page_bytes
+        c.pages_recalled["host"] += len(on_host)
+        c.pages_recalled["disk"] += len(on_disk)
+        return order, k_dev, v_dev
+
+    def _load_disk(self, slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        t0 = time.perf_counter()
+        try:
+            if self.readahead is not None:
+                return self.readahead.load(slots)
+            return self.disk.load(slots)
+        finally:
+            self.counters.disk_wait_seconds += time.perf_counter() - t0
+
+    def _read_ahead(self, ids: torch.Tensor, shortlist: torch.Tensor) -> None:
+        """Start reading the short-listed disk pages that were not taken: the likeliest next ones."""
+        if self.readahead is None or shortlist is ids:
+            return
+        H, m = shortlist.shape
+        cand = shortlist.cpu().numpy()
+        taken = ids.cpu().numpy()
+        heads = np.repeat(np.arange(H), m)
+        pids = cand.reshape(-1)
+        keep = ~np.concatenate([np.isin(cand[h], taken[h]) for h in range(H)])
+        tier, slot = self.table.lookup(heads[keep], pids[keep])
+        self.readahead.prefetch(slot[tier == DISK])
