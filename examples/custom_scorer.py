@@ -1,5 +1,9 @@
-"""Plug in your own scorer: anything with ``score(keys, values, positions, layer_idx)`` returning one float
-per entry and KV head. This one blends key norm with a preference for recent tokens.
+"""Plug in your own scorer: a `name` and ``score(keys, values, positions, layer_idx)`` returning one float
+per entry and KV head (a `kvtier.scoring.Scorer`). This one blends key norm with a preference for recent tokens.
+
+A scorer that ranks from attention weights sets ``needs_query = True`` and also takes the keywords ``query``,
+``context_keys`` and ``scaling`` (a `QueryScorer`): the cache then scores its entries after attention. See
+docs/scorer.md, "Writing a scorer".
 
     python examples/custom_scorer.py [--short]
 """

@@ -8,12 +8,12 @@ from .errors import (BrokenCacheError, CapacityError, ClosedCacheError, ConfigEr
                      ModelNotInstalledError, ScorerError, TransferError, UnsupportedError)
 from .integrations.hf import TieredCache, cache_kwargs
 from .models import load_default_model, load_model
-from .scoring import Scorer, available_scorers, make_scorer
+from .scoring import QueryScorer, Scorer, available_scorers, make_scorer
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "BrokenCacheError", "CapacityError", "ClosedCacheError", "ConfigError", "CorruptPageError", "KVTierError", "ModelNotInstalledError", "Scorer",
+    "BrokenCacheError", "CapacityError", "ClosedCacheError", "ConfigError", "CorruptPageError", "KVTierError", "ModelNotInstalledError", "QueryScorer", "Scorer",
     "ScorerError", "TieredCache", "TransferError", "cache_kwargs", "UnsupportedError", "available_scorers", "load_default_model",
     "load_model", "make_scorer", "__version__",
 ]

@@ -93,7 +93,7 @@ def synthetic_needles(arch: str = "llama-3.1-8b", context: int = 2**20, needles:
             step_k = torch.zeros(1, kv_heads, 1, dim, dtype=dtype)
             t0 = time.perf_counter()
             engine.write(step_k, step_k)
-            out = engine.attend(query.to(dtype), 1 / math.sqrt(dim))
+            out, _ = engine.attend(query.to(dtype), 1 / math.sqrt(dim))   # pages are demoted: never None
             tiered_s = time.perf_counter() - t0
             engine.commit()
             hit = _recalled(engine, engine.last_recall, p)

@@ -21,7 +21,7 @@ from ..placement import page_rank, plan_device_demotion, plan_host_overflow
 from ..placement.page_table import DISK, HOST, PageTable
 from ..recall import PageIndex, grouped, select_pages
 from ..recall.buffer import RecallBuffer
-from ..scoring import Scorer, checked_scores
+from ..scoring import QueryScorer, Scorer, checked_scores, needs_query, scorer_name
 from ..tiers.device import DevicePool
 from ..tiers.host import HostPool
 from ..tiers.readahead import DiskReadAhead
@@ -49,7 +49,7 @@ class _Pending:
 class LayerEngine(PageFetching):
     """The tiers, the page table and the placement of one layer."""
 
-    def __init__(self, layer_idx: int, config: TieredCacheConfig, scorer: Scorer,
+    def __init__(self, layer_idx: int, config: TieredCacheConfig, scorer: Scorer | QueryScorer,
                  shared: SharedResources) -> None:
         self.layer_idx, self.cfg, self.scorer, self.shared = layer_idx, config, scorer, shared
         self.counters = shared.counters
@@ -120,7 +120,7 @@ class LayerEngine(PageFetching):
         q = k.shape[2]
         positions = torch.arange(self.seen, self.seen + q, device=k.device)
         score = None  # scored after attention, with the query, by attention-based scorers
-        if not getattr(self.scorer, "needs_query", False):
+        if not needs_query(self.scorer):
             score = checked_scores(self.scorer, k, v, positions, self.layer_idx)[0]
         self.pool.stage(k, v, positions.expand(self.heads, q))
         self.pending = _Pending(k, v, positions, score)
@@ -227,7 +227,7 @@ class LayerEngine(PageFetching):
         q = p.k.shape[2]
         if p.score is None:
             if query is None:  # the step stays pending: nothing is lost
-                raise ScorerError(f"scorer {getattr(self.scorer, 'name', self.scorer)!r} needs the attention "
+                raise ScorerError(f"scorer {scorer_name(self.scorer)!r} needs the attention "
                                   "query, but this layer's attention did not run through kvtier; use the model "
                                   "whose config the TieredCache was built with")
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5

@@ -16,6 +16,7 @@ import torch
 from transformers import DynamicCache
 
 from ..integrations.hf import TieredCache, cache_kwargs
+from ..scoring import QueryScorer, Scorer, check_scorer_model, needs_query, scorer_name
 from ..training.traces import capture_attention
 
 
@@ -58,16 +59,18 @@ class PromptScores:
 
     Prompt scores depend only on the prompt (and, for attention-based scorers, its queries), never on the
     budget; H2O's ``q x q`` attention per layer is the cost this saves. Later writes are scored afresh.
+    It is the same kind of scorer (`Scorer` or `QueryScorer`) as the one it wraps, and passes the model
+    check on to it.
     """
 
-    def __init__(self, scorer: Any, prompt_tokens: int) -> None:
+    def __init__(self, scorer: Scorer | QueryScorer, prompt_tokens: int) -> None:
         self.scorer, self.prompt_tokens = scorer, prompt_tokens
-        self.name = getattr(scorer, "name", type(scorer).__name__)
-        self.needs_query = getattr(scorer, "needs_query", False)
+        self.name = scorer_name(scorer)
+        self.needs_query = needs_query(scorer)
         self._memo: dict[int, torch.Tensor] = {}
 
-    def __getattr__(self, attr: str) -> Any:   # check_model, agents, ... of the wrapped scorer
-        return getattr(self.__dict__["scorer"], attr)
+    def check_model(self, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
+        check_scorer_model(self.scorer, num_layers, num_kv_heads, head_dim)
 
     def score(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, layer_idx: int,
               **query_kwargs: Any) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """RULER-style synthetic tasks, generated offline from templates and seeds, plus perplexity and multi-turn chat.
 
-Haystacks are RULER's repeated-sentence noise. Each example knows its expected answers; scoring is RULER's
-string match (the share of expected answers found in the model's output).
+Haystacks are RULER's repeated-sentence noise, and the needle texts and haystacks come from
+`kvtier.tasks.needle`, the builder the demo and the KVP traces use. Each example knows its expected answers;
+scoring is RULER's string match (the share of expected answers found in the model's output).
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from typing import Any, Callable
 
 import torch
 
-from ..tasks.needle import KEYS, NEEDLE_INTRO, NOISE
+from ..tasks.chat import chat_ids
+from ..tasks.needle import (KEYS, NEEDLE, NEEDLE_ONE_OF, QUESTION, QUESTION_ALL, QUESTION_SEVERAL, haystack,
+                            magic_number, needle_prompt, noise_tokens, scattered_haystack)
 
 WORDS = ("apple", "bridge", "candle", "dragon", "engine", "falcon", "garden", "hammer", "island", "jacket",
          "kettle", "ladder", "marble", "needle", "orange", "pillow", "quartz", "rocket", "saddle", "tunnel",
@@ -36,73 +39,42 @@ class Example:
         return sum(a.lower() in text.lower() for a in self.answers) / len(self.answers)
 
 
-def _chat(tokenizer: Any, content: str) -> torch.Tensor:
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                        return_tensors="pt", return_dict=True)
-    return ids["input_ids"]
-
-
-def _haystack(tokenizer: Any, length: int, inserts: list[str], rng: random.Random) -> str:
-    """About `length` tokens of noise with `inserts` at random depths (in order)."""
-    per = len(tokenizer(NOISE, add_special_tokens=False)["input_ids"])
-    reps = max(len(inserts) + 1, (length - 60 * len(inserts)) // per)
-    spots = sorted(rng.sample(range(reps), len(inserts)))
-    parts = []
-    for i in range(reps):
-        parts.append(NOISE)
-        for s, text in zip(spots, inserts):
-            if s == i:
-                parts.append(text + " ")
-    return "".join(parts)
-
-
-def _needle_prompt(tokenizer: Any, hay: str, question: str) -> torch.Tensor:
-    return _chat(tokenizer, f"{NEEDLE_INTRO}\n\n{hay}\n\n{question}")
-
-
-def _number(rng: random.Random) -> str:
-    return str(rng.randrange(1_000_000, 10_000_000))
-
-
 def niah_single(tokenizer, length, rng):
-    key, value = rng.choice(KEYS), _number(rng)
-    hay = _haystack(tokenizer, length, [f"The special magic number for {key} is {value}."], rng)
-    q = f"What is the special magic number for {key}? Answer with the number only."
-    return _needle_prompt(tokenizer, hay, q), [value], 24
+    key, value = rng.choice(KEYS), magic_number(rng)
+    hay = scattered_haystack(tokenizer, length, [NEEDLE.format(key=key, value=value)], rng)
+    return chat_ids(tokenizer, needle_prompt(hay, QUESTION.format(key=key))), [value], 24
 
 
 def niah_multikey(tokenizer, length, rng):
     keys = rng.sample(KEYS, 4)
-    values = [_number(rng) for _ in keys]
-    hay = _haystack(tokenizer, length, [f"The special magic number for {k} is {v}." for k, v in zip(keys, values)], rng)
-    q = f"What is the special magic number for {keys[0]}? Answer with the number only."
-    return _needle_prompt(tokenizer, hay, q), [values[0]], 24
+    values = [magic_number(rng) for _ in keys]
+    hay = scattered_haystack(tokenizer, length, [NEEDLE.format(key=k, value=v) for k, v in zip(keys, values)], rng)
+    return chat_ids(tokenizer, needle_prompt(hay, QUESTION.format(key=keys[0]))), [values[0]], 24
 
 
 def niah_multivalue(tokenizer, length, rng):
     key = rng.choice(KEYS)
-    values = [_number(rng) for _ in range(3)]
-    hay = _haystack(tokenizer, length, [f"One of the special magic numbers for {key} is {v}." for v in values], rng)
-    q = f"What are all the special magic numbers for {key}? List the numbers only."
-    return _needle_prompt(tokenizer, hay, q), values, 48
+    values = [magic_number(rng) for _ in range(3)]
+    hay = scattered_haystack(tokenizer, length, [NEEDLE_ONE_OF.format(key=key, value=v) for v in values], rng)
+    return chat_ids(tokenizer, needle_prompt(hay, QUESTION_ALL.format(key=key))), values, 48
 
 
 def niah_multiquery(tokenizer, length, rng):
     keys = rng.sample(KEYS, 3)
-    values = [_number(rng) for _ in keys]
-    hay = _haystack(tokenizer, length, [f"The special magic number for {k} is {v}." for k, v in zip(keys, values)], rng)
-    q = f"What are the special magic numbers for {keys[0]} and {keys[1]}? List the numbers only."
-    return _needle_prompt(tokenizer, hay, q), values[:2], 48
+    values = [magic_number(rng) for _ in keys]
+    hay = scattered_haystack(tokenizer, length, [NEEDLE.format(key=k, value=v) for k, v in zip(keys, values)], rng)
+    q = QUESTION_SEVERAL.format(keys=f"{keys[0]} and {keys[1]}")
+    return chat_ids(tokenizer, needle_prompt(hay, q)), values[:2], 48
 
 
 def variable_tracking(tokenizer, length, rng):
     names = ["".join(rng.choice("ABCDEFGHJKLMNPQRSTUVWXYZ") for _ in range(5)) for _ in range(6)]
     value = str(rng.randrange(10_000, 100_000))
     chain = [f"VAR {names[0]} = {value}."] + [f"VAR {names[i]} = {names[i - 1]}." for i in range(1, 4)]
-    hay = _haystack(tokenizer, length, chain, rng)
+    hay = scattered_haystack(tokenizer, length, chain, rng)
     q = f"Find all variables that are assigned the value {value} in the text above. Answer with the names only."
-    return _chat(tokenizer, f"Memorize and track the chain of variable assignments in the text.\n\n{hay}\n\n{q}"), \
-        names[:4], 32
+    intro = "Memorize and track the chain of variable assignments in the text."
+    return chat_ids(tokenizer, needle_prompt(hay, q, intro)), names[:4], 32
 
 
 def common_words(tokenizer, length, rng):
@@ -112,7 +84,7 @@ def common_words(tokenizer, length, rng):
     words = [rng.choice(common) if rng.random() < 0.3 else rng.choice(rare) for _ in range(n_words)]
     listing = " ".join(f"{i + 1}. {w}" for i, w in enumerate(words))
     q = "What are the 3 most common words in the list above? Answer with the words only."
-    return _chat(tokenizer, f"Below is a numbered list of words.\n\n{listing}\n\n{q}"), common, 24
+    return chat_ids(tokenizer, f"Below is a numbered list of words.\n\n{listing}\n\n{q}"), common, 24
 
 
 def frequent_words(tokenizer, length, rng):
@@ -121,16 +93,16 @@ def frequent_words(tokenizer, length, rng):
     n_words = max(30, length // 3)
     text = " ".join(rng.choices(vocab, weights, k=n_words))
     q = "What are the 3 most frequently used coded words in the text above? Answer with the words only."
-    return _chat(tokenizer, f"Read the following coded text and track how often each coded word appears.\n\n"
-                            f"{text}\n\n{q}"), vocab[:3], 24
+    return chat_ids(tokenizer, f"Read the following coded text and track how often each coded word appears.\n\n"
+                               f"{text}\n\n{q}"), vocab[:3], 24
 
 
 def multi_turn(tokenizer, length, rng):
-    key, value = rng.choice(KEYS), _number(rng)
-    per = len(tokenizer(NOISE, add_special_tokens=False)["input_ids"])
+    key, value = rng.choice(KEYS), magic_number(rng)
+    per = noise_tokens(tokenizer)
     turns = [{"role": "user", "content": f"Please remember this: the code number for {key} is {value}."},
              {"role": "assistant", "content": "Noted, I will remember it."}]
-    chunk = NOISE * max(1, (length // 4) // per)
+    chunk = haystack(max(1, (length // 4) // per))
     for _ in range(3):
         turns += [{"role": "user", "content": f"Here is some text to read: {chunk}"},
                   {"role": "assistant", "content": "I have read it."}]

@@ -27,7 +27,7 @@ from ..engine.parking import check_target
 from ..engine.resources import SharedResources
 from ..errors import CapacityError, ConfigError, UnsupportedError, is_resource_error, os_reason
 from ..placement.budget import Budget
-from ..scoring import Scorer, make_scorer
+from ..scoring import QueryScorer, Scorer, check_scorer_model, make_scorer, scorer_name
 from .attention import restore_attention, use_tiered_attention
 from .layers import NO_CACHE, TIERED, WINDOWED, LayerPlan, WindowLayer, layer_plan
 from .tiered_layer import CacheState, GuardedWindow, OneSequence, TieredLayer
@@ -81,7 +81,7 @@ class TieredCache(OneSequence, Cache):
     """
 
     def __init__(self, config: Any, device_budget: float | int = 0.25, host_budget: float | int | None = None,
-                 disk_dir: str | os.PathLike | None = None, scorer: str | Scorer | None = None,
+                 disk_dir: str | os.PathLike | None = None, scorer: str | Scorer | QueryScorer | None = None,
                  mode: str = "tier", recall_pages: int = DEFAULT_RECALL_PAGES, *,
                  page_size: int = DEFAULT_PAGE_SIZE, sink_tokens: int = DEFAULT_SINK_TOKENS,
                  recent_tokens: int = DEFAULT_RECENT_TOKENS, scorer_kwargs: dict[str, Any] | None = None) -> None:
@@ -108,13 +108,12 @@ class TieredCache(OneSequence, Cache):
             disk_dir=None if disk_dir is None else os.fspath(disk_dir),
             mode=mode, recall_pages=recall_pages, page_size=page_size, sink_tokens=sink_tokens,
             recent_tokens=recent_tokens,
-            scorer_name=scorer if isinstance(scorer, str) else getattr(scorer, "name", type(scorer).__name__),
+            scorer_name=scorer if isinstance(scorer, str) else scorer_name(scorer),
         )
         if isinstance(scorer, str):
             _check_scorer_kwargs(scorer, scorer_kwargs)
         self.scorer = make_scorer(scorer, **scorer_kwargs)
-        if hasattr(self.scorer, "check_model"):
-            self.scorer.check_model(shape.num_layers, shape.num_kv_heads, shape.head_dim)
+        check_scorer_model(self.scorer, shape.num_layers, shape.num_kv_heads, shape.head_dim)
         self._shared = SharedResources(self.settings.disk_dir)
         self.counters = self._shared.counters
         self.plan: LayerPlan = plan

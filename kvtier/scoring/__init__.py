@@ -1,7 +1,9 @@
-"""Scoring: rank cache entries from key, value and position (see `base` for the contract)."""
+"""Scoring: rank cache entries once, when written (`Scorer`) or after attention (`QueryScorer`); see `base`."""
 
-from .base import Scorer, checked_scores
+from .base import ModelBound, QueryScorer, Scorer, check_scorer_model, checked_scores, needs_query, scorer_name
 from .registry import (BASELINES_ATTENTION_BASED, BASELINES_ATTENTION_FREE, available_scorers, make_scorer,
                        register_scorer)
 
-__all__ = ["BASELINES_ATTENTION_BASED", "BASELINES_ATTENTION_FREE", "Scorer", "available_scorers", "checked_scores", "make_scorer", "register_scorer"]
+__all__ = ["BASELINES_ATTENTION_BASED", "BASELINES_ATTENTION_FREE", "ModelBound", "QueryScorer", "Scorer",
+           "available_scorers", "check_scorer_model", "checked_scores", "make_scorer", "needs_query",
+           "register_scorer", "scorer_name"]

@@ -1,31 +1,64 @@
-"""The scorer contract: rank newly written cache entries once, from their key, value and position.
+"""The scorer contract: rank newly written cache entries once; ranking, budgets and movement live elsewhere.
 
-A scorer is any object with ``score(keys, values, positions, layer_idx) -> Tensor``:
+There are two kinds of scorer, and each object is exactly one of them:
 
-- ``keys``, ``values``: ``[batch, kv_heads, tokens, head_dim]``, keys post-RoPE as cached;
+- `Scorer`: ``score(keys, values, positions, layer_idx)``. The cache calls it when entries are written, before
+  attention, so it cannot see attention weights (recency, keynorm, keydiff, random, kvp).
+- `QueryScorer`: declares ``needs_query = True`` and takes three more keywords, ``query``, ``context_keys``
+  and ``scaling``. The cache calls it after the step's attention, with the queries attention used (tova,
+  snapkv, h2o).
+
+Shapes:
+
+- ``keys``, ``values``: ``[batch, kv_heads, tokens, head_dim]``, keys post-RoPE as cached, any float dtype
+  (scorers compute in float32, so bfloat16 and float32 inputs rank alike);
 - ``positions``: ``[tokens]`` int64, the absolute positions of those entries;
 - ``layer_idx``: the layer they belong to (learned scorers keep one agent per layer and head);
-- returns ``[batch, kv_heads, tokens]`` floats; higher means more important.
+- ``query``: ``[batch, q_heads, tokens, head_dim]``, the step's queries (``q_heads`` a multiple of ``kv_heads``);
+- ``context_keys``: ``[batch, kv_heads, n, head_dim]``, the keys attention read, the ``tokens`` new ones last;
+- ``scaling``: the softmax scale attention used;
+- the result: ``[batch, kv_heads, tokens]`` floats; higher means more important; ``+inf``/``-inf`` allowed, NaN not.
 
-Ranking, budgets and movement belong to other modules.
+A scorer trained for one model shape (KVP) also implements `ModelBound`; the cache calls `check_scorer_model`
+before the first step, so a mismatch fails at construction instead of mis-ranking.
 
-A scorer that needs attention weights (TOVA, SnapKV, H2O) sets ``needs_query = True``; it is then called
-after attention, with the keyword arguments ``query`` ``[batch, q_heads, tokens, head_dim]``,
-``context_keys`` (the keys attention read, new ones last) and ``scaling``.
+Callers ask through `needs_query`, `check_scorer_model`, `scorer_name` and `checked_scores` rather than
+probing attributes, so this module is the only place that reads the ``needs_query`` marker.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from ..errors import ScorerError
 
+_QUERY_KEYWORDS = ("query", "context_keys", "scaling")
+
+
+def _marker(obj: object) -> bool | None:
+    """The ``needs_query`` marker: False when absent, None when it is not a bool."""
+    value = getattr(obj, "needs_query", False)
+    return value if isinstance(value, bool) else None
+
+
+class _ScorerKind(type(Protocol)):  # type: ignore[misc]
+    """Protocol membership that also reads the marker, so `Scorer` and `QueryScorer` split scorers exactly.
+
+    Structural checks alone cannot tell the two apart: both have ``name`` and ``score``.
+    """
+
+    def __instancecheck__(cls, obj: object) -> bool:
+        wants_query = _KIND.get(cls)
+        if not super().__instancecheck__(obj):
+            return False
+        return wants_query is None or _marker(obj) is wants_query
+
 
 @runtime_checkable
-class Scorer(Protocol):
-    """Anything that ranks cache entries (see the module docstring for shapes)."""
+class Scorer(Protocol, metaclass=_ScorerKind):
+    """Ranks entries from key, value and position, when they are written (before attention)."""
 
     name: str
 
@@ -33,12 +66,88 @@ class Scorer(Protocol):
               layer_idx: int) -> torch.Tensor: ...
 
 
-def checked_scores(scorer: Scorer, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-                   layer_idx: int, **query_kwargs: Any) -> torch.Tensor:
-    """Call `scorer` and verify its output, so a faulty scorer fails loudly instead of mis-ranking."""
-    out = scorer.score(keys, values, positions, layer_idx, **query_kwargs)
+@runtime_checkable
+class QueryScorer(Protocol, metaclass=_ScorerKind):
+    """Ranks entries from the attention they receive, after the step's attention (``needs_query = True``)."""
+
+    name: str
+    needs_query: bool
+
+    def score(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, layer_idx: int, *,
+              query: torch.Tensor, context_keys: torch.Tensor, scaling: float) -> torch.Tensor: ...
+
+
+_KIND: dict[type, bool] = {Scorer: False, QueryScorer: True}
+
+
+@runtime_checkable
+class ModelBound(Protocol):
+    """A scorer that only fits models of one shape (trained weights); optional."""
+
+    def check_model(self, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
+        """Raise `ConfigError` naming both shapes when the model is not the one the scorer fits."""
+        ...
+
+
+def scorer_name(scorer: object) -> str:
+    """The scorer's ``name``, or its class name for a scorer without one (for messages and stats)."""
+    name = getattr(scorer, "name", None)
+    return name if isinstance(name, str) else type(scorer).__name__
+
+
+def needs_query(scorer: object) -> bool:
+    """Whether the cache must score `scorer`'s entries after attention, with the query (a `QueryScorer`).
+
+    Reads the ``needs_query`` marker, which third-party scorers may set without naming the protocols.
+    """
+    marker = _marker(scorer)
+    if marker is None:
+        raise ScorerError(f"scorer {scorer_name(scorer)!r} has needs_query={getattr(scorer, 'needs_query')!r}; "
+                          "allowed: True (scored after attention, with the query) or False / not set "
+                          "(scored from key, value and position)")
+    return marker
+
+
+def check_scorer_model(scorer: object, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
+    """Let a `ModelBound` scorer refuse a model of another shape; every other scorer fits any model."""
+    if isinstance(scorer, ModelBound):
+        scorer.check_model(num_layers, num_kv_heads, head_dim)
+
+
+def _check_query(name: str, keys: torch.Tensor, query: torch.Tensor, context_keys: torch.Tensor) -> None:
+    batch, kv_heads, tokens, dim = keys.shape
+    if (query.dim() != 4 or query.shape[0] != batch or query.shape[1] % kv_heads or query.shape[2] != tokens
+            or query.shape[3] != dim):
+        raise ScorerError(f"query shape {list(query.shape)} for scorer {name!r}; expected [{batch}, q_heads, "
+                          f"{tokens}, {dim}] with q_heads a multiple of {kv_heads} (one query per new entry)")
+    if (context_keys.dim() != 4 or context_keys.shape[:2] != keys.shape[:2] or context_keys.shape[2] < tokens
+            or context_keys.shape[3] != dim):
+        raise ScorerError(f"context_keys shape {list(context_keys.shape)} for scorer {name!r}; expected "
+                          f"[{batch}, {kv_heads}, n >= {tokens}, {dim}] (the keys attention read, new ones last)")
+
+
+def checked_scores(scorer: Scorer | QueryScorer, keys: torch.Tensor, values: torch.Tensor,
+                   positions: torch.Tensor, layer_idx: int, *, query: torch.Tensor | None = None,
+                   context_keys: torch.Tensor | None = None, scaling: float | None = None) -> torch.Tensor:
+    """Call `scorer` as its kind requires and verify its output, so a faulty scorer fails loudly.
+
+    The query keywords go to a `QueryScorer` only (callers may always pass them); a `QueryScorer` without
+    them is an error. Returns ``[batch, kv_heads, tokens]`` float32.
+    """
+    name = scorer_name(scorer)
+    if needs_query(scorer):
+        given = {"query": query, "context_keys": context_keys, "scaling": scaling}
+        missing = [k for k in _QUERY_KEYWORDS if given[k] is None]
+        if missing:
+            raise ScorerError(f"scorer {name!r} needs the attention query: it ranks from attention weights, so "
+                              f"it is scored after attention with {', '.join(k + '=' for k in _QUERY_KEYWORDS)} "
+                              f"(missing: {', '.join(missing)})")
+        _check_query(name, keys, query, context_keys)
+        out = scorer.score(keys, values, positions, layer_idx, query=query, context_keys=context_keys,
+                           scaling=scaling)
+    else:
+        out = scorer.score(keys, values, positions, layer_idx)
     expected = tuple(keys.shape[:3])
-    name = getattr(scorer, "name", type(scorer).__name__)
     if not isinstance(out, torch.Tensor):
         raise ScorerError(f"scorer {name!r} returned {type(out).__name__}; expected a tensor of shape "
                           f"[batch, kv_heads, tokens] = {list(expected)}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -14,11 +15,11 @@ class H2OScorer:
     """Attention summed over all queries of the write (causal), averaged over the group's heads.
 
     Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference", arXiv 2306.14048. Costs a
-    full ``q x q`` attention per layer at prefill, computed in chunks. Needs the query (``needs_query``).
+    full ``q x q`` attention per layer at prefill, computed in chunks. A `QueryScorer`: scored after attention.
     """
 
     name: str = "h2o"
-    needs_query: bool = True
+    needs_query: ClassVar[bool] = True   # the `QueryScorer` marker, not a setting
 
     def score(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, layer_idx: int, *,
               query: torch.Tensor, context_keys: torch.Tensor, scaling: float) -> torch.Tensor:

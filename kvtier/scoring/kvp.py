@@ -81,7 +81,7 @@ class KVPScorer:
         return self.meta["num_layers"], self.meta["num_kv_heads"], self.meta["head_dim"]
 
     def check_model(self, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
-        """Refuse a model whose shape differs from the one the weights were trained for."""
+        """Refuse a model whose shape differs from the one the weights were trained for (`ModelBound`)."""
         if (num_layers, num_kv_heads, head_dim) != self.shape:
             raise ConfigError(
                 f"the KVP scorer {self.meta.get('model')!r} was trained for {self.shape[0]} layers x "

@@ -1,4 +1,8 @@
-"""Scorers by name: built-ins are imported lazily; plugins come in through the `kvtier.scorers` entry point."""
+"""Scorers by name: built-ins are imported lazily; plugins come in through the `kvtier.scorers` entry point.
+
+Whatever `make_scorer` returns is a `Scorer` or a `QueryScorer` (see `base`); a bad ``needs_query`` marker is
+refused here, when the scorer is made, rather than at the first step.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from ..errors import ConfigError
-from .base import Scorer
+from .base import QueryScorer, Scorer, needs_query
 
 # the built-in baselines, by what they need: attention-free ones rank from key, value and position alone
 BASELINES_ATTENTION_FREE = ("recency", "keynorm", "keydiff", "random")
@@ -36,12 +40,13 @@ def available_scorers() -> list[str]:
     return sorted(set(_BUILTIN) | plugins)
 
 
-def make_scorer(spec: str | Scorer, **kwargs: Any) -> Scorer:
+def make_scorer(spec: str | Scorer | QueryScorer, **kwargs: Any) -> Scorer | QueryScorer:
     """Build a scorer from a name (with keyword settings) or return a scorer object unchanged."""
     if not isinstance(spec, str):
         if not callable(getattr(spec, "score", None)):
             raise ConfigError(f"scorer={spec!r} is neither a scorer name nor an object with a score() method; "
                               f"allowed names: {', '.join(available_scorers())}")
+        needs_query(spec)   # a bad marker fails now, not at the first step
         return spec
     if spec in _BUILTIN:
         module_path, class_name = _BUILTIN[spec]
@@ -51,4 +56,6 @@ def make_scorer(spec: str | Scorer, **kwargs: Any) -> Scorer:
         if not found:
             raise ConfigError(f"scorer={spec!r} is unknown; allowed: {', '.join(available_scorers())}")
         cls = found[0].load()
-    return cls(**kwargs)
+    scorer = cls(**kwargs)
+    needs_query(scorer)
+    return scorer

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -13,11 +14,11 @@ from .attention_stats import received_attention
 class TOVAScorer:
     """Attention weight from the last query written with the entries, averaged over the group's heads.
 
-    Oren et al., "Transformers are Multi-State RNNs", arXiv 2401.06104. Needs the query (``needs_query``).
+    Oren et al., "Transformers are Multi-State RNNs", arXiv 2401.06104. A `QueryScorer`: scored after attention.
     """
 
     name: str = "tova"
-    needs_query: bool = True
+    needs_query: ClassVar[bool] = True   # the `QueryScorer` marker, not a setting
 
     def score(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, layer_idx: int, *,
               query: torch.Tensor, context_keys: torch.Tensor, scaling: float) -> torch.Tensor:

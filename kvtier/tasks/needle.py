@@ -1,16 +1,71 @@
-"""Needle in a haystack (RULER-style): a fact hidden in filler text, then a question about it."""
+"""Needle in a haystack (RULER-style): facts hidden in filler text, then a question about them.
+
+The one home of the needle and question sentences, the noise and the haystack. `make_needle_task` (one needle
+at a chosen depth: the demo, KVP traces, tests) and `kvtier.eval.tasks` (RULER's variants, needles at random
+depths) both build their prompts here, so the two can never drift apart.
+"""
 
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from .chat import chat_ids
+
 NOISE = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")
 NEEDLE_INTRO = "Some special magic numbers are hidden in the following text. Remember them."
 KEYS = ("river", "garden", "lantern", "harbor", "meadow", "castle", "window", "forest", "pepper", "violin")
+
+NEEDLE = "The special magic number for {key} is {value}."
+NEEDLE_ONE_OF = "One of the special magic numbers for {key} is {value}."        # several values per key
+QUESTION = "What is the special magic number for {key}? Answer with the number only."
+QUESTION_ALL = "What are all the special magic numbers for {key}? List the numbers only."
+QUESTION_SEVERAL = "What are the special magic numbers for {keys}? List the numbers only."
+
+
+def magic_number(rng: random.Random) -> str:
+    """A 7-digit number: long enough that the model cannot guess it."""
+    return str(rng.randrange(1_000_000, 10_000_000))
+
+
+def noise_tokens(tokenizer: Any) -> int:
+    """Tokens in one copy of `NOISE`, the unit haystacks are measured in."""
+    return len(tokenizer(NOISE, add_special_tokens=False)["input_ids"])
+
+
+def haystack(copies: int, inserts: Sequence[tuple[int, str]] = ()) -> str:
+    """`copies` of `NOISE`, each insert ``(after, text)`` placed after `after` copies and followed by a space.
+
+    Inserts at the same spot keep their order.
+    """
+    at: dict[int, list[str]] = {}
+    for after, text in inserts:
+        if not 0 <= after <= copies:
+            raise ValueError(f"insert after {after} copies of the noise; allowed: 0 to {copies}")
+        at.setdefault(after, []).append(text + " ")
+    parts = []
+    for i in range(copies + 1):
+        parts += at.get(i, [])
+        if i < copies:
+            parts.append(NOISE)
+    return "".join(parts)
+
+
+def scattered_haystack(tokenizer: Any, length: int, inserts: Sequence[str], rng: random.Random) -> str:
+    """About `length` tokens of noise with `inserts` at random depths, in order (RULER's layout)."""
+    per = noise_tokens(tokenizer)
+    copies = max(len(inserts) + 1, (length - 60 * len(inserts)) // per)
+    spots = sorted(rng.sample(range(copies), len(inserts)))
+    return haystack(copies, [(s + 1, text) for s, text in zip(spots, inserts)])
+
+
+def needle_prompt(hay: str, question: str, intro: str = NEEDLE_INTRO) -> str:
+    """The user message: the instruction, the haystack, then the question."""
+    return f"{intro}\n\n{hay}\n\n{question}"
 
 
 @dataclass(frozen=True)
@@ -30,21 +85,15 @@ class NeedleTask:
 
 def make_needle_task(tokenizer: Any, context_tokens: int = 3000, depth: float = 0.1,
                      seed: int = 0) -> NeedleTask:
-    """Hide "The special magic number for <key> is <7 digits>." at `depth` of ~`context_tokens` of noise."""
+    """Hide `NEEDLE` (a 7-digit number for a key) at `depth` of ~`context_tokens` of noise, then ask for it."""
     rng = random.Random(seed)
     key = rng.choice(KEYS)
-    answer = str(rng.randrange(1_000_000, 10_000_000))
-    needle = f"The special magic number for {key} is {answer}. "
-    noise_tokens = len(tokenizer(NOISE, add_special_tokens=False)["input_ids"])
-    reps = max(1, context_tokens // noise_tokens)
-    before = int(reps * depth)
-    haystack = NOISE * before + needle + NOISE * (reps - before)
-    question = f"What is the special magic number for {key}? Answer with the number only."
-    content = f"{NEEDLE_INTRO}\n\n{haystack}\n\n{question}"
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                        return_tensors="pt")
-    ids = ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
+    answer = magic_number(rng)
+    copies = max(1, context_tokens // noise_tokens(tokenizer))
+    before = int(copies * depth)
+    hay = haystack(copies, [(before, NEEDLE.format(key=key, value=answer))])
+    ids = chat_ids(tokenizer, needle_prompt(hay, QUESTION.format(key=key)))
     prefix = tokenizer.apply_chat_template(
-        [{"role": "user", "content": f"{NEEDLE_INTRO}\n\n{NOISE * before}"}], tokenize=False)
+        [{"role": "user", "content": f"{NEEDLE_INTRO}\n\n{haystack(before)}"}], tokenize=False)
     needle_token = len(tokenizer(prefix, add_special_tokens=False)["input_ids"]) - 5
     return NeedleTask(ids, answer, key, max(needle_token, 0), ids.shape[1])

@@ -1,8 +1,9 @@
 """Ranking quality on held-out traces: the share of future attention mass a scorer keeps at a budget.
 
 Sinks and the recent window are always kept and count inside the budget, as in the cache's placement.
-Attention-free scorers run through the same `Scorer` interface the cache uses; the attention-based ones
-(TOVA, SnapKV, H2O) use the prompt attention recorded with the trace.
+Every scorer is the class the cache runs, called through `checked_scores`: a `Scorer` here, on the trace's
+keys, values and positions; a `QueryScorer` (TOVA, SnapKV, H2O) needs the prompt's queries, which traces do
+not keep, so its scores were computed by the same class when the trace was recorded (see `traces`).
 """
 
 from __future__ import annotations
@@ -13,18 +14,27 @@ from typing import Any
 import torch
 
 from ..config import DEFAULT_RECENT_TOKENS, DEFAULT_SINK_TOKENS
-from ..scoring import BASELINES_ATTENTION_BASED, make_scorer
+from ..errors import ConfigError
+from ..scoring import BASELINES_ATTENTION_BASED, checked_scores, make_scorer, needs_query
 from ..scoring.kvp import KVPScorer
 
 
 def trace_scores(name: str, raw: dict[str, torch.Tensor], kvp: KVPScorer | None = None,
                  seed: int = 0) -> torch.Tensor:
     """Scores ``[layers, heads, n]`` of a scorer for the prompt of one trace."""
-    if name in BASELINES_ATTENTION_BASED:
+    if name == "kvp" and kvp is not None:
+        scorer = kvp
+    else:
+        scorer = make_scorer(name, **({"seed": seed} if name == "random" else {}))
+    if needs_query(scorer):
+        if name not in raw:
+            recorded = [n for n in BASELINES_ATTENTION_BASED if n in raw]
+            raise ConfigError(f"scorer {name!r} ranks from attention, and the trace holds no {name!r} scores "
+                              "(traces keep no queries); allowed: an attention-free scorer or one the trace "
+                              f"recorded ({', '.join(recorded) or 'none: record the traces again'})")
         return raw[name].float()
-    scorer = kvp if name == "kvp" else make_scorer(name, **({"seed": seed} if name == "random" else {}))
     keys, values, positions = raw["keys"].float(), raw["values"].float(), raw["positions"]
-    return torch.stack([scorer.score(keys[l][None], values[l][None], positions, l)[0]
+    return torch.stack([checked_scores(scorer, keys[l][None], values[l][None], positions, l)[0]
                         for l in range(keys.shape[0])])
 
 

@@ -3,9 +3,10 @@ attention each prompt token receives from the continuation.
 
 Importance follows the paper: for prompt token ``j``, ``c_j = sum_t max_g A_g(t, j)`` over continuation
 steps ``t`` and the query heads ``g`` of the KV head's group, ``A`` being the causal softmax attention.
-The same pass also records what attention-based baselines would have used (all from the prompt only):
-TOVA (the last prompt query's attention), SnapKV (the last 32 prompt queries, pooled) and H2O (attention
-accumulated over every prompt query). Traces are safetensors shards plus a ``manifest.json``.
+The same pass also records the scores of the attention-based baselines (TOVA, SnapKV, H2O), from the prompt
+only: their own `QueryScorer` classes run on the prompt's queries and keys, exactly as the cache runs them
+after a prefill, so `kvtier eval-scorer` grades the code the cache uses. Attention is computed by
+`received_attention`, the function those scorers share. Traces are safetensors shards plus a ``manifest.json``.
 """
 
 from __future__ import annotations
@@ -17,32 +18,36 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-SNAPKV_WINDOW, SNAPKV_KERNEL = 32, 5
+from ..scoring import BASELINES_ATTENTION_BASED, QueryScorer, checked_scores, make_scorer
+from ..scoring.attention_stats import received_attention
 
 
-def _group_attention(query: torch.Tensor, key: torch.Tensor, scaling: float, q_start: int) -> torch.Tensor:
-    """Causal softmax attention of queries ``q_start..`` over all keys: ``[kv_heads, group, q, keys]``."""
-    q_heads, length, dim = query.shape[1], query.shape[2], query.shape[3]
-    kv_heads = key.shape[1]
-    q = query[0, :, q_start:].float().reshape(kv_heads, q_heads // kv_heads, length - q_start, dim)
-    logits = torch.einsum("hgqd,hkd->hgqk", q, key[0].float()) * scaling
-    rows = torch.arange(q_start, length, device=query.device)[:, None]
-    logits = logits.masked_fill(torch.arange(length, device=query.device)[None, :] > rows, float("-inf"))
-    return torch.softmax(logits, dim=-1)
+def baseline_scorers() -> list[QueryScorer]:
+    """The attention-based baselines with their default settings, as the cache would build them by name."""
+    return [make_scorer(name) for name in BASELINES_ATTENTION_BASED]
 
 
-def layer_statistics(query: torch.Tensor, key: torch.Tensor, scaling: float, prompt: int) -> dict[str, torch.Tensor]:
-    """Importance and baseline scores of the `prompt` first tokens, each ``[kv_heads, prompt]``."""
-    future = _group_attention(query, key, scaling, prompt)[..., :prompt]
+def layer_statistics(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, prompt: int,
+                     baselines: list[QueryScorer], layer_idx: int = 0) -> dict[str, torch.Tensor]:
+    """Importance and each baseline's scores of the `prompt` first tokens, each ``[kv_heads, prompt]`` float32.
+
+    Parameters
+    ----------
+    query
+        ``[1, q_heads, n, dim]``, the queries of prompt and continuation (``n`` tokens in all).
+    key, value
+        ``[1, kv_heads, n, dim]``.
+    """
+    length = key.shape[2]
+    future = received_attention(query, key, length, scaling, slice(prompt, None))[..., :prompt]
     stats = {"importance": future.amax(dim=1).sum(dim=1)}
-    att = _group_attention(query[:, :, :prompt], key[:, :, :prompt], scaling, 0)  # prompt on prompt
-    stats["h2o"] = att.sum(dim=2).mean(dim=1)
-    stats["tova"] = att[:, :, -1].mean(dim=1)
-    window = att[:, :, -SNAPKV_WINDOW:].sum(dim=2).mean(dim=1)
-    stats["snapkv"] = F.avg_pool1d(window[:, None], SNAPKV_KERNEL, stride=1, padding=SNAPKV_KERNEL // 2)[:, 0]
+    k, v = key[:, :, :prompt], value[:, :, :prompt]
+    positions = torch.arange(prompt, device=key.device)
+    for scorer in baselines:  # scored as after a prefill of the prompt alone
+        stats[scorer.name] = checked_scores(scorer, k, v, positions, layer_idx, query=query[:, :, :prompt],
+                                            context_keys=k, scaling=scaling)[0]
     return stats
 
 
@@ -80,10 +85,11 @@ def record_trace(model: Any, prompt_ids: torch.Tensor, continuation_ids: torch.T
     prompt = prompt_ids.shape[1]
     full = torch.cat([prompt_ids, continuation_ids], dim=1)
     per_layer: dict[int, dict[str, torch.Tensor]] = {}
+    baselines = baseline_scorers()
 
     def on_layer(module, query, key, value, kwargs):
         scaling = kwargs.get("scaling") or getattr(module, "scaling", 1 / math.sqrt(query.shape[-1]))
-        stats = layer_statistics(query, key, scaling, prompt)
+        stats = layer_statistics(query, key, value, scaling, prompt, baselines, module.layer_idx)
         stats["keys"] = key[0, :, :prompt].to(torch.float16)
         stats["values"] = value[0, :, :prompt].to(torch.float16)
         per_layer[module.layer_idx] = stats

@@ -1,14 +1,31 @@
-"""Evaluation tasks are deterministic, sized as asked, and hold their answers; policies parse strictly."""
+"""Evaluation tasks are deterministic, sized as asked, hold their answers and keep their exact prompts; the
+needle texts come from one builder; policies parse strictly."""
 
 from __future__ import annotations
+
+import hashlib
 
 import pytest
 from transformers import AutoTokenizer
 
 from kvtier import ConfigError
 from kvtier.eval.policies import Policy
-from kvtier.eval.tasks import TASKS, make_example
+from kvtier.eval.tasks import GENERATION_TASKS, TASKS, make_example
 from kvtier.models import default_model_path
+from kvtier.tasks import make_needle_task
+from kvtier.tasks.needle import KEYS, NEEDLE, NOISE, QUESTION, haystack
+
+# sha256 (first 16 hex digits) of the prompt ids at 1,024 tokens, seed 0: docs/results*.jsonl were produced
+# with these exact prompts, so a change to the templates or the haystack shows up here
+PINNED = {"niah_single": "955d10243ece957d", "niah_multikey": "7fa759d8d3962b3e",
+          "niah_multivalue": "9429dbde123087c0", "niah_multiquery": "ee5de94efda1b846",
+          "variable_tracking": "624c5a7e07ea8795", "multi_turn": "827a74055e3d143d",
+          "common_words": "1270c2fafc964b90", "frequent_words": "470535533ed92b03"}
+PINNED_NEEDLE = "817694ce8b86b5a8"   # make_needle_task(context_tokens=1500, depth=0.5, seed=0)
+
+
+def _digest(ids):
+    return hashlib.sha256(",".join(map(str, ids[0].tolist())).encode()).hexdigest()[:16]
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +46,31 @@ def test_task_is_deterministic_and_sized(tokenizer, task):
     assert a.answers and all(ans in prompt for ans in a.answers)
     assert a.score(" ".join(a.answers)) == 1.0 and a.score("nothing") == 0.0
     assert make_example(tokenizer, task, 2048, 4).answers != a.answers or task in ("frequent_words",)
+
+
+@pytest.mark.parametrize("task", list(GENERATION_TASKS))
+def test_prompts_are_pinned(tokenizer, task):
+    assert set(PINNED) == set(GENERATION_TASKS)
+    assert _digest(make_example(tokenizer, task, 1024, 0).input_ids) == PINNED[task]
+
+
+def test_needle_task_is_pinned_and_shares_the_eval_texts(tokenizer):
+    task = make_needle_task(tokenizer, context_tokens=1500, depth=0.5, seed=0)
+    assert _digest(task.input_ids) == PINNED_NEEDLE and (task.key, task.answer) == ("window", "8056020")
+    prompt = tokenizer.decode(task.input_ids[0])
+    assert NEEDLE.format(key=task.key, value=task.answer) in prompt and QUESTION.format(key=task.key) in prompt
+    assert "The special magic number" in tokenizer.decode(task.input_ids[0, task.needle_token:task.needle_token + 8])
+    ex = make_example(tokenizer, "niah_single", 1024, 0)
+    prompt = tokenizer.decode(ex.input_ids[0])
+    key = next(k for k in KEYS if QUESTION.format(key=k) in prompt)
+    assert NEEDLE.format(key=key, value=ex.answers[0]) in prompt
+
+
+def test_haystack_places_inserts_after_whole_noise_copies():
+    assert haystack(2, [(0, "A."), (2, "B."), (1, "C."), (1, "D.")]) == f"A. {NOISE}C. D. {NOISE}B. "
+    assert haystack(3) == NOISE * 3
+    with pytest.raises(ValueError, match="insert after 3 copies of the noise; allowed: 0 to 2"):
+        haystack(2, [(3, "x")])
 
 
 def test_policy_parsing():

@@ -1,4 +1,5 @@
-"""The KVP objective in closed form, learnability on a synthetic trace, and weights that round-trip."""
+"""The KVP objective in closed form, learnability on a synthetic trace, weights that round-trip, and the trace
+statistics and scorer evaluation computed by the cache's own scorers."""
 
 from __future__ import annotations
 
@@ -8,11 +9,14 @@ import pytest
 import torch
 
 from kvtier import ConfigError
+from kvtier.scoring import BASELINES_ATTENTION_BASED
 from kvtier.scoring.features import entry_features
 from kvtier.scoring.kvp import KVPAgents, KVPScorer, load_agents, save_agents
 from kvtier.training.dataset import TraceTensors
+from kvtier.training.evaluate import trace_scores
 from kvtier.training.objective import (listwise_loss, plackett_luce_log_prob, ranking_cost, reinforce_loss,
                                        reward)
+from kvtier.training.traces import baseline_scorers, layer_statistics
 from kvtier.training.train import TrainSettings, train_agents
 
 
@@ -105,3 +109,45 @@ def test_not_a_weights_file(tmp_path):
     bad.write_bytes(b"nonsense")
     with pytest.raises(ConfigError, match="cannot read KVP weights"):
         load_agents(bad)
+
+
+def _causal_attention(query, keys, scaling):
+    """Plain causal softmax attention of every query over every key: ``[kv_heads, group, n, n]`` float64."""
+    kv, n = keys.shape[1], keys.shape[2]
+    q = query[0].double().reshape(kv, -1, n, query.shape[3])
+    logits = torch.einsum("hgqd,hkd->hgqk", q, keys[0].double()) * scaling
+    return torch.softmax(logits.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf")), dim=-1)
+
+
+def test_trace_statistics_follow_their_definitions():
+    """Importance and the TOVA, SnapKV, H2O rows of a trace, against the paper's formulas written out."""
+    g = torch.Generator().manual_seed(0)
+    prompt, cont = 45, 6
+    query = torch.randn(1, 6, prompt + cont, 8, generator=g) * 2
+    key, value = torch.randn(1, 2, prompt + cont, 8, generator=g) * 2, torch.randn(1, 2, prompt + cont, 8, generator=g)
+    stats = layer_statistics(query, key, value, 0.3, prompt, baseline_scorers())
+    assert set(stats) == {"importance", *BASELINES_ATTENTION_BASED}
+    full = _causal_attention(query, key, 0.3)
+    expect = {"importance": full[:, :, prompt:, :prompt].amax(dim=1).sum(dim=1)}
+    att = _causal_attention(query[:, :, :prompt], key[:, :, :prompt], 0.3)   # the prompt alone, as at prefill
+    expect["tova"] = att[:, :, -1].mean(dim=1)
+    expect["h2o"] = att.sum(dim=2).mean(dim=1)
+    window = att[:, :, -32:].sum(dim=2).mean(dim=1)
+    expect["snapkv"] = torch.nn.functional.avg_pool1d(window[:, None], 5, stride=1, padding=2)[:, 0]
+    for name, value in expect.items():
+        assert stats[name].shape == (2, prompt) and stats[name].dtype == torch.float32
+        torch.testing.assert_close(stats[name], value.float(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_scorer_evaluation_runs_the_cache_scorers():
+    g = torch.Generator().manual_seed(1)
+    layers, heads, n, dim = 2, 2, 30, 8
+    raw = {"keys": torch.randn(layers, heads, n, dim, generator=g).half(),
+           "values": torch.randn(layers, heads, n, dim, generator=g).half(), "positions": torch.arange(n),
+           "importance": torch.rand(layers, heads, n, generator=g), "tova": torch.rand(layers, heads, n, generator=g)}
+    keys = raw["keys"].float()
+    got = trace_scores("keynorm", raw)
+    assert torch.equal(got, torch.stack([-torch.linalg.vector_norm(keys[l], dim=-1) for l in range(layers)]))
+    assert torch.equal(trace_scores("tova", raw), raw["tova"])   # recorded by the scorer when the trace was
+    with pytest.raises(ConfigError, match=r"trace holds no 'h2o' scores.*one the trace recorded \(tova\)"):
+        trace_scores("h2o", raw)

@@ -1,12 +1,12 @@
-"""The heuristic scorers and the checks on any scorer's output."""
+"""The heuristic scorers, the checks on any scorer's output, and how a scorer's kind is told."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvtier import ScorerError, available_scorers, make_scorer
-from kvtier.scoring import checked_scores
+from kvtier import ConfigError, ScorerError, available_scorers, make_scorer
+from kvtier.scoring import QueryScorer, Scorer, check_scorer_model, checked_scores, needs_query, scorer_name
 
 
 def _kv(tokens=10, heads=3, dim=8, seed=0):
@@ -64,3 +64,63 @@ def test_bad_scorer_output(out, words):
     k, v = _kv()
     with pytest.raises(ScorerError, match=words):
         checked_scores(_Bad(out), k, v, torch.arange(10), 0)
+
+
+class _MarkerOnlyQueryScorer:
+    """A plugin written against the bare ``needs_query`` marker, naming none of the protocols."""
+
+    name = "marker-only"
+    needs_query = True
+
+    def score(self, keys, values, positions, layer_idx, *, query, context_keys, scaling):
+        return context_keys[:, :, -keys.shape[2]:, 0].float() * scaling
+
+
+def test_marker_only_query_scorer_is_a_query_scorer(make_engine):
+    scorer = _MarkerOnlyQueryScorer()
+    assert make_scorer(scorer) is scorer and needs_query(scorer)
+    assert isinstance(scorer, QueryScorer) and not isinstance(scorer, Scorer)
+    engine = make_engine(scorer=scorer, device_budget=8, sink_tokens=1, recent_tokens=2)
+    k = torch.randn(1, engine.heads, 20, engine.head_dim)
+    engine.write(k, k)
+    with pytest.raises(ScorerError, match="scorer 'marker-only' needs the attention query"):
+        engine.commit()
+    engine.commit(query=torch.randn(1, engine.heads, 20, engine.head_dim), scaling=0.5)
+    assert engine.pending is None
+
+
+@pytest.mark.parametrize("marker, kind", [(False, Scorer), (None, None), ("yes", None), (1, None)])
+def test_needs_query_marker_must_be_a_bool(marker, kind):
+    class Marked:
+        name = "marked"
+        needs_query = marker
+
+        def score(self, keys, values, positions, layer_idx):
+            return keys[..., 0].float()
+
+    scorer = Marked()
+    if kind is Scorer:
+        assert make_scorer(scorer) is scorer and not needs_query(scorer)
+        assert isinstance(scorer, Scorer) and not isinstance(scorer, QueryScorer)
+        return
+    assert not isinstance(scorer, Scorer) and not isinstance(scorer, QueryScorer)
+    with pytest.raises(ScorerError, match=rf"scorer 'marked' has needs_query={marker!r}; allowed: True .* or False"):
+        make_scorer(scorer)
+
+
+def test_scorer_without_model_shape_fits_any_model_and_nameless_ones_get_their_class_name():
+    class Nameless:
+        def score(self, keys, values, positions, layer_idx):
+            return keys[..., 1:, 0]    # one score short
+
+    check_scorer_model(Nameless(), 1, 1, 1)
+    assert scorer_name(Nameless()) == "Nameless" and scorer_name(make_scorer("keynorm")) == "keynorm"
+    with pytest.raises(ScorerError, match="scorer 'Nameless' returned shape"):
+        checked_scores(Nameless(), *_kv(), torch.arange(10), 0)
+
+
+def test_snapkv_settings_are_checked():
+    with pytest.raises(ConfigError, match="kernel=4; allowed: an odd whole number >= 1"):
+        make_scorer("snapkv", kernel=4)
+    with pytest.raises(ConfigError, match="window=0; allowed: a whole number >= 1"):
+        make_scorer("snapkv", window=0)
