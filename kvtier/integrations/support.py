@@ -54,6 +54,12 @@ def support(config: Any) -> dict:
     tiered = len(plan.tiered)
     impl = getattr(text, "_attn_implementation", None)
     limits = list(LIMITS)
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    if arch == "phi3" and isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) == "longrope":
+        limits.insert(0, f"long rope: once a sequence passes original_max_position_embeddings="
+                         f"{getattr(text, 'original_max_position_embeddings', '?')}, transformers' generate drops the "
+                         "cache it was given and recomputes into a DynamicCache, so the TieredCache goes unused "
+                         "from there")
     if not tiered:
         limits.insert(0, "every layer is a sliding-window layer: nothing is tiered (kvtier adds nothing here)")
     for name, why in REFUSED_IMPLEMENTATIONS.items():
