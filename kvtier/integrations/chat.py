@@ -48,11 +48,24 @@ class ChatSession:
 
     @torch.no_grad()
     def ask(self, text: str, max_new_tokens: int = 128, **generate_kwargs: Any) -> str:
-        """Add a user turn, generate the reply (greedy unless told otherwise) and return its text."""
+        """Add a user turn, generate the reply (greedy unless told otherwise) and return its text.
+
+        A turn that fails or is interrupted leaves the conversation as it was before it (the messages); if the
+        cache had taken part of the turn, it is emptied and the next turn prefills the conversation again.
+        """
         ids = self._next_input(text).to(self.model.device)
         generate_kwargs.setdefault("do_sample", False)
-        out = self.model.generate(ids, **cache_kwargs(self.cache), max_new_tokens=max_new_tokens,
-                                  **generate_kwargs)
+        held = self.cache.get_seq_length()
+        try:
+            out = self.model.generate(ids, **cache_kwargs(self.cache), max_new_tokens=max_new_tokens,
+                                      **generate_kwargs)
+        except BaseException:
+            if self.cache.get_seq_length() != held or self.cache.broken:
+                # the cache took part of the turn that `ids` will never hold: start it afresh, so the next
+                # turn prefills the whole conversation again instead of continuing from tokens nobody kept
+                self.cache.reset()
+                self.ids = torch.empty(1, 0, dtype=torch.long)
+            raise
         reply = self.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
         self.ids = out.cpu()
         self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from ..errors import ConfigError
+from ..errors import CapacityError, ConfigError
 from .hf import TieredCache
 
 
@@ -31,7 +31,11 @@ class SessionStore:
         self.dropped: list[str] = []
 
     def park(self, name: str, cache: TieredCache) -> None:
-        """Park `cache` under `name` in host memory, then push the coldest sessions to disk as needed."""
+        """Park `cache` under `name` in host memory, then push the coldest sessions to disk as needed.
+
+        If pushing a session to disk fails, every session stays whole where it was (each park is all or
+        nothing), `cache` is parked and kept, and a `CapacityError` says how far the host budget is exceeded.
+        """
         cache.park("host")
         self._parked[name] = cache
         self._parked.move_to_end(name)
@@ -39,7 +43,13 @@ class SessionStore:
             if self.host_bytes_used() <= self.host_bytes:
                 break
             if parked.parked == "host":
-                parked.park("disk")
+                try:
+                    parked.park("disk")
+                except CapacityError as e:
+                    over = self.host_bytes_used() - self.host_bytes
+                    raise CapacityError(f"session {name!r} is parked in host memory, but moving session {other!r} "
+                                        f"to disk failed ({e}); the store is {over:,} bytes over its host budget "
+                                        "until a later park or resume makes room") from e
         for other, parked in list(self._parked.items()):
             if self.disk_bytes is None or self.disk_bytes_used() <= self.disk_bytes or other == name:
                 break

@@ -52,3 +52,28 @@ def test_coldest_sessions_go_to_disk_then_are_dropped():
 def test_bad_budget():
     with pytest.raises(ConfigError, match="host_bytes=-1"):
         SessionStore(host_bytes=-1)
+
+
+def test_a_failed_push_to_disk_keeps_every_session_whole_and_says_how_far_over(monkeypatch):
+    from kvtier import CapacityError
+
+    first, second = _session(seed=0), _session(seed=1)
+    store = SessionStore(host_bytes=1)   # any second session pushes the first to disk
+
+    def disk_full(to="host"):
+        raise CapacityError("disk full")
+
+    store.park("a", first)
+    assert store.where() == {"a": "disk"}
+    first.resume()                                   # back live, then parked on the host again, but its
+    store._parked["a"] = first                       # next push to disk will fail
+    first.park("host")
+    monkeypatch.setattr(first, "park", disk_full)
+    with pytest.raises(CapacityError, match=r"session 'b' is parked in host memory, but moving session 'a' to "
+                                            r"disk failed .*bytes over its host budget"):
+        store.park("b", second)
+    assert store.where() == {"a": "host", "b": "host"}   # both parked and kept, nothing half-moved
+    monkeypatch.undo()
+    first.resume()
+    assert first.stats()["device"]["tokens"] > 0
+    store.close()
