@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .. import native
+
 
 class RecallBuffer:
     """``[heads, pages * page_size, dim]`` keys and values on the device, and which page each slot holds."""
@@ -49,10 +51,13 @@ class RecallBuffer:
 
     def fill(self, heads: np.ndarray, pids: np.ndarray, slots: np.ndarray, k: torch.Tensor,
              v: torch.Tensor) -> None:
-        """Put pages ``k, v`` ``[n, page_size, dim]`` (ids `pids` of `heads`) in buffer `slots`."""
+        """Put pages ``k, v`` ``[n, page_size, dim]`` (ids `pids` of `heads`) in buffer `slots`.
+
+        The buffer is one slab of ``heads * pages`` page rows, row ``head * pages + slot``; `plan` never
+        gives one slot twice, so the rows are distinct, as `kvtier.native.scatter_pages` requires.
+        """
         H, D = self.k.shape[0], self.k.shape[2]
-        h = torch.from_numpy(heads).to(self.k.device)
-        s = torch.from_numpy(slots).to(self.k.device)
-        self.k.view(H, self.pages, self.page_size, D)[h, s] = k
-        self.v.view(H, self.pages, self.page_size, D)[h, s] = v
+        rows = np.asarray(heads, dtype=np.int64) * self.pages + np.asarray(slots, dtype=np.int64)
+        for buf, pages in ((self.k, k), (self.v, v)):
+            native.scatter_pages([buf.view(H * self.pages, self.page_size, D)], H * self.pages, rows, pages)
         self.ids[heads, slots] = pids

@@ -3,6 +3,9 @@
 A page is ``page_size`` entries of one KV head, keys and values each contiguous, so a recall moves whole
 blocks. Slots are shared by all heads of a layer and handed out from a free list; the pool grows a slab at a
 time (about `slab_bytes` each) and never copies what it holds.
+
+`load` into device memory lets a kernel read pinned pages through their mapping, after the call returns
+(in stream order); the pool then waits for those reads before it overwrites a slot or lets its slabs go.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ class HostPool:
         self.v = SlabRows((page_size, head_dim), dtype, "cpu", per_slab, pin)
         self._free: list[int] = []      # a stack: the lowest free slot on top
         self._used = 0
+        self._reads: torch.cuda.Event | None = None   # marks the end of the last device read of the slabs
 
     def _take(self, n: int) -> np.ndarray:
         if len(self._free) < n:
@@ -43,8 +47,15 @@ class HostPool:
         self._used += n
         return slots
 
+    def _settle(self) -> None:
+        """Wait until device reads of the slabs queued by `load` are done (before the host writes them)."""
+        if self._reads is not None:
+            self._reads.synchronize()
+            self._reads = None
+
     def store(self, k: torch.Tensor, v: torch.Tensor) -> np.ndarray:
         """Keep pages ``k, v`` ``[n, page_size, head_dim]``; returns their slots."""
+        self._settle()
         slots = self._take(k.shape[0])
         rows = torch.from_numpy(slots)
         self.k.scatter(rows, k)
@@ -53,11 +64,16 @@ class HostPool:
 
     def load(self, slots: np.ndarray,
              out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gather pages ``[n, page_size, head_dim]`` (into `out` when given, e.g. pinned staging)."""
+        """Gather pages ``[n, page_size, head_dim]`` (into `out` when given: pinned staging, or device memory
+        that a kernel fills straight from the pinned slabs)."""
         rows = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64))
         if out is None:
             return self.k.gather(rows), self.v.gather(rows)
-        return self.k.gather(rows, out=out[0]), self.v.gather(rows, out=out[1])
+        k, v = self.k.gather(rows, out=out[0]), self.v.gather(rows, out=out[1])
+        if k.is_cuda and self.pin:
+            self._reads = torch.cuda.Event()
+            self._reads.record(torch.cuda.current_stream(k.device))
+        return k, v
 
     def free(self, slots: np.ndarray) -> None:
         self._free.extend(sorted(np.asarray(slots).tolist(), reverse=True))
@@ -78,10 +94,12 @@ class HostPool:
 
     def clear(self) -> None:
         """Forget every page (the slabs stay for reuse)."""
+        self._settle()
         self._free = list(range(self.k.capacity - 1, -1, -1))
         self._used = 0
 
     def close(self) -> None:
+        self._settle()
         self.k.close()
         self.v.close()
         self._free, self._used = [], 0

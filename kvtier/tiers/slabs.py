@@ -7,9 +7,9 @@ are allocated as needed and released on `close`; a row's address never changes.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
+from .. import native
 from ..errors import CapacityError
 
 
@@ -33,6 +33,7 @@ class SlabRows:
         self.row_shape, self.dtype, self.device = tuple(row_shape), dtype, torch.device(device)
         self.rows_per_slab, self.pin = max(1, int(rows_per_slab)), pin
         self.slabs: list[torch.Tensor] = []
+        self._addresses: tuple[torch.device, int, torch.Tensor | None] | None = None   # (device, slabs, table)
 
     @property
     def capacity(self) -> int:
@@ -52,51 +53,28 @@ class SlabRows:
                                     ) from e
             self.slabs.append(slab)
 
-    def _groups(self, rows: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-        """``(slab, positions in rows, offsets in the slab)`` for each slab that `rows` touches."""
-        r = rows.cpu().numpy()
-        slab, off = np.divmod(r, self.rows_per_slab)
-        order = np.argsort(slab, kind="stable")
-        edges = np.searchsorted(slab[order], np.arange(len(self.slabs) + 1))
-        out = []
-        for s in range(len(self.slabs)):
-            a, b = edges[s], edges[s + 1]
-            if a < b:
-                pos = order[a:b]
-                out.append((s, torch.from_numpy(pos).to(rows.device), torch.from_numpy(off[pos]).to(rows.device)))
-        return out
+    def addresses(self, device: torch.device) -> torch.Tensor | None:
+        """The slabs' addresses for kernels on `device` (`kvtier.native.slab_addresses`), kept until the
+        slabs change: slabs are only ever added, or all let go by `close`."""
+        if device.type != "cuda":
+            return None
+        if self._addresses is None or self._addresses[:2] != (device, len(self.slabs)):
+            self._addresses = (device, len(self.slabs), native.slab_addresses(self.slabs, device))
+        return self._addresses[2]
 
     def gather(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Rows ``[n]`` (int64, on this storage's device) as ``[n, *row_shape]`` (into `out` when given).
-
-        Copies run by run of rows in one slab: rows sorted by slab (or mostly so) gather in a few calls.
-        """
-        if len(self.slabs) == 1:
-            return torch.index_select(self.slabs[0], 0, rows, out=out) if out is not None else \
-                torch.index_select(self.slabs[0], 0, rows)
+        """Rows ``[n]`` (int64, on the host or this storage's device) as ``[n, *row_shape]`` (into `out` when
+        given, which may live on a CUDA device while the slabs are pinned host memory: a kernel then reads
+        the rows through the mapping, with no staging copy)."""
         if out is None:
             out = torch.empty((rows.shape[0], *self.row_shape), dtype=self.dtype, device=self.device)
-        r = rows.cpu().numpy()
-        slab, off = np.divmod(r, self.rows_per_slab)
-        edges = np.flatnonzero(np.diff(slab)) + 1
-        starts, ends = np.r_[0, edges], np.r_[edges, len(r)]
-        if len(starts) > 8 + 2 * len(self.slabs):   # scattered: one grouped pass per slab instead
-            for s, pos, o in self._groups(rows):
-                out.index_copy_(0, pos, torch.index_select(self.slabs[s], 0, o))
-            return out
-        off_t = torch.from_numpy(off).to(rows.device)
-        for a, b in zip(starts.tolist(), ends.tolist()):
-            torch.index_select(self.slabs[int(slab[a])], 0, off_t[a:b], out=out[a:b])
-        return out
+        return native.gather_pages(self.slabs, self.rows_per_slab, rows, out, self.addresses(out.device))
 
     def scatter(self, rows: torch.Tensor, values: torch.Tensor) -> None:
-        """Write ``values`` ``[n, *row_shape]`` at rows ``[n]``."""
-        values = values.to(self.dtype)
-        if len(self.slabs) == 1:
-            self.slabs[0].index_copy_(0, rows, values)
-            return
-        for s, pos, off in self._groups(rows):
-            self.slabs[s].index_copy_(0, off, torch.index_select(values, 0, pos))
+        """Write ``values`` ``[n, *row_shape]`` at distinct rows ``[n]``."""
+        if values.dtype != self.dtype:
+            values = values.to(self.dtype)
+        native.scatter_pages(self.slabs, self.rows_per_slab, rows, values, self.addresses(self.device))
 
     def spans(self, n: int) -> list[tuple[int, torch.Tensor]]:
         """``(first row, view)`` for the slabs covering rows ``[0, n)`` (the last view cut at `n`)."""
@@ -114,3 +92,4 @@ class SlabRows:
 
     def close(self) -> None:
         self.slabs = []
+        self._addresses = None

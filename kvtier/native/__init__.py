@@ -1,0 +1,23 @@
+"""Native kernels for the hot paths, each with a torch twin that gives the same bits.
+
+The lowest layer of kvtier: it imports nothing of the rest but `kvtier.errors`, and importing it imports
+neither cupy nor anything CUDA. The CUDA sources live in the repository's top-level ``native/`` folder
+(shipped in the package as ``kvtier/native/cuda``) and are compiled on first use with cupy's NVRTC:
+
+- `gather_pages`: pages of a slab storage into a contiguous buffer; on CUDA the slabs may be pinned host
+  memory, read by the kernel through its mapping (recall without staging or a copy call per page);
+- `scatter_pages`: contiguous pages into distinct rows of a slab storage (the recall buffer's free slots);
+- `pack_entries`: chosen entries of the device pool into contiguous pages (demotion staging);
+- `page_upper_bounds`: the key-bound upper bound of every demoted page for a block of queries;
+- `code_logits`: the logits of short-listed pages estimated from their 2-bit key codes.
+
+Each operation runs its kernel when it can (CUDA tensors, cupy importable, ``KVTIER_NATIVE`` not ``0``) and
+its twin (`kvtier.native.twins`) otherwise, on whatever device the tensors are; `backend()` tells which ran.
+"""
+
+from .loader import backend, reset_stats, sources
+from .loader import status as kernel_status
+from .ops import code_logits, gather_pages, pack_entries, page_upper_bounds, scatter_pages, slab_addresses
+
+__all__ = ["backend", "code_logits", "gather_pages", "kernel_status", "pack_entries", "page_upper_bounds",
+           "reset_stats", "scatter_pages", "slab_addresses", "sources"]

@@ -1,0 +1,176 @@
+"""Finding, compiling and launching the CUDA kernels, all lazily: importing this module imports no cupy.
+
+Sources ship inside the package (``kvtier/native/cuda``, the repository's top-level ``native/`` folder). On
+the first launch of a kernel on a device, its source is compiled with cupy's NVRTC (``cupy.RawModule``);
+cupy keeps the binary in its on-disk kernel cache (keyed on the full source text and options, so a changed
+source never reuses a stale binary) and this module keeps the loaded kernel for the process. Kernels run on
+torch's current stream of the tensors' device, so they are ordered with the torch work around them.
+
+``KVTIER_NATIVE=0`` in the environment switches every kernel off (the torch twins run); without cupy, or
+without CUDA, the twins run as well. `backend()` tells which path each operation took.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE_DIR = Path(__file__).resolve().parent / "cuda"
+# no fused multiply-adds anywhere: the twins round every product and every sum on its own
+OPTIONS = ("--fmad=false",)
+_INCLUDE = re.compile(r'^#include "([A-Za-z0-9_.]+)"\s*$', re.MULTILINE)
+
+_lock = threading.Lock()
+_cupy: Any = None
+_cupy_error: str | None = None
+_modules: dict[str, Any] = {}                      # source -> cupy.RawModule
+_kernels: dict[tuple[str, str, int], Any] = {}     # (source, kernel name, device) -> loaded cupy.RawKernel
+_ready: dict[tuple[str, int], str | None] = {}     # (source, device) -> None when it built, else why not
+_streams: dict[tuple[int, int], Any] = {}          # (device, torch stream handle) -> cupy.cuda.ExternalStream
+_mapped: dict[tuple[int, int], int] = {}           # (device, host allocation) -> its device address
+_stats: dict[str, dict[str, Any]] = {}
+
+
+def sources() -> list[Path]:
+    """Every kernel source (``*.cu``) shipped with the package."""
+    return sorted(SOURCE_DIR.glob("*.cu"))
+
+
+def source(name: str) -> str:
+    """The text of ``<name>.cu`` with its local ``#include "..."`` headers inlined (NVRTC sees no files)."""
+    path = SOURCE_DIR / f"{name}.cu"
+    if not path.is_file():
+        known = ", ".join(p.stem for p in sources()) or "none"
+        raise FileNotFoundError(f"no kernel source {path.name!r} in {SOURCE_DIR}; shipped: {known}")
+
+    def inline(match: re.Match) -> str:
+        header = SOURCE_DIR / match.group(1)
+        if not header.is_file():
+            raise FileNotFoundError(f"{path.name} includes {match.group(1)!r}, which is not in {SOURCE_DIR}")
+        return header.read_text()
+
+    return _INCLUDE.sub(inline, path.read_text())
+
+
+def cupy_module() -> Any:
+    """cupy, imported on first use; None when it cannot be (the reason goes to `status`)."""
+    global _cupy, _cupy_error
+    with _lock:
+        if _cupy is None and _cupy_error is None:
+            try:
+                import cupy
+                _cupy = cupy
+            except ImportError as e:   # not installed, or a build that does not match this CUDA
+                _cupy_error = f"cupy is not importable ({e})"
+        return _cupy
+
+
+def status() -> str | None:
+    """None when kernels may run, else why they do not (switched off, no CUDA, no cupy)."""
+    if os.environ.get("KVTIER_NATIVE", "1").strip().lower() in ("0", "off", "false", "no"):
+        return "switched off by KVTIER_NATIVE"
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    if cupy_module() is None:
+        return _cupy_error
+    return None
+
+
+def kernel(src: str, name: str, device: torch.device) -> Any:
+    """The loaded kernel `name` of source `src` on `device`, or None when it cannot be built there.
+
+    A source that fails to compile or load is reported once in the log and in `backend()`, and its
+    operations fall back to the twins: a broken kernel never stops inference.
+    """
+    cp = cupy_module()
+    with _lock:
+        if _ready.get((src, device.index)):
+            return None
+        key = (src, name, device.index)
+        if key not in _kernels:
+            try:
+                with cp.cuda.Device(device.index):
+                    if src not in _modules:
+                        _modules[src] = cp.RawModule(code=source(src), options=OPTIONS)
+                    # compiles the module (or reads cupy's disk cache) and loads it on this device
+                    _kernels[key] = _modules[src].get_function(name)
+            except (cp.cuda.compiler.CompileException, cp.cuda.driver.CUDADriverError, RuntimeError, OSError) as e:
+                # a compile error, a module the driver refuses, or no NVRTC library for cupy to load
+                _ready[(src, device.index)] = f"{src}.cu did not build on {device}: {e}"
+                log.warning("native kernels of %s.cu are off on %s, the torch twins run: %s", src, device, e)
+                return None
+            _ready[(src, device.index)] = None
+        return _kernels[key]
+
+
+def build_error(src: str, device: torch.device) -> str | None:
+    """Why `src` could not be built on `device` (None if it was, or was never tried)."""
+    return _ready.get((src, device.index))
+
+
+def launch(k: Any, device: torch.device, grid: tuple[int, ...], block: tuple[int, ...], args: tuple) -> None:
+    """Launch `k` on torch's current stream of `device`, so it runs after the torch work queued before it."""
+    cp = cupy_module()
+    handle = torch.cuda.current_stream(device).cuda_stream
+    with cp.cuda.Device(device.index):
+        stream = _streams.get((device.index, handle))
+        if stream is None:   # torch's default stream is the legacy null stream, handle 0
+            stream = cp.cuda.Stream.null if handle == 0 else cp.cuda.ExternalStream(handle)
+            _streams[(device.index, handle)] = stream
+        with stream:
+            k(grid, block, args)
+
+
+def device_address(t: torch.Tensor, device: torch.device) -> int | None:
+    """The address through which kernels on `device` read `t`, or None if they cannot.
+
+    Device tensors on `device` are read where they are; pinned host tensors through their mapping into the
+    device's address space (with unified addressing that is the host address itself, but the runtime is
+    asked, not assumed). Pageable host memory has no such address.
+    """
+    if t.is_cuda:
+        return t.data_ptr() if t.device == device else None
+    if t.device.type != "cpu" or not t.is_pinned():
+        return None
+    base = t.untyped_storage().data_ptr()
+    key = (device.index, base)
+    if key not in _mapped:
+        cp = cupy_module()
+        try:
+            with cp.cuda.Device(device.index):
+                mapped = int(cp.cuda.runtime.pointerGetAttributes(base).devicePointer)
+        except cp.cuda.runtime.CUDARuntimeError:
+            mapped = 0
+        if not mapped:
+            return None
+        _mapped[key] = mapped
+    return _mapped[key] + (t.data_ptr() - base)
+
+
+def record(op: str, path: str, why: str | None = None) -> None:
+    """Count a call of `op` on `path` ("kernel" or "twin"), with the reason a twin ran."""
+    s = _stats.setdefault(op, {"kernel": 0, "twin": 0, "last": None, "why": None})
+    s[path] += 1
+    s["last"] = path
+    if path == "twin":
+        s["why"] = why
+
+
+def backend() -> dict[str, Any]:
+    """What ran: ``{"kernels": None or why kernels cannot run, "ops": {op: {"kernel": n, "twin": n,
+    "last": path, "why": why the last twin ran}}, "build_errors": {...}}``."""
+    return {"kernels": status(), "ops": {op: dict(s) for op, s in _stats.items()},
+            "build_errors": {f"{src}@cuda:{dev}": why for (src, dev), why in _ready.items() if why}}
+
+
+def reset_stats() -> None:
+    """Forget the counts of `backend()` (e.g. between benchmark runs)."""
+    _stats.clear()

@@ -1,0 +1,337 @@
+"""The native operations: check the arguments once, then run the kernel where it can run, else the twin.
+
+A kernel runs when kernels are on (`loader.status`), every tensor it touches is on one CUDA device (or, for
+the pages a gather reads, in pinned host memory mapped into it), the layouts are contiguous and, for the
+copies, the row indices are given on the host (they are checked there, without a device round-trip). In
+every other case the torch twin runs, on whatever device the tensors are. Both give the same bits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from . import loader, twins
+
+_THREADS = 128
+_MAX_BLOCKS = 1 << 20   # grid-stride loops cover the rest
+
+
+def _host_rows(rows: np.ndarray | torch.Tensor) -> tuple[np.ndarray | None, torch.Tensor]:
+    """``(numpy rows or None if they live on a device, int64 tensor)``."""
+    if isinstance(rows, np.ndarray):
+        r = np.ascontiguousarray(rows, dtype=np.int64)
+        return r, torch.from_numpy(r)
+    if rows.dtype != torch.int64:
+        rows = rows.to(torch.int64)
+    if rows.device.type == "cpu":
+        rows = rows if rows.is_contiguous() else rows.contiguous()
+        return rows.numpy(), rows
+    return None, rows
+
+
+def _check_rows(rows: np.ndarray | None, capacity: int, what: str, distinct: bool = False) -> None:
+    if rows is None or len(rows) == 0:
+        return
+    lo, hi = int(rows.min()), int(rows.max())
+    if lo < 0 or hi >= capacity:
+        bad = lo if lo < 0 else hi
+        raise IndexError(f"{what}: row {bad} is out of range; allowed: 0 to {capacity - 1} "
+                         f"({capacity} rows in the storage)")
+    if distinct and len(np.unique(rows)) != len(rows):
+        raise ValueError(f"{what}: rows repeat; allowed: distinct rows (two writes to one row race)")
+
+
+def _check_layout(slabs: Sequence[torch.Tensor], rows_per_slab: int, row_shape: tuple[int, ...],
+                  dtype: torch.dtype, what: str) -> None:
+    """The first slab against the pages (a storage makes all its slabs alike; checking one keeps this O(1))."""
+    if not slabs:
+        return
+    slab = slabs[0]
+    if slab.shape[0] != rows_per_slab:
+        raise ValueError(f"{what}: slabs of {slab.shape[0]} rows for rows_per_slab={rows_per_slab}; "
+                         "allowed: slabs of exactly rows_per_slab rows")
+    if tuple(slab.shape[1:]) != row_shape or slab.dtype != dtype:
+        raise ValueError(f"{what}: pages of {list(row_shape)} {dtype} for rows of {list(slab.shape[1:])} "
+                         f"{slab.dtype}; allowed: pages of {list(slab.shape[1:])} {slab.dtype}")
+
+
+def _why_not(device: torch.device, tensors: Sequence[torch.Tensor]) -> str | None:
+    """Why the kernel cannot take these tensors on `device` (None if it can)."""
+    why = loader.status()
+    if why is not None:
+        return why
+    if device.type != "cuda":
+        return "tensors are not on a CUDA device"
+    for t in tensors:
+        if not t.is_contiguous():
+            return "a tensor is not contiguous"
+    return None
+
+
+def slab_addresses(slabs: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor | None:
+    """The address through which kernels on `device` reach each slab, as int64 ``[len(slabs)]`` on `device`;
+    None when kernels cannot run there or a slab is out of their reach (pageable host memory, another GPU).
+
+    A storage that keeps the result until its slabs change spares every call this lookup (`SlabRows` does).
+    """
+    if device.type != "cuda" or loader.status() is not None or not slabs:
+        return None
+    ptrs = [loader.device_address(s, device) for s in slabs]
+    if any(p is None for p in ptrs):
+        return None
+    return torch.tensor(ptrs, dtype=torch.int64).to(device)
+
+
+def _addresses(slabs: Sequence[torch.Tensor], device: torch.device,
+               given: torch.Tensor | None) -> torch.Tensor | None:
+    if given is not None:
+        if given.shape != (len(slabs),) or given.device != device:
+            raise ValueError(f"addresses are {list(given.shape)} on {given.device}; allowed: "
+                             f"[{len(slabs)}] on {device} (from slab_addresses of these slabs)")
+        return given
+    return slab_addresses(slabs, device)
+
+
+def _u64(x: int) -> np.uint64:
+    return np.uint64(x)
+
+
+def _i64(x: int) -> np.int64:
+    return np.int64(x)
+
+
+def _out(out: torch.Tensor | None, shape: tuple[int, ...], device: torch.device, what: str) -> torch.Tensor:
+    """`out` checked against the result it is to hold, or a new float32 tensor for it."""
+    if out is None:
+        return torch.empty(shape, dtype=torch.float32, device=device)
+    if tuple(out.shape) != shape or out.dtype != torch.float32 or out.device != device or not out.is_contiguous():
+        raise ValueError(f"{what}: out is {list(out.shape)} {out.dtype} on {out.device}; allowed: "
+                         f"{list(shape)} torch.float32 on {device}, contiguous")
+    return out
+
+
+def _grid(n: int) -> tuple[int]:
+    return (max(1, min(n, _MAX_BLOCKS)),)
+
+
+# ---------------------------------------------------------------------------------------------- copies
+def gather_pages(slabs: Sequence[torch.Tensor], rows_per_slab: int, rows: np.ndarray | torch.Tensor,
+                 out: torch.Tensor, addresses: torch.Tensor | None = None) -> torch.Tensor:
+    """``out[i] = row rows[i]`` of a slab storage (`kvtier.tiers.slabs.SlabRows`), ``out`` ``[n, *row]``.
+
+    On CUDA the slabs may be pinned host memory: the kernel then reads the pages through the mapping,
+    straight into `out` in device memory (no staging, no copy call per page). `addresses`: the slabs'
+    `slab_addresses` on `out`'s device, when the caller keeps them.
+    """
+    r_np, r = _host_rows(rows)
+    row_shape = tuple(out.shape[1:])
+    _check_layout(slabs, rows_per_slab, row_shape, out.dtype, "gather_pages")
+    _check_rows(r_np, len(slabs) * rows_per_slab, "gather_pages")
+    if out.shape[0] != r.shape[0]:
+        raise ValueError(f"gather_pages: out has {out.shape[0]} rows for {r.shape[0]} requested; allowed: as many")
+    if r.shape[0] == 0:
+        return out
+    why = _why_not(out.device, [out, *slabs]) or (None if r_np is not None else "rows are on the device")
+    if why is None:
+        k = loader.kernel("gather_pages", "kvtier_gather_pages", out.device)
+        base = _addresses(slabs, out.device, addresses) if k is not None else None
+        if base is not None:
+            rows_d = r.to(out.device)
+            row_bytes = out[0].numel() * out.element_size()
+            loader.launch(k, out.device, _grid(r.shape[0]), (_THREADS,),
+                          (_u64(base.data_ptr()), _i64(rows_per_slab), _u64(rows_d.data_ptr()),
+                           _u64(out.data_ptr()), _i64(r.shape[0]), _i64(row_bytes)))
+            loader.record("gather_pages", "kernel")
+            return out
+        why = loader.build_error("gather_pages", out.device) or "a slab is not reachable from the device"
+    loader.record("gather_pages", "twin", why)
+    return twins.gather_pages(slabs, rows_per_slab, r, out)
+
+
+def scatter_pages(slabs: Sequence[torch.Tensor], rows_per_slab: int, rows: np.ndarray | torch.Tensor,
+                  values: torch.Tensor, addresses: torch.Tensor | None = None) -> None:
+    """Row ``rows[i]`` of a slab storage ``= values[i]`` (``[n, *row]``); rows must be distinct.
+    `addresses`: as for `gather_pages`."""
+    r_np, r = _host_rows(rows)
+    row_shape = tuple(values.shape[1:])
+    _check_layout(slabs, rows_per_slab, row_shape, slabs[0].dtype if slabs else values.dtype, "scatter_pages")
+    _check_rows(r_np, len(slabs) * rows_per_slab, "scatter_pages", distinct=True)
+    if values.shape[0] != r.shape[0]:
+        raise ValueError(f"scatter_pages: {values.shape[0]} pages for {r.shape[0]} rows; allowed: as many")
+    if r.shape[0] == 0:
+        return
+    if not slabs:   # only device-side rows get here unchecked
+        raise IndexError(f"scatter_pages: {r.shape[0]} rows into a storage of none; allowed: rows it holds")
+    device = slabs[0].device
+    why = _why_not(device, [values, *slabs])
+    if why is None:
+        if r_np is None:
+            why = "rows are on the device"
+        elif values.device != device or values.dtype != slabs[0].dtype or any(s.device != device for s in slabs):
+            why = "values and slabs differ in device or dtype"
+    if why is None:
+        k = loader.kernel("scatter_pages", "kvtier_scatter_pages", device)
+        base = _addresses(slabs, device, addresses) if k is not None else None
+        if base is not None:
+            rows_d = r.to(device)
+            row_bytes = values[0].numel() * values.element_size()
+            loader.launch(k, device, _grid(r.shape[0]), (_THREADS,),
+                          (_u64(base.data_ptr()), _i64(rows_per_slab), _u64(rows_d.data_ptr()),
+                           _u64(values.data_ptr()), _i64(r.shape[0]), _i64(row_bytes)))
+            loader.record("scatter_pages", "kernel")
+            return
+        why = loader.build_error("scatter_pages", device) or "a slab is not reachable from the device"
+    loader.record("scatter_pages", "twin", why)
+    twins.scatter_pages(slabs, rows_per_slab, r, values)
+
+
+def pack_entries(slabs: Sequence[torch.Tensor], idx: torch.Tensor, addresses: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """Entries ``idx`` ``[heads, m]`` of a device pool's slabs ``[1, heads, slab_tokens, dim]`` packed as
+    ``[heads, m, dim]`` (demotion staging: whole pages, contiguous, ready for one large copy down), into
+    `out` when given (a reused staging buffer). `addresses`: as for `gather_pages`."""
+    if not slabs:
+        raise ValueError("pack_entries: the pool has no slab; allowed: a pool holding the entries")
+    _, heads, S, dim = slabs[0].shape
+    if idx.dim() != 2 or idx.shape[0] != heads:
+        raise ValueError(f"pack_entries: idx is {list(idx.shape)}; allowed: [{heads}, m] (one row per head)")
+    idx = idx.to(device=slabs[0].device, dtype=torch.int64)
+    capacity = len(slabs) * S
+    if idx.numel() and bool(((idx < 0) | (idx >= capacity)).any()):
+        bad = int(idx.min()) if int(idx.min()) < 0 else int(idx.max())
+        raise IndexError(f"pack_entries: entry {bad} is out of range; allowed: 0 to {capacity - 1}")
+    device = slabs[0].device
+    shape = (heads, idx.shape[1], dim)
+    if out is None:
+        out = torch.empty(shape, dtype=slabs[0].dtype, device=device)
+    elif tuple(out.shape) != shape or out.dtype != slabs[0].dtype or out.device != device or not out.is_contiguous():
+        raise ValueError(f"pack_entries: out is {list(out.shape)} {out.dtype} on {out.device}; allowed: "
+                         f"{list(shape)} {slabs[0].dtype} on {device}, contiguous")
+    why = _why_not(device, [idx, *slabs])
+    if why is None and idx.numel():
+        k = loader.kernel("pack_entries", "kvtier_pack_entries", device)
+        base = _addresses(slabs, device, addresses) if k is not None else None
+        if base is not None:
+            warps_per_block = _THREADS // 32
+            loader.launch(k, device, _grid(-(-idx.numel() // warps_per_block)), (_THREADS,),
+                          (_u64(base.data_ptr()), _i64(S), _i64(heads), _u64(idx.data_ptr()),
+                           _i64(idx.shape[1]), _u64(out.data_ptr()), _i64(dim * out.element_size())))
+            loader.record("pack_entries", "kernel")
+            return out
+        why = loader.build_error("pack_entries", device) or "a slab is not reachable from the device"
+    loader.record("pack_entries", "twin", why or "nothing to copy")
+    return out.copy_(twins.pack_entries(slabs, idx))
+
+
+# -------------------------------------------------------------------------------------- page selection
+_BOUND_KERNELS = {torch.float32: "kvtier_page_upper_bounds_f32", torch.float16: "kvtier_page_upper_bounds_f16",
+                  torch.bfloat16: "kvtier_page_upper_bounds_bf16"}
+
+
+def page_upper_bounds(q: torch.Tensor, spans: Sequence[torch.Tensor], heads: int,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """The largest logit any key of each page can give a KV head's queries, over every page.
+
+    Parameters
+    ----------
+    q
+        ``[heads, rows, dim]`` grouped queries (made float32).
+    spans
+        Bounds rows ``[pages_i * heads, 2 * dim]`` of consecutive pages (one per slab of the recall index):
+        row ``page * heads + head`` is ``[hi | lo]``, in float32, float16 or bfloat16.
+    out
+        Where to write the result (float32, contiguous, on `q`'s device), if not a new tensor.
+
+    Returns
+    -------
+    ``[heads, sum(pages_i)]`` float32, in the kernel's summation order (see `twins.page_upper_bounds`); equal
+    to `kvtier.recall.bounds.upper_bounds` up to float rounding. No query rows give -inf.
+    """
+    q = q.float().contiguous()
+    H, R, D = q.shape
+    if H != heads:
+        raise ValueError(f"page_upper_bounds: q has {H} heads; allowed: {heads} (one per KV head)")
+    for i, b in enumerate(spans):
+        if b.dim() != 2 or b.shape[1] != 2 * D or b.shape[0] % heads or b.dtype not in _BOUND_KERNELS:
+            raise ValueError(f"page_upper_bounds: span {i} is {list(b.shape)} {b.dtype}; allowed: "
+                             f"[pages * {heads}, {2 * D}] in float32, float16 or bfloat16")
+    total = sum(b.shape[0] // heads for b in spans)
+    out = _out(out, (H, total), q.device, "page_upper_bounds")
+    if R == 0:
+        return out.fill_(float("-inf"))
+    col = 0
+    for b in spans:
+        n = b.shape[0] // heads
+        why = _why_not(q.device, [q, b]) or (None if b.device == q.device else "bounds and queries differ in device")
+        k = loader.kernel("page_select", _BOUND_KERNELS[b.dtype], q.device) if why is None and n else None
+        if k is not None:
+            warps_per_block = _THREADS // 32
+            loader.launch(k, q.device, _grid(-(-(n * heads) // warps_per_block)), (_THREADS,),
+                          (_u64(q.data_ptr()), _u64(b.data_ptr()), _i64(n), np.int32(heads), np.int32(R),
+                           np.int32(D), _u64(out.data_ptr()), _i64(total), _i64(col)))
+            loader.record("page_upper_bounds", "kernel")
+        else:
+            why = why or loader.build_error("page_select", q.device) or "no pages"
+            loader.record("page_upper_bounds", "twin", why)
+            out[:, col:col + n] = twins.page_upper_bounds(q, b.to(q.device), heads)
+        col += n
+    return out
+
+
+def code_logits(q: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, codes: torch.Tensor, scaling: float,
+                out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of short-listed pages from their packed 2-bit codes, never unpacked in memory.
+
+    Parameters
+    ----------
+    q
+        ``[heads, rows, dim]`` grouped queries (made float32).
+    lo, step
+        ``[heads, c, dim]`` key minimum and code step of each candidate (made float32).
+    codes
+        ``[heads, c, page_size, ceil(dim / 4)]`` uint8 (`kvtier.recall.codes.encode`).
+    scaling
+        The attention's logit scale (rounded to float32).
+    out
+        ``(logits, base)`` to write into (float32, contiguous, on `q`'s device), if not new tensors.
+
+    Returns
+    -------
+    ``(logits [heads, c, rows, page_size], base [heads, c, rows])`` float32: a key's estimated logit is
+    ``base + logits`` (see `twins.code_logits` for the exact order of the sums).
+    """
+    q = q.float().contiguous()
+    lo, step = lo.float().contiguous(), step.float().contiguous()
+    codes = codes.contiguous()
+    H, R, D = q.shape
+    if lo.shape != step.shape or lo.dim() != 3 or lo.shape[0] != H or lo.shape[2] != D:
+        raise ValueError(f"code_logits: lo {list(lo.shape)} and step {list(step.shape)}; allowed: "
+                         f"[{H}, c, {D}] each")
+    c = lo.shape[1]
+    width = -(-D // 4)
+    if codes.dim() != 4 or codes.shape[:2] != (H, c) or codes.shape[3] != width or codes.dtype != torch.uint8:
+        raise ValueError(f"code_logits: codes {list(codes.shape)} {codes.dtype}; allowed: "
+                         f"[{H}, {c}, page_size, {width}] uint8")
+    s = float(np.float32(scaling))
+    P = codes.shape[2]
+    why = _why_not(q.device, [q, lo, step, codes])
+    if why is None and any(t.device != q.device for t in (lo, step, codes)):
+        why = "tensors differ in device"
+    if why is None and c and H > 65535:
+        why = "more heads than a grid's second dimension takes"
+    logits = _out(None if out is None else out[0], (H, c, R, P), q.device, "code_logits")
+    base = _out(None if out is None else out[1], (H, c, R), q.device, "code_logits")
+    k = loader.kernel("page_select", "kvtier_code_logits", q.device) if why is None and c and R else None
+    if k is None:
+        loader.record("code_logits", "twin", why or loader.build_error("page_select", q.device) or "nothing to do")
+        got = twins.code_logits(q, lo, step, codes, s)
+        return logits.copy_(got[0]), base.copy_(got[1])
+    loader.launch(k, q.device, (c, H), (_THREADS,),
+                  (_u64(q.data_ptr()), _u64(lo.data_ptr()), _u64(step.data_ptr()), _u64(codes.data_ptr()),
+                   _u64(logits.data_ptr()), _u64(base.data_ptr()), _i64(c), np.int32(R), np.int32(P),
+                   np.int32(D), np.float32(s)))
+    loader.record("code_logits", "kernel")
+    return logits, base

@@ -1,0 +1,194 @@
+"""Torch twins of the native kernels: the same results, bit for bit, on any device.
+
+A twin runs wherever its kernel does not (no CUDA, no cupy, kernels switched off, inputs the kernel does not
+take), and it is what each kernel is tested against. Copies are exact by nature. The float reductions of
+``native/page_select.cu`` are only reproducible in a fixed order, so their twins follow the kernel's order
+step by step: one torch multiply or add per kernel operation, each rounding to nearest in float32 on its
+own (separate torch ops are never fused into multiply-adds). Their results differ from a matrix product's
+by float rounding, which sums in its own, unspecified order.
+
+Storage arguments follow `kvtier.tiers.slabs.SlabRows`: a list of slabs ``[rows_per_slab, *row_shape]``
+whose rows are numbered across slabs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+LANES = 32                   # threads of a warp: the upper-bound sum is split over them
+_CHUNK_ELEMENTS = 1 << 22    # elements of a twin's largest temporary
+
+
+# ------------------------------------------------------------------------------------------------- copies
+def _runs(rows: np.ndarray, rows_per_slab: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Slab and offset of each row, and the ``[start, end)`` of each run of rows in one slab."""
+    slab, off = np.divmod(rows, rows_per_slab)
+    edges = np.flatnonzero(np.diff(slab)) + 1
+    return slab, off, np.r_[0, edges], np.r_[edges, len(rows)]
+
+
+def _groups(rows: torch.Tensor, rows_per_slab: int, slabs: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """``(slab, positions in rows, offsets in the slab)`` for each slab that `rows` touches."""
+    slab, off = np.divmod(rows.cpu().numpy(), rows_per_slab)
+    order = np.argsort(slab, kind="stable")
+    edges = np.searchsorted(slab[order], np.arange(slabs + 1))
+    out = []
+    for s in range(slabs):
+        a, b = edges[s], edges[s + 1]
+        if a < b:
+            pos = order[a:b]
+            out.append((s, torch.from_numpy(pos).to(rows.device), torch.from_numpy(off[pos]).to(rows.device)))
+    return out
+
+
+def gather_pages(slabs: Sequence[torch.Tensor], rows_per_slab: int, rows: torch.Tensor,
+                 out: torch.Tensor) -> torch.Tensor:
+    """``out[i] = row rows[i]`` of the storage (twin of ``kvtier_gather_pages``).
+
+    Copies run by run of rows in one slab, so rows sorted by slab (or mostly so) gather in a few calls; a
+    scattered request takes one grouped pass per slab instead. When `out` lives on another device than the
+    slabs (host pages recalled into device memory) the rows are gathered where the slabs are, then copied.
+    """
+    where = slabs[0].device if slabs else out.device
+    if out.device != where:
+        staged = torch.empty(out.shape, dtype=out.dtype, device=where)
+        return out.copy_(gather_pages(slabs, rows_per_slab, rows, staged))
+    rows = rows.to(where)
+    if len(slabs) == 1:
+        return torch.index_select(slabs[0], 0, rows, out=out)
+    slab, off, starts, ends = _runs(rows.cpu().numpy(), rows_per_slab)
+    if len(starts) > 8 + 2 * len(slabs):   # scattered: one grouped pass per slab instead
+        for s, pos, o in _groups(rows, rows_per_slab, len(slabs)):
+            out.index_copy_(0, pos, torch.index_select(slabs[s], 0, o))
+        return out
+    off_t = torch.from_numpy(off).to(where)
+    for a, b in zip(starts.tolist(), ends.tolist()):
+        if a < b:
+            torch.index_select(slabs[int(slab[a])], 0, off_t[a:b], out=out[a:b])
+    return out
+
+
+def scatter_pages(slabs: Sequence[torch.Tensor], rows_per_slab: int, rows: torch.Tensor,
+                  values: torch.Tensor) -> None:
+    """Row ``rows[i]`` of the storage ``= values[i]`` (twin of ``kvtier_scatter_pages``); rows are distinct."""
+    where = slabs[0].device
+    values = values.to(dtype=slabs[0].dtype, device=where)
+    rows = rows.to(where)
+    if len(slabs) == 1:
+        slabs[0].index_copy_(0, rows, values)
+        return
+    for s, pos, off in _groups(rows, rows_per_slab, len(slabs)):
+        slabs[s].index_copy_(0, off, torch.index_select(values, 0, pos))
+
+
+def pack_entries(slabs: Sequence[torch.Tensor], idx: torch.Tensor) -> torch.Tensor:
+    """Entries ``idx`` ``[heads, m]`` of a device pool's slabs ``[1, heads, slab_tokens, dim]`` as
+    ``[heads, m, dim]`` (twin of ``kvtier_pack_entries``)."""
+    heads, S, dim = slabs[0].shape[1], slabs[0].shape[2], slabs[0].shape[3]
+    if len(slabs) == 1:
+        return torch.gather(slabs[0][0], 1, idx[..., None].expand(-1, -1, dim))
+    slab, off = torch.div(idx, S, rounding_mode="floor"), idx % S
+    head = torch.arange(heads, device=idx.device)[:, None].expand_as(idx)
+    out = torch.empty(*idx.shape, dim, dtype=slabs[0].dtype, device=slabs[0].device)
+    for s in torch.unique(slab).tolist():
+        sel = slab == s
+        out[sel] = slabs[s][0][head[sel], off[sel]]
+    return out
+
+
+# ---------------------------------------------------------------------------------------- page selection
+def _lane_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last axis in the kernel's warp order: lane ``l`` adds ``x[l], x[l + 32], ...`` from +0,
+    then lanes combine as a tree (lane ``l`` adds lane ``l + off`` for off = 16, 8, 4, 2, 1)."""
+    dim = x.shape[-1]
+    acc = torch.zeros(*x.shape[:-1], LANES, dtype=torch.float32, device=x.device)
+    for j in range(0, dim, LANES):
+        seg = x[..., j:j + LANES]
+        w = seg.shape[-1]
+        acc[..., :w] = acc[..., :w] + seg
+    off = LANES // 2
+    while off:
+        acc = acc[..., :off] + acc[..., off:2 * off]
+        off //= 2
+    return acc[..., 0]
+
+
+def page_upper_bounds(q: torch.Tensor, bounds: torch.Tensor, heads: int) -> torch.Tensor:
+    """Upper bound of each page's logit for a KV head's queries (twin of ``kvtier_page_upper_bounds_*``).
+
+    Parameters
+    ----------
+    q
+        ``[heads, rows, dim]`` float32 grouped queries.
+    bounds
+        ``[pages * heads, 2 * dim]`` rows ``page * heads + head`` of ``[hi | lo]`` key bounds (any float dtype).
+
+    Returns
+    -------
+    ``[heads, pages]`` float32: the maximum over rows of ``sum_d (q >= 0 ? q * hi : q * lo)``, summed in the
+    kernel's warp order (`_lane_sum`); the maximum propagates NaN.
+    """
+    H, R, D = q.shape
+    pages = bounds.shape[0] // heads
+    b = bounds.view(pages, heads, 2, D)
+    out = torch.empty(H, pages, dtype=torch.float32, device=q.device)
+    step = max(1, _CHUNK_ELEMENTS // max(1, H * R * D))
+    qe = q[:, :, None, :]                                               # [H, R, 1, D]
+    for p0 in range(0, pages, step):
+        hi = b[p0:p0 + step, :, 0].float().permute(1, 0, 2)[:, None]   # [H, 1, c, D]
+        lo = b[p0:p0 + step, :, 1].float().permute(1, 0, 2)[:, None]
+        prod = torch.where(qe >= 0, qe * hi, qe * lo)                   # [H, R, c, D]
+        out[:, p0:p0 + hi.shape[2]] = _lane_sum(prod).amax(dim=1)
+    return out
+
+
+def unpack_codes(codes: torch.Tensor, dim: int) -> torch.Tensor:
+    """2-bit codes ``[..., ceil(dim / 4)]`` uint8 as floats ``[..., dim]`` in channel order (channel ``d`` is
+    bits ``2 (d % 4)`` and ``2 (d % 4) + 1`` of byte ``d // 4``, as `kvtier.recall.codes.encode` packs them)."""
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=codes.device)
+    c = (codes[..., None] >> shifts) & 3
+    return c.reshape(*codes.shape[:-1], -1)[..., :dim].float()
+
+
+def code_logits(q: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, codes: torch.Tensor,
+                scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of short-listed pages from their codes (twin of ``kvtier_code_logits``).
+
+    Parameters
+    ----------
+    q
+        ``[heads, rows, dim]`` float32 grouped queries.
+    lo, step
+        ``[heads, c, dim]`` float32: each candidate's key minimum and code step (`kvtier.recall.codes.step`).
+    codes
+        ``[heads, c, page_size, ceil(dim / 4)]`` uint8.
+    scaling
+        The logit scale; taken as float32.
+
+    Returns
+    -------
+    ``logits`` ``[heads, c, rows, page_size]`` = ``scaling * sum_d (q * step) * code`` and ``base``
+    ``[heads, c, rows]`` = ``scaling * sum_d q * lo``, both float32, each sum over d = 0, 1, ... in order.
+    """
+    H, R, D = q.shape
+    c, P = codes.shape[1], codes.shape[2]
+    s = torch.tensor(scaling, dtype=torch.float32, device=q.device)
+    logits = torch.empty(H, c, R, P, dtype=torch.float32, device=q.device)
+    base = torch.empty(H, c, R, dtype=torch.float32, device=q.device)
+    chunk = max(1, _CHUNK_ELEMENTS // max(1, H * R * max(P, D)))
+    for c0 in range(0, c, chunk):
+        sl = slice(c0, c0 + chunk)
+        code = unpack_codes(codes[:, sl], D)                      # [H, k, P, D]
+        w = q[:, None] * step[:, sl, None, :]                     # [H, k, R, D]
+        q_lo = q[:, None] * lo[:, sl, None, :]                    # [H, k, R, D]
+        acc = torch.zeros(H, code.shape[1], R, P, dtype=torch.float32, device=q.device)
+        acc_b = torch.zeros(H, code.shape[1], R, dtype=torch.float32, device=q.device)
+        for d in range(D):
+            acc = acc + w[..., d, None] * code[:, :, None, :, d]
+            acc_b = acc_b + q_lo[..., d]
+        logits[:, sl] = acc * s
+        base[:, sl] = acc_b * s
+    return logits, base

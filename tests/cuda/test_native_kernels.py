@@ -1,0 +1,302 @@
+"""Every native kernel against its torch twin on a CUDA device, bit for bit.
+
+Outputs are filled with NaN bytes first, so a byte the kernel failed to write shows up. The twin runs on the
+CPU (the reference) and, for the float reductions, on the GPU as well: the twins' order is the same on any
+device, which is what lets the engine fall back to them. Tests that launch kernels need cupy; the others
+run on any CUDA machine.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier import native
+from kvtier.native import twins
+from kvtier.recall.bounds import page_bounds, round_outward
+from kvtier.recall.buffer import RecallBuffer
+from kvtier.recall.codes import encode, step
+from kvtier.recall.index import PageIndex
+from kvtier.tiers.device import DevicePool
+from kvtier.tiers.host import HostPool
+from kvtier.tiers.slabs import SlabRows
+
+pytestmark = pytest.mark.cuda
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+@pytest.fixture
+def kernels(cuda_device):
+    """Skip unless the kernels can run here (cupy importable, not switched off)."""
+    pytest.importorskip("cupy", reason="the kernels are compiled with cupy (pip install cupy-cuda12x)")
+    why = native.kernel_status()
+    if why is not None:
+        pytest.skip(f"kernels cannot run: {why}")
+    return cuda_device
+
+
+class _Launches:
+    """Counts the kernel launches of one op, and fails with `backend()` when a twin ran instead."""
+
+    def __init__(self, op: str) -> None:
+        self.op = op
+        self.before = self._count()
+
+    def _count(self) -> int:
+        return native.backend()["ops"].get(self.op, {}).get("kernel", 0)
+
+    def check(self, n: int) -> None:
+        got = self._count() - self.before
+        assert got == n, f"{self.op}: {got} kernel launches, expected {n}; backend: {native.backend()}"
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().cpu().view(torch.uint8)
+
+
+def _poison(shape, dtype, device) -> torch.Tensor:
+    """A tensor whose every byte is 0xFF (NaN for every float dtype)."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    t.view(torch.uint8).fill_(0xFF)
+    return t
+
+
+def _storage(rows_per_slab, slabs, row_shape, dtype, device, pin=False, seed=0) -> SlabRows:
+    g = torch.Generator().manual_seed(seed)
+    s = SlabRows(row_shape, dtype, device, rows_per_slab, pin)
+    s.ensure(rows_per_slab * slabs)
+    for slab in s.slabs:
+        if dtype.is_floating_point:
+            slab.copy_(torch.randn(slab.shape, generator=g).to(dtype))
+        else:
+            slab.copy_(torch.randint(0, 255, slab.shape, generator=g).to(dtype))
+    return s
+
+
+# ------------------------------------------------------------------------------------------------ copies
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page_size,dim", [(16, 64), (32, 128)])
+@pytest.mark.parametrize("pinned", [True, False], ids=["pinned-host", "device"])
+def test_gather_pages_kernel_is_the_twin(kernels, dtype, page_size, dim, pinned):
+    where = "cpu" if pinned else kernels
+    s = _storage(5, 4, (page_size, dim), dtype, where, pin=pinned, seed=dim)
+    if pinned:
+        assert s.slabs[0].is_pinned()
+    rows = np.random.default_rng(page_size).integers(0, s.capacity, size=33)   # repeats are fine to read
+    out = _poison((len(rows), page_size, dim), dtype, kernels)
+    launches = _Launches("gather_pages")
+    native.gather_pages(s.slabs, 5, rows, out, s.addresses(kernels))
+    torch.cuda.synchronize()
+    launches.check(1)
+    cpu_slabs = [t.cpu() for t in s.slabs]
+    want = twins.gather_pages(cpu_slabs, 5, torch.from_numpy(rows), torch.empty(out.shape, dtype=dtype))
+    assert torch.equal(_bits(out), _bits(want))
+
+
+@pytest.mark.parametrize("row_shape,dtype", [((3, 5), torch.uint8), ((3,), torch.int16), ((1, 16), torch.uint8)])
+def test_gather_and_scatter_kernels_copy_rows_of_any_length(kernels, row_shape, dtype):
+    """15- and 6-byte rows take the byte path, 16-byte rows the word path; both exact, nothing more written."""
+    s = _storage(4, 3, row_shape, dtype, kernels, seed=1)
+    rows = np.array([11, 0, 5, 5, 2, 9], dtype=np.int64)
+    out = _poison((len(rows), *row_shape), dtype, kernels)
+    native.gather_pages(s.slabs, 4, rows, out)
+    assert torch.equal(_bits(out), _bits(torch.stack([s.slabs[r // 4][r % 4] for r in rows])))
+    before = [t.clone() for t in s.slabs]
+    targets = np.array([7, 1, 10], dtype=np.int64)
+    launches = _Launches("scatter_pages")
+    native.scatter_pages(s.slabs, 4, targets, out[:3].clone())
+    launches.check(1)
+    for r in range(s.capacity):
+        hit = np.flatnonzero(targets == r)
+        want = out[hit[0]] if len(hit) else before[r // 4][r % 4]
+        assert torch.equal(_bits(s.slabs[r // 4][r % 4]), _bits(want)), f"row {r}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scatter_pages_kernel_writes_only_its_rows(kernels, dtype):
+    s = SlabRows((16, 64), dtype, kernels, 6)
+    s.ensure(18)
+    for slab in s.slabs:
+        slab.view(torch.uint8).fill_(0xFF)
+    ref = [t.cpu() for t in s.slabs]
+    rows = np.random.default_rng(2).choice(18, size=11, replace=False)
+    values = torch.randn(11, 16, 64, device=kernels).to(dtype)
+    launches = _Launches("scatter_pages")
+    native.scatter_pages(s.slabs, 6, rows, values, s.addresses(kernels))
+    torch.cuda.synchronize()
+    launches.check(1)
+    twins.scatter_pages(ref, 6, torch.from_numpy(rows), values.cpu())
+    for got, want in zip(s.slabs, ref):
+        assert torch.equal(_bits(got), _bits(want))
+
+
+def test_gather_kernel_runs_on_the_current_stream(kernels):
+    s = _storage(8, 2, (16, 64), torch.bfloat16, "cpu", pin=True, seed=3)
+    rows = np.arange(15, -1, -1)
+    side = torch.cuda.Stream(kernels)
+    with torch.cuda.stream(side):
+        out = _poison((16, 16, 64), torch.bfloat16, kernels)
+        native.gather_pages(s.slabs, 8, rows, out)
+        seen = out.clone()   # queued after the kernel on the same stream: must see every byte it wrote
+    side.synchronize()
+    want = torch.stack([s.slabs[r // 8][r % 8] for r in rows])
+    assert torch.equal(_bits(seen), _bits(want)) and torch.equal(_bits(out), _bits(want))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_host_pool_loads_pinned_pages_straight_into_device_memory(kernels, dtype):
+    pool = HostPool(16, 64, dtype, pin=True, slab_bytes=4 * 16 * 64 * torch.empty((), dtype=dtype).element_size())
+    k = torch.randn(13, 16, 64).to(dtype)
+    slots = pool.store(k, -k)
+    pick = slots[[12, 3, 7, 0, 8]]
+    out = (_poison((5, 16, 64), dtype, kernels), _poison((5, 16, 64), dtype, kernels))
+    launches = _Launches("gather_pages")
+    pool.load(pick, out=out)
+    launches.check(2)
+    assert torch.equal(_bits(out[0]), _bits(k[[12, 3, 7, 0, 8]]))
+    assert torch.equal(_bits(out[1]), _bits(-k[[12, 3, 7, 0, 8]]))
+    pool.free(pick)
+    again = pool.store(k[:5] * 3, k[:5])   # waits for the kernel's reads before overwriting the slots
+    assert sorted(again.tolist()) == sorted(pick.tolist())
+    assert torch.equal(pool.load(again)[0], k[:5] * 3)
+    pool.close()
+
+
+def test_recall_buffer_fill_runs_the_kernel_and_matches_indexing(kernels):
+    H, pages, P, D = 4, 6, 16, 128
+    buf = RecallBuffer(H, pages, P, D, torch.bfloat16, kernels)
+    buf.k.view(torch.uint8).fill_(0xFF)
+    buf.v.view(torch.uint8).fill_(0xFF)
+    ref_k, ref_v = buf.k.clone(), buf.v.clone()
+    heads = np.repeat(np.arange(H), 3).astype(np.int64)
+    slots = np.tile(np.array([5, 0, 2]), H).astype(np.int64)
+    k = torch.randn(len(heads), P, D, device=kernels).to(torch.bfloat16)
+    launches = _Launches("scatter_pages")
+    buf.fill(heads, np.arange(len(heads)), slots, k, k * 2)
+    launches.check(2)
+    h, s = torch.from_numpy(heads).to(kernels), torch.from_numpy(slots).to(kernels)
+    ref_k.view(H, pages, P, D)[h, s] = k
+    ref_v.view(H, pages, P, D)[h, s] = k * 2
+    assert torch.equal(_bits(buf.k), _bits(ref_k)) and torch.equal(_bits(buf.v), _bits(ref_v))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("slab_tokens", [256, 40])
+def test_pack_entries_kernel_is_the_pools_take(kernels, dtype, slab_tokens):
+    heads, dim, n = 8, 128, 200
+    pool = DevicePool(heads, dim, dtype, kernels, slab_tokens)
+    k = torch.randn(1, heads, n, dim, device=kernels).to(dtype)
+    pool.stage(k, -k, torch.arange(n, device=kernels).expand(heads, n))
+    pool.commit(n, torch.zeros(heads, n, device=kernels))
+    g = torch.Generator().manual_seed(slab_tokens)
+    idx = torch.stack([torch.randperm(n, generator=g)[:64].sort().values for _ in range(heads)]).to(kernels)
+    launches = _Launches("pack_entries")
+    out = _poison((heads, 64, dim), dtype, kernels)
+    native.pack_entries(pool.k, idx, out=out)
+    got_v = native.pack_entries(pool.v, idx)
+    launches.check(2)
+    want_k, want_v = pool.take(idx)
+    assert torch.equal(_bits(out), _bits(want_k)) and torch.equal(_bits(got_v), _bits(want_v))
+    cpu = twins.pack_entries([t.cpu() for t in pool.k], idx.cpu())
+    assert torch.equal(_bits(out), _bits(cpu))
+
+
+# ---------------------------------------------------------------------------------------- page selection
+def _bounds(H, pages, page_size, dim, dtype, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(H, pages, page_size, dim, generator=g)
+    lo, hi = round_outward(*page_bounds(keys, torch.full((H, pages), page_size)), dtype)
+    rows = torch.cat([hi, lo], dim=-1).transpose(0, 1).reshape(pages * H, 2 * dim)
+    return rows.to(device), keys
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", [64, 128, 40])
+@pytest.mark.parametrize("rows,pages", [(1, 1), (7, 37), (24, 300)])
+def test_page_upper_bounds_kernel_is_the_twin(kernels, dtype, dim, rows, pages):
+    H = 4
+    b, _ = _bounds(H, pages, 16, dim, dtype, kernels, seed=dim + rows)
+    q = torch.randn(H, rows, dim, device=kernels)
+    out = _poison((H, pages), torch.float32, kernels)
+    launches = _Launches("page_upper_bounds")
+    native.page_upper_bounds(q, [b], H, out=out)
+    torch.cuda.synchronize()
+    launches.check(1)
+    want = twins.page_upper_bounds(q.cpu(), b.cpu(), H)
+    assert torch.equal(_bits(out), _bits(want))
+    on_gpu = twins.page_upper_bounds(q, b, H)          # the twin is device-independent
+    assert torch.equal(_bits(on_gpu), _bits(want))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_page_upper_bounds_kernel_over_index_slabs_and_nan(kernels, dtype):
+    H, P, D = 2, 16, 64
+    index = PageIndex(H, P, D, dtype, kernels, pages_per_slab=32)
+    index.add(torch.randn(H, 75, P, D, device=kernels))
+    spans = [b for _, b in index.bounds.spans(index.n * H)]
+    assert len(spans) == 3
+    q = torch.randn(H, 9, D, device=kernels)
+    q[1, 4, 17] = float("nan")
+    launches = _Launches("page_upper_bounds")
+    got = native.page_upper_bounds(q, spans, H)
+    launches.check(3)
+    want = twins.page_upper_bounds(q.cpu(), torch.cat([b.cpu() for b in spans]), H)
+    assert got[1].isnan().all().item() and not got[0].isnan().any().item()
+    assert torch.equal(got[0].cpu(), want[0]) and want[1].isnan().all()
+    torch.testing.assert_close(got[0], index.upper_bounds(q)[0], rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("dim,page_size", [(64, 16), (128, 32), (64, 32)])
+@pytest.mark.parametrize("rows,cands", [(1, 1), (9, 150), (3, 7)])
+def test_code_logits_kernel_is_the_twin(kernels, dim, page_size, rows, cands):
+    H = 3
+    g = torch.Generator().manual_seed(dim + rows)
+    keys = torch.randn(H, cands, page_size, dim, generator=g).to(torch.bfloat16)
+    lo, hi = round_outward(*page_bounds(keys, torch.full((H, cands), page_size)), torch.bfloat16)
+    codes, st = encode(keys, lo, hi), step(lo, hi)
+    q = torch.randn(H, rows, dim, generator=g)
+    scaling = dim ** -0.5
+    out = (_poison((H, cands, rows, page_size), torch.float32, kernels),
+           _poison((H, cands, rows), torch.float32, kernels))
+    launches = _Launches("code_logits")
+    native.code_logits(q.to(kernels), lo.to(kernels), st.to(kernels), codes.to(kernels), scaling, out=out)
+    torch.cuda.synchronize()
+    launches.check(1)
+    want = twins.code_logits(q, lo.float(), st, codes, float(np.float32(scaling)))
+    assert torch.equal(_bits(out[0]), _bits(want[0])) and torch.equal(_bits(out[1]), _bits(want[1]))
+
+
+def test_switched_off_kernels_give_the_same_bits_through_the_twins(kernels, monkeypatch):
+    H, D = 2, 128
+    b, _ = _bounds(H, 50, 16, D, torch.bfloat16, kernels, seed=9)
+    q = torch.randn(H, 5, D, device=kernels)
+    with_kernel = native.page_upper_bounds(q, [b], H)
+    monkeypatch.setenv("KVTIER_NATIVE", "0")
+    twin = native.page_upper_bounds(q, [b], H)
+    assert native.backend()["ops"]["page_upper_bounds"]["last"] == "twin"
+    assert torch.equal(_bits(with_kernel), _bits(twin))
+
+
+# ------------------------------------------------------------------------------ twins on the GPU, no cupy
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_twins_give_the_same_bits_on_the_gpu_and_the_cpu(cuda_device, monkeypatch, dtype):
+    """What the engine runs on a CUDA machine without cupy: the same bits as the CPU reference."""
+    monkeypatch.setenv("KVTIER_NATIVE", "0")
+    H, D, P = 3, 128, 16
+    b, keys = _bounds(H, 60, P, D, dtype, cuda_device, seed=11)
+    q = torch.randn(H, 6, D, device=cuda_device)
+    assert torch.equal(_bits(native.page_upper_bounds(q, [b], H)), _bits(twins.page_upper_bounds(q.cpu(), b.cpu(), H)))
+    lo, hi = round_outward(*page_bounds(keys[:, :20], torch.full((H, 20), P)), dtype)
+    codes, st = encode(keys[:, :20], lo, hi), step(lo, hi)
+    got = native.code_logits(q, lo.to(cuda_device), st.to(cuda_device), codes.to(cuda_device), 0.125)
+    want = twins.code_logits(q.cpu(), lo.float(), st, codes, 0.125)
+    assert torch.equal(_bits(got[0]), _bits(want[0])) and torch.equal(_bits(got[1]), _bits(want[1]))
+    pool = HostPool(P, D, dtype, pin=True)
+    k = torch.randn(7, P, D).to(dtype)
+    slots = pool.store(k, k)
+    out = (_poison((7, P, D), dtype, cuda_device), _poison((7, P, D), dtype, cuda_device))
+    pool.load(slots[::-1].copy(), out=out)
+    assert torch.equal(_bits(out[0]), _bits(k.flip(0)))
+    pool.close()

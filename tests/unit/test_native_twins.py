@@ -1,0 +1,528 @@
+"""The torch twins of the native kernels, on the CPU: each against the computation it replaces, and the float
+reductions against a scalar float32 replay of the kernel's order, so the CUDA tests that hold each kernel to
+its twin hold it to a documented order."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier import native
+from kvtier.native import loader, twins
+from kvtier.recall.bounds import page_bounds, round_outward, upper_bounds
+from kvtier.recall.buffer import RecallBuffer
+from kvtier.recall.codes import decode, encode, step, unpacked
+from kvtier.recall.index import PageIndex
+from kvtier.tiers.device import DevicePool
+from kvtier.tiers.host import HostPool
+from kvtier.tiers.slabs import SlabRows
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of `t` (compares NaNs and signed zeros exactly)."""
+    return t.contiguous().view(torch.uint8)
+
+
+def _storage(rows_per_slab: int, slabs: int, row_shape: tuple[int, ...], dtype: torch.dtype,
+             seed: int) -> SlabRows:
+    g = torch.Generator().manual_seed(seed)
+    s = SlabRows(row_shape, dtype, "cpu", rows_per_slab)
+    s.ensure(rows_per_slab * slabs)
+    for slab in s.slabs:
+        slab.copy_(torch.randn(slab.shape, generator=g).to(dtype))
+    return s
+
+
+def _row(s: SlabRows, r: int) -> torch.Tensor:
+    return s.slabs[r // s.rows_per_slab][r % s.rows_per_slab]
+
+
+# ------------------------------------------------------------------------------------------------ copies
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page_size,dim", [(16, 64), (32, 128), (16, 128)])
+@pytest.mark.parametrize("slabs,order", [(1, "random"), (5, "sorted"), (5, "random"), (5, "empty")])
+def test_gather_pages_copies_the_requested_rows(dtype, page_size, dim, slabs, order):
+    s = _storage(7, slabs, (page_size, dim), dtype, seed=slabs + dim)
+    rng = np.random.default_rng(page_size)
+    n = {"empty": 0, "sorted": 20, "random": 30}[order]
+    rows = rng.choice(s.capacity, size=min(n, s.capacity), replace=False)
+    if order == "sorted":
+        rows.sort()   # runs of rows in one slab: one copy per run
+    out = torch.full((len(rows), page_size, dim), float("nan"), dtype=dtype)
+    got = native.gather_pages(s.slabs, s.rows_per_slab, rows, out)
+    assert got is out
+    want = torch.stack([_row(s, int(r)) for r in rows]) if len(rows) else out.new_empty(0, page_size, dim)
+    assert torch.equal(_bits(got), _bits(want))
+
+
+def test_gather_pages_runs_both_ways_through_a_many_slab_storage():
+    """A scattered request (more runs than slabs) takes the grouped path; same rows either way."""
+    s = _storage(3, 6, (4, 8), torch.float32, seed=1)
+    rows = np.array([17, 0, 5, 16, 1, 9, 2, 14, 3, 12, 4, 10, 6, 11, 7, 15, 8, 13], dtype=np.int64)
+    out = twins.gather_pages(s.slabs, 3, torch.from_numpy(rows), torch.empty(len(rows), 4, 8))
+    assert torch.equal(out, torch.stack([_row(s, int(r)) for r in rows]))
+    again = torch.empty_like(out)
+    for i in range(0, len(rows), 2):   # few runs: the run path
+        twins.gather_pages(s.slabs, 3, torch.from_numpy(rows[i:i + 2]), again[i:i + 2])
+    assert torch.equal(again, out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("slabs", [1, 4])
+def test_scatter_pages_writes_only_the_given_rows(dtype, slabs):
+    s = _storage(5, slabs, (16, 64), dtype, seed=2)
+    before = [t.clone() for t in s.slabs]
+    rows = np.random.default_rng(3).choice(s.capacity, size=min(9, s.capacity), replace=False)
+    values = torch.randn(len(rows), 16, 64).to(dtype)
+    native.scatter_pages(s.slabs, 5, rows, values)
+    for r in range(s.capacity):
+        where = np.flatnonzero(rows == r)
+        want = values[where[0]] if len(where) else before[r // 5][r % 5]
+        assert torch.equal(_bits(_row(s, r)), _bits(want)), f"row {r}"
+    native.scatter_pages(s.slabs, 5, np.empty(0, dtype=np.int64), values[:0])   # nothing to write
+
+
+def test_copies_refuse_bad_rows_naming_them():
+    s = _storage(4, 2, (2, 3), torch.float32, seed=0)
+    with pytest.raises(IndexError, match="row 8 is out of range; allowed: 0 to 7"):
+        native.gather_pages(s.slabs, 4, np.array([1, 8]), torch.empty(2, 2, 3))
+    with pytest.raises(IndexError, match="row -1 is out of range"):
+        native.scatter_pages(s.slabs, 4, np.array([-1]), torch.zeros(1, 2, 3))
+    with pytest.raises(ValueError, match="rows repeat"):
+        native.scatter_pages(s.slabs, 4, np.array([3, 3]), torch.zeros(2, 2, 3))
+    with pytest.raises(ValueError, match=r"pages of \[3, 2\] torch.float32 for rows of \[2, 3\]"):
+        native.gather_pages(s.slabs, 4, np.array([1]), torch.empty(1, 3, 2))
+    with pytest.raises(ValueError, match="out has 3 rows for 1 requested"):
+        native.gather_pages(s.slabs, 4, np.array([1]), torch.empty(3, 2, 3))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("slab_tokens", [64, 16])
+def test_pack_entries_equals_the_device_pools_take(dtype, slab_tokens):
+    """One slab (a gather) and several (entries spread over slabs): same as `DevicePool.take`."""
+    heads, dim, n = 3, 64, 60
+    pool = DevicePool(heads, dim, dtype, torch.device("cpu"), slab_tokens)
+    g = torch.Generator().manual_seed(4)
+    k = torch.randn(1, heads, n, dim, generator=g).to(dtype)
+    pool.stage(k, k.neg(), torch.arange(n).expand(heads, n))
+    pool.commit(n, torch.zeros(heads, n))
+    idx = torch.stack([torch.randperm(n, generator=g)[:32].sort().values for _ in range(heads)])
+    want_k, want_v = pool.take(idx)
+    assert torch.equal(_bits(native.pack_entries(pool.k, idx)), _bits(want_k))
+    assert torch.equal(_bits(native.pack_entries(pool.v, idx)), _bits(want_v))
+    assert native.pack_entries(pool.k, idx[:, :0]).shape == (heads, 0, dim)
+    with pytest.raises(IndexError, match=f"entry {pool.capacity} is out of range"):
+        native.pack_entries(pool.k, torch.full((heads, 1), pool.capacity))
+
+
+def test_recall_buffer_fill_puts_pages_where_indexing_would():
+    H, pages, P, D = 3, 5, 16, 64
+    buf = RecallBuffer(H, pages, P, D, torch.bfloat16, torch.device("cpu"))
+    buf.k.fill_(0)
+    buf.v.fill_(0)
+    ref_k, ref_v = buf.k.clone(), buf.v.clone()
+    heads = np.array([0, 0, 1, 2, 2, 2], dtype=np.int64)
+    slots = np.array([4, 1, 0, 3, 2, 4], dtype=np.int64)
+    pids = np.arange(6, dtype=np.int64) + 10
+    k = torch.randn(6, P, D).to(torch.bfloat16)
+    buf.fill(heads, pids, slots, k, -k)
+    ref_k.view(H, pages, P, D)[torch.from_numpy(heads), torch.from_numpy(slots)] = k
+    ref_v.view(H, pages, P, D)[torch.from_numpy(heads), torch.from_numpy(slots)] = -k
+    assert torch.equal(buf.k, ref_k) and torch.equal(buf.v, ref_v)
+    assert buf.ids[2, 3] == 13 and buf.ids[0, 0] == -1
+
+
+def test_host_pool_loads_into_an_out_exactly_across_slabs():
+    pool = HostPool(16, 64, torch.float16, pin=False, slab_bytes=16 * 64 * 2 * 3)   # 3 pages a slab
+    k = torch.randn(10, 16, 64).to(torch.float16)
+    slots = pool.store(k, k * 2)
+    assert len(pool.k.slabs) == 4
+    pick = slots[[7, 2, 9, 0]]
+    out = (torch.empty(4, 16, 64, dtype=torch.float16), torch.empty(4, 16, 64, dtype=torch.float16))
+    got_k, got_v = pool.load(pick, out=out)
+    assert got_k is out[0] and got_v is out[1]
+    assert torch.equal(got_k, k[[7, 2, 9, 0]]) and torch.equal(got_v, k[[7, 2, 9, 0]] * 2)
+    lk, lv = pool.load(pick)
+    assert torch.equal(lk, got_k) and torch.equal(lv, got_v)
+
+
+# ---------------------------------------------------------------------------------------- page selection
+def _replay_upper_bounds(q: np.ndarray, hi: np.ndarray, lo: np.ndarray) -> np.ndarray:
+    """The kernel's order with numpy float32 scalars: lanes over channels, a tree over lanes, max over rows."""
+    H, R, D = q.shape
+    pages = hi.shape[1]
+    out = np.empty((H, pages), dtype=np.float32)
+    for h in range(H):
+        for p in range(pages):
+            best = np.float32(-np.inf)
+            for r in range(R):
+                lanes = [np.float32(0)] * 32
+                for d in range(D):
+                    x = q[h, r, d]
+                    lanes[d % 32] = np.float32(lanes[d % 32] + np.float32(x * (hi[h, p, d] if x >= 0 else lo[h, p, d])))
+                off = 16
+                while off:
+                    lanes = [np.float32(lanes[i] + lanes[i + off]) for i in range(off)]
+                    off //= 2
+                if np.isnan(lanes[0]) or lanes[0] > best:
+                    best = lanes[0]
+            out[h, p] = best
+    return out
+
+
+def _bounds_rows(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """``[heads, pages, dim]`` bounds as the index keeps them: rows ``page * heads + head`` of ``[hi | lo]``."""
+    H, pages, D = hi.shape
+    return torch.cat([hi, lo], dim=-1).transpose(0, 1).reshape(pages * H, 2 * D)
+
+
+@pytest.mark.parametrize("dim", [64, 40, 128])
+def test_upper_bound_twin_replays_the_kernel_order_bit_for_bit(dim):
+    g = torch.Generator().manual_seed(dim)
+    H, R, pages = 2, 3, 4
+    q = torch.randn(H, R, dim, generator=g)
+    q[0, 1, :7] = 0.0
+    q[1, 2, 3] = -0.0
+    a, b = torch.randn(2, H, pages, dim, generator=g)
+    lo, hi = torch.minimum(a, b), torch.maximum(a, b)
+    got = twins.page_upper_bounds(q, _bounds_rows(hi, lo), H)
+    want = _replay_upper_bounds(q.numpy(), hi.numpy(), lo.numpy())
+    assert torch.equal(_bits(got), _bits(torch.from_numpy(want)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim,page_size", [(64, 16), (128, 32)])
+def test_upper_bounds_match_the_matrix_product_bounds_and_bound_every_key(dtype, dim, page_size):
+    g = torch.Generator().manual_seed(5)
+    H, R, pages = 3, 6, 40
+    keys = torch.randn(H, pages, page_size, dim, generator=g)
+    lo, hi = round_outward(*page_bounds(keys, torch.full((H, pages), page_size)), dtype)
+    q = torch.randn(H, R, dim, generator=g)
+    got = native.page_upper_bounds(q, [_bounds_rows(hi, lo)], H)
+    ref = upper_bounds(q, lo, hi)          # what the selector computes with two matrix products
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4)
+    best = torch.einsum("hrd,hpkd->hrpk", q.double(), keys.to(dtype).double()).amax(dim=(1, 3))
+    assert (got.double() >= best - 1e-4).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_upper_bounds_over_index_slabs_match_the_index(dtype):
+    """Across several slabs of the recall index: one call, spans in order, the index's own result."""
+    H, P, D = 2, 16, 64
+    index = PageIndex(H, P, D, dtype, torch.device("cpu"), pages_per_slab=8)
+    g = torch.Generator().manual_seed(6)
+    index.add(torch.randn(H, 21, P, D, generator=g))
+    q = torch.randn(H, 5, D, generator=g)
+    spans = [b for _, b in index.bounds.spans(index.n * H)]
+    assert len(spans) == 3
+    got = native.page_upper_bounds(q, spans, H)
+    torch.testing.assert_close(got, index.upper_bounds(q), rtol=1e-5, atol=1e-4)
+    whole = twins.page_upper_bounds(q, torch.cat(spans), H)
+    assert torch.equal(got, whole)   # elementwise per page: the split into slabs changes nothing
+
+
+def test_upper_bounds_of_nothing():
+    H, D = 2, 64
+    q = torch.randn(H, 3, D)
+    assert native.page_upper_bounds(q, [], H).shape == (H, 0)
+    assert native.page_upper_bounds(q, [torch.zeros(0, 2 * D)], H).shape == (H, 0)
+    empty_rows = native.page_upper_bounds(q[:, :0], [torch.zeros(4 * H, 2 * D)], H)
+    assert empty_rows.shape == (H, 4) and (empty_rows == float("-inf")).all()
+    q[1, 2, 5] = float("nan")   # a NaN query row poisons its head's bounds, as torch.amax would
+    got = native.page_upper_bounds(q, [torch.randn(4 * H, 2 * D).sort(dim=1, descending=True).values], H)
+    assert got[1].isnan().all() and not got[0].isnan().any()
+    with pytest.raises(ValueError, match=r"span 0 is \[5, 128\].*allowed: \[pages \* 2, 128\]"):
+        native.page_upper_bounds(q, [torch.zeros(5, 2 * D)], H)
+
+
+def _replay_code_logits(q, lo, st, codes, scaling):
+    H, R, D = q.shape
+    c, P = codes.shape[1], codes.shape[2]
+    s = np.float32(scaling)
+    logits = np.empty((H, c, R, P), dtype=np.float32)
+    base = np.empty((H, c, R), dtype=np.float32)
+    for h in range(H):
+        for j in range(c):
+            for r in range(R):
+                acc_b = np.float32(0)
+                for d in range(D):
+                    acc_b = np.float32(acc_b + np.float32(q[h, r, d] * lo[h, j, d]))
+                base[h, j, r] = np.float32(acc_b * s)
+                for p in range(P):
+                    acc = np.float32(0)
+                    for d in range(D):
+                        code = np.float32((int(codes[h, j, p, d // 4]) >> (2 * (d % 4))) & 3)
+                        acc = np.float32(acc + np.float32(np.float32(q[h, r, d] * st[h, j, d]) * code))
+                    logits[h, j, r, p] = np.float32(acc * s)
+    return logits, base
+
+
+@pytest.mark.parametrize("dim", [16, 20])
+def test_code_logits_twin_replays_the_kernel_order_bit_for_bit(dim):
+    g = torch.Generator().manual_seed(7)
+    H, R, c, P = 2, 2, 3, 4
+    keys = torch.randn(H, c, P, dim, generator=g)
+    lo, hi = page_bounds(keys, torch.full((H, c), P))
+    codes = encode(keys, lo, hi)
+    q = torch.randn(H, R, dim, generator=g)
+    scaling = dim ** -0.5
+    got = twins.code_logits(q, lo, step(lo, hi), codes, float(np.float32(scaling)))
+    want = _replay_code_logits(q.numpy(), lo.numpy(), step(lo, hi).numpy(), codes.numpy(), scaling)
+    assert torch.equal(_bits(got[0]), _bits(torch.from_numpy(want[0])))
+    assert torch.equal(_bits(got[1]), _bits(torch.from_numpy(want[1])))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim,page_size", [(64, 16), (128, 32), (64, 32)])
+def test_code_logits_match_the_selectors_estimate(dtype, dim, page_size):
+    """`page_shares`' logits (codes unpacked, then matrix products) and the decoded keys' logits."""
+    g = torch.Generator().manual_seed(8)
+    H, R, c = 3, 5, 11
+    keys = torch.randn(H, c, page_size, dim, generator=g).to(dtype)
+    lo, hi = round_outward(*page_bounds(keys, torch.full((H, c), page_size)), dtype)
+    codes = encode(keys, lo, hi)
+    q = torch.randn(H, R, dim, generator=g)
+    scaling = dim ** -0.5
+    logits, base = native.code_logits(q, lo, step(lo, hi), codes, scaling)
+    assert logits.shape == (H, c, R, page_size) and base.shape == (H, c, R)
+    cu, order = unpacked(codes, dim)                       # the selector's way
+    st, qo = step(lo, hi), q
+    if order is not None:
+        st, qo = st.index_select(2, order), q.index_select(2, order)
+    ref = torch.matmul(qo[:, None] * st[:, :, None, :], cu.transpose(-1, -2)) * scaling
+    torch.testing.assert_close(logits, ref, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(base, torch.bmm(q, lo.float().transpose(1, 2)).transpose(1, 2) * scaling,
+                               rtol=1e-5, atol=1e-4)
+    decoded = torch.einsum("hrd,hcpd->hcrp", q.double(), decode(codes, lo, hi).double()) * scaling
+    torch.testing.assert_close((base[..., None] + logits).double(), decoded, rtol=1e-4, atol=1e-3)
+
+
+def test_code_logits_of_nothing_and_bad_shapes():
+    H, D, P = 2, 64, 16
+    q = torch.randn(H, 3, D)
+    lo = torch.zeros(H, 0, D)
+    logits, base = native.code_logits(q, lo, lo, torch.zeros(H, 0, P, D // 4, dtype=torch.uint8), 0.125)
+    assert logits.shape == (H, 0, 3, P) and base.shape == (H, 0, 3)
+    with pytest.raises(ValueError, match=r"allowed: \[2, 1, page_size, 16\] uint8"):
+        native.code_logits(q, torch.zeros(H, 1, D), torch.ones(H, 1, D),
+                           torch.zeros(H, 1, P, 8, dtype=torch.uint8), 1.0)
+    with pytest.raises(ValueError, match=r"out is \[1\]"):
+        native.page_upper_bounds(q, [torch.zeros(H, 2 * D)], H, out=torch.empty(1))
+
+
+def test_unpack_codes_is_encode_reversed():
+    g = torch.Generator().manual_seed(9)
+    keys = torch.randn(2, 3, 16, 24, generator=g)
+    lo, hi = page_bounds(keys, torch.full((2, 3), 16))
+    codes = encode(keys, lo, hi)
+    c = twins.unpack_codes(codes, 24)
+    want = ((keys - lo[..., None, :]) / step(lo, hi)[..., None, :]).round().clamp(0, 3)
+    assert torch.equal(c, want)
+
+
+# ------------------------------------------------------------------------------------------------ dispatch
+def test_without_cuda_every_op_runs_its_twin_and_says_why(monkeypatch):
+    loader.reset_stats()
+    s = _storage(4, 2, (2, 8), torch.float32, seed=0)
+    native.gather_pages(s.slabs, 4, np.array([1, 5]), torch.empty(2, 2, 8))
+    monkeypatch.setenv("KVTIER_NATIVE", "0")
+    native.page_upper_bounds(torch.randn(1, 2, 8), [torch.randn(3, 16)], 1)
+    ops = native.backend()["ops"]
+    assert ops["gather_pages"]["twin"] == 1 and ops["gather_pages"]["kernel"] == 0
+    assert ops["page_upper_bounds"]["why"] == "switched off by KVTIER_NATIVE"
+    assert native.backend()["kernels"] == "switched off by KVTIER_NATIVE"
+    if not torch.cuda.is_available():
+        assert ops["gather_pages"]["why"] == "no CUDA device"
+
+
+def test_every_kernel_the_ops_launch_is_in_the_shipped_sources():
+    names = {p.stem for p in native.sources()}
+    assert names == {"gather_pages", "scatter_pages", "pack_entries", "page_select"}
+    ops_text = (loader.SOURCE_DIR.parent / "ops.py").read_text()
+    for src, kernel in [("gather_pages", "kvtier_gather_pages"), ("scatter_pages", "kvtier_scatter_pages"),
+                        ("pack_entries", "kvtier_pack_entries"), ("page_select", "kvtier_code_logits"),
+                        ("page_select", "kvtier_page_upper_bounds_f32"),
+                        ("page_select", "kvtier_page_upper_bounds_f16"),
+                        ("page_select", "kvtier_page_upper_bounds_bf16")]:
+        text = loader.source(src)
+        assert f'extern "C" __global__ void {kernel}(' in text or f"KV_UPPER_BOUNDS({kernel}," in text
+        assert kernel in ops_text
+        assert "#include" not in text   # headers inlined: NVRTC sees one self-contained text
+    with pytest.raises(FileNotFoundError, match="shipped: gather_pages"):
+        loader.source("nope")
+
+
+def test_importing_kvtier_and_running_ops_never_imports_cupy(tmp_path):
+    """A `cupy` that explodes on import sits first on the path: kvtier must never touch it on the CPU."""
+    fake = tmp_path / "cupy"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise RuntimeError('cupy was imported')\n")
+    code = textwrap.dedent("""
+        import numpy as np, torch, kvtier, kvtier.native as n
+        from kvtier.tiers.host import HostPool
+        pool = HostPool(4, 8, torch.float32, pin=False)
+        pool.load(pool.store(torch.randn(3, 4, 8), torch.randn(3, 4, 8)))
+        n.page_upper_bounds(torch.randn(1, 2, 8), [torch.randn(3, 16)], 1)
+        print(n.backend()["kernels"])
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]))
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "no CUDA device"
+
+
+# ------------------------------------------------------------------------------------- launch arguments
+_SCALARS = {"kv_i64": np.int64, "int": np.int32, "float": np.float32}
+
+
+def _signatures() -> dict[str, list[type]]:
+    """Each kernel's parameters as the numpy scalar types a launch must pass (addresses as uint64)."""
+    sigs = {}
+    for src in native.sources():
+        text = loader.source(src.stem).replace("\\\n", "\n")
+        macro = re.search(r"#define (\w+)\(NAME, T\)\s*extern \"C\" __global__ void NAME\(([^)]*)\)", text)
+        found = re.findall(r'extern "C" __global__ void (\w+)\(([^)]*)\)', text)
+        if macro:
+            found += [(name, macro.group(2)) for name in re.findall(rf"^{macro.group(1)}\((\w+), \w+\)", text, re.M)]
+        for name, params in found:
+            if name == "NAME":
+                continue
+            kinds = []
+            for p in params.split(","):
+                words = p.replace("*", " * ").split()
+                kinds.append(np.uint64 if "*" in words else _SCALARS[words[-2]])
+            sigs[name] = kinds
+    return sigs
+
+
+def _mem(addr: int, nbytes: int) -> np.ndarray:
+    """`nbytes` bytes at `addr` (host memory of a live CPU tensor) as a writable uint8 array."""
+    return np.ctypeslib.as_array(ctypes.cast(int(addr), ctypes.POINTER(ctypes.c_uint8)), shape=(int(nbytes),))
+
+
+def _tensor(addr: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    n = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(_mem(addr, n)).view(dtype).view(shape)
+
+
+def _u64(addr: int, i: int) -> int:
+    return int(_mem(int(addr) + 8 * i, 8).view(np.uint64)[0])
+
+
+def _i64(addr: int, i: int) -> int:
+    return int(_mem(int(addr) + 8 * i, 8).view(np.int64)[0])
+
+
+def _run_as_the_kernel(name: str, grid: tuple, args: tuple) -> None:
+    """What kernel `name` does with `args`, replayed on host memory with the twins' arithmetic."""
+    if name in ("kvtier_gather_pages", "kvtier_scatter_pages"):
+        slabs, per, rows, flat, n, row_bytes = args
+        for i in range(int(n)):
+            r = _i64(rows, i)
+            row = _mem(_u64(slabs, r // int(per)) + (r % int(per)) * int(row_bytes), row_bytes)
+            page = _mem(int(flat) + i * int(row_bytes), row_bytes)
+            (page if name == "kvtier_gather_pages" else row)[:] = row if name == "kvtier_gather_pages" else page
+    elif name == "kvtier_pack_entries":
+        slabs, S, heads, idx, m, out, row_bytes = (int(a) for a in args)
+        for e in range(heads * m):
+            t = _i64(idx, e)
+            src = _u64(slabs, t // S) + ((e // m) * S + t % S) * row_bytes
+            _mem(out + e * row_bytes, row_bytes)[:] = _mem(src, row_bytes)
+    elif name.startswith("kvtier_page_upper_bounds_"):
+        q, b, pages, heads, rows, dim, out, stride, col0 = (int(a) for a in args)
+        dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[name.rsplit("_", 1)[1]]
+        got = twins.page_upper_bounds(_tensor(q, (heads, rows, dim), torch.float32),
+                                      _tensor(b, (pages * heads, 2 * dim), dtype), heads)
+        _tensor(out, (heads, stride), torch.float32)[:, col0:col0 + pages] = got
+    elif name == "kvtier_code_logits":
+        q, lo, st, codes, logits, base, c, rows, page, dim, scaling = args
+        H, c, rows, page, dim = int(grid[1]), int(c), int(rows), int(page), int(dim)
+        got = twins.code_logits(_tensor(q, (H, rows, dim), torch.float32), _tensor(lo, (H, c, dim), torch.float32),
+                                _tensor(st, (H, c, dim), torch.float32),
+                                _tensor(codes, (H, c, page, -(-dim // 4)), torch.uint8), float(scaling))
+        _tensor(logits, (H, c, rows, page), torch.float32).copy_(got[0])
+        _tensor(base, (H, c, rows), torch.float32).copy_(got[1])
+    else:
+        raise AssertionError(f"no replay for kernel {name}")
+
+
+@pytest.fixture
+def replayed_kernels(monkeypatch):
+    """Send the ops down their kernel path on the CPU: each launch is checked against the kernel's signature
+    and replayed on host memory; yields the launches as ``(kernel, grid, block)``."""
+    from kvtier.native import ops
+
+    sigs = _signatures()
+    launches = []
+
+    def launch(k, device, grid, block, args):
+        kinds = sigs[k]
+        assert [type(a) for a in args] == kinds, f"{k}: launched with {[type(a).__name__ for a in args]}"
+        assert all(g >= 1 for g in grid) and len(grid) <= 3 and block[0] % 32 == 0
+        launches.append((k, grid, block))
+        _run_as_the_kernel(k, grid, args)
+
+    monkeypatch.setattr(ops, "_why_not", lambda device, tensors: None)
+    monkeypatch.setattr(ops, "slab_addresses",
+                        lambda slabs, device: torch.tensor([s.data_ptr() for s in slabs], dtype=torch.int64))
+    monkeypatch.setattr(loader, "kernel", lambda src, name, device: name)
+    monkeypatch.setattr(loader, "launch", launch)
+    return launches
+
+
+def test_every_kernel_has_a_signature_to_check_launches_against():
+    sigs = _signatures()
+    assert set(sigs) == {"kvtier_gather_pages", "kvtier_scatter_pages", "kvtier_pack_entries", "kvtier_code_logits",
+                         "kvtier_page_upper_bounds_f32", "kvtier_page_upper_bounds_f16",
+                         "kvtier_page_upper_bounds_bf16"}
+    assert sigs["kvtier_gather_pages"] == [np.uint64, np.int64, np.uint64, np.uint64, np.int64, np.int64]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ops_launch_each_kernel_with_arguments_that_give_the_twins_result(replayed_kernels, dtype):
+    s = _storage(5, 3, (16, 64), dtype, seed=10)
+    rows = np.array([14, 2, 7, 7, 0, 11], dtype=np.int64)
+    out = torch.full((6, 16, 64), float("nan"), dtype=dtype)
+    native.gather_pages(s.slabs, 5, rows, out)
+    assert torch.equal(_bits(out), _bits(torch.stack([_row(s, int(r)) for r in rows])))
+    values = torch.randn(3, 16, 64).to(dtype)
+    native.scatter_pages(s.slabs, 5, np.array([9, 1, 13]), values)
+    assert all(torch.equal(_row(s, r), values[i]) for i, r in enumerate([9, 1, 13]))
+
+    pool = DevicePool(2, 64, dtype, torch.device("cpu"), 16)
+    k = torch.randn(1, 2, 40, 64).to(dtype)
+    pool.stage(k, k, torch.arange(40).expand(2, 40))
+    pool.commit(40, torch.zeros(2, 40))
+    idx = torch.tensor([[0, 17, 33, 39], [5, 16, 20, 38]])
+    assert torch.equal(_bits(native.pack_entries(pool.k, idx)), _bits(pool.take(idx)[0]))
+
+    H, D = 2, 64
+    index = PageIndex(H, 16, D, dtype, torch.device("cpu"), pages_per_slab=4)
+    index.add(torch.randn(H, 10, 16, D))
+    spans = [b for _, b in index.bounds.spans(index.n * H)]
+    q = torch.randn(H, 3, D)
+    got = native.page_upper_bounds(q, spans, H)
+    assert torch.equal(_bits(got), _bits(twins.page_upper_bounds(q, torch.cat(spans), H)))
+
+    lo, hi = index.pick(torch.tensor([[3, 1], [0, 9]]))[:2]
+    codes = index.pick(torch.tensor([[3, 1], [0, 9]]))[2]
+    logits, base = native.code_logits(q, lo, step(lo, hi), codes, 0.125)
+    want = twins.code_logits(q, lo.float(), step(lo, hi), codes, 0.125)
+    assert torch.equal(_bits(logits), _bits(want[0])) and torch.equal(_bits(base), _bits(want[1]))
+    # the slab storages under the pool and the index took the kernel path too (their writes were replayed)
+    suffix = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}[dtype]
+    ran = [name for name, _, _ in replayed_kernels]
+    assert set(ran) == {"kvtier_gather_pages", "kvtier_scatter_pages", "kvtier_pack_entries",
+                        f"kvtier_page_upper_bounds_{suffix}", "kvtier_code_logits"}
+    assert ran.count(f"kvtier_page_upper_bounds_{suffix}") == len(spans) == 3
