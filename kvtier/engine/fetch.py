@@ -49,23 +49,19 @@ class PageFetching:
         order = np.lexsort((slot, tier))
         tier, slot = tier[order], slot[order]
         on_host, on_disk = np.flatnonzero(tier == HOST), np.flatnonzero(tier == DISK)
-        n = len(pids)
-        stage_k = torch.empty(n, P, D, dtype=self.dtype, pin_memory=self.pin)
-        stage_v = torch.empty_like(stage_k, pin_memory=self.pin)
-        if len(on_disk) == 0:
-            self.host.load(slot, out=(stage_k, stage_v))
-        else:
-            if len(on_host):
-                rows = torch.from_numpy(on_host)
-                stage_k[rows], stage_v[rows] = self.host.load(slot[on_host])
-            rows = torch.from_numpy(on_disk)
-            stage_k[rows], stage_v[rows] = self._load_disk(slot[on_disk])
-        if self.device.type == "cpu":
-            k_dev, v_dev = stage_k, stage_v
-        else:
-            k_dev = torch.empty(stage_k.shape, dtype=self.dtype, device=self.device)
+        if self.device.type == "cuda":
+            k_dev, v_dev = self._bring_up_cuda(slot, on_host, on_disk)
+        else:   # host memory is the device's: gather straight into the pages attention reads
+            k_dev = torch.empty(len(pids), P, D, dtype=self.dtype)
             v_dev = torch.empty_like(k_dev)
-            self.transfer.wait([self.transfer.submit(k_dev, stage_k), self.transfer.submit(v_dev, stage_v)])
+            if len(on_disk) == 0:
+                self.host.load(slot, out=(k_dev, v_dev))
+            else:
+                if len(on_host):
+                    rows = torch.from_numpy(on_host)
+                    k_dev[rows], v_dev[rows] = self.host.load(slot[on_host])
+                rows = torch.from_numpy(on_disk)
+                k_dev[rows], v_dev[rows] = self._load_disk(slot[on_disk])
         page_bytes = self.host.page_bytes()
         c = self.counters
         c.bytes_moved["host_to_device"] += len(on_host) * page_bytes
@@ -73,6 +69,36 @@ class PageFetching:
         c.pages_recalled["host"] += len(on_host)
         c.pages_recalled["disk"] += len(on_disk)
         return order, k_dev, v_dev
+
+    def _bring_up_cuda(self, slot: np.ndarray, on_host: np.ndarray,
+                       on_disk: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host pages are read by the GPU from the pinned slabs straight into device memory (the gather kernel
+        through the slabs' device mapping; no staging, no second copy); disk pages come through pinned
+        staging and one copy per tensor on the transfer stream."""
+        P, D = self.cfg.page_size, self.head_dim
+        n = len(slot)
+        k_dev = torch.empty(n, P, D, dtype=self.dtype, device=self.device)
+        v_dev = torch.empty_like(k_dev)
+        if len(on_disk) == 0:
+            self.host.load(slot, out=(k_dev, v_dev))
+            return k_dev, v_dev
+        if len(on_host):
+            hk = torch.empty(len(on_host), P, D, dtype=self.dtype, device=self.device)
+            hv = torch.empty_like(hk)
+            self.host.load(slot[on_host], out=(hk, hv))
+            rows = torch.from_numpy(on_host).to(self.device, non_blocking=True)
+            k_dev.index_copy_(0, rows, hk)
+            v_dev.index_copy_(0, rows, hv)
+        sk = torch.empty(len(on_disk), P, D, dtype=self.dtype, pin_memory=True)
+        sv = torch.empty_like(sk, pin_memory=True)
+        sk[:], sv[:] = self._load_disk(slot[on_disk])
+        dk = torch.empty(sk.shape, dtype=self.dtype, device=self.device)
+        dv = torch.empty_like(dk)
+        self.transfer.wait([self.transfer.submit(dk, sk), self.transfer.submit(dv, sv)])
+        rows = torch.from_numpy(on_disk).to(self.device, non_blocking=True)
+        k_dev.index_copy_(0, rows, dk)
+        v_dev.index_copy_(0, rows, dv)
+        return k_dev, v_dev
 
     def _load_disk(self, slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         t0 = time.perf_counter()
