@@ -1,0 +1,143 @@
+"""The whole cache on a GPU, in bfloat16, on tiny random-weight models (nothing to download): exact at full
+budget, exact with every page recalled across many decode steps with demotions and disk pages, the split
+attention over partly recalled pages against a float64 reference, parking and `SessionStore`, and the
+hybrid (sliding-window) path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
+
+from kvtier import TieredCache, cache_kwargs
+from kvtier.integrations.sessions import SessionStore
+
+pytestmark = pytest.mark.cuda
+
+
+def _llama(device, dtype=torch.bfloat16):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(num_hidden_layers=4, hidden_size=256, num_attention_heads=8, num_key_value_heads=2,
+                      intermediate_size=512, vocab_size=512, attn_implementation="sdpa")
+    return LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+
+
+def _gemma3(device, dtype=torch.bfloat16):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(num_hidden_layers=4, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=32, intermediate_size=256, vocab_size=512, sliding_window=64,
+                           layer_types=["sliding_attention", "full_attention"] * 2, attn_implementation="eager")
+    return AutoModelForCausalLM.from_config(cfg).to(device=device, dtype=dtype).eval()
+
+
+def _prompt(n, device, seed=1):
+    return torch.randint(0, 512, (1, n), generator=torch.Generator().manual_seed(seed)).to(device)
+
+
+@torch.no_grad()
+def _greedy(model, cache, ids, n):
+    return model.generate(ids, max_new_tokens=n, do_sample=False, **cache_kwargs(cache))
+
+
+@pytest.mark.parametrize("build", [_llama, _gemma3], ids=["llama", "gemma3-hybrid"])
+def test_full_budget_is_bit_identical_on_gpu(build, cuda_device):
+    model = build(cuda_device)
+    ids = _prompt(600, cuda_device)
+    ref = _greedy(model, DynamicCache(config=model.config), ids, 24)
+    with TieredCache(model.config, device_budget=1.0) as cache:
+        assert torch.equal(_greedy(model, cache, ids, 24), ref)
+
+
+@pytest.mark.parametrize("build", [_llama, _gemma3], ids=["llama", "gemma3-hybrid"])
+def test_every_page_recalled_over_many_steps_with_disk_pages(build, cuda_device):
+    """200 decode steps at a 64-token device budget: pages demoted every few steps, some pushed to disk, all
+    recalled; the tokens equal DynamicCache's on the same GPU."""
+    model = build(cuda_device)
+    ids = _prompt(700, cuda_device)
+    ref = _greedy(model, DynamicCache(config=model.config), ids, 200)
+    with TieredCache(model.config, device_budget=64, host_budget=256, recall_pages=100_000) as cache:
+        out = _greedy(model, cache, ids, 200)
+        s = cache.stats()
+        assert s["pages_recalled_from"]["host"] > 0 and s["pages_recalled_from"]["disk"] > 0
+        assert s["device"]["tokens"] <= (64 + 15) * 2 * s["layers"]
+    assert torch.equal(out, ref)
+
+
+@torch.no_grad()
+def test_partial_recall_attends_exactly_to_what_it_chose(make_engine, cuda_device, watch_fetches):
+    """With a few pages recalled of many, the output equals float64 attention over the device entries, the
+    pages the engine fetched (read back from its recall buffer) and the new token."""
+    engine = make_engine(heads=2, head_dim=64, device_budget=128, host_budget=512, page_size=16, recall_pages=8,
+                         sink_tokens=4, recent_tokens=16)
+    g = torch.Generator(device=cuda_device).manual_seed(0)
+    for _ in range(16):
+        k = torch.randn(1, 2, 256, 64, generator=g, device=cuda_device).to(torch.bfloat16)
+        engine.write(k, k.flip(-1))
+        engine.commit()
+    fetched = watch_fetches(engine)
+    for step in range(40):
+        k = torch.randn(1, 2, 1, 64, generator=g, device=cuda_device).to(torch.bfloat16)
+        engine.write(k, k.flip(-1))
+        q = torch.randn(1, 6, 1, 64, generator=g, device=cuda_device).to(torch.bfloat16)
+        keys, values = engine.pool.contiguous(engine.pool.count + 1)
+        out, _ = engine.attend(q)
+        ids, rk, rv = fetched[-1]
+        assert ids.shape == (2, 8)
+        k_all = torch.cat([keys[0], rk], dim=1).double()
+        v_all = torch.cat([values[0], rv], dim=1).double()
+        ref = torch.softmax(q[0].double().reshape(2, 3, 64) @ k_all.transpose(1, 2) / 8.0, dim=-1) @ v_all
+        torch.testing.assert_close(out[0, 0].double(), ref.reshape(6, 64), rtol=2e-2, atol=2e-2)
+        engine.commit()
+    assert engine.table.n > 100 and engine.counters.pages_recalled["disk"] > 0
+
+
+@pytest.mark.parametrize("to", ["host", "disk"])
+def test_parking_on_gpu_continues_bit_identically(cuda_device, to, tmp_path):
+    model = _llama(cuda_device)
+    ids = _prompt(500, cuda_device)
+    follow = _prompt(40, cuda_device, seed=2)
+    settings = dict(device_budget=64, host_budget=200, recall_pages=16, disk_dir=tmp_path, scorer="keynorm")
+    with TieredCache(model.config, **settings) as parked, TieredCache(model.config, **settings) as twin:
+        first = _greedy(model, parked, ids, 8)
+        assert torch.equal(first, _greedy(model, twin, ids, 8))
+        parked.park(to)
+        assert parked.stats()["device"]["tokens"] == 0
+        more = torch.cat([first, follow], dim=1)
+        assert torch.equal(_greedy(model, parked, more, 16), _greedy(model, twin, more, 16))
+
+
+def test_session_store_on_gpu(cuda_device, tmp_path):
+    model = _llama(cuda_device)
+    caches = []
+    for seed in range(3):
+        cache = TieredCache(model.config, device_budget=64, host_budget=200, disk_dir=tmp_path, scorer="keynorm")
+        _greedy(model, cache, _prompt(400, cuda_device, seed=seed), 2)
+        caches.append(cache)
+    one = caches[0].stats()
+    store = SessionStore(host_bytes=one["host"]["bytes"] + one["device"]["bytes"] + one["device"]["index_bytes"])
+    for i, cache in enumerate(caches):
+        store.park(f"s{i}", cache)
+    assert list(store.where().values()).count("disk") >= 1
+    back = store.resume("s0")
+    back.resume()
+    assert back.parked is None and back.stats()["device"]["tokens"] > 0
+    store.close()
+    back.close()
+
+
+@pytest.mark.xfail(strict=True, reason="the recall path still brings the chosen page ids to the host each step "
+                                       "(engine/fetch.py `_fetch`); the GPU issue's target is a step with no sync")
+@torch.no_grad()
+def test_a_decode_step_with_host_pages_never_syncs(cuda_device):
+    model = _llama(cuda_device)
+    with TieredCache(model.config, device_budget=64, recall_pages=8, scorer="keynorm") as cache:
+        out = _greedy(model, cache, _prompt(600, cuda_device), 4)
+        token = out[:, -1:]
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            model(token, **cache_kwargs(cache))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
