@@ -16,7 +16,7 @@ import torch
 from transformers import DynamicCache
 
 import kvtier.tiers.disk as disk_module
-from tiny_models import tiny_llama
+from tiny_models import continue_greedy, tiny_llama
 from kvtier import CapacityError, ConfigError, ScorerError, TieredCache, UnsupportedError, cache_kwargs
 from kvtier.errors import BrokenCacheError, ClosedCacheError, KVTierError
 from kvtier.scoring.keynorm import KeyNormScorer
@@ -27,13 +27,7 @@ SETTINGS = dict(device_budget=24, host_budget=16, recall_pages=1000)
 
 @torch.no_grad()
 def generate(model, cache, ids=PROMPT, n=4) -> tuple[list[int], torch.Tensor]:
-    logits = model(ids, **cache_kwargs(cache)).logits
-    tokens = []
-    for _ in range(n):
-        nxt = logits[:, -1:].argmax(-1)
-        tokens.append(int(nxt))
-        logits = model(nxt, **cache_kwargs(cache)).logits
-    return tokens, logits
+    return continue_greedy(model, cache, model(ids, **cache_kwargs(cache)).logits, n)
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,7 @@ import torch
 import kvtier.tiers.disk as disk_module
 from kvtier import CapacityError, TieredCache, cache_kwargs
 from kvtier.engine.resources import OWNER_FILE
+from tiny_models import continue_greedy
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPT = torch.randint(0, 128, (1, 120), generator=torch.Generator().manual_seed(1))
@@ -39,14 +40,6 @@ def prefill(model, cache) -> torch.Tensor:
     return model(PROMPT, **cache_kwargs(cache)).logits
 
 
-@torch.no_grad()
-def continue_greedy(model, cache, logits, n=4) -> tuple[list[int], torch.Tensor]:
-    tokens = []
-    for _ in range(n):
-        nxt = logits[:, -1:].argmax(-1)
-        tokens.append(int(nxt))
-        logits = model(nxt, **cache_kwargs(cache)).logits
-    return tokens, logits
 
 
 @pytest.fixture(scope="module")
@@ -227,8 +220,8 @@ def test_a_real_file_size_limit(tmp_path):
         import json, os, resource, sys, torch
         torch.set_num_threads(1)
         sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
-        from test_reliability_park import KINDS, prefill, continue_greedy, where
-        from tiny_models import tiny_llama
+        from test_reliability_park import KINDS, prefill, where
+        from tiny_models import continue_greedy, tiny_llama
         from kvtier import CapacityError, TieredCache
         model = tiny_llama()
         twin = TieredCache(model.config, disk_dir={str(tmp_path)!r}, scorer="keynorm", **KINDS["tiered"])

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from kvtier import cache_kwargs
+
 
 def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
     """A 2-layer Llama with 2 KV heads, sdpa attention, vocabulary 128: milliseconds a step."""
@@ -12,3 +14,14 @@ def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
     config = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                          intermediate_size=128, vocab_size=128, attn_implementation="sdpa")
     return LlamaForCausalLM(config).eval()
+
+
+@torch.no_grad()
+def continue_greedy(model, cache, logits, n=4) -> tuple[list[int], torch.Tensor]:
+    """`n` greedy tokens after `logits`, one step at a time through `cache`: the tokens and the last logits."""
+    tokens = []
+    for _ in range(n):
+        nxt = logits[:, -1:].argmax(-1)
+        tokens.append(int(nxt))
+        logits = model(nxt, **cache_kwargs(cache)).logits
+    return tokens, logits
