@@ -141,3 +141,27 @@ def test_a_decode_step_with_host_pages_never_syncs(cuda_device):
             model(token, **cache_kwargs(cache))
         finally:
             torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("impl", ["flash_attention_2", "flash_attention_3"])
+def test_flash_attention_decodes_like_dynamic_cache(cuda_device, impl):
+    """Flash attention, where installed: the model's own attention at full budget and the 2D padding mask."""
+    import importlib.util
+
+    if importlib.util.find_spec({"flash_attention_2": "flash_attn",
+                                 "flash_attention_3": "flash_attn_interface"}[impl]) is None:
+        pytest.skip(f"{impl} is not installed")
+    model = _llama(cuda_device)
+    model.config._attn_implementation = impl
+    ids = _prompt(600, cuda_device)
+    ref_cache = DynamicCache(config=model.config)
+    with TieredCache(model.config, device_budget=64, recall_pages=100_000) as cache, torch.no_grad():
+        model(ids, **cache_kwargs(ref_cache))
+        model(ids, **cache_kwargs(cache))
+        step = ids[:, -1:]
+        for _ in range(8):   # decode steps that recall every page: the same logits as flash over everything
+            ref = model(step, **cache_kwargs(ref_cache)).logits
+            got = model(step, **cache_kwargs(cache)).logits
+            torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
+            step = ref[:, -1:].argmax(-1)
+        assert cache.stats()["pages_recalled"] > 0

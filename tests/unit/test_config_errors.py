@@ -89,3 +89,11 @@ def test_private_disk_folder_is_removed_on_close(tmp_path):
     assert cache.closed
     assert not (tmp_path / path).exists()
     assert tmp_path.exists()  # the user's folder stays
+
+
+@pytest.mark.parametrize("impl, why", [("flex_attention", "padding"), ("paged|sdpa", "continuous-batching"),
+                                       ("sdpa_paged", "continuous-batching")])
+def test_attention_implementations_that_cannot_work_are_refused_by_name(impl, why):
+    cfg = types.SimpleNamespace(**{**vars(CONFIG), "_attn_implementation": impl})
+    with pytest.raises(UnsupportedError, match=rf"attn_implementation={impl!r}.*{why}"):
+        TieredCache(cfg)
