@@ -1,0 +1,151 @@
+"""Bandwidth: a raw copy of one (pinned) buffer each way, next to kvtier's own demotion and recall batches
+timed directly through the layer engine on one layer of the model's shape.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from .model import DTYPE, SHAPES
+from .settings import GpuBenchConfig
+from .timing import MiB, Clock, Progress, _attempt, _gbps, _median, _r
+
+
+def raw_copy(nbytes: int, device: torch.device, repeats: int) -> dict[str, Any]:
+    """Host->device and device->host copies of `nbytes` (pinned host memory, CUDA events), median of repeats."""
+    if device.type != "cuda":
+        a = torch.ones(nbytes, dtype=torch.uint8)
+        b = torch.empty_like(a)
+        clock = Clock(device)
+        times = [clock.time(lambda: b.copy_(a)) for _ in range(repeats + 1)][1:]
+        gbps = _gbps(nbytes, _median(times))
+        return {"bytes": nbytes, "pinned": False, "timing": "perf_counter",
+                "what": "host memory copy (no GPU, no DMA)",
+                "host_to_device_gbps": _r(gbps), "device_to_host_gbps": _r(gbps)}
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host.fill_(1)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dev.fill_(2)
+
+    def once(dst: torch.Tensor, src: torch.Tensor) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    h2d = [once(dev, host) for _ in range(repeats + 1)][1:]
+    d2h = [once(host, dev) for _ in range(repeats + 1)][1:]
+    del host, dev
+    return {"bytes": nbytes, "pinned": True, "timing": "cuda events", "what": "one copy_ of one pinned buffer",
+            "host_to_device_gbps": _r(_gbps(nbytes, _median(h2d))),
+            "device_to_host_gbps": _r(_gbps(nbytes, _median(d2h)))}
+
+
+def tier_bandwidth(cfg: GpuBenchConfig, device: torch.device, progress: Progress) -> dict[str, Any]:
+    """Demotion and recall batches of one layer of the model's shape, timed through the engine.
+
+    - ``demotion``: ``LayerEngine._to_host`` on ``batch_mib`` of K/V: the device->pinned staging copies on
+      the transfer stream, the host pool's store and the recall index update (bounds, codes);
+    - ``demotion_commit``: ``LayerEngine.commit`` of a step holding that much, end to end (choosing the
+      entries, gathering them on the device, then the above);
+    - ``recall``: ``LayerEngine._bring_up`` of ``batch_mib`` of random host pages (gather into pinned
+      staging, host->device copies), and ``recall_step`` the same for one step's worth
+      (``recall_pages`` pages per KV head).
+    """
+    from ...config import ModelShape, TieredCacheConfig
+    from ...engine.layer import LayerEngine
+    from ...engine.resources import SharedResources
+    from ...placement import Budget
+    from ...placement.page_table import HOST
+    from ...scoring import make_scorer
+
+    s = SHAPES[cfg.shape]
+    H, D = s["num_key_value_heads"], s["head_dim"]
+    clock = Clock(device)
+    tcfg = TieredCacheConfig(shape=ModelShape(1, H, D), device_budget=Budget(cfg.device_budget, "device_budget"),
+                             recall_pages=cfg.recall_pages)
+    P = tcfg.page_size
+    per_token = H * 2 * D * 2
+    tokens = max(P, cfg.batch_mib * MiB // per_token // P * P)
+    shared = SharedResources(None)
+    engine = LayerEngine(0, tcfg, make_scorer("keynorm"), shared)
+    g = torch.Generator(device=device).manual_seed(cfg.seed)
+    out: dict[str, Any] = {}
+    try:
+        k = torch.randn(1, H, tokens, D, generator=g, device=device, dtype=DTYPE)
+        v = torch.randn(1, H, tokens, D, generator=g, device=device, dtype=DTYPE)
+        moved = shared.counters.bytes_moved
+        runs = []
+        for r in range(cfg.repeats + 1):       # the first run pins the host slabs: a warm-up
+            engine.reset()
+            engine.write(k, v)
+            before = moved["device_to_host"]
+            t = clock.time(engine.commit)
+            if r:
+                runs.append((moved["device_to_host"] - before, t))
+        nbytes = _median([b for b, _ in runs])
+        out["demotion_commit"] = {"bytes": int(nbytes), "seconds": _r(_median([t for _, t in runs]), 6),
+                                  "gbps": _r(_median([_gbps(b, t) for b, t in runs]))}
+        progress.say(f"demotion (commit, end to end): {out['demotion_commit']['gbps']} GB/s")
+        kp, vp = k[0].contiguous(), v[0].contiguous()
+        score = torch.zeros(H, tokens, device=device)
+
+        def demote_batch() -> None:
+            pos = torch.arange(engine.seen, engine.seen + tokens, device=device).expand(H, tokens)
+            engine.seen += tokens
+            engine._to_host(kp, vp, pos, score)
+
+        times = []
+        for r in range(cfg.repeats + 1):   # emptied each time: the host slabs are reused, never pinned anew
+            engine.reset()
+            t = clock.time(demote_batch)
+            if r:
+                times.append(t)
+        nbytes = tokens * per_token
+        out["demotion"] = {"bytes": nbytes, "seconds": _r(_median(times), 6),
+                           "gbps": _r(_gbps(nbytes, _median(times)))}
+        progress.say(f"demotion (_to_host): {out['demotion']['gbps']} GB/s")
+        for _ in range(3):                 # recall picks a quarter of four batches' pages at random
+            demote_batch()
+        heads, pids = engine.table.pages_in(HOST)
+        rng = np.random.default_rng(cfg.seed)
+        page_bytes = engine.host.page_bytes()
+        for name, pages in (("recall", cfg.batch_mib * MiB // page_bytes), ("recall_step", cfg.recall_pages * H)):
+            pages = int(min(max(1, pages), len(heads)))
+            times = []
+            for r in range(cfg.repeats + 1):
+                pick = np.sort(rng.choice(len(heads), pages, replace=False))
+                hs, ps = heads[pick].astype(np.int64), pids[pick].astype(np.int64)
+                t = clock.time(lambda: engine._bring_up(hs, ps))
+                if r:
+                    times.append(t)
+            nbytes = pages * page_bytes
+            out[name] = {"bytes": nbytes, "pages": pages, "seconds": _r(_median(times), 6),
+                         "gbps": _r(_gbps(nbytes, _median(times)))}
+            progress.say(f"{name} (_bring_up, {pages} pages): {out[name]['gbps']} GB/s")
+        out["pinned"] = engine.pin
+        return out
+    finally:
+        engine.close()
+        shared.close()
+
+
+def measure_bandwidth(cfg: GpuBenchConfig, device: torch.device, progress: Progress) -> dict[str, Any]:
+    progress.say(f"raw copy of {cfg.copy_mib} MiB each way")
+    out: dict[str, Any] = {
+        "method": ("raw: one copy_ of one buffer (pinned on CUDA), CUDA events, median of the repeats; kvtier: "
+                   "the engine's own batch moves timed directly (LayerEngine._to_host for demotion, "
+                   "LayerEngine._bring_up for recall, LayerEngine.commit end to end), synchronised before and "
+                   "after, on one layer of the model's shape filled with random K/V; not derived from "
+                   "stats() counters, which have no per-direction time"),
+        "raw_copy": _attempt("raw copy", lambda: raw_copy(cfg.copy_mib * MiB, device, cfg.repeats), device, progress),
+        "raw_copy_batch": _attempt("raw copy (batch size)",
+                                   lambda: raw_copy(cfg.batch_mib * MiB, device, cfg.repeats), device, progress),
+    }
+    out["tiers"] = _attempt("tier bandwidth", lambda: tier_bandwidth(cfg, device, progress), device, progress)
+    return out

@@ -1,0 +1,118 @@
+"""One context's rows: prefill once, then kvtier, DynamicCache and DynamicCache(offloading=True) decode on
+the same K/V, with the share of the prefill that KVP scoring of every entry would take.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .growth import _growth
+from .settings import GpuBenchConfig
+from .steps import _layer_kv, _step_row, _tier_summary, decode_steps, prefill
+from .timing import Clock, Progress, Skip, _attempt, _free, _r
+
+ROW_NAMES = {"kvtier": "kvtier", "dynamic": "DynamicCache", "offloading": "DynamicCache(offloading=True)"}
+
+
+def kvp_scoring(scorer: Any, cache: Any, layers: int, chunk: int, clock: Clock, prefill_seconds: float) -> dict:
+    """`scorer.score` over every prefill entry of every layer, in the prefill's chunks."""
+    T = _layer_kv(cache, 0)[0].shape[2]
+
+    def run() -> None:
+        with torch.no_grad():
+            for i in range(layers):
+                k, v = _layer_kv(cache, i)
+                for s in range(0, T, chunk):
+                    pos = torch.arange(s, min(T, s + chunk), device=k.device)
+                    scorer.score(k[:, :, s:s + chunk], v[:, :, s:s + chunk], pos, i)
+
+    run_time = clock.time(run)   # the first run also copies the agents to the device: time a second one
+    seconds = clock.time(run)
+    return {"seconds": _r(seconds, 4), "first_run_seconds": _r(run_time, 4),
+            "prefill_seconds": _r(prefill_seconds, 3), "fraction_of_prefill": _r(seconds / prefill_seconds, 5),
+            "tokens": T, "layers": layers}
+
+
+def _fill_from(cache: Any, kv: list[tuple[torch.Tensor, torch.Tensor]], chunk: int, progress: Progress,
+               desc: str) -> None:
+    """Write the same K/V into a TieredCache chunk by chunk, every layer per chunk (as a chunked prefill
+    would), through each layer's public ``update`` then ``commit`` (placement)."""
+    T = kv[0][0].shape[2]
+    with torch.no_grad():
+        for s in progress.bar(range(0, T, chunk), desc, total=-(-T // chunk)):
+            for layer, (k, v) in zip(cache.layers, kv):
+                layer.update(k[:, :, s:s + chunk], v[:, :, s:s + chunk])
+                layer.commit()
+
+
+def run_context(cfg: GpuBenchConfig, model: Any, context: int, scorer: Any, clock: Clock, progress: Progress,
+                growth: bool) -> dict[str, Any]:
+    """One context: prefill once (DynamicCache, chunked), then each cache's decode step on the same K/V."""
+    from transformers import DynamicCache
+
+    from ...integrations.hf import TieredCache
+
+    device, layers = clock.device, cfg.num_layers
+    g = torch.Generator().manual_seed(cfg.seed + context)
+    ids = torch.randint(model.config.vocab_size, (1, context), generator=g).to(device)
+    token = ids[:, -1:]
+    row: dict[str, Any] = {"context": context, "rows": {}}
+    progress.say(f"{context:,} tokens: prefill through the model (chunks of {cfg.prefill_chunk:,})")
+    full = DynamicCache(config=model.config)
+    row["prefill_seconds"] = _r(prefill(model, ids, full, cfg.prefill_chunk, clock, progress), 3)
+    del ids
+    kv = [_layer_kv(full, i) for i in range(layers)]
+    row["kvp_scoring"] = _attempt("KVP scoring", lambda: kvp_scoring(scorer, full, layers, cfg.prefill_chunk, clock,
+                                                                      row["prefill_seconds"]), device, progress)
+
+    def tiered() -> dict[str, Any]:
+        cache = TieredCache(model.config, device_budget=cfg.device_budget, host_budget=None, scorer=scorer,
+                            recall_pages=cfg.recall_pages)
+        try:
+            fill = clock.time(lambda: _fill_from(cache, kv, cfg.prefill_chunk, progress, "kvtier fill"))
+            _, t = decode_steps(model, cache, token, cfg.warmup, clock)
+            times, t = decode_steps(model, cache, t, cfg.steps, clock, progress, "kvtier decode")
+            out = _step_row(times, fill_seconds=_r(fill, 3), tiers=_tier_summary(cache.stats()))
+            if growth and cfg.growth_steps:
+                progress.say(f"memory growth: up to {cfg.growth_steps} kvtier decode steps at {context:,}")
+                out["growth"] = _growth(cfg, model, cache, t, layers, clock, progress)
+            return out
+        finally:
+            cache.close()
+            cache.detach_attention()
+
+    def offloaded() -> dict[str, Any]:
+        if device.type != "cuda":
+            raise Skip("not run on cpu: DynamicCache(offloading=True) moves KV between a CUDA device and host "
+                       "memory")
+        cache = DynamicCache(config=model.config, offloading=True)
+        def fill_layers() -> None:
+            with torch.no_grad():
+                for i, (k, v) in enumerate(kv):   # as a prefill's update calls: offloaded layer by layer
+                    cache.update(k, v, i)
+
+        fill = clock.time(fill_layers)
+        _, t = decode_steps(model, cache, token, cfg.warmup, clock)
+        times, _ = decode_steps(model, cache, t, cfg.steps, clock, progress, "offloading decode")
+        del cache
+        return _step_row(times, fill_seconds=_r(fill, 3))
+
+    def dynamic() -> dict[str, Any]:
+        _, t = decode_steps(model, full, token, cfg.warmup, clock)
+        times, _ = decode_steps(model, full, t, cfg.steps, clock, progress, "DynamicCache decode")
+        return _step_row(times, where=device.type)
+
+    for name, fn in (("kvtier", tiered), ("offloading", offloaded), ("dynamic", dynamic)):  # dynamic last: it
+        progress.say(f"{context:,} tokens: {ROW_NAMES[name]}")                           # grows the shared K/V
+        row["rows"][name] = _attempt(f"{context:,} {ROW_NAMES[name]}", fn, device, progress)
+        _free(device)
+    del kv, full
+    _free(device, host=True)
+    rows = row["rows"]
+    k_ms = rows["kvtier"].get("step_ms_median")
+    row["ratios"] = {f"{name}_over_kvtier": (_r(rows[name]["step_ms_median"] / k_ms)
+                                             if k_ms and rows[name].get("step_ms_median") else None)
+                     for name in ("dynamic", "offloading")}
+    return row

@@ -1,0 +1,104 @@
+"""The result as a plain-text table (the JSON holds everything; this is what a person reads)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .context import ROW_NAMES
+from .timing import GiB, MiB
+
+
+def _fmt(x: float | None, spec: str, unit: str = "") -> str:
+    return "-" if x is None else f"{x:{spec}}{unit}"
+
+
+def _tokens(n: int) -> str:
+    return f"{n // 2**20}M" if n % 2**20 == 0 else f"{n // 1024}K" if n % 1024 == 0 else f"{n:,}"
+
+
+def format_report(result: dict[str, Any]) -> str:
+    """The result as a plain-text table."""
+    sh, m = result["shape"], result["machine"]
+    lines = [f"kvtier bench gpu on {m.get('gpu', m['device'])} ({m['device']}), torch {m['torch']}, transformers "
+             f"{m['transformers']}, {m['torch_threads']} CPU thread(s)",
+             f"shape {sh['preset']}: {sh['layers']} of {sh['layers_in_shape']} layers"
+             f"{' (TRUNCATED)' if sh['truncated'] else ''}, hidden {sh['hidden_size']}, {sh['num_attention_heads']} "
+             f"heads, {sh['num_key_value_heads']} KV heads x {sh['head_dim']}, bf16, batch 1, random weights; "
+             f"scorer {result.get('scorer', '-')}", ""]
+    bw = result["bandwidth"]
+    lines.append("bandwidth (GB/s = 1e9 bytes/s)")
+    for key in ("raw_copy", "raw_copy_batch"):
+        r = bw.get(key, {})
+        if r.get("skipped"):
+            lines.append(f"  raw copy: skipped ({r['skipped']})")
+            continue
+        lines.append(f"  raw {'pinned ' if r['pinned'] else ''}copy {r['bytes'] / MiB:,.0f} MiB: host->device "
+                     f"{_fmt(r['host_to_device_gbps'], '.1f')}, device->host {_fmt(r['device_to_host_gbps'], '.1f')}")
+    tiers, raw = bw.get("tiers", {}), bw.get("raw_copy", {})
+    if tiers.get("skipped"):
+        lines.append(f"  kvtier batches: skipped ({tiers['skipped']})")
+    else:
+        for key, label, ref in (("demotion", "demotion (_to_host)", "device_to_host_gbps"),
+                                ("demotion_commit", "demotion (commit, end to end)", "device_to_host_gbps"),
+                                ("recall", "recall (_bring_up)", "host_to_device_gbps"),
+                                ("recall_step", "recall, one step's pages", "host_to_device_gbps")):
+            r = tiers[key]
+            share = r["gbps"] / raw[ref] if r.get("gbps") and raw.get(ref) else None
+            lines.append(f"  {label:<32}{r['bytes'] / MiB:>9.2f} MiB {_fmt(r['gbps'], '8.2f')}  "
+                         f"{_fmt(None if share is None else share * 100, '.0f', '% of raw')}")
+    lines += ["  (kvtier batches timed directly through LayerEngine, synchronised; see JSON 'method')", "",
+              "decode step, ms (median)"]
+    head = f"  {'context':>8}  {'prefill s':>9}  {'kvtier':>9}  {'Dynamic':>9}  {'offload':>9}  " \
+           f"{'Dyn/kvtier':>10}  {'off/kvtier':>10}  {'KVP % prefill':>13}"
+    lines.append(head)
+    skipped = []
+    for row in result["decode"]:
+        if row.get("skipped"):
+            lines.append(f"  {_tokens(row['context']):>8}  skipped: {row['skipped']}")
+            continue
+        cells = []
+        for name in ("kvtier", "dynamic", "offloading"):
+            r = row["rows"][name]
+            cells.append(_fmt(r.get("step_ms_median"), "9.2f") if not r.get("skipped") else f"{'skipped':>9}")
+            if r.get("skipped"):
+                skipped.append(f"  {_tokens(row['context'])} {ROW_NAMES[name]}: {r['skipped']}")
+        kvp = row.get("kvp_scoring", {})
+        frac = None if kvp.get("skipped") else kvp.get("fraction_of_prefill")
+        ra = row["ratios"]
+        lines.append(f"  {_tokens(row['context']):>8}  {_fmt(row['prefill_seconds'], '9.2f')}  {cells[0]:>9}  "
+                     f"{cells[1]:>9}  {cells[2]:>9}  {_fmt(ra['dynamic_over_kvtier'], '9.2f', 'x'):>10}  "
+                     f"{_fmt(ra['offloading_over_kvtier'], '9.1f', 'x'):>10}  "
+                     f"{_fmt(None if frac is None else frac * 100, '12.2f', '%'):>13}")
+    lines += skipped
+    growth = next((r["rows"]["kvtier"]["growth"] for r in result["decode"]
+                   if "growth" in r.get("rows", {}).get("kvtier", {})), None)
+    if growth:
+        lines.append(f"  memory over {growth['steps']} kvtier steps at {_tokens(result['decode'][0]['context'])}: "
+                     f"device {growth['device_growth_bytes'] / MiB:+.1f} MiB, "
+                     f"host {growth['host_growth_bytes'] / MiB:+.1f} MiB "
+                     f"(allowed {growth['allowance']['device_bytes'] / MiB:.1f} / "
+                     f"{growth['allowance']['host_bytes'] / MiB:.1f} MiB for {growth['new_tokens']} new tokens)")
+    mil = result.get("million")
+    if mil is not None:
+        lines += ["", f"synthetic {_tokens(mil.get('context', result['settings']['million_context']))}"]
+        if mil.get("skipped"):
+            lines.append(f"  skipped: {mil['skipped']}")
+        else:
+            t = mil["tiers"]
+            allocated = None if mil["gpu_allocated_bytes"] is None else mil["gpu_allocated_bytes"] / GiB
+            lines += [f"  {mil['context']:,} tokens in {mil['layers']} layer(s) ({mil['layers_why']}); fill "
+                      f"{mil['fill_seconds']} s; decode step {mil['step_ms_median']:.2f} ms "
+                      f"({mil['step_ms_per_layer']:.3f} ms per layer)",
+                      f"  GPU: device tier + index {mil['device_tier_plus_index_bytes'] / GiB:.2f} GiB "
+                      "(cache pools), "
+                      f"allocated {_fmt(allocated, '.2f', ' GiB')}; projected to {sh['layers_in_shape']} layers: "
+                      f"{mil['projected_gpu_bytes_full_shape'] / GiB:.2f} GiB",
+                      f"  tiers: device {t['device']['bytes'] / GiB:.2f} GiB ({t['device']['tokens']:,} entries), "
+                      f"host {t['host']['bytes'] / GiB:.2f} GiB, disk {t['disk']['bytes'] / GiB:.2f} GiB"]
+    lines += ["", f"targets ({result.get('targets_note', '')})"]
+    for t in result["targets"]:
+        verdict = {True: "PASS", False: "FAIL", None: "n/a"}[t["pass"]]
+        lines.append(f"  {verdict:<5}{t['name']:<28}{_fmt(t['measured'], '.3g'):>8} {t['unit']:<9}"
+                     f"(limit {t['threshold']:.3g})  {t['note']}")
+    lines.append(f"\ntotal {result['seconds']['total']:.1f} s")
+    return "\n".join(lines)

@@ -1,0 +1,65 @@
+"""Driving the model through a cache: chunked prefill and decode steps, each timed alone, and the parts of
+a row every decode measurement reports (step times, tier figures).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from .timing import Clock, Progress, _median, _r
+
+
+def _layer_kv(cache: Any, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    layer = cache.layers[i]
+    return layer.keys, layer.values
+
+
+@torch.no_grad()
+def prefill(model: Any, ids: torch.Tensor, cache: Any, chunk: int, clock: Clock, progress: Progress) -> float:
+    """Chunked prefill (activations stay small); returns the seconds."""
+    from ...integrations.hf import cache_kwargs
+
+    T = ids.shape[1]
+    clock.sync()
+    t0 = time.perf_counter()
+    for s in progress.bar(range(0, T, chunk), "prefill", total=-(-T // chunk)):
+        model(ids[:, s:s + chunk], **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
+    clock.sync()
+    return time.perf_counter() - t0
+
+
+@torch.no_grad()
+def decode_steps(model: Any, cache: Any, token: torch.Tensor, n: int, clock: Clock,
+                 progress: Progress | None = None, desc: str = "decode",
+                 deadline: float | None = None) -> tuple[list[float], torch.Tensor]:
+    """`n` greedy decode steps, each timed alone (synchronised); stops early past `deadline` (perf_counter)."""
+    from ...integrations.hf import cache_kwargs
+
+    times = []
+    steps = range(n) if progress is None else progress.bar(range(n), desc, total=n)
+    for _ in steps:
+        clock.sync()
+        t0 = time.perf_counter()
+        out = model(token, **cache_kwargs(cache), use_cache=True)
+        token = out.logits[:, -1:].argmax(-1)
+        clock.sync()
+        times.append(time.perf_counter() - t0)
+        if deadline is not None and time.perf_counter() > deadline:
+            break
+    return times, token
+
+
+def _step_row(times: list[float], **extra: Any) -> dict[str, Any]:
+    return {"step_ms_median": _r(_median(times) * 1e3), "step_ms_min": _r(min(times) * 1e3),
+            "step_ms_max": _r(max(times) * 1e3), "steps": len(times),
+            "step_ms": [_r(t * 1e3) for t in times], **extra}
+
+
+def _tier_summary(stats: dict[str, Any]) -> dict[str, Any]:
+    return {"device": stats["device"], "host": stats["host"], "disk": stats["disk"],
+            "bytes_moved": stats["bytes_moved"], "pages_recalled": stats["pages_recalled"],
+            "pages_reused": stats["pages_reused"], "transfer_wait_seconds": _r(stats["transfer_wait_seconds"], 4),
+            "scorer": stats["scorer"]}

@@ -1,0 +1,91 @@
+"""The issue's targets, each with its measured value and pass/fail (None, with the reason, when a row did
+not run); they are set for an H200.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .context import ROW_NAMES
+from .timing import GiB, MiB, _r
+
+TARGET_CONTEXT = 131072            # the issue's decode targets are at 128K
+
+
+def _target(name: str, description: str, measured: float | None, unit: str, threshold: float, better: str,
+            note: str = "", **extra: Any) -> dict[str, Any]:
+    ok = None if measured is None else (measured >= threshold if better == "higher" else measured <= threshold)
+    return {"name": name, "target": description, "measured": _r(measured, 4), "unit": unit,
+            "threshold": threshold, "pass": ok, "note": note or ("not measured" if measured is None else ""), **extra}
+
+
+def evaluate_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each target of the issue with its measured value and pass/fail (None: not measured, with why)."""
+    out = []
+    bw = result.get("bandwidth", {})
+    raw, tiers = bw.get("raw_copy", {}), bw.get("tiers", {})
+    for name, move, direction in (("demotion_vs_raw_copy", "demotion", "device_to_host_gbps"),
+                                  ("recall_vs_raw_copy", "recall", "host_to_device_gbps")):
+        got, base = (tiers.get(move) or {}).get("gbps"), raw.get(direction)
+        out.append(_target(name, f"{move} batch >= 90% of the raw pinned copy ({direction[:-5].replace('_', ' ')})",
+                           got / base if got and base else None, "fraction", 0.9, "higher",
+                           "" if got and base else f"not measured ({tiers.get('skipped') or raw.get('skipped')})"))
+    rows = [r for r in result.get("decode", []) if "rows" in r]
+    ref = next((r for r in rows if r["context"] == TARGET_CONTEXT), rows[-1] if rows else None)
+    note = "" if ref is None or ref["context"] == TARGET_CONTEXT else \
+        f"measured at {ref['context']:,} tokens, the largest context of this run (the target is at 128K)"
+    ctx = None if ref is None else ref["context"]
+    ratios = {} if ref is None else ref["ratios"]
+    out.append(_target("decode_vs_dynamic_gpu", "decode step no slower than DynamicCache all on the GPU "
+                       "(DynamicCache step / kvtier step >= 1)", ratios.get("dynamic_over_kvtier"), "x", 1.0,
+                       "higher", note if ratios.get("dynamic_over_kvtier") else _why(ref, "dynamic"), context=ctx))
+    out.append(_target("decode_vs_offloading", ">= 15x faster than DynamicCache(offloading=True)",
+                       ratios.get("offloading_over_kvtier"), "x", 15.0, "higher",
+                       note if ratios.get("offloading_over_kvtier") else _why(ref, "offloading"), context=ctx))
+    mil = result.get("million") or {}
+    if mil.get("skipped") or not mil:
+        why = mil.get("skipped", "the 1M row was not run (--no-million)")
+        out.append(_target("million_gpu_bytes", "1M: device tier + index <= 24 GiB", None, "GiB", 24.0, "lower", why))
+        out.append(_target("million_decode_vs_dynamic", "1M: decode step <= 2x the 128K all-on-GPU step", None, "x",
+                           2.0, "lower", why))
+    else:
+        at = "" if mil["context"] == 2**20 else f"measured at {mil['context']:,} tokens (the target is at 1M); "
+        out.append(_target("million_gpu_bytes", "1M: device tier + index <= 24 GiB (all layers of the shape)",
+                           mil["projected_gpu_bytes_full_shape"] / GiB, "GiB", 24.0, "lower",
+                           at + mil["projection"], context=mil["context"]))
+        base = None if ref is None else ref["rows"].get("dynamic", {}).get("step_ms_median")
+        ratio = None if not base else mil["step_ms_per_layer"] / (base / result["shape"]["layers"])
+        why = _why(ref, "dynamic")
+        out.append(_target("million_decode_vs_dynamic", "1M: decode step <= 2x the 128K all-on-GPU step", ratio, "x",
+                           2.0, "lower", (at + "per layer: the 1M step over its layers vs the DynamicCache step "
+                                          "over the run's layers (conservative: fixed per-step costs weigh more on "
+                                          "fewer layers)" + (f"; {note}" if note else "")) if ratio else why,
+                           context=mil["context"]))
+    growth = next((r["rows"]["kvtier"]["growth"] for r in rows if "growth" in r["rows"].get("kvtier", {})), None)
+    for side in ("device", "host"):
+        g = growth or {}
+        measured = g.get(f"{side}_growth_bytes")
+        limit = g.get("allowance", {}).get(f"{side}_bytes", 0)
+        note = ("growth run did not happen" if growth is None else
+                f"{g['steps']} of {g['steps_asked']} steps (stopped at --growth-seconds)" if g["stopped_early"] else
+                f"{g['steps']} steps, {g['new_tokens']} new tokens")
+        t = _target(f"no_{side}_memory_growth",
+                    f"no growth of {'GPU' if side == 'device' else 'pinned host'} memory over 1,000 decode steps "
+                    "(beyond the new tokens' K/V and one allocation unit per pool)",
+                    None if measured is None else measured / MiB, "MiB", limit / MiB, "lower", note)
+        if growth is not None and growth["stopped_early"] and t["pass"]:
+            t["pass"] = None   # fewer steps than the target asks: no verdict
+        out.append(t)
+    total = result.get("seconds", {}).get("total")
+    out.append(_target("under_5_minutes", "the whole command under 5 minutes (on an H200)", total, "s", 300.0,
+                       "lower", "" if result.get("device", "").startswith("cuda") else "timed on cpu"))
+    return out
+
+
+def _why(ref: dict[str, Any] | None, row: str) -> str:
+    if ref is None:
+        return "no context was run"
+    for name in ("kvtier", row):
+        if ref["rows"].get(name, {}).get("skipped"):
+            return f"{ROW_NAMES[name]}: {ref['rows'][name]['skipped']}"
+    return "not measured"
