@@ -1,8 +1,10 @@
 """Random sequences of what a user does with a cache (prompt chunks, greedy generation, parking on the host
-or on disk, resuming, resetting), checked against a `DynamicCache` fed the same tokens: with every demoted
+or on disk, resuming, resetting, deep copies), checked against a `DynamicCache` fed the same tokens: with every demoted
 page recalled at each step, the greedy tokens are the same at every generation."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -10,14 +12,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import DynamicCache
 
-from kvtier import TieredCache, cache_kwargs
+from kvtier import TieredCache, UnsupportedError, cache_kwargs
 
 SETTINGS = dict(device_budget=24, host_budget=16, recall_pages=10_000, scorer="keynorm")
 
 OPS = st.one_of(
     st.tuples(st.just("chunk"), st.integers(1, 60)),
     st.tuples(st.just("generate"), st.integers(1, 4)),
-    st.sampled_from([("park", "host"), ("park", "disk"), ("resume",), ("reset",)]),
+    st.sampled_from([("park", "host"), ("park", "disk"), ("resume",), ("reset",), ("copy",)]),
 )
 
 
@@ -56,6 +58,16 @@ class Pair:
             self.feed(torch.tensor([[t]]))
         return tokens
 
+    def copy(self) -> None:
+        """Go on with deep copies of both caches; the tiered original is closed (the copy owns its own tiers)."""
+        if self.tiered.parked is not None:
+            with pytest.raises(UnsupportedError, match="resume"):
+                copy.deepcopy(self.tiered)
+            return
+        twin = copy.deepcopy(self.tiered)
+        self.tiered.close()
+        self.tiered, self.full = twin, copy.deepcopy(self.full)
+
     def reset(self) -> None:
         self.tiered.reset()
         self.full = DynamicCache(config=self.model.config)
@@ -78,6 +90,8 @@ def test_random_sequences_match_dynamic_cache(model, disk_dir, first, ops, seed)
                 pair.tiered.park(op[1])
                 if pair.seen:   # (an empty cache has nothing to park)
                     assert pair.tiered.parked in (op[1], "disk")   # host after disk stays on disk
+            elif op[0] == "copy":
+                pair.copy()
             elif op[0] == "resume":
                 pair.tiered.resume()
                 assert pair.tiered.parked is None
