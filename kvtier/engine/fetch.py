@@ -13,7 +13,9 @@ import numpy as np
 import torch
 
 from ..placement.page_table import DISK, HOST
+from .. import native
 from ..recall.buffer import RecallBuffer
+from ..recall.device_plan import plan_on_device
 
 
 class PageFetching:
@@ -24,11 +26,16 @@ class PageFetching:
 
         Pages the recall buffer already holds stay; only the others are brought up.
         """
-        want = ids.cpu().numpy()
-        H, r = want.shape
+        H, r = ids.shape
+        on_device = self.recalls_on_device()
         buf = self.recalled
-        if buf is None or buf.pages != r:
-            buf = self.recalled = RecallBuffer(H, r, self.cfg.page_size, self.head_dim, self.dtype, self.device)
+        if buf is None or buf.pages != r or buf.on_device != on_device:
+            buf = self.recalled = RecallBuffer(H, r, self.cfg.page_size, self.head_dim, self.dtype, self.device,
+                                               on_device=on_device)
+        if on_device:
+            self._fetch_on_device(buf, ids)
+            return buf.k, buf.v
+        want = ids.cpu().numpy()
         heads, pids, slots = buf.plan(want)
         self.counters.pages_reused += H * r - len(pids)
         if len(pids):
@@ -37,6 +44,40 @@ class PageFetching:
         self._read_ahead(ids, shortlist)
         self.counters.recall_steps += 1
         return buf.k, buf.v
+
+    def recalls_on_device(self) -> bool:
+        """Whether this layer's recall is planned and copied on the device, with no host round-trip: on CUDA
+        (or when `device_recall` forces it), while every demoted page is in host memory (disk pages need the
+        host: they are read there)."""
+        wanted = self.device_recall if self.device_recall is not None else self.device.type == "cuda"
+        return bool(wanted) and self.disk is None and self.host is not None
+
+    def _fetch_on_device(self, buf: RecallBuffer, ids: torch.Tensor) -> None:
+        """Plan and copy the missing pages of ``ids`` ``[heads, r]`` into `buf` without leaving the device."""
+        H, r = ids.shape
+        P, D = self.cfg.page_size, self.head_dim
+        fetch, slots, count, held = plan_on_device(ids, buf.held, self.table.n)
+        src = self._host_slots().gather(1, fetch)
+        dst = slots + torch.arange(H, device=self.device)[:, None] * r
+        for rows, out in ((self.host.k, buf.k), (self.host.v, buf.v)):
+            native.recall_pages(rows.slabs, rows.rows_per_slab, src, dst, count, out.view(H * r, P, D),
+                                rows.addresses(self.device))
+        self.host.read_on(self.device)
+        buf.held = held
+        moved = count.sum()
+        self.device_counts.add_(torch.stack([moved, H * r - moved]))   # read by `stats()`, not every step
+        self.counters.recall_steps += 1
+
+    def _host_slots(self) -> torch.Tensor:
+        """``[heads, n]`` host slot of every page on the device (-1 elsewhere), rebuilt when the table changed."""
+        mirror = self._slot_mirror
+        if mirror is None or mirror[0] != self.table.version:
+            slots = np.where(self.table.tier == HOST, self.table.slot, -1)
+            t = torch.from_numpy(np.ascontiguousarray(slots))
+            if self.device.type == "cuda":
+                t = t.pin_memory()
+            mirror = self._slot_mirror = (self.table.version, t.to(self.device, non_blocking=True))
+        return mirror[1]
 
     def _bring_up(self, heads: np.ndarray, pids: np.ndarray) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
         """Pages ``(heads[i], pids[i])`` from the host and disk tiers to the device.

@@ -21,7 +21,7 @@ from ..placement import page_rank, plan_device_demotion, plan_host_overflow
 from ..placement.page_table import DISK, HOST, PageTable
 from ..recall import PageIndex, grouped, select_pages
 from ..recall.buffer import RecallBuffer
-from ..scoring import QueryScorer, Scorer, checked_scores, needs_query, scorer_name
+from ..scoring import QueryScorer, Scorer, checked_scores, nan_error, needs_query, scorer_name
 from ..tiers.device import DevicePool
 from ..tiers.host import HostPool
 from ..tiers.readahead import DiskReadAhead
@@ -64,6 +64,10 @@ class LayerEngine(PageFetching):
         self.parked: ParkedLayer | None = None
         self.last_recall: torch.Tensor | None = None   # [heads, pages] ids recalled for the last query block
         self.recalled: RecallBuffer | None = None       # those pages, on the device
+        self.device_recall: bool | None = None          # plan recall on the device (None: on CUDA, see fetch.py)
+        self._slot_mirror: tuple[int, torch.Tensor] | None = None   # (table version, host slots on the device)
+        self.device_counts: torch.Tensor | None = None  # [pages moved, pages reused] by device-planned recall
+        self._nan: torch.Tensor | None = None           # NaN seen in scores not yet checked (deferred on CUDA)
 
     # ------------------------------------------------------------------ write
     def _init(self, device: torch.device, dtype: torch.dtype) -> None:
@@ -74,6 +78,7 @@ class LayerEngine(PageFetching):
         slab = SLAB_TOKENS if budget.is_fraction or budget.value > 65536 else \
             max(SLAB_TOKENS, int(budget.value) + 2 * self.cfg.page_size)   # a huge budget grows slab by slab
         self.pool = DevicePool(self.heads, self.head_dim, dtype, device, slab)
+        self.device_counts = torch.zeros(2, dtype=torch.int64, device=device)
         if self.cfg.mode == "tier":
             self.index = PageIndex(self.heads, self.cfg.page_size, self.head_dim, dtype, device, self.pin)
             self.tiers[0] = HostPool(self.cfg.page_size, self.head_dim, dtype, self.pin)
@@ -121,7 +126,8 @@ class LayerEngine(PageFetching):
         positions = torch.arange(self.seen, self.seen + q, device=k.device)
         score = None  # scored after attention, with the query, by attention-based scorers
         if not needs_query(self.scorer):
-            score = checked_scores(self.scorer, k, v, positions, self.layer_idx)[0]
+            score = self._checked(checked_scores(self.scorer, k, v, positions, self.layer_idx,
+                                                 check_nan=not self._defer_nan()))
         self.pool.stage(k, v, positions.expand(self.heads, q))
         self.pending = _Pending(k, v, positions, score)
         self.seen += q
@@ -232,8 +238,9 @@ class LayerEngine(PageFetching):
                                   "whose config the TieredCache was built with")
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
             context = self.pool.contiguous(self.pool.count + q)[0]
-            p.score = checked_scores(self.scorer, p.k, p.v, p.pos, self.layer_idx, query=query,
-                                     context_keys=context, scaling=scale)[0]
+            p.score = self._checked(checked_scores(self.scorer, p.k, p.v, p.pos, self.layer_idx, query=query,
+                                                   context_keys=context, scaling=scale,
+                                                   check_nan=not self._defer_nan()))
         self.pending = None
         self.pool.commit(q, p.score)
         if p.masked is not None:   # padding leaves the cache at once: nothing ever attends it
@@ -242,6 +249,18 @@ class LayerEngine(PageFetching):
             self.counters.tokens_masked += gone.numel() * self.heads
         self._demote()
 
+    def _defer_nan(self) -> bool:
+        """On CUDA the scores' NaN check waits for the next demotion (which reads from the device anyway), so a
+        step reads nothing back; elsewhere it is immediate."""
+        return self.pool is not None and self.device.type == "cuda"
+
+    def _checked(self, scores: torch.Tensor) -> torch.Tensor:
+        """``[heads, q]`` of checked scores, noting NaNs for later where the check is deferred."""
+        if self._defer_nan():
+            seen = torch.isnan(scores).any()
+            self._nan = seen if self._nan is None else self._nan | seen
+        return scores[0]
+
     def _demote(self) -> None:
         cfg, pool = self.cfg, self.pool
         pos, score = pool.meta()
@@ -249,6 +268,10 @@ class LayerEngine(PageFetching):
                                    cfg.recent_tokens, cfg.page_size)
         if idx is None:
             return
+        if self._nan is not None:   # deferred NaN check: before anything is placed by those scores
+            bad, self._nan = bool(self._nan), None
+            if bad:
+                raise nan_error(scorer_name(self.scorer), self.layer_idx)
         if cfg.mode == "tier":
             k, v = pool.take(idx)
             self._to_host(k, v, torch.gather(pos, 1, idx), torch.gather(score, 1, idx))
@@ -350,6 +373,18 @@ class LayerEngine(PageFetching):
         self.parked = None
 
     # ------------------------------------------------------------------ accounting
+    def settle_counts(self) -> None:
+        """Add what device-planned recall counted on the device to the shared counters (reads the device)."""
+        if self.device_counts is None or self.host is None:
+            return
+        moved, reused = (int(x) for x in self.device_counts.tolist())
+        if moved or reused:
+            self.device_counts.zero_()
+            c = self.counters
+            c.pages_recalled["host"] += moved
+            c.bytes_moved["host_to_device"] += moved * self.host.page_bytes()
+            c.pages_reused += reused
+
     def usage(self) -> dict[str, dict[str, int]]:
         """Tokens (summed over heads) and bytes per tier, measured from the pools."""
         H = self.heads
@@ -388,6 +423,8 @@ class LayerEngine(PageFetching):
         """Forget every entry (the shared disk store stays open for reuse)."""
         self.pending = None
         self.recalled = None
+        self._nan = None
+        self.settle_counts()
         if self.parked is not None:
             self.parked.discard(self.disk)
             self.parked = None

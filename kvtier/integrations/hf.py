@@ -275,6 +275,7 @@ class TieredCache(OneSequence, Cache):
                                              for t in ("device", "host", "disk")}
         tiers["device"]["index_bytes"] = 0
         for engine in self._engines:
+            engine.settle_counts()
             for tier, numbers in engine.usage().items():
                 for key, value in numbers.items():
                     tiers[tier][key] += value

@@ -192,3 +192,20 @@ def code_logits(q: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, codes: to
         logits[:, sl] = acc * s
         base[:, sl] = acc_b * s
     return logits, base
+
+
+def recall_pages(slabs: Sequence[torch.Tensor], rows_per_slab: int, src_rows: torch.Tensor,
+                 dst_rows: torch.Tensor, count: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """For each head ``h`` and ``j < count[h]``: ``out[dst_rows[h, j]] = row src_rows[h, j]`` of the storage
+    (twin of ``kvtier_recall_pages``; rows outside the storage or `out` are skipped, as the kernel does)."""
+    heads, r = src_rows.shape
+    valid = torch.arange(r, device=count.device)[None, :] < count[:, None]
+    total = len(slabs) * rows_per_slab
+    valid &= (src_rows >= 0) & (src_rows < total) & (dst_rows >= 0) & (dst_rows < out.shape[0])
+    src, dst = src_rows[valid], dst_rows[valid]
+    if src.numel() == 0:
+        return out
+    pages = torch.empty((src.numel(), *out.shape[1:]), dtype=out.dtype, device=out.device)
+    gather_pages(slabs, rows_per_slab, src.cpu() if slabs and slabs[0].device.type == "cpu" else src, pages)
+    out[dst.to(out.device)] = pages
+    return out

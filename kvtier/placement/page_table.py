@@ -25,6 +25,7 @@ class PageTable:
         self.heads, self.page_size, self.chunk = heads, page_size, chunk_pages
         self.n = 0
         self._chunks: list[dict[str, np.ndarray]] = []
+        self.version = 0    # changes whenever a page is added or moves: copies of the table know they are old
 
     def _new_chunk(self) -> dict[str, np.ndarray]:
         H, C = self.heads, self.chunk
@@ -53,6 +54,7 @@ class PageTable:
             c["rank"][:, pid % self.chunk] = rank[:, i]
             c["pos"][:, pid % self.chunk] = positions[:, i]
         self.n += n_new
+        self.version += 1
         return ids
 
     def _cells(self, heads: np.ndarray, pids: np.ndarray):
@@ -66,6 +68,7 @@ class PageTable:
             sel = c == ci
             self._chunks[ci]["tier"][h[sel], o[sel]] = tier
             self._chunks[ci]["slot"][h[sel], o[sel]] = slots[sel]
+        self.version += 1
 
     def lookup(self, heads: np.ndarray, pids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Tier and slot of each page ``(heads[i], pids[i])``."""
@@ -93,6 +96,11 @@ class PageTable:
     def rank(self) -> np.ndarray:
         return self._column("rank")
 
+    @property
+    def slot(self) -> np.ndarray:
+        """``[heads, n]`` slot of every page in its tier (a read-only snapshot)."""
+        return self._column("slot")
+
     def pages_in(self, tier: int) -> tuple[np.ndarray, np.ndarray]:
         """``(heads, page ids)`` of the pages in `tier`."""
         return np.nonzero(self.tier == tier)
@@ -110,6 +118,7 @@ class PageTable:
     def clear(self) -> None:
         self.n = 0
         self._chunks = []
+        self.version += 1
 
     def copy_from(self, other: PageTable) -> None:
         """Take `other`'s pages (ranks, positions, tiers, slots) as this table's own copy."""
@@ -118,3 +127,4 @@ class PageTable:
                              f"copied into one of {self.heads} x {self.page_size}")
         self.chunk, self.n = other.chunk, other.n
         self._chunks = [{name: a.copy() for name, a in c.items()} for c in other._chunks]
+        self.version += 1

@@ -18,11 +18,14 @@ class RecallBuffer:
     """``[heads, pages * page_size, dim]`` keys and values on the device, and which page each slot holds."""
 
     def __init__(self, heads: int, pages: int, page_size: int, dim: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, on_device: bool = False) -> None:
         self.page_size = page_size
         self.k = torch.empty(heads, pages * page_size, dim, dtype=dtype, device=device)
         self.v = torch.empty_like(self.k)
         self.ids = np.full((heads, pages), -1, dtype=np.int64)
+        # a buffer planned on the device (`recall.device_plan`) keeps which page each slot holds there instead
+        self.on_device = on_device
+        self.held = torch.full((heads, pages), -1, dtype=torch.int64, device=device) if on_device else None
 
     @property
     def pages(self) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import native
 from ..tiers.slabs import SlabRows
 from .bounds import page_bounds, round_outward
 from .codes import code_width, encode
@@ -71,7 +72,14 @@ class PageIndex:
         heads, m = ids.shape
         rows = (ids * heads + torch.arange(heads, device=ids.device)[:, None]).reshape(-1)
         bounds = self.bounds.gather(rows.to(self.device)).view(heads, m, 2 * self.dim)
-        codes = self.codes.gather(rows.cpu())
+        if self.device.type == "cuda":   # read from the pinned codes by device ids: nothing comes back to the host
+            codes = torch.empty(heads * m, self.page_size, code_width(self.dim), dtype=torch.uint8,
+                                device=self.device)
+            native.recall_pages(self.codes.slabs, self.codes.rows_per_slab, rows[None], torch.arange(
+                heads * m, device=self.device)[None], torch.full((1,), heads * m, device=self.device), codes,
+                self.codes.addresses(self.device))
+        else:
+            codes = self.codes.gather(rows.cpu())
         return (bounds[..., self.dim:], bounds[..., :self.dim],
                 codes.view(heads, m, self.page_size, -1).to(self.device, non_blocking=True))
 

@@ -128,11 +128,13 @@ def _check_query(name: str, keys: torch.Tensor, query: torch.Tensor, context_key
 
 def checked_scores(scorer: Scorer | QueryScorer, keys: torch.Tensor, values: torch.Tensor,
                    positions: torch.Tensor, layer_idx: int, *, query: torch.Tensor | None = None,
-                   context_keys: torch.Tensor | None = None, scaling: float | None = None) -> torch.Tensor:
+                   context_keys: torch.Tensor | None = None, scaling: float | None = None,
+                   check_nan: bool = True) -> torch.Tensor:
     """Call `scorer` as its kind requires and verify its output, so a faulty scorer fails loudly.
 
     The query keywords go to a `QueryScorer` only (callers may always pass them); a `QueryScorer` without
-    them is an error. Returns ``[batch, kv_heads, tokens]`` float32.
+    them is an error. Returns ``[batch, kv_heads, tokens]`` float32. `check_nan=False` leaves the NaN check
+    (which reads a value back from the device) to the caller: see `nan_error`.
     """
     name = scorer_name(scorer)
     if needs_query(scorer):
@@ -157,7 +159,12 @@ def checked_scores(scorer: Scorer | QueryScorer, keys: torch.Tensor, values: tor
     if not out.is_floating_point():
         raise ScorerError(f"scorer {name!r} returned dtype {out.dtype}; expected a floating-point tensor")
     out = out.float()
-    if torch.isnan(out).any():
-        raise ScorerError(f"scorer {name!r} returned NaN scores at layer {layer_idx}; scores must be "
-                          "ordered numbers (+inf/-inf are allowed)")
+    if check_nan and torch.isnan(out).any():
+        raise nan_error(name, layer_idx)
     return out
+
+
+def nan_error(name: str, layer_idx: int) -> ScorerError:
+    """The error for NaN scores (raised at once, or at the next placement where the check is deferred)."""
+    return ScorerError(f"scorer {name!r} returned NaN scores at layer {layer_idx}; scores must be "
+                       "ordered numbers (+inf/-inf are allowed)")

@@ -70,10 +70,14 @@ class HostPool:
         if out is None:
             return self.k.gather(rows), self.v.gather(rows)
         k, v = self.k.gather(rows, out=out[0]), self.v.gather(rows, out=out[1])
-        if k.is_cuda and self.pin:
-            self._reads = torch.cuda.Event()
-            self._reads.record(torch.cuda.current_stream(k.device))
+        self.read_on(k.device)
         return k, v
+
+    def read_on(self, device: torch.device) -> None:
+        """Note that kernels queued on `device`'s current stream read the slabs: `store` waits for them."""
+        if device.type == "cuda" and self.pin:
+            self._reads = torch.cuda.Event()
+            self._reads.record(torch.cuda.current_stream(device))
 
     def free(self, slots: np.ndarray) -> None:
         self._free.extend(sorted(np.asarray(slots).tolist(), reverse=True))

@@ -300,3 +300,24 @@ def test_twins_give_the_same_bits_on_the_gpu_and_the_cpu(cuda_device, monkeypatc
     pool.load(slots[::-1].copy(), out=out)
     assert torch.equal(_bits(out[0]), _bits(k.flip(0)))
     pool.close()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("pinned", [True, False], ids=["pinned-host", "device"])
+def test_recall_pages_kernel_is_the_twin(kernels, dtype, pinned):
+    """The device-planned recall copy: indices and counts on the device, pages from pinned host slabs."""
+    where = "cpu" if pinned else kernels
+    s = _storage(5, 4, (16, 64), dtype, where, pin=pinned, seed=3)
+    g = torch.Generator().manual_seed(4)
+    heads, r = 3, 6
+    src = torch.randint(0, s.capacity, (heads, r), generator=g)
+    dst = torch.stack([torch.randperm(r, generator=g) + h * r for h in range(heads)])
+    count = torch.tensor([6, 0, 4])
+    out = _poison((heads * r, 16, 64), dtype, kernels)
+    before = out.clone()
+    launches = _Launches("recall_pages")
+    native.recall_pages(s.slabs, 5, src.to(kernels), dst.to(kernels), count.to(kernels), out, s.addresses(kernels))
+    torch.cuda.synchronize()
+    launches.check(1)
+    want = twins.recall_pages([t.cpu() for t in s.slabs], 5, src, dst, count, before.cpu())
+    assert torch.equal(_bits(out.cpu()), _bits(want))

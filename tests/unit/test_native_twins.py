@@ -347,9 +347,10 @@ def test_without_cuda_every_op_runs_its_twin_and_says_why(monkeypatch):
 
 def test_every_kernel_the_ops_launch_is_in_the_shipped_sources():
     names = {p.stem for p in native.sources()}
-    assert names == {"gather_pages", "scatter_pages", "pack_entries", "page_select"}
+    assert names == {"gather_pages", "scatter_pages", "recall_pages", "pack_entries", "page_select"}
     ops_text = (loader.SOURCE_DIR.parent / "ops.py").read_text()
     for src, kernel in [("gather_pages", "kvtier_gather_pages"), ("scatter_pages", "kvtier_scatter_pages"),
+                        ("recall_pages", "kvtier_recall_pages"),
                         ("pack_entries", "kvtier_pack_entries"), ("page_select", "kvtier_code_logits"),
                         ("page_select", "kvtier_page_upper_bounds_f32"),
                         ("page_select", "kvtier_page_upper_bounds_f16"),
@@ -433,6 +434,15 @@ def _run_as_the_kernel(name: str, grid: tuple, args: tuple) -> None:
             row = _mem(_u64(slabs, r // int(per)) + (r % int(per)) * int(row_bytes), row_bytes)
             page = _mem(int(flat) + i * int(row_bytes), row_bytes)
             (page if name == "kvtier_gather_pages" else row)[:] = row if name == "kvtier_gather_pages" else page
+    elif name == "kvtier_recall_pages":
+        slabs, per, total, src, dst, count, heads, r, out, out_rows, row_bytes = (int(a) for a in args)
+        for b in range(heads * r):
+            h, j = divmod(b, r)
+            s_row, d_row = _i64(src, b), _i64(dst, b)
+            if j >= _i64(count, h) or not (0 <= s_row < total and 0 <= d_row < out_rows):
+                continue
+            row = _mem(_u64(slabs, s_row // per) + (s_row % per) * row_bytes, row_bytes)
+            _mem(out + d_row * row_bytes, row_bytes)[:] = row
     elif name == "kvtier_pack_entries":
         slabs, S, heads, idx, m, out, row_bytes = (int(a) for a in args)
         for e in range(heads * m):
@@ -483,7 +493,8 @@ def replayed_kernels(monkeypatch):
 
 def test_every_kernel_has_a_signature_to_check_launches_against():
     sigs = _signatures()
-    assert set(sigs) == {"kvtier_gather_pages", "kvtier_scatter_pages", "kvtier_pack_entries", "kvtier_code_logits",
+    assert set(sigs) == {"kvtier_gather_pages", "kvtier_scatter_pages", "kvtier_recall_pages", "kvtier_pack_entries",
+                         "kvtier_code_logits",
                          "kvtier_page_upper_bounds_f32", "kvtier_page_upper_bounds_f16",
                          "kvtier_page_upper_bounds_bf16"}
     assert sigs["kvtier_gather_pages"] == [np.uint64, np.int64, np.uint64, np.uint64, np.int64, np.int64]
@@ -526,3 +537,16 @@ def test_ops_launch_each_kernel_with_arguments_that_give_the_twins_result(replay
     assert set(ran) == {"kvtier_gather_pages", "kvtier_scatter_pages", "kvtier_pack_entries",
                         f"kvtier_page_upper_bounds_{suffix}", "kvtier_code_logits"}
     assert ran.count(f"kvtier_page_upper_bounds_{suffix}") == len(spans) == 3
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_recall_pages_launch_gives_the_twins_result(replayed_kernels, dtype):
+    s = _storage(5, 3, (16, 64), dtype, seed=11)
+    src = torch.tensor([[14, 2, 7], [0, 11, 3]])
+    dst = torch.tensor([[2, 0, 1], [5, 3, 4]])
+    count = torch.tensor([2, 3])
+    out = torch.full((6, 16, 64), float("nan"), dtype=dtype)
+    native.recall_pages(s.slabs, 5, src, dst, count, out)
+    want = twins.recall_pages(s.slabs, 5, src, dst, count, torch.full_like(out, float("nan")))
+    assert torch.equal(_bits(out), _bits(want))
+    assert [name for name, _, _ in replayed_kernels] == ["kvtier_recall_pages"]

@@ -1,0 +1,28 @@
+// Recall without a host round-trip: the pages a step wants and the buffer slots they go to are decided on
+// the device, so the kernel reads the indices there and a per-head count says how many of each head's
+// entries are real (the rest of the fixed-size plan is padding and is skipped). Pages are read from the
+// host slabs through their device mapping, straight into the recall buffer.
+//
+// Exactness: a byte copy; the torch twin (masked gather and scatter) gives the same bytes. Rows outside the
+// storage are skipped (the plan never makes one; a skipped row leaves its slot as it was).
+#include "kvtier_native.cuh"
+
+// For block b = h * r + j with j < count[h]: out row dst_rows[b] = storage row src_rows[b].
+extern "C" __global__ void kvtier_recall_pages(const kv_u64* __restrict__ slabs, kv_i64 rows_per_slab,
+                                               kv_i64 total_rows, const kv_i64* __restrict__ src_rows,
+                                               const kv_i64* __restrict__ dst_rows,
+                                               const kv_i64* __restrict__ count, kv_i64 heads, kv_i64 r,
+                                               char* __restrict__ out, kv_i64 out_rows, kv_i64 row_bytes) {
+    for (kv_i64 b = blockIdx.x; b < heads * r; b += gridDim.x) {
+        const kv_i64 h = b / r, j = b - h * r;
+        if (j >= count[h]) {
+            continue;
+        }
+        const kv_i64 src = src_rows[b], dst = dst_rows[b];
+        if (src < 0 || src >= total_rows || dst < 0 || dst >= out_rows) {
+            continue;
+        }
+        kv_copy(out + dst * row_bytes, kv_row(slabs, rows_per_slab, src, row_bytes), row_bytes, threadIdx.x,
+                blockDim.x);
+    }
+}
