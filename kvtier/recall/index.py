@@ -71,15 +71,13 @@ class PageIndex:
         all on the device."""
         heads, m = ids.shape
         rows = (ids * heads + torch.arange(heads, device=ids.device)[:, None]).reshape(-1)
-        bounds = self.bounds.gather(rows.to(self.device)).view(heads, m, 2 * self.dim)
-        if self.device.type == "cuda":   # read from the pinned codes by device ids: nothing comes back to the host
-            codes = torch.empty(heads * m, self.page_size, code_width(self.dim), dtype=torch.uint8,
-                                device=self.device)
-            native.recall_pages(self.codes.slabs, self.codes.rows_per_slab, rows[None], torch.arange(
-                heads * m, device=self.device)[None], torch.full((1,), heads * m, device=self.device), codes,
-                self.codes.addresses(self.device))
+        if self.device.type == "cuda":   # device ids read both storages in place: nothing comes back to the host
+            bounds = _rows_by_device_ids(self.bounds, rows, self.device)
+            codes = _rows_by_device_ids(self.codes, rows, self.device)
         else:
+            bounds = self.bounds.gather(rows.to(self.device))
             codes = self.codes.gather(rows.cpu())
+        bounds = bounds.view(heads, m, 2 * self.dim)
         return (bounds[..., self.dim:], bounds[..., :self.dim],
                 codes.view(heads, m, self.page_size, -1).to(self.device, non_blocking=True))
 
@@ -113,3 +111,13 @@ class PageIndex:
         for part in (self.bounds, self.codes):
             part.close()
         self.n = 0
+
+
+def _rows_by_device_ids(storage: SlabRows, rows: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Rows ``rows`` (on `device`) of a slab storage on `device` or in pinned host memory, into device memory,
+    through `kvtier.native.recall_pages` (one head, every entry real): the ids never go to the host."""
+    n = rows.shape[0]
+    out = torch.empty((n, *storage.row_shape), dtype=storage.dtype, device=device)
+    native.recall_pages(storage.slabs, storage.rows_per_slab, rows[None], torch.arange(n, device=device)[None],
+                        torch.full((1,), n, device=device), out, storage.addresses(device))
+    return out

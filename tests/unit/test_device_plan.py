@@ -96,3 +96,13 @@ def test_an_engine_recalling_on_the_device_attends_exactly_as_the_host_path(make
     assert (a.pages_recalled, a.pages_reused, a.bytes_moved["host_to_device"]) == \
         (b.pages_recalled, b.pages_reused, b.bytes_moved["host_to_device"])
     assert a.pages_reused > 0 and a.pages_recalled["host"] > 0
+
+
+def test_index_rows_by_device_ids_equal_the_host_gather():
+    from kvtier.recall.index import PageIndex, _rows_by_device_ids
+
+    index = PageIndex(2, 16, 32, torch.bfloat16, torch.device("cpu"), pages_per_slab=4)
+    index.add(torch.randn(2, 11, 16, 32, generator=torch.Generator().manual_seed(5)))
+    rows = torch.tensor([21, 0, 7, 8, 15, 3])
+    for storage in (index.bounds, index.codes):
+        assert torch.equal(_rows_by_device_ids(storage, rows, torch.device("cpu")), storage.gather(rows))
