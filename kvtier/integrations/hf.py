@@ -269,7 +269,7 @@ class TieredCache(OneSequence, Cache):
         sliding-window layers, which keep transformers' own window on the device.
         ``bytes_moved`` per direction,
         ``pages_recalled`` per source tier (pages moved up), ``pages_reused`` (chosen pages the device already
-        held from the step before), ``transfer_wait_seconds`` (blocked on copies and disk reads).
+        held from the step before) and ``reuse_rate`` (their share of the chosen pages), ``transfer_wait_seconds`` (blocked on copies and disk reads).
         """
         tiers: dict[str, dict[str, int]] = {t: {"tokens": 0, "bytes": 0, "reserved_bytes": 0}
                                              for t in ("device", "host", "disk")}
@@ -282,6 +282,7 @@ class TieredCache(OneSequence, Cache):
         if self._shared.disk_store is not None:
             tiers["disk"]["reserved_bytes"] = self._shared.disk_store.file_bytes()
         c = self.counters
+        moved = c.pages_recalled["host"] + c.pages_recalled["disk"]
         wait = c.disk_wait_seconds + sum(t.counters.wait_seconds for t in self._shared.transfers.values())
         ahead = [e.readahead for e in self._engines if e.readahead is not None]
         hits, misses = sum(r.hits for r in ahead), sum(r.misses for r in ahead)
@@ -305,6 +306,9 @@ class TieredCache(OneSequence, Cache):
             "pages_recalled_from": dict(c.pages_recalled),
             "recall_steps": c.recall_steps,
             "pages_reused": c.pages_reused,
+            # the share of chosen pages the step before had already brought up: how well "the pages this layer
+            # chose last step" predicts its next choice (what a prefetch ahead of the query would hit)
+            "reuse_rate": (c.pages_reused / (c.pages_reused + moved)) if c.pages_reused + moved else None,
             "tokens_dropped": c.tokens_dropped,
             "tokens_masked": c.tokens_masked,
             "transfer_wait_seconds": wait,
