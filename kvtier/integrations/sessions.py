@@ -63,7 +63,14 @@ class SessionStore:
         return self._parked.pop(name)
 
     def host_bytes_used(self) -> int:
-        return sum(c.stats()["host"]["bytes"] for c in self._parked.values() if c.parked == "host")
+        """Host memory of the sessions parked there (sliding-window layers go to host memory for either target)."""
+        used = 0
+        for cache in self._parked.values():
+            stats = cache.stats()
+            if cache.parked == "host":
+                used += stats["host"]["bytes"]
+            used += stats["window"]["bytes"] if cache.parked else 0
+        return used
 
     def disk_bytes_used(self) -> int:
         return sum(c.stats()["disk"]["bytes"] for c in self._parked.values())
