@@ -23,6 +23,7 @@ def copy_layer(src: LayerEngine, dst: LayerEngine) -> None:
         raise UnsupportedError(f"copy.deepcopy of a parked TieredCache (layer {src.layer_idx} is parked in "
                                f"{src.parked.where}); call cache.resume() first")
     src.flush()
+    src.settle_counts()
     if src.pool is None:
         return
     dst._init(src.device, src.dtype)
@@ -39,6 +40,11 @@ def copy_layer(src: LayerEngine, dst: LayerEngine) -> None:
         for i in range(0, len(heads), _PAGES_PER_BATCH):
             h, p = heads[i:i + _PAGES_PER_BATCH], pids[i:i + _PAGES_PER_BATCH]
             _copy_pages(src, dst, tier, h.astype(np.int64), p.astype(np.int64))
+    if src._nan is not None:        # a NaN-score check still waiting (CUDA) waits in the copy too
+        dst._nan = src._nan.clone()
+    if src.readahead is not None and dst.readahead is not None:
+        for name in ("hits", "misses", "read_ahead"):
+            setattr(dst.readahead, name, getattr(src.readahead, name))
 
 
 def _copy_pages(src: LayerEngine, dst: LayerEngine, tier: int, heads: np.ndarray, pids: np.ndarray) -> None:

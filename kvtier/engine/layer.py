@@ -211,7 +211,8 @@ class LayerEngine(PageFetching):
         if q_len > 1:
             sets.append((p.k[0, :, :b1], p.pos[:b1].expand(self.heads, -1)))
         buf = self.recalled
-        pos = np.stack([np.stack([self.table.positions(h, pid) for pid in row]) for h, row in enumerate(buf.ids)])
+        held = buf.held.cpu().numpy() if buf.on_device else buf.ids   # eager weights read the host anyway
+        pos = np.stack([np.stack([self.table.positions(h, pid) for pid in row]) for h, row in enumerate(held)])
         sets.append((buf.k, torch.from_numpy(pos.reshape(self.heads, -1)).to(self.device)))
         w = weights_by_position(packed, sets, lse, p.pos[b0:b1], self.seen, scale, softcap)
         return unpack_rows(w, q_heads)
@@ -423,6 +424,8 @@ class LayerEngine(PageFetching):
         """Forget every entry (the shared disk store stays open for reuse)."""
         self.pending = None
         self.recalled = None
+        self.last_recall = None
+        self._slot_mirror = None
         self._nan = None
         self.settle_counts()
         if self.parked is not None:

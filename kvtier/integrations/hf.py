@@ -175,24 +175,25 @@ class TieredCache(OneSequence, Cache):
         st.check()
         check_target(to)
         done: list[tuple[LayerEngine, str | None]] = []
+        moved = [w for w in st.windows if not w.parked]   # only these go back if the call fails
         try:
-            for window in st.windows:
+            for window in moved:
                 window.park()
         except BaseException as e:
-            for window in st.windows:
+            for window in moved:
                 window.restore()
             err = _capacity(e, f"park({to!r}) could not move the sliding-window layers to host memory; every "
                                "layer is as it was before the call")
             if err is None:
                 raise
             raise err from e
-        for engine in self._engines:
+        for i, engine in enumerate(self._engines):
             before = None if engine.parked is None else engine.parked.where
             try:
                 engine.park(to)
             except BaseException as e:
                 undone = self._undo_park(done)
-                for window in st.windows:
+                for window in moved:
                     window.restore()
                 if not (isinstance(e, CapacityError) or is_resource_error(e)):
                     raise
@@ -200,8 +201,8 @@ class TieredCache(OneSequence, Cache):
                          f"putting the parked layers back failed too, so the cache is broken ({st.broken})")
                 reason = os_reason(e)
                 detail = "" if reason == str(e) else f" [{e}]"
-                raise CapacityError(f"park({to!r}) failed at layer {engine.layer_idx} of {len(self._engines)}: "
-                                    f"{reason}{detail}; {state}") from e
+                raise CapacityError(f"park({to!r}) failed at layer {engine.layer_idx} (tiered layer {i + 1} of "
+                                    f"{len(self._engines)}): {reason}{detail}; {state}") from e
             after = None if engine.parked is None else engine.parked.where
             if after != before:
                 done.append((engine, before))
@@ -326,9 +327,15 @@ class TieredCache(OneSequence, Cache):
         prompt once, then continue copies of it. The model config is shared, not copied."""
         self._state.check()
         s = self.settings
+        try:   # a scorer may keep state (a generator, a learned model): the copy gets its own
+            scorer = copy.deepcopy(self.scorer, memo)
+        except Exception as e:
+            raise UnsupportedError(f"copy.deepcopy of this TieredCache needs a copy of its scorer "
+                                   f"{s.scorer_name!r}, which failed ({type(e).__name__}: {e}); allowed: scorers "
+                                   "that copy.deepcopy can copy") from e
         new = TieredCache(self.model_config, device_budget=s.device_budget.value,
                           host_budget=None if s.host_budget is None else s.host_budget.value, disk_dir=s.disk_dir,
-                          scorer=self.scorer, mode=s.mode, recall_pages=s.recall_pages, page_size=s.page_size,
+                          scorer=scorer, mode=s.mode, recall_pages=s.recall_pages, page_size=s.page_size,
                           sink_tokens=s.sink_tokens, recent_tokens=s.recent_tokens)
         try:
             for mine, theirs in zip(self.layers, new.layers):

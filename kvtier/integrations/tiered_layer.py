@@ -51,9 +51,9 @@ class CacheState:
             self.broken = f"{where}failed ({text})" if where else text
 
     def lengths(self) -> set[int]:
-        """Tokens seen by each layer that has taken a step."""
-        return ({e.seen for e in self.engines if e.pool is not None} |
-                {w.cumulative_length for w in self.windows if w.is_initialized})
+        """Tokens seen by each layer (0 for a layer that never took a step: a first step interrupted between
+        layers shows as two lengths too)."""
+        return {e.seen for e in self.engines} | {w.cumulative_length for w in self.windows}
 
     def begin(self, layer_idx: int, length: int) -> None:
         """Checks before a layer takes a step: the cache is usable and, at the first layer, every layer agrees."""

@@ -31,6 +31,7 @@ class PageIndex:
         self.bounds = SlabRows((2 * dim,), dtype, device, pages_per_slab * heads)
         self.codes = SlabRows((page_size, code_width(dim)), torch.uint8, "cpu", pages_per_slab * heads, pin)
         self.n = 0
+        self._reads: torch.cuda.Event | None = None   # the last device read of the pinned codes
 
     def add(self, k_pages: torch.Tensor) -> None:
         """Index the next pages from their keys ``[heads, pages, page_size, dim]`` (all entries valid)."""
@@ -74,6 +75,8 @@ class PageIndex:
         if self.device.type == "cuda":   # device ids read both storages in place: nothing comes back to the host
             bounds = _rows_by_device_ids(self.bounds, rows, self.device)
             codes = _rows_by_device_ids(self.codes, rows, self.device)
+            self._reads = torch.cuda.Event()       # `release` waits for it before the pinned codes go
+            self._reads.record(torch.cuda.current_stream(self.device))
         else:
             bounds = self.bounds.gather(rows.to(self.device))
             codes = self.codes.gather(rows.cpu())
@@ -107,7 +110,10 @@ class PageIndex:
         self.n = rows_n // self.heads
 
     def release(self) -> None:
-        """Forget every page and give the slabs back."""
+        """Forget every page and give the slabs back (after any device read of them is done)."""
+        if self._reads is not None:
+            self._reads.synchronize()
+            self._reads = None
         for part in (self.bounds, self.codes):
             part.close()
         self.n = 0

@@ -121,3 +121,63 @@ def test_batched_prompts_are_refused_by_batch_size(model):
     with TieredCache(model.config) as cache:
         with pytest.raises(UnsupportedError, match="batch size 2"):
             model(PROMPT[:, :10].repeat(2, 1), **cache_kwargs(cache))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("on_device", [False, True], ids=["host-plan", "device-plan"])
+def test_attention_weights_with_recall_equal_a_plain_caches(on_device):
+    """Eager weights over every recalled page, whichever path planned the recall."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                         num_key_value_heads=2, intermediate_size=128, vocab_size=128,
+                                         attn_implementation="eager")).eval()
+    ids = PROMPT[:, :150]
+    ref = DynamicCache(config=model.config)
+    model(ids, **cache_kwargs(ref))
+    want = model(torch.tensor([[5]]), output_attentions=True, **cache_kwargs(ref)).attentions
+    with TieredCache(model.config, device_budget=40, recall_pages=1000, scorer="keynorm") as cache:
+        model(ids, **cache_kwargs(cache))
+        for e in cache._engines:
+            e.device_recall = on_device
+        got = model(torch.tensor([[5]]), output_attentions=True, **cache_kwargs(cache)).attentions
+        assert cache.stats()["pages_recalled"] > 0
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_deepcopy_carries_the_history_and_its_own_scorer(model, tmp_path):
+    cache = TieredCache(model.config, disk_dir=tmp_path, device_budget=24, host_budget=40, recall_pages=8,
+                        scorer="random", scorer_kwargs={"seed": 3})
+    for e in cache._engines:
+        e.device_recall = True      # counts wait on the device until stats(): the copy must not lose them
+    greedy(model, cache, PROMPT, n=4)
+    twin = copy.deepcopy(cache)
+    a, b = cache.stats(), twin.stats()
+    for key in ("pages_recalled", "pages_reused", "recall_steps", "bytes_moved", "read_ahead", "tokens_seen"):
+        assert a[key] == b[key], key
+    assert twin.scorer is not cache.scorer
+    follow = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(6))
+    untouched = copy.deepcopy(cache)
+    greedy(model, twin, follow)     # running the copy leaves the original's scorer where it was
+    assert greedy(model, cache, follow) == greedy(model, untouched, follow)
+    for c in (cache, twin, untouched):
+        c.close()
+
+
+def test_a_first_step_interrupted_between_layers_is_caught(model):
+    with TieredCache(model.config, device_budget=48, recall_pages=8, scorer="keynorm") as cache:
+        def boom(*args, **kwargs):
+            raise KeyboardInterrupt
+        hook = model.model.layers[0].mlp.register_forward_pre_hook(boom)
+        try:
+            with pytest.raises(KeyboardInterrupt), torch.no_grad():
+                model(PROMPT[:, :100], **cache_kwargs(cache))
+        finally:
+            hook.remove()
+        from kvtier.errors import BrokenCacheError
+        with pytest.raises(BrokenCacheError, match="disagree"), torch.no_grad():
+            model(PROMPT[:, 100:120], **cache_kwargs(cache))
+        cache.reset()
+        assert greedy(model, cache, PROMPT[:, :50], n=2)   # reset makes it usable again

@@ -145,7 +145,7 @@ def test_open_failures_are_capacity_errors_naming_the_cause(model, reference, tm
         else:
             suffix = ".parked.safetensors" if target == "parked file" else ".kvtp"
             fail_on_call(monkeypatch, os, "open", n, err, when=lambda path, *a: str(path).endswith(suffix))
-        with pytest.raises(CapacityError, match=f"park.*failed at layer {n} of 2: {words}"):
+        with pytest.raises(CapacityError, match=rf"park.*failed at layer {n} \(tiered layer {n + 1} of 2\): {words}"):
             cache.park("disk")
         monkeypatch.undo()
         check_as_before(model, cache, kind, ([None, None], logits, files(cache)), reference)
@@ -188,7 +188,7 @@ def test_a_symlink_in_the_way_is_refused_and_followed_nowhere(model, reference, 
     outside.write_bytes(b"keep me")
     os.symlink(outside, os.path.join(cache.disk_path, name))
     before = (where(cache), logits, files(cache))
-    with pytest.raises(CapacityError, match="park.*failed at layer [01] of 2: .*(symlink|in the way)"):
+    with pytest.raises(CapacityError, match=r"park.*failed at layer [01] \(tiered layer [12] of 2\): .*(symlink|in the way)"):
         cache.park("disk")
     assert outside.read_bytes() == b"keep me" and os.path.islink(os.path.join(cache.disk_path, name))
     assert where(cache) == [None, None] and files(cache) == before[2]
