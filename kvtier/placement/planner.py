@@ -6,13 +6,31 @@ from the tiers that carry them out. Ties are broken by position (older first) so
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
 
-def protected_count(seen: int, sink_tokens: int, recent_tokens: int) -> int:
-    """How many of the `seen` tokens are sinks or in the recent window (they never leave the device)."""
-    return min(seen, sink_tokens + recent_tokens)
+def recent_window(recent_tokens: int | float, budget_tokens: int) -> int:
+    """The recent window in tokens for a device budget of `budget_tokens`.
+
+    A whole number is a fixed window; a float in (0, 1) is that share of the device budget, rounded up, so
+    the window grows with the budget (``0.25`` with a 410-token budget: the 103 latest tokens).
+    """
+    if isinstance(recent_tokens, float):
+        return math.ceil(recent_tokens * max(budget_tokens, 0))
+    return int(recent_tokens)
+
+
+def protected_count(seen: int, sink_tokens: int, recent_tokens: int | float, budget_tokens: int | None = None) -> int:
+    """How many of the `seen` tokens are sinks or in the recent window (they never leave the device).
+
+    A fractional `recent_tokens` (a share of the device budget) needs `budget_tokens`.
+    """
+    if isinstance(recent_tokens, float) and budget_tokens is None:
+        raise ValueError(f"recent_tokens={recent_tokens!r} is a share of the device budget; pass budget_tokens")
+    return min(seen, sink_tokens + recent_window(recent_tokens, budget_tokens or 0))
 
 
 def plan_device_demotion(
@@ -21,7 +39,7 @@ def plan_device_demotion(
     seen: int,
     budget_tokens: int,
     sink_tokens: int,
-    recent_tokens: int,
+    recent_tokens: int | float,
     page_size: int,
 ) -> torch.Tensor | None:
     """Choose the device entries to demote, in whole pages, so the device tier fits its budget.
@@ -34,6 +52,9 @@ def plan_device_demotion(
         Tokens written so far (the logical length).
     budget_tokens
         Device budget per head, in tokens, already resolved for `seen`.
+    sink_tokens, recent_tokens
+        The always-kept set: the first `sink_tokens` positions and the latest ones; `recent_tokens` is a
+        token count, or a float in (0, 1): that share of `budget_tokens` (see `recent_window`).
     page_size
         Entries per page: demotions come in whole pages, which is also the hysteresis (after a demotion
         the tier sits up to a page under its budget, so a decoding layer demotes once every page of steps).
@@ -49,7 +70,8 @@ def plan_device_demotion(
     heads, n = scores.shape
     if n <= budget_tokens:
         return None
-    protected = (positions < sink_tokens) | (positions >= seen - recent_tokens)
+    recent = recent_window(recent_tokens, budget_tokens)
+    protected = (positions < sink_tokens) | (positions >= seen - recent)
     movable = n - int(protected[0].sum())
     pages = min(-(-(n - budget_tokens) // page_size), movable // page_size)
     if pages <= 0:

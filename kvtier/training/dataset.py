@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..config import DEFAULT_RECENT_TOKENS, DEFAULT_SINK_TOKENS
+from ..errors import ConfigError
+from ..placement.planner import recent_window
 from ..scoring.features import entry_features
 from .traces import load_trace, read_manifest
 
@@ -22,13 +25,48 @@ class TraceTensors:
     keep: torch.Tensor            # indices of the rankable (not protected) prompt tokens
 
 
-def rankable(n: int, sink_tokens: int, recent_tokens: int) -> torch.Tensor:
-    """Prompt positions the placement may demote: not sinks, not in the recent window."""
-    return torch.arange(sink_tokens, max(n - recent_tokens, sink_tokens))
+# a recent window given as a share of the device budget is resolved at this budget (the smallest one graded):
+# the tokens it protects there are protected at every larger budget too
+REFERENCE_BUDGET = 0.05
 
 
-def load_folder(folder: str | Path, sink_tokens: int = DEFAULT_SINK_TOKENS, recent_tokens: int = DEFAULT_RECENT_TOKENS) -> tuple[dict, list[TraceTensors]]:
-    """Read every trace of a folder written by `kvtier traces`."""
+TARGETS = ("importance", "importance_next", "importance_decay", "importance_value")
+
+
+def importance_target(raw: dict[str, torch.Tensor], name: str = "importance") -> torch.Tensor:
+    """The importance a scorer is trained (or graded) on, ``[layers, kv_heads, prompt]`` float32.
+
+    ``importance``: future attention summed over every continuation step (the paper's); ``importance_next``:
+    the first 16 steps only; ``importance_decay``: step ``t`` weighted by ``exp(-t / 32)``; ``importance_value``:
+    the future attention times the entry's value norm (what the entry adds to the attention output, so a
+    sink that draws attention but carries a near-zero value counts little).
+    """
+    if name not in TARGETS:
+        raise ConfigError(f"importance={name!r}; allowed: {', '.join(TARGETS)}")
+    if name == "importance_value":
+        return raw["importance"].float() * raw["values"].float().norm(dim=-1)
+    if name not in raw:
+        raise ConfigError(f"importance={name!r}: the trace holds no such tensor (recorded before it existed); "
+                          "allowed: importance, importance_value, or record the traces again")
+    return raw[name].float()
+
+
+def rankable(n: int, sink_tokens: int, recent_tokens: int | float) -> torch.Tensor:
+    """Prompt positions the placement may demote: not sinks, not in the recent window.
+
+    A fractional `recent_tokens` (a share of the device budget) is resolved at `REFERENCE_BUDGET` of `n`.
+    """
+    window = recent_window(recent_tokens, math.ceil(REFERENCE_BUDGET * n))
+    return torch.arange(sink_tokens, max(n - window, sink_tokens))
+
+
+def load_folder(folder: str | Path, sink_tokens: int = DEFAULT_SINK_TOKENS,
+                recent_tokens: int | float = DEFAULT_RECENT_TOKENS,
+                importance: str = "importance") -> tuple[dict, list[TraceTensors]]:
+    """Read every trace of a folder written by `kvtier traces`.
+
+    `importance` names the target (see `importance_target`).
+    """
     manifest = read_manifest(folder)
     out = []
     for item in manifest["traces"]:
@@ -37,5 +75,6 @@ def load_folder(folder: str | Path, sink_tokens: int = DEFAULT_SINK_TOKENS, rece
         keep = rankable(n, sink_tokens, recent_tokens)
         feats = entry_features(raw["keys"].reshape(layers * heads, n, dim)[:, keep],
                                raw["values"].reshape(layers * heads, n, dim)[:, keep], raw["positions"][keep])
-        out.append(TraceTensors(feats, raw["importance"].reshape(layers * heads, n)[:, keep], raw, keep))
+        target = importance_target(raw, importance)
+        out.append(TraceTensors(feats, target.reshape(layers * heads, n)[:, keep], raw, keep))
     return manifest, out

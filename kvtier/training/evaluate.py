@@ -15,8 +15,10 @@ import torch
 
 from ..config import DEFAULT_RECENT_TOKENS, DEFAULT_SINK_TOKENS
 from ..errors import ConfigError
+from ..placement.planner import recent_window
 from ..scoring import BASELINES_ATTENTION_BASED, checked_scores, make_scorer, needs_query
 from ..scoring.kvp import KVPScorer
+from .dataset import importance_target
 
 
 def trace_scores(name: str, raw: dict[str, torch.Tensor], kvp: KVPScorer | None = None,
@@ -39,27 +41,34 @@ def trace_scores(name: str, raw: dict[str, torch.Tensor], kvp: KVPScorer | None 
 
 
 def kept_mass(scores: torch.Tensor, importance: torch.Tensor, budget: float, sink_tokens: int = DEFAULT_SINK_TOKENS,
-              recent_tokens: int = DEFAULT_RECENT_TOKENS) -> torch.Tensor:
-    """Share of importance kept by the top entries, ``[...]`` from ``[..., n]`` inputs."""
+              recent_tokens: int | float = DEFAULT_RECENT_TOKENS) -> torch.Tensor:
+    """Share of importance kept by the top entries, ``[...]`` from ``[..., n]`` inputs.
+
+    `recent_tokens` is a token count or a share of the budget, as in the cache (`recent_window`).
+    """
     n = scores.shape[-1]
     keep_n = math.ceil(budget * n)
     protected = torch.zeros(n, dtype=torch.bool)
     protected[:sink_tokens] = True
-    protected[max(n - recent_tokens, 0):] = True
+    protected[max(n - recent_window(recent_tokens, keep_n), 0):] = True
     ranked = torch.where(protected, float("inf"), scores.float())
     top = torch.topk(ranked, min(max(keep_n, int(protected.sum())), n), dim=-1).indices
     return torch.gather(importance, -1, top).sum(-1) / importance.sum(-1).clamp_min(1e-12)
 
 
 def evaluate_scorers(traces: list[dict[str, torch.Tensor]], scorers: list[str], budgets: list[float],
-                     kvp: KVPScorer | None = None, progress: Any = iter) -> dict[str, Any]:
-    """Mean kept mass per scorer and budget, overall and per layer."""
+                     kvp: KVPScorer | None = None, progress: Any = iter, importance: str = "importance",
+                     sink_tokens: int = DEFAULT_SINK_TOKENS,
+                     recent_tokens: int | float = DEFAULT_RECENT_TOKENS) -> dict[str, Any]:
+    """Mean kept mass per scorer and budget, overall and per layer, of the target `importance`
+    (see `dataset.importance_target`), with the always-kept set of `sink_tokens` and `recent_tokens`."""
     sums: dict[str, dict[float, torch.Tensor]] = {s: {b: 0 for b in budgets} for s in scorers}
     for i, raw in enumerate(progress(traces)):
         for name in scorers:
             scores = trace_scores(name, raw, kvp, seed=i)
             for b in budgets:
-                sums[name][b] = sums[name][b] + kept_mass(scores, raw["importance"], b).mean(dim=1)  # [layers]
+                sums[name][b] = sums[name][b] + kept_mass(scores, importance_target(raw, importance), b, sink_tokens,
+                                                                 recent_tokens).mean(dim=1)  # [layers]
     out: dict[str, Any] = {"budgets": budgets, "traces": len(traces), "mean": {}, "per_layer": {}}
     for name in scorers:
         out["mean"][name] = {str(b): float(sums[name][b].mean() / len(traces)) for b in budgets}

@@ -23,6 +23,9 @@ from safetensors.torch import load_file, save_file
 from ..scoring import BASELINES_ATTENTION_BASED, QueryScorer, checked_scores, make_scorer
 from ..scoring.attention_stats import received_attention
 
+NEXT_STEPS = 16      # `importance_next`: attention from the first 16 continuation tokens only
+DECAY_STEPS = 32.0   # `importance_decay`: step t of the continuation weighted by exp(-t / 32)
+
 
 def baseline_scorers() -> list[QueryScorer]:
     """The attention-based baselines with their default settings, as the cache would build them by name."""
@@ -30,8 +33,12 @@ def baseline_scorers() -> list[QueryScorer]:
 
 
 def layer_statistics(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, prompt: int,
-                     baselines: list[QueryScorer], layer_idx: int = 0) -> dict[str, torch.Tensor]:
+                     baselines: list[QueryScorer], layer_idx: int = 0,
+                     targets: bool = False) -> dict[str, torch.Tensor]:
     """Importance and each baseline's scores of the `prompt` first tokens, each ``[kv_heads, prompt]`` float32.
+
+    With `targets`, also the outcome-tied importance variants ``importance_next`` (the first `NEXT_STEPS`
+    continuation steps only) and ``importance_decay`` (step ``t`` weighted by ``exp(-t / DECAY_STEPS)``).
 
     Parameters
     ----------
@@ -42,7 +49,12 @@ def layer_statistics(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     """
     length = key.shape[2]
     future = received_attention(query, key, length, scaling, slice(prompt, None))[..., :prompt]
-    stats = {"importance": future.amax(dim=1).sum(dim=1)}
+    per_step = future.amax(dim=1)                                   # [kv_heads, steps, prompt]
+    steps = torch.arange(per_step.shape[1], device=per_step.device, dtype=per_step.dtype)
+    stats = {"importance": per_step.sum(dim=1)}
+    if targets:   # outcome-tied variants: the next tokens' attention, and attention discounted by the step
+        stats["importance_next"] = per_step[:, :NEXT_STEPS].sum(dim=1)
+        stats["importance_decay"] = (per_step * torch.exp(-steps / DECAY_STEPS)[None, :, None]).sum(dim=1)
     k, v = key[:, :, :prompt], value[:, :, :prompt]
     positions = torch.arange(prompt, device=key.device)
     for scorer in baselines:  # scored as after a prefill of the prompt alone
@@ -80,7 +92,8 @@ def record_trace(model: Any, prompt_ids: torch.Tensor, continuation_ids: torch.T
     """One forward over prompt + continuation; returns the trace tensors of the prompt tokens.
 
     ``keys``, ``values`` ``[layers, kv_heads, prompt, dim]`` float16; ``positions`` ``[prompt]``;
-    ``importance``, ``tova``, ``snapkv``, ``h2o`` ``[layers, kv_heads, prompt]`` float32.
+    ``importance``, ``importance_next``, ``importance_decay``, ``tova``, ``snapkv``, ``h2o``
+    ``[layers, kv_heads, prompt]`` float32.
     """
     prompt = prompt_ids.shape[1]
     full = torch.cat([prompt_ids, continuation_ids], dim=1)
@@ -89,7 +102,7 @@ def record_trace(model: Any, prompt_ids: torch.Tensor, continuation_ids: torch.T
 
     def on_layer(module, query, key, value, kwargs):
         scaling = kwargs.get("scaling") or getattr(module, "scaling", 1 / math.sqrt(query.shape[-1]))
-        stats = layer_statistics(query, key, value, scaling, prompt, baselines, module.layer_idx)
+        stats = layer_statistics(query, key, value, scaling, prompt, baselines, module.layer_idx, targets=True)
         stats["keys"] = key[0, :, :prompt].to(torch.float16)
         stats["values"] = value[0, :, :prompt].to(torch.float16)
         per_layer[module.layer_idx] = stats
