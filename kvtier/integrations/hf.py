@@ -75,7 +75,8 @@ class TieredCache(OneSequence, Cache):
     recall_pages
         Demoted pages brought back per layer and KV head at each step.
     page_size, sink_tokens, recent_tokens
-        See `TieredCacheConfig`.
+        See `TieredCacheConfig`; `recent_tokens` is a token count or, as by default (0.25), a share of the
+        device budget.
     scorer_kwargs
         Settings for a scorer given by name (e.g. ``{"seed": 1}`` for ``"random"``).
     """
@@ -84,7 +85,7 @@ class TieredCache(OneSequence, Cache):
                  disk_dir: str | os.PathLike | None = None, scorer: str | Scorer | QueryScorer | None = None,
                  mode: str = "tier", recall_pages: int = DEFAULT_RECALL_PAGES, *,
                  page_size: int = DEFAULT_PAGE_SIZE, sink_tokens: int = DEFAULT_SINK_TOKENS,
-                 recent_tokens: int = DEFAULT_RECENT_TOKENS, scorer_kwargs: dict[str, Any] | None = None) -> None:
+                 recent_tokens: int | float = DEFAULT_RECENT_TOKENS, scorer_kwargs: dict[str, Any] | None = None) -> None:
         plan = layer_plan(config)
         shape = ModelShape.from_config(config)
         if scorer_kwargs is not None and not isinstance(scorer_kwargs, dict):

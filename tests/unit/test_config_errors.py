@@ -27,8 +27,8 @@ def test_bad_device_budget(value, words):
 
 def test_token_budget_must_leave_room_for_sinks_and_window():
     with pytest.raises(ConfigError, match=r"device_budget=10 tokens leaves no room .* 4 sink .* 16-token"):
-        TieredCache(CONFIG, device_budget=10)
-    TieredCache(CONFIG, device_budget=20).close()
+        TieredCache(CONFIG, device_budget=10, recent_tokens=16)
+    TieredCache(CONFIG, device_budget=20, recent_tokens=16).close()
 
 
 @pytest.mark.parametrize("kwargs, name", [
