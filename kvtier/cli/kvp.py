@@ -62,8 +62,12 @@ def traces(out: str, model: str | None, split: str, texts: int, needles: int, pr
 @click.option("--steps", default=300, show_default=True, type=click.IntRange(min=1))
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0))
 @click.option("--threads", default=2, show_default=True, type=THREADS)
+@click.option("--importance", type=click.Choice(["importance", "importance_next", "importance_decay",
+                                                 "importance_value"]), default="importance", show_default=True,
+              help="The target: future attention over the whole continuation (the paper's), its first 16 steps, "
+                   "steps discounted by exp(-t/32), or attention times the value norm (docs/scorer-objective.md).")
 @user_errors
-def train(trace_dir: str, out: str, objective: str, steps: int, seed: int, threads: int) -> None:
+def train(trace_dir: str, out: str, objective: str, steps: int, seed: int, threads: int, importance: str) -> None:
     """Train KVP agents on recorded traces; keeps the checkpoint with the best held-out reward."""
     read_manifest(trace_dir)
     check_output_file(out, "--out")
@@ -74,14 +78,14 @@ def train(trace_dir: str, out: str, objective: str, steps: int, seed: int, threa
 
     set_threads(threads)
     settings = TrainSettings(objective=objective, steps=steps, seed=seed)
-    manifest, data = load_folder(trace_dir)
+    manifest, data = load_folder(trace_dir, importance=importance)
     Path(out).expanduser().absolute().parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     agents, report = train_agents(data, manifest["head_dim"], settings, progress=_bar(f"train ({objective})"))
     meta = {k: manifest[k] for k in ("model", "num_layers", "num_kv_heads", "head_dim", "hidden_size",
                                      "vocab_size") if k in manifest}
     sources = sorted({t["continuation"] for t in manifest["traces"]})
-    meta.update(objective=objective, training_data=f"{len(data)} traces from {trace_dir} ({manifest['corpus']}; "
+    meta.update(objective=objective, importance=importance, training_data=f"{len(data)} traces from {trace_dir} ({manifest['corpus']}; "
                 f"needle tasks; continuations: {', '.join(sources)})",
                 best_step=report["best_step"], best_val_reward=report["best_val_reward"], kvtier_version="0.1.0",
                 settings=report["settings"])
@@ -99,8 +103,13 @@ def train(trace_dir: str, out: str, objective: str, steps: int, seed: int, threa
 @click.option("--budgets", default="0.1,0.25,0.5", show_default=True, help="Comma list of fractions in (0, 1].")
 @click.option("--markdown", default=None, help="Write the table (and a PNG plot beside it) to this file.")
 @click.option("--json", "as_json", is_flag=True)
+@click.option("--importance", type=click.Choice(["importance", "importance_next", "importance_decay",
+                                                 "importance_value"]), default="importance", show_default=True,
+              help="The target: future attention over the whole continuation (the paper's), its first 16 steps, "
+                   "steps discounted by exp(-t/32), or attention times the value norm (docs/scorer-objective.md).")
 @user_errors
-def eval_scorer(trace_dir: str, kvp_path: str | None, budgets: str, markdown: str | None, as_json: bool) -> None:
+def eval_scorer(trace_dir: str, kvp_path: str | None, budgets: str, markdown: str | None, as_json: bool,
+                importance: str) -> None:
     """Share of future attention mass each scorer keeps, per budget, on held-out traces."""
     manifest = read_manifest(trace_dir)
     fractions = parse_fractions(budgets, "--budgets")
@@ -117,12 +126,13 @@ def eval_scorer(trace_dir: str, kvp_path: str | None, budgets: str, markdown: st
     kvp.check_model(manifest["num_layers"], manifest["num_kv_heads"], manifest["head_dim"])
     raws = [load_trace(Path(trace_dir) / t["file"]) for t in manifest["traces"]]
     result = evaluate_scorers(raws, ["kvp", *BASELINES_ATTENTION_FREE, *BASELINES_ATTENTION_BASED],
-                              list(fractions), kvp, progress=_bar("eval", as_json))
+                              list(fractions), kvp, progress=_bar("eval", as_json), importance=importance)
     result["kvp"] = {k: kvp.meta.get(k) for k in ("model", "objective", "training_data", "best_val_reward")}
     if markdown:
         Path(markdown).expanduser().absolute().parent.mkdir(parents=True, exist_ok=True)
         write_scorer_report(result, markdown, command=f"kvtier eval-scorer --traces {trace_dir}"
-                            + (f" --kvp {kvp_path}" if kvp_path else ""))
+                            + (f" --kvp {kvp_path}" if kvp_path else "")
+                            + (f" --importance {importance}" if importance != "importance" else ""))
     if as_json:
         click.echo(json.dumps(result, indent=2))
         return

@@ -330,6 +330,7 @@ def trace_dir(tmp_path):
     (["--budgets", "0"], ["--budgets", "(0, 1]"]),
     (["--budgets", "0.1,2"], ["--budgets", "'2'"]),
     (["--kvp", "/no/such/weights.safetensors"], ["--kvp"]),
+    (["--importance", "nope"], ["--importance", "importance_next"]),
 ])
 def test_eval_scorer_bad_options(trace_dir, args, words):
     assert_one_line(run("eval-scorer", "--traces", trace_dir, *args), 2, *words)
@@ -344,6 +345,7 @@ def test_eval_scorer_markdown_in_a_folder(trace_dir, tmp_path):
     (["--threads", "0"], ["--threads"]),
     (["--seed", "-1"], ["--seed"]),
     (["--objective", "nope"], ["--objective"]),
+    (["--importance", "nope"], ["--importance", "importance_decay"]),
 ])
 def test_train_bad_options(trace_dir, tmp_path, args, words):
     assert_one_line(run("train", "--traces", trace_dir, "--out", tmp_path / "w.safetensors", *args), 2, *words)
