@@ -32,9 +32,12 @@ def _bar(desc: str, quiet: bool = False):
 @click.option("--needle-context", default=1500, show_default=True, type=click.IntRange(min=256))
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0))
 @click.option("--threads", default=2, show_default=True, type=THREADS)
+@click.option("--corpus", type=click.Choice(["stdlib", "packages", "both"]), default="stdlib", show_default=True,
+              help="Prose for the text traces: the standard library's docstrings, the documentation installed "
+                   "packages ship (license texts kept out), or both.")
 @user_errors
 def traces(out: str, model: str | None, split: str, texts: int, needles: int, prompt_tokens: int,
-           continuation_tokens: int, needle_context: int, seed: int, threads: int) -> None:
+           continuation_tokens: int, needle_context: int, seed: int, threads: int, corpus: str) -> None:
     """Record generation traces (keys, values, positions, future attention) for training KVP."""
     if texts == 0 and needles == 0:
         raise click.BadParameter("0 with --texts 0: nothing to record; allowed: --texts or --needles above 0",
@@ -51,7 +54,7 @@ def traces(out: str, model: str | None, split: str, texts: int, needles: int, pr
     manifest = record_folder(lm, tok, out, model_name=model or DEFAULT_MODEL_NAME, split=split, texts=texts,
                              needles=needles, prompt_tokens=prompt_tokens, continuation_tokens=continuation_tokens,
                              needle_context=needle_context, answer_tokens=32, seed=seed,
-                             progress=_bar("traces"))
+                             progress=_bar("traces"), corpus=corpus)
     click.echo(f"{len(manifest['traces'])} traces in {out} ({time.perf_counter() - start:.0f} s)")
 
 

@@ -12,15 +12,22 @@ from transformers import DynamicCache
 
 from ..integrations.hf import cache_kwargs
 from ..tasks import make_needle_task
-from .corpus import stdlib_prose
+from .corpus import corpus_prose
 from .traces import record_trace, save_trace
 
 
+CORPUS_NAMES = {
+    "stdlib": "Python standard library docstrings (stdlib, split by module)",
+    "packages": "documentation shipped in installed Python packages (license texts excluded, split by file)",
+    "both": "Python standard library docstrings and installed packages' documentation (license texts excluded)",
+}
+
+
 def text_chunks(tokenizer: Any, split: str, prompt_tokens: int, continuation_tokens: int, count: int,
-                seed: int) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-    """``count`` windows of standard-library prose: the prompt, then the text that follows as continuation."""
+                seed: int, corpus: str = "stdlib") -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """``count`` windows of prose from `corpus`: the prompt, then the text that follows as continuation."""
     rng = random.Random(seed)
-    docs = stdlib_prose(split)
+    docs = corpus_prose(corpus, split)
     rng.shuffle(docs)
     need = prompt_tokens + continuation_tokens
     out = []
@@ -30,7 +37,7 @@ def text_chunks(tokenizer: Any, split: str, prompt_tokens: int, continuation_tok
             continue
         start = rng.randrange(0, ids.shape[1] - need + 1)
         window = ids[:, start:start + need]
-        out.append((f"stdlib:{name}@{start}", window[:, :prompt_tokens], window[:, prompt_tokens:]))
+        out.append((f"{name}@{start}", window[:, :prompt_tokens], window[:, prompt_tokens:]))
         if len(out) == count:
             break
     if len(out) < count:  # short modules: join several into one stream
@@ -38,7 +45,7 @@ def text_chunks(tokenizer: Any, split: str, prompt_tokens: int, continuation_tok
         for i in range(count - len(out)):
             start = rng.randrange(0, stream.shape[1] - need)
             window = stream[:, start:start + need]
-            out.append((f"stdlib:joined@{start}", window[:, :prompt_tokens], window[:, prompt_tokens:]))
+            out.append((f"{corpus}:joined@{start}", window[:, :prompt_tokens], window[:, prompt_tokens:]))
     return out
 
 
@@ -58,13 +65,14 @@ def needle_prompts(model: Any, tokenizer: Any, split: str, context_tokens: int, 
 
 def record_folder(model: Any, tokenizer: Any, out: str | Path, *, model_name: str, split: str, texts: int,
                   needles: int, prompt_tokens: int, continuation_tokens: int, needle_context: int,
-                  answer_tokens: int, seed: int, progress: Callable[[Any], Any] = iter) -> dict[str, Any]:
+                  answer_tokens: int, seed: int, progress: Callable[[Any], Any] = iter,
+                  corpus: str = "stdlib") -> dict[str, Any]:
     """Record `texts` prose traces and `needles` task traces into `out`; returns the manifest."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     items = [(s, p, c, "text") for s, p, c in text_chunks(tokenizer, split, prompt_tokens, continuation_tokens,
-                                                           texts, seed)]
+                                                           texts, seed, corpus)]
     items += [(s, p, c, "generated") for s, p, c in needle_prompts(model, tokenizer, split, needle_context,
                                                                     needles, answer_tokens, seed)]
     cfg = model.config.get_text_config()
@@ -72,7 +80,7 @@ def record_folder(model: Any, tokenizer: Any, out: str | Path, *, model_name: st
         "model": model_name, "num_layers": cfg.num_hidden_layers, "num_kv_heads": cfg.num_key_value_heads,
         "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
         "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
-        "split": split, "seed": seed, "corpus": "Python standard library docstrings (stdlib, split by module)",
+        "split": split, "seed": seed, "corpus": CORPUS_NAMES[corpus],
         "traces": [],
     }
     for i, (source, prompt, continuation, kind) in enumerate(progress(items)):

@@ -1,7 +1,10 @@
-"""Offline English text for traces: the prose (docstrings) of Python's own standard library.
+"""Offline English text for traces: the prose (docstrings) of Python's own standard library, and the
+documentation that installed Python packages ship (READMEs, guides, changelogs in Markdown, reST or text).
 
-Every Python installation has it, so traces can be recorded on any machine without a download. Modules
+Both are on any machine where kvtier is installed, so traces can be recorded without a download. Documents
 are split by a stable hash of their name into a training and an evaluation part, so the two never overlap.
+License texts are kept out: files named like licenses, notices or copyright statements are skipped, and so is
+any text that carries a license's wording (GPL, GFDL, MPL, Apache, BSD, MIT, ...), wherever it sits.
 """
 
 from __future__ import annotations
@@ -12,6 +15,16 @@ import sysconfig
 from pathlib import Path
 
 SPLITS = ("train", "eval")
+CORPORA = ("stdlib", "packages", "both")
+DOC_SUFFIXES = (".md", ".rst", ".txt")
+# file names (lower case, without suffix) that hold legal text, never prose to learn from
+_LEGAL_NAMES = ("license", "licence", "copying", "copyright", "notice", "authors", "patents", "unlicense",
+                "third_party", "thirdparty", "credits")
+# wording that only license texts carry: a document with any of it is skipped whole
+_LEGAL_WORDS = ("gnu general public license", "gnu lesser general public license", "gnu free documentation",
+                "mozilla public license", "apache license", "permission is hereby granted",
+                "redistribution and use in source and binary forms", "creative commons", "the software is provided",
+                "warranty of merchantability", "eclipse public license", "common development and distribution")
 
 
 def _split_of(name: str, eval_share: float = 0.25) -> str:
@@ -41,4 +54,65 @@ def stdlib_prose(split: str, min_chars: int = 400) -> list[tuple[str, str]]:
         text = "\n\n".join(d.strip() for d in docs if d and len(d) > 80)
         if len(text) >= min_chars:
             out.append((name, text))
+    return out
+
+
+def is_legal_text(name: str, text: str) -> bool:
+    """Whether a file is license or copyright text (by its name or its wording): never training material."""
+    stem = name.lower().rsplit("/", 1)[-1].split(".", 1)[0]
+    if any(stem.startswith(word) or stem.endswith(word) for word in _LEGAL_NAMES):
+        return True
+    low = text.lower()
+    return any(words in low for words in _LEGAL_WORDS)
+
+
+def looks_like_prose(text: str) -> bool:
+    """Sentences rather than tables, word lists or data: most lines hold several words, and sentences end."""
+    lines = [line for line in text[:20000].splitlines() if line.strip()]
+    if not lines:
+        return False
+    wordy = sum(len(line.split()) >= 5 for line in lines) / len(lines)
+    sentences = text[:20000].count(". ") + text[:20000].count(".\n")
+    return wordy >= 0.4 and sentences * 400 >= min(len(text), 20000)
+
+
+def package_prose(split: str, min_chars: int = 1500, max_chars: int = 200_000) -> list[tuple[str, str]]:
+    """``(package/file, text)`` of the documentation installed packages ship, for `split`, sorted by name.
+
+    Reads Markdown, reST and plain-text files inside the installed packages (site-packages, not the
+    standard library), skipping license texts (`is_legal_text`), package metadata folders and files that
+    are too short to hold a prompt or so long they are data.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r}; allowed: {SPLITS}")
+    roots = {Path(sysconfig.get_paths()[key]) for key in ("purelib", "platlib")}
+    out = []
+    for root in sorted(roots):
+        if not root.is_dir():
+            continue
+        for path in sorted(p for p in root.rglob("*") if p.suffix.lower() in DOC_SUFFIXES):
+            rel = path.relative_to(root).as_posix()
+            if ".dist-info/" in rel or ".egg-info/" in rel or "/tests/" in f"/{rel}" or _split_of(rel) != split:
+                continue
+            try:
+                text = path.read_text(encoding="utf-8")
+            except (UnicodeDecodeError, OSError):
+                continue
+            if not min_chars <= len(text) <= max_chars or is_legal_text(rel, text):
+                continue
+            if not looks_like_prose(text):
+                continue
+            out.append((rel, text))
+    return out
+
+
+def corpus_prose(corpus: str, split: str) -> list[tuple[str, str]]:
+    """``(name, text)`` of a corpus (`CORPORA`): each document's name says where it comes from."""
+    if corpus not in CORPORA:
+        raise ValueError(f"corpus={corpus!r}; allowed: {', '.join(CORPORA)}")
+    out = []
+    if corpus in ("stdlib", "both"):
+        out += [(f"stdlib:{name}", text) for name, text in stdlib_prose(split)]
+    if corpus in ("packages", "both"):
+        out += [(f"package:{name}", text) for name, text in package_prose(split)]
     return out
