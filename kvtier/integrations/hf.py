@@ -30,12 +30,7 @@ from ..placement.budget import Budget
 from ..scoring import QueryScorer, Scorer, check_scorer_model, make_scorer, scorer_name
 from .attention import restore_attention, use_tiered_attention
 from .layers import NO_CACHE, TIERED, WINDOWED, LayerPlan, WindowLayer, layer_plan
-from .tiered_layer import CacheState, GuardedWindow, OneSequence, TieredLayer
-
-
-def _capacity(e: BaseException, what: str) -> CapacityError | None:
-    """A raw resource failure (OSError, MemoryError, no thread) as a `CapacityError`; None for other errors."""
-    return CapacityError(f"{what}: {os_reason(e)}") if is_resource_error(e) else None
+from .tiered_layer import CacheState, GuardedWindow, OneSequence, TieredLayer, capacity_error
 
 
 def _close(state: CacheState) -> None:
@@ -183,7 +178,7 @@ class TieredCache(OneSequence, Cache):
         except BaseException as e:
             for window in moved:
                 window.restore()
-            err = _capacity(e, f"park({to!r}) could not move the sliding-window layers to host memory; every "
+            err = capacity_error(e, f"park({to!r}) could not move the sliding-window layers to host memory; every "
                                "layer is as it was before the call")
             if err is None:
                 raise
@@ -229,7 +224,7 @@ class TieredCache(OneSequence, Cache):
             try:
                 engine.restore()
             except BaseException as e:
-                err = _capacity(e, f"layer {engine.layer_idx} could not be restored")
+                err = capacity_error(e, f"layer {engine.layer_idx} could not be restored")
                 if err is None:
                     raise
                 raise err from e
@@ -349,7 +344,6 @@ class TieredCache(OneSequence, Cache):
                     state = {k: v for k, v in vars(mine).items() if k != "_state"}
                     vars(theirs).update(copy.deepcopy(state, memo))
             clone_counters(self.counters, new.counters)
-            new.settings = s
         except BaseException:
             new.close()
             raise

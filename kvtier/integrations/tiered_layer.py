@@ -55,13 +55,19 @@ class CacheState:
         layers shows as two lengths too)."""
         return {e.seen for e in self.engines} | {w.cumulative_length for w in self.windows}
 
-    def begin(self, layer_idx: int, length: int) -> None:
-        """Checks before a layer takes a step: the cache is usable and, at the first layer, every layer agrees."""
+    def step(self, layer_idx: int, before: int, key_states: torch.Tensor, run: Callable[[], Any],
+             layer: str, action: str) -> Any:
+        """A layer taking a step: the cache must be usable, at the first layer every layer must agree on its
+        length, the step must be one sequence; then `run()` under `guard` (`before`: the layer's length; `layer`
+        and `action` word the errors)."""
         self.check()
         if layer_idx == self.first and len(self.lengths()) > 1:
             self.break_with(f"the layers disagree on their length ({sorted(self.lengths())} tokens): an earlier "
                             "step was interrupted between layers")
             self.check()
+        if key_states.dim() == 4 and key_states.shape[0] != 1:
+            raise batch_refusal(key_states.shape[0])
+        return self.guard(run, f"{layer} {action} ", f"{layer} could not take the step", before=before)
 
     def guard(self, run: Callable[[], Any], where: str, capacity: str, before: int | None = None) -> Any:
         """`run()` without autograd; a failure breaks the cache if any layer's length moved (always, when
@@ -72,9 +78,15 @@ class CacheState:
         except BaseException as e:
             if before is None or any(n != before for n in self.lengths()):
                 self.break_with(e, where)
-            if not is_resource_error(e):
+            err = capacity_error(e, capacity)
+            if err is None:
                 raise
-            raise CapacityError(f"{capacity}: {os_reason(e)}") from e
+            raise err from e
+
+
+def capacity_error(e: BaseException, what: str) -> CapacityError | None:
+    """A raw resource failure (OSError, MemoryError, no thread) as a `CapacityError`; None for other errors."""
+    return CapacityError(f"{what}: {os_reason(e)}") if is_resource_error(e) else None
 
 
 def batch_refusal(batch: int) -> UnsupportedError:
@@ -198,12 +210,10 @@ class TieredLayer(OneSequence, CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        st, engine = self._state, self.engine
-        st.begin(engine.layer_idx, engine.seen)
-        if key_states.dim() == 4 and key_states.shape[0] != 1:
-            raise batch_refusal(key_states.shape[0])
-        keys, values = st.guard(lambda: engine.write(key_states, value_states), f"layer {engine.layer_idx} write ",
-                                f"layer {engine.layer_idx} could not take the step", before=engine.seen)
+        engine = self.engine
+        keys, values = self._state.step(engine.layer_idx, engine.seen, key_states,
+                                        lambda: engine.write(key_states, value_states), f"layer {engine.layer_idx}",
+                                        "write")
         self.is_initialized = True
         claim(keys, self)   # the attention function calls `attend` and `commit` below
         return keys, values
@@ -300,9 +310,6 @@ class GuardedWindow(OneSequence, WindowLayer):
         st = self._state
         if st is None:
             raise ConfigError("a window layer of a TieredCache used before the cache was built")
-        st.begin(self.layer_idx, self.cumulative_length)
-        if key_states.dim() == 4 and key_states.shape[0] != 1:
-            raise batch_refusal(key_states.shape[0])
-        return st.guard(lambda: WindowLayer.update(self, key_states, value_states, *args, **kwargs),
-                        f"window layer {self.layer_idx} update ", f"window layer {self.layer_idx} could not take "
-                        "the step", before=self.cumulative_length)
+        return st.step(self.layer_idx, self.cumulative_length, key_states,
+                       lambda: WindowLayer.update(self, key_states, value_states, *args, **kwargs),
+                       f"window layer {self.layer_idx}", "update")
