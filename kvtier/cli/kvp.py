@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from .common import (THREADS, check_model, check_output_file, check_writable_folder, load,
-                     parse_fractions, read_manifest, set_threads, user_errors)
+                     parse_fractions, parse_ints, read_manifest, set_threads, user_errors)
 
 
 def _bar(desc: str, quiet: bool = False):
@@ -27,7 +27,9 @@ def _bar(desc: str, quiet: bool = False):
               help="Prose traces (continuation = the text itself).")
 @click.option("--needles", default=16, show_default=True, type=click.IntRange(min=0),
               help="Needle-task traces (continuation = greedy answer).")
-@click.option("--prompt-tokens", default=1024, show_default=True, type=click.IntRange(min=64))
+@click.option("--prompt-tokens", default="1024", show_default=True,
+              help="Prompt length of the prose traces, or a comma list taken in turn (e.g. 512,1024,2048,3072): "
+                   "several lengths let the scorer tell an entry's age from its position.")
 @click.option("--continuation-tokens", default=128, show_default=True, type=click.IntRange(min=1))
 @click.option("--needle-context", default=1500, show_default=True, type=click.IntRange(min=256))
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0))
@@ -36,12 +38,13 @@ def _bar(desc: str, quiet: bool = False):
               help="Prose for the text traces: the standard library's docstrings, the documentation installed "
                    "packages ship (license texts kept out), or both.")
 @user_errors
-def traces(out: str, model: str | None, split: str, texts: int, needles: int, prompt_tokens: int,
+def traces(out: str, model: str | None, split: str, texts: int, needles: int, prompt_tokens: str,
            continuation_tokens: int, needle_context: int, seed: int, threads: int, corpus: str) -> None:
     """Record generation traces (keys, values, positions, future attention) for training KVP."""
     if texts == 0 and needles == 0:
         raise click.BadParameter("0 with --texts 0: nothing to record; allowed: --texts or --needles above 0",
                                  param_hint="'--needles'")
+    lengths = parse_ints(prompt_tokens, "--prompt-tokens", low=64)
     check_writable_folder(out, "--out")
     check_model(model)
 
@@ -52,7 +55,7 @@ def traces(out: str, model: str | None, split: str, texts: int, needles: int, pr
     lm, tok = load(model)
     start = time.perf_counter()
     manifest = record_folder(lm, tok, out, model_name=model or DEFAULT_MODEL_NAME, split=split, texts=texts,
-                             needles=needles, prompt_tokens=prompt_tokens, continuation_tokens=continuation_tokens,
+                             needles=needles, prompt_tokens=lengths, continuation_tokens=continuation_tokens,
                              needle_context=needle_context, answer_tokens=32, seed=seed,
                              progress=_bar("traces"), corpus=corpus)
     click.echo(f"{len(manifest['traces'])} traces in {out} ({time.perf_counter() - start:.0f} s)")

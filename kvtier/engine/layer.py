@@ -21,7 +21,7 @@ from ..placement import page_rank, plan_device_demotion, plan_host_overflow
 from ..placement.page_table import DISK, HOST, PageTable
 from ..recall import PageIndex, grouped, select_pages
 from ..recall.buffer import RecallBuffer
-from ..scoring import QueryScorer, Scorer, checked_scores, nan_error, needs_query, scorer_name
+from ..scoring import QueryScorer, Scorer, checked_scores, nan_error, needs_query, ranking_scores, scorer_name
 from ..tiers.device import DevicePool
 from ..tiers.host import HostPool
 from ..tiers.readahead import DiskReadAhead
@@ -265,7 +265,11 @@ class LayerEngine(PageFetching):
     def _demote(self) -> None:
         cfg, pool = self.cfg, self.pool
         pos, score = pool.meta()
-        idx = plan_device_demotion(score, pos, self.seen, cfg.device_tokens(self.seen), cfg.sink_tokens,
+        budget = cfg.device_tokens(self.seen)
+        if score.shape[1] <= budget:
+            return
+        rank = ranking_scores(self.scorer, score, pos, self.seen, self.layer_idx)
+        idx = plan_device_demotion(rank, pos, self.seen, budget, cfg.sink_tokens,
                                    cfg.recent_tokens, cfg.page_size)
         if idx is None:
             return

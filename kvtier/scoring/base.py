@@ -19,6 +19,10 @@ Shapes:
 - ``scaling``: the softmax scale attention used;
 - the result: ``[batch, kv_heads, tokens]`` floats; higher means more important; ``+inf``/``-inf`` allowed, NaN not.
 
+A scorer may also implement `AgeAware`: its ranking then adds ``age_bias(ages, layer_idx)`` to the scores given at
+write time, re-read at every placement, so entries can lose rank as they age (KVP's recency term). Callers
+rank through `ranking_scores`, which adds it where present.
+
 A scorer trained for one model shape (KVP) also implements `ModelBound`; the cache calls `check_scorer_model`
 before the first step, so a mismatch fails at construction instead of mis-ranking.
 
@@ -87,6 +91,29 @@ class ModelBound(Protocol):
     def check_model(self, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
         """Raise `ConfigError` naming both shapes when the model is not the one the scorer fits."""
         ...
+
+
+@runtime_checkable
+class AgeAware(Protocol):
+    """A scorer whose ranking also depends on each entry's age (tokens written since it); optional."""
+
+    def age_bias(self, ages: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        """``ages`` ``[kv_heads, n]`` int64 -> ``[kv_heads, n]`` float32, added to the write-time scores."""
+        ...
+
+
+def ranking_scores(scorer: object, scores: torch.Tensor, positions: torch.Tensor, seen: int,
+                   layer_idx: int) -> torch.Tensor:
+    """The scores placement ranks by once `seen` tokens are written: ``scores`` plus an `AgeAware` scorer's
+    term for ages ``seen - 1 - positions`` (0 for the latest entry); ``[kv_heads, n]`` float32."""
+    if not isinstance(scorer, AgeAware):
+        return scores
+    ages = (seen - 1) - positions
+    bias = scorer.age_bias(ages, layer_idx)
+    if tuple(bias.shape) != tuple(scores.shape):
+        raise ScorerError(f"scorer {scorer_name(scorer)!r}: age_bias returned shape {list(bias.shape)}; expected "
+                          f"[kv_heads, n] = {list(scores.shape)}")
+    return scores.float() + bias.float()
 
 
 def scorer_name(scorer: object) -> str:

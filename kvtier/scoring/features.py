@@ -1,4 +1,5 @@
-"""Per-entry input features of learned scorers: key, value and a smooth encoding of the absolute position."""
+"""Per-entry input features of learned scorers: key, value and a smooth encoding of the absolute position;
+and the age basis of their recency term (how long ago an entry was written, which changes every step)."""
 
 from __future__ import annotations
 
@@ -25,3 +26,17 @@ def entry_features(keys: torch.Tensor, values: torch.Tensor, positions: torch.Te
     """``keys, values`` ``[heads, tokens, dim]`` -> ``[heads, tokens, 2 * dim + 8]`` float32."""
     pos = position_features(positions.to(keys.device)).expand(keys.shape[0], -1, -1)
     return torch.cat([keys.float(), values.float(), pos], dim=-1)
+
+
+AGE_KNOTS = 22   # knots at log2(1 + age) = 0, 1, ..., 21: ages up to 2M tokens, flat beyond
+
+
+def age_basis(ages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Piecewise-linear interpolation over log2(1 + age): ``(lower knot, upper knot, weight of the upper)``.
+
+    A function of age is then ``table[lower] * (1 - w) + table[upper] * w``: one gather per entry, so a
+    ranking can add it to scores computed once, at write time, and re-evaluate it at every placement.
+    """
+    u = torch.log2(1.0 + ages.clamp_min(0).float()).clamp_max(AGE_KNOTS - 1)
+    lower = u.floor().long().clamp_max(AGE_KNOTS - 2)
+    return lower, lower + 1, u - lower

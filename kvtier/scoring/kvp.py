@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from ..errors import ConfigError
-from .features import POSITION_FEATURES, entry_features
+from .features import AGE_KNOTS, POSITION_FEATURES, age_basis, entry_features
 
 FORMAT_VERSION = 1
 SHIPPED = {"SmolLM2-135M-Instruct": "smollm2-135m-instruct.safetensors"}
@@ -30,6 +30,12 @@ class KVPAgents(torch.nn.Module):
 
     Input ``[agents, tokens, 2 * head_dim + 8]``, output ``[agents, tokens]``. Inputs are standardised
     with per-agent statistics taken from the training traces.
+
+    Each agent also has a recency term, ``age``: a piecewise-linear function of log2(1 + age) (`age_basis`)
+    added to the network's score whenever entries are ranked. The network runs once per entry, when it is
+    written; the age term is re-read at every placement, so an entry's rank falls as it ages unless its
+    content holds it up. Absolute position alone cannot say this: a token at position 1,000 is the latest
+    of a 1,000-token prompt and old in an 8,000-token one.
     """
 
     def __init__(self, agents: int, head_dim: int, hidden: int = 64) -> None:
@@ -45,6 +51,7 @@ class KVPAgents(torch.nn.Module):
         self.w1, self.b1 = init(agents, d_in, hidden, fan_in=d_in), torch.nn.Parameter(torch.zeros(agents, 1, hidden))
         self.w2, self.b2 = init(agents, hidden, hidden, fan_in=hidden), torch.nn.Parameter(torch.zeros(agents, 1, hidden))
         self.w3, self.b3 = init(agents, hidden, 1, fan_in=hidden), torch.nn.Parameter(torch.zeros(agents, 1, 1))
+        self.age = torch.nn.Parameter(torch.zeros(agents, AGE_KNOTS))
 
     def forward(self, x: torch.Tensor, agents: slice | None = None) -> torch.Tensor:
         sel = slice(None) if agents is None else agents
@@ -52,6 +59,15 @@ class KVPAgents(torch.nn.Module):
         h = F.silu(torch.baddbmm(self.b1[sel], x, self.w1[sel]))
         h = F.silu(torch.baddbmm(self.b2[sel], h, self.w2[sel]))
         return torch.baddbmm(self.b3[sel], h, self.w3[sel]).squeeze(-1)
+
+    def age_bias(self, ages: torch.Tensor, agents: slice | None = None) -> torch.Tensor:
+        """The recency term for entries of age `ages` (``[tokens]`` or ``[agents, tokens]``): ``[agents, tokens]``."""
+        table = self.age[slice(None) if agents is None else agents]
+        lower, upper, w = age_basis(ages)
+        shape = (table.shape[0], ages.shape[-1])
+        lo = torch.gather(table, 1, lower.expand(shape))
+        hi = torch.gather(table, 1, upper.expand(shape))
+        return lo + (hi - lo) * w.expand(shape)
 
 
 @dataclass
@@ -103,6 +119,12 @@ class KVPScorer:
         out = agents(x, slice(layer_idx * heads, (layer_idx + 1) * heads))
         return out.unsqueeze(0)
 
+    @torch.no_grad()
+    def age_bias(self, ages: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        """``ages`` ``[kv_heads, n]`` int -> ``[kv_heads, n]`` float32, added to the scores at every ranking."""
+        heads = ages.shape[0]
+        return self._on(ages.device).age_bias(ages, slice(layer_idx * heads, (layer_idx + 1) * heads))
+
 
 def shipped_for(config: Any) -> str | None:
     """The name of the shipped KVP weights trained for a model with this config, if any."""
@@ -151,6 +173,11 @@ def load_agents(path: str | Path) -> tuple[KVPAgents, dict[str, Any]]:
     if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
         raise ConfigError(f"{path!r} is not a kvtier KVP weights file (format version {FORMAT_VERSION})")
     agents = KVPAgents(meta["num_layers"] * meta["num_kv_heads"], meta["head_dim"], meta["hidden"])
-    agents.load_state_dict(load_file(path))
+    state = load_file(path)
+    state.setdefault("age", torch.zeros_like(agents.age))   # files written before the recency term rank by content
+    try:
+        agents.load_state_dict(state)
+    except RuntimeError as e:
+        raise ConfigError(f"{path!r} does not hold the KVP weights its metadata describes: {e}") from e
     agents.eval()
     return agents, meta

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from transformers import DynamicCache
@@ -23,29 +23,38 @@ CORPUS_NAMES = {
 }
 
 
-def text_chunks(tokenizer: Any, split: str, prompt_tokens: int, continuation_tokens: int, count: int,
-                seed: int, corpus: str = "stdlib") -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-    """``count`` windows of prose from `corpus`: the prompt, then the text that follows as continuation."""
+def text_chunks(tokenizer: Any, split: str, prompt_tokens: int | Sequence[int], continuation_tokens: int,
+                count: int, seed: int, corpus: str = "stdlib") -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """``count`` windows of prose from `corpus`: the prompt, then the text that follows as continuation.
+
+    `prompt_tokens` may list several lengths, taken in turn: a scorer trained at one prompt length cannot
+    tell an entry's age from its position, since the latest token always sits at the same place.
+    """
+    lengths = [prompt_tokens] if isinstance(prompt_tokens, int) else list(prompt_tokens)
     rng = random.Random(seed)
     docs = corpus_prose(corpus, split)
     rng.shuffle(docs)
-    need = prompt_tokens + continuation_tokens
-    out = []
-    for name, text in docs:
-        ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
-        if ids.shape[1] < need:
-            continue
-        start = rng.randrange(0, ids.shape[1] - need + 1)
-        window = ids[:, start:start + need]
-        out.append((f"{name}@{start}", window[:, :prompt_tokens], window[:, prompt_tokens:]))
-        if len(out) == count:
-            break
-    if len(out) < count:  # short modules: join several into one stream
-        stream = tokenizer("\n\n".join(t for _, t in docs), return_tensors="pt", add_special_tokens=False)["input_ids"]
-        for i in range(count - len(out)):
+    out: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+    stream: torch.Tensor | None = None
+    pending = list(docs)
+    while len(out) < count:
+        prompt = lengths[len(out) % len(lengths)]
+        need = prompt + continuation_tokens
+        found = None
+        while pending and found is None:
+            name, text = pending.pop(0)
+            ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+            if ids.shape[1] >= need:
+                start = rng.randrange(0, ids.shape[1] - need + 1)
+                found = (f"{name}@{start}", ids[:, start:start + need])
+        if found is None:   # short modules: join several into one stream
+            if stream is None:
+                stream = tokenizer("\n\n".join(t for _, t in docs), return_tensors="pt",
+                                   add_special_tokens=False)["input_ids"]
             start = rng.randrange(0, stream.shape[1] - need)
-            window = stream[:, start:start + need]
-            out.append((f"{corpus}:joined@{start}", window[:, :prompt_tokens], window[:, prompt_tokens:]))
+            found = (f"{corpus}:joined@{start}", stream[:, start:start + need])
+        source, window = found
+        out.append((source, window[:, :prompt], window[:, prompt:]))
     return out
 
 
@@ -64,7 +73,7 @@ def needle_prompts(model: Any, tokenizer: Any, split: str, context_tokens: int, 
 
 
 def record_folder(model: Any, tokenizer: Any, out: str | Path, *, model_name: str, split: str, texts: int,
-                  needles: int, prompt_tokens: int, continuation_tokens: int, needle_context: int,
+                  needles: int, prompt_tokens: int | Sequence[int], continuation_tokens: int, needle_context: int,
                   answer_tokens: int, seed: int, progress: Callable[[Any], Any] = iter,
                   corpus: str = "stdlib") -> dict[str, Any]:
     """Record `texts` prose traces and `needles` task traces into `out`; returns the manifest."""

@@ -17,12 +17,19 @@ from .traces import load_trace, read_manifest
 
 @dataclass
 class TraceTensors:
-    """One trace: ``features`` ``[agents, n, 2*dim+8]``, ``importance`` ``[agents, n]`` (protected tokens removed)."""
+    """One trace: ``features`` ``[agents, n, 2*dim+8]``, ``importance`` ``[agents, n]`` (protected tokens removed),
+    ``ages`` ``[n]``: tokens written after each one when the prompt ends (0 for the latest)."""
 
     features: torch.Tensor
     importance: torch.Tensor
     raw: dict[str, torch.Tensor]
     keep: torch.Tensor            # indices of the rankable (not protected) prompt tokens
+    ages: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.ages is None:   # the prompt ends at its last position (at the last rankable one without it)
+            n = self.raw["positions"].numel() if "positions" in self.raw else int(self.keep.max()) + 1
+            self.ages = n - 1 - self.keep
 
 
 # a recent window given as a share of the device budget is resolved at this budget (the smallest one graded):

@@ -16,14 +16,15 @@ import torch
 from ..config import DEFAULT_RECENT_TOKENS, DEFAULT_SINK_TOKENS
 from ..errors import ConfigError
 from ..placement.planner import recent_window
-from ..scoring import BASELINES_ATTENTION_BASED, checked_scores, make_scorer, needs_query
+from ..scoring import BASELINES_ATTENTION_BASED, checked_scores, make_scorer, needs_query, ranking_scores
 from ..scoring.kvp import KVPScorer
 from .dataset import importance_target
 
 
 def trace_scores(name: str, raw: dict[str, torch.Tensor], kvp: KVPScorer | None = None,
                  seed: int = 0) -> torch.Tensor:
-    """Scores ``[layers, heads, n]`` of a scorer for the prompt of one trace."""
+    """Scores ``[layers, heads, n]`` of a scorer for the prompt of one trace, as the cache ranks them when the
+    prompt ends (an `AgeAware` scorer's recency term included)."""
     if name == "kvp" and kvp is not None:
         scorer = kvp
     else:
@@ -36,8 +37,9 @@ def trace_scores(name: str, raw: dict[str, torch.Tensor], kvp: KVPScorer | None 
                               f"recorded ({', '.join(recorded) or 'none: record the traces again'})")
         return raw[name].float()
     keys, values, positions = raw["keys"].float(), raw["values"].float(), raw["positions"]
-    return torch.stack([checked_scores(scorer, keys[l][None], values[l][None], positions, l)[0]
-                        for l in range(keys.shape[0])])
+    heads, n = keys.shape[1], positions.numel()
+    return torch.stack([ranking_scores(scorer, checked_scores(scorer, keys[l][None], values[l][None], positions, l)[0],
+                                       positions.expand(heads, n), n, l) for l in range(keys.shape[0])])
 
 
 def kept_mass(scores: torch.Tensor, importance: torch.Tensor, budget: float, sink_tokens: int = DEFAULT_SINK_TOKENS,

@@ -28,6 +28,7 @@ class TrainSettings:
     tokens_per_trace: int = 384       # a random subset of each trace's tokens per step
     samples: int = 8                  # permutations per problem (reinforce)
     lr: float = 3e-3
+    age_lr_scale: float = 10.0        # the recency term's table learns this much faster (scores span tens)
     weight_decay: float = 1e-3
     warmup: int = 20
     eval_every: int = 25
@@ -42,11 +43,16 @@ class TrainSettings:
             raise ConfigError(f"samples={self.samples}; allowed: >= 2 (the leave-one-out baseline needs two)")
 
 
+def ranking(agents: KVPAgents, features: torch.Tensor, ages: torch.Tensor) -> torch.Tensor:
+    """What the cache ranks by: the network's score plus the recency term at the entries' ages."""
+    return agents(features) + agents.age_bias(ages)
+
+
 def mean_reward(agents: KVPAgents, traces: list[TraceTensors]) -> float:
     """Reward of the deterministic ranking (argsort of scores), averaged over agents and traces."""
     with torch.no_grad():
-        values = [reward(t.importance, torch.argsort(agents(t.features), dim=-1, descending=True)).mean()
-                  for t in traces]
+        values = [reward(t.importance, torch.argsort(ranking(agents, t.features, t.ages), dim=-1,
+                                                     descending=True)).mean() for t in traces]
     return float(torch.stack(values).mean())
 
 
@@ -70,7 +76,10 @@ def train_agents(traces: list[TraceTensors], head_dim: int, settings: TrainSetti
     agents = KVPAgents(traces[0].features.shape[0], head_dim, settings.hidden)
     agents.mean.copy_(_normalisation(train)[0])
     agents.std.copy_(_normalisation(train)[1])
-    opt = torch.optim.AdamW(agents.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
+    network = [p for name, p in agents.named_parameters() if name != "age"]
+    opt = torch.optim.AdamW([{"params": network},
+                             {"params": [agents.age], "lr": settings.lr * settings.age_lr_scale, "weight_decay": 0.0}],
+                            lr=settings.lr, weight_decay=settings.weight_decay)
 
     def schedule(step: int) -> float:
         if step < settings.warmup:
@@ -83,16 +92,17 @@ def train_agents(traces: list[TraceTensors], head_dim: int, settings: TrainSetti
     history = [{"step": 0, "val_reward": best["reward"]}]
     for step in progress(range(1, settings.steps + 1)):
         batch = [train[rng.randrange(len(train))] for _ in range(settings.batch_traces)]
-        xs, cs = [], []
+        xs, cs, ages = [], [], []
         for t in batch:
             n = t.features.shape[1]
             idx = torch.randperm(n, generator=gen)[: settings.tokens_per_trace]
             xs.append(t.features[:, idx])
             cs.append(t.importance[:, idx])
+            ages.append(t.ages[idx])
         m = min(x.shape[1] for x in xs)
         x = torch.cat([x[:, :m] for x in xs], dim=1)                     # [agents, batch * m, d]
         c = torch.stack([c[:, :m] for c in cs], dim=1)                   # [agents, batch, m]
-        scores = agents(x).view(c.shape)
+        scores = ranking(agents, x, torch.cat([a[:m] for a in ages])).view(c.shape)
         if settings.objective == "reinforce":
             loss, train_reward = reinforce_loss(scores, c, settings.samples, gen)
         else:
