@@ -16,7 +16,7 @@ import torch
 from transformers import DynamicCache
 
 from ..integrations.hf import TieredCache, cache_kwargs
-from ..scoring import QueryScorer, Scorer, check_scorer_model, needs_query, scorer_name
+from ..scoring import AgeAware, QueryScorer, Scorer, check_scorer_model, needs_query, scorer_name
 from ..training.traces import capture_attention
 
 
@@ -60,7 +60,7 @@ class PromptScores:
     Prompt scores depend only on the prompt (and, for attention-based scorers, its queries), never on the
     budget; H2O's ``q x q`` attention per layer is the cost this saves. Later writes are scored afresh.
     It is the same kind of scorer (`Scorer` or `QueryScorer`) as the one it wraps, and passes the model
-    check on to it.
+    check and the recency term (`AgeAware`, zero for a scorer without one) on to it.
     """
 
     def __init__(self, scorer: Scorer | QueryScorer, prompt_tokens: int) -> None:
@@ -71,6 +71,11 @@ class PromptScores:
 
     def check_model(self, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
         check_scorer_model(self.scorer, num_layers, num_kv_heads, head_dim)
+
+    def age_bias(self, ages: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        if isinstance(self.scorer, AgeAware):
+            return self.scorer.age_bias(ages, layer_idx)
+        return torch.zeros(ages.shape, dtype=torch.float32, device=ages.device)
 
     def score(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, layer_idx: int,
               **query_kwargs: Any) -> torch.Tensor:

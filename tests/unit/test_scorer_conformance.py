@@ -12,8 +12,9 @@ import torch
 
 from kvtier import ConfigError, ScorerError
 from kvtier.eval.shared_prefill import PromptScores
-from kvtier.scoring import (BASELINES_ATTENTION_BASED, BASELINES_ATTENTION_FREE, ModelBound, QueryScorer, Scorer,
-                            available_scorers, check_scorer_model, checked_scores, make_scorer, needs_query)
+from kvtier.scoring import (BASELINES_ATTENTION_BASED, BASELINES_ATTENTION_FREE, AgeAware, ModelBound, QueryScorer,
+                            Scorer, available_scorers, check_scorer_model, checked_scores, make_scorer, needs_query,
+                            ranking_scores)
 
 KV_HEADS, GROUP, DIM, LAYERS = 3, 3, 64, 30
 LAYER = LAYERS - 1          # the last layer: a scorer with per-layer state must reach it
@@ -144,3 +145,23 @@ def test_prompt_scores_wrapper_keeps_the_kind_and_the_model_check(name):
     first = checked_scores(wrapped, keys, values, positions, LAYER, **query_kwargs)
     again = checked_scores(wrapped, keys, values, positions, LAYER, **query_kwargs)
     assert torch.equal(first, again)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_ranking_adds_a_well_formed_age_term(name):
+    """What placement ranks by: the write-time scores, plus an `AgeAware` scorer's term (shape, dtype, no NaN,
+    the same for the same ages), passed on unchanged by the evaluation harness's wrapper."""
+    scorer = make_scorer(name)
+    keys, values, positions, query_kwargs = _step(12)
+    scores = checked_scores(scorer, keys, values, positions, LAYER, **query_kwargs)[0]
+    pos = positions.expand(KV_HEADS, -1)
+    ranked = ranking_scores(scorer, scores, pos, int(positions[-1]) + 1, LAYER)
+    assert ranked.shape == scores.shape and ranked.dtype == torch.float32 and not torch.isnan(ranked).any()
+    wrapped = ranking_scores(PromptScores(scorer, prompt_tokens=9), scores, pos, int(positions[-1]) + 1, LAYER)
+    assert torch.equal(wrapped, ranked)
+    if isinstance(scorer, AgeAware):
+        ages = torch.tensor([[0, 1, 10, 10**6]] * KV_HEADS)
+        bias = scorer.age_bias(ages, LAYER)
+        assert bias.shape == ages.shape and bias.is_floating_point() and torch.equal(bias, scorer.age_bias(ages, LAYER))
+    else:
+        assert torch.equal(ranked, scores)
