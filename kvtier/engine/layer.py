@@ -279,7 +279,8 @@ class LayerEngine(PageFetching):
                 raise nan_error(scorer_name(self.scorer), self.layer_idx)
         if cfg.mode == "tier":
             k, v = pool.take(idx)
-            self._to_host(k, v, torch.gather(pos, 1, idx), torch.gather(score, 1, idx))
+            # a host page keeps the rank its entries had when they left (the recency term included then)
+            self._to_host(k, v, torch.gather(pos, 1, idx), torch.gather(rank, 1, idx))
         else:
             self.counters.tokens_dropped += idx.numel()
         pool.remove(idx)
