@@ -17,7 +17,7 @@ from .common import run_main
 from .demo import demo
 from .evaluate import evaluate, report
 from .info import info
-from .kvp import eval_scorer, traces, train
+from .kvp import calibrate, eval_scorer, traces, train
 
 
 class KVTierGroup(click.Group):
@@ -43,6 +43,7 @@ main.add_command(info)
 main.add_command(bench)
 main.add_command(traces)
 main.add_command(train)
+main.add_command(calibrate)
 main.add_command(eval_scorer)
 main.add_command(evaluate)
 main.add_command(report)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -99,6 +100,63 @@ def train(trace_dir: str, out: str, objective: str, steps: int, seed: int, threa
     Path(out).with_suffix(".report.json").write_text(json.dumps(report, indent=2))
     click.echo(f"best held-out reward {report['best_val_reward']:.4f} at step {report['best_step']} "
                f"({time.perf_counter() - start:.0f} s); weights in {out}")
+
+
+@click.command()
+@click.option("--kvp", "kvp_path", required=True, type=click.Path(exists=True, dir_okay=False),
+              help="KVP weights made by `kvtier train`.")
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="Calibrated weights (.safetensors).")
+@click.option("--model", default=None, help="A Hugging Face id or local path (default: the packaged model).")
+@click.option("--texts", default=4, show_default=True, type=click.IntRange(min=1),
+              help="Training-split prose windows, taken in turn at each of --lengths.")
+@click.option("--lengths", default="2048,4096", show_default=True, help="Comma list of prompt lengths.")
+@click.option("--slopes", default="0,1,2,3,4,6", show_default=True,
+              help="Comma list of extra recency slopes to try (each lowers the term by slope x ln(1 + age)).")
+@click.option("--budgets", default="0.05,0.1,0.25", show_default=True, help="Comma list of device budgets.")
+@click.option("--corpus", type=click.Choice(["stdlib", "packages", "both"]), default="both", show_default=True)
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0))
+@click.option("--threads", default=2, show_default=True, type=THREADS)
+@user_errors
+def calibrate(kvp_path: str, out: str, model: str | None, texts: int, lengths: str, slopes: str, budgets: str,
+              corpus: str, seed: int, threads: int) -> None:
+    """Choose how much recency KVP adds, by the continuation loss under eviction on training prose."""
+    prompt_lengths = parse_ints(lengths, "--lengths", low=64)
+    fractions = parse_fractions(budgets, "--budgets")
+    try:
+        slope_values = tuple(float(x) for x in slopes.split(","))
+    except ValueError:
+        raise click.BadParameter(f"{slopes!r}; allowed: a comma list of numbers >= 0, e.g. 0,1,2,3",
+                                 param_hint="'--slopes'") from None
+    if any(not math.isfinite(x) or x < 0 for x in slope_values):
+        raise click.BadParameter(f"{slopes!r}; allowed: a comma list of numbers >= 0, e.g. 0,1,2,3",
+                                 param_hint="'--slopes'")
+    check_output_file(out, "--out")
+    check_model(model)
+
+    from ..scoring.kvp import load_agents, save_agents
+    from ..training.calibrate import calibrate_recency, with_slope
+    from ..training.collect import text_chunks
+
+    set_threads(threads)
+    agents, meta = load_agents(kvp_path)
+    lm, tok = load(model)
+    cfg = lm.config.get_text_config()
+    if (cfg.num_hidden_layers, cfg.num_key_value_heads) != (meta["num_layers"], meta["num_kv_heads"]):
+        raise click.BadParameter(f"{kvp_path} was trained for {meta['num_layers']} layers x {meta['num_kv_heads']} "
+                                 f"KV heads; the model has {cfg.num_hidden_layers} x {cfg.num_key_value_heads}",
+                                 param_hint="'--kvp'")
+    start = time.perf_counter()
+    windows = text_chunks(tok, "train", prompt_lengths, 256, texts, seed, corpus)
+    result = calibrate_recency(lm, agents, meta, [(p, c) for _, p, c in windows], slopes=slope_values,
+                               budgets=fractions, progress=_bar("calibrate"))
+    meta = {k: v for k, v in meta.items() if k not in ("format_version", "hidden", "head_dim")}
+    meta["calibration"] = {"slope": result.slope, "nll": {f"{k:g}": v for k, v in result.nll.items()},
+                           "texts": [name for name, _, _ in windows], "budgets": list(fractions)}
+    Path(out).expanduser().absolute().parent.mkdir(parents=True, exist_ok=True)
+    save_agents(with_slope(agents, result.slope), out, meta)
+    for slope, nll in result.nll.items():
+        click.echo(f"slope {slope:g}: mean continuation NLL {nll:.4f}" + ("  <- chosen" if slope == result.slope else ""))
+    click.echo(f"calibrated weights in {out} ({time.perf_counter() - start:.0f} s)")
 
 
 @click.command("eval-scorer")

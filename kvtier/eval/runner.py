@@ -65,7 +65,7 @@ def _greedy(model: Any, cache: Any, first_logits: torch.Tensor, max_new: int, eo
 
 
 @torch.no_grad()
-def _continuation_nll(model: Any, cache: Any, first_logits: torch.Tensor, continuation: torch.Tensor,
+def continuation_nll(model: Any, cache: Any, first_logits: torch.Tensor, continuation: torch.Tensor,
                       chunk: int = 16) -> float:
     """Teacher-forced NLL of the continuation, fed in chunks of `chunk` tokens as a decode would see it."""
     logits = [first_logits[None]]
@@ -108,7 +108,7 @@ def run_suite(model: Any, tokenizer: Any, out: str | Path, suite: Suite,
                 row = {"task": task, "length": length, "seed": seed, "policy": policy.name, "budget": budget,
                        "prompt_tokens": int(ex.input_ids.shape[1])}
                 if ex.continuation is not None:
-                    nll = _continuation_nll(model, cache, pre.last_logits, ex.continuation)
+                    nll = continuation_nll(model, cache, pre.last_logits, ex.continuation)
                     row.update(nll=nll, ppl=math.exp(nll), score=None)
                 else:
                     ids = _greedy(model, cache, pre.last_logits, ex.max_new_tokens, eos)

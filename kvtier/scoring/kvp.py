@@ -92,6 +92,15 @@ class KVPScorer:
         self.agents, self.meta = load_agents(self.path if self.path is not None else shipped_path(self.model))
         self._device_copies: dict[torch.device, KVPAgents] = {}
 
+    @classmethod
+    def from_agents(cls, agents: KVPAgents, meta: dict[str, Any], name: str = "kvp") -> KVPScorer:
+        """A scorer over agents held in memory (training and calibration), not read from a file."""
+        scorer = cls.__new__(cls)
+        scorer.path, scorer.model, scorer.name = None, str(meta.get("model", "")), name
+        scorer.agents, scorer.meta = agents.eval(), dict(meta)
+        scorer._device_copies = {}
+        return scorer
+
     @property
     def shape(self) -> tuple[int, int, int]:
         return self.meta["num_layers"], self.meta["num_kv_heads"], self.meta["head_dim"]

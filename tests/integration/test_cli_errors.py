@@ -486,3 +486,20 @@ def test_real_entry_point_prints_one_line():
                                                 "range x>=1."]
     assert json.loads(proc.stdout) == {"error": "Invalid value for '--rounds': 0 is not in the range x>=1.",
                                        "exit_code": 2}
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--slopes", "abc"], ["--slopes", "'abc'", "allowed"]),
+    (["--slopes", "1,-2"], ["--slopes", ">= 0"]),
+    (["--slopes", "nan"], ["--slopes"]),
+    (["--lengths", "32"], ["--lengths", "'32'"]),
+    (["--budgets", "2"], ["--budgets", "(0, 1]"]),
+    (["--texts", "0"], ["--texts"]),
+])
+def test_calibrate_bad_options(tmp_path, args, words):
+    from kvtier.scoring.kvp import shipped_path
+
+    out = tmp_path / "w.safetensors"
+    assert_one_line(run("calibrate", "--kvp", str(shipped_path("SmolLM2-135M-Instruct")), "--out", str(out), *args),
+                    2, *words)
+    assert not out.exists()
