@@ -110,15 +110,18 @@ def train(trace_dir: str, out: str, objective: str, steps: int, seed: int, threa
 @click.option("--texts", default=4, show_default=True, type=click.IntRange(min=1),
               help="Training-split prose windows, taken in turn at each of --lengths.")
 @click.option("--lengths", default="2048,4096", show_default=True, help="Comma list of prompt lengths.")
-@click.option("--slopes", default="0,1,2,3,4,6", show_default=True,
+@click.option("--needles", default=4, show_default=True, type=click.IntRange(min=0),
+              help="Training-split needle tasks, scored on the full cache's own answer: recency that loses a fact "
+                   "costs there what it gains on prose.")
+@click.option("--slopes", default="0,2,4,6,10,16", show_default=True,
               help="Comma list of extra recency slopes to try (each lowers the term by slope x ln(1 + age)).")
 @click.option("--budgets", default="0.05,0.1,0.25", show_default=True, help="Comma list of device budgets.")
 @click.option("--corpus", type=click.Choice(["stdlib", "packages", "both"]), default="both", show_default=True)
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0))
 @click.option("--threads", default=2, show_default=True, type=THREADS)
 @user_errors
-def calibrate(kvp_path: str, out: str, model: str | None, texts: int, lengths: str, slopes: str, budgets: str,
-              corpus: str, seed: int, threads: int) -> None:
+def calibrate(kvp_path: str, out: str, model: str | None, texts: int, lengths: str, needles: int, slopes: str,
+              budgets: str, corpus: str, seed: int, threads: int) -> None:
     """Choose how much recency KVP adds, by the continuation loss under eviction on training prose."""
     prompt_lengths = parse_ints(lengths, "--lengths", low=64)
     fractions = parse_fractions(budgets, "--budgets")
@@ -135,7 +138,7 @@ def calibrate(kvp_path: str, out: str, model: str | None, texts: int, lengths: s
 
     from ..scoring.kvp import load_agents, save_agents
     from ..training.calibrate import calibrate_recency, with_slope
-    from ..training.collect import text_chunks
+    from ..training.collect import needle_prompts, text_chunks
 
     set_threads(threads)
     agents, meta = load_agents(kvp_path)
@@ -147,6 +150,7 @@ def calibrate(kvp_path: str, out: str, model: str | None, texts: int, lengths: s
                                  param_hint="'--kvp'")
     start = time.perf_counter()
     windows = text_chunks(tok, "train", prompt_lengths, 256, texts, seed, corpus)
+    windows += needle_prompts(lm, tok, "train", 1500, needles, 32, seed)
     result = calibrate_recency(lm, agents, meta, [(p, c) for _, p, c in windows], slopes=slope_values,
                                budgets=fractions, progress=_bar("calibrate"))
     meta = {k: v for k, v in meta.items() if k not in ("format_version", "hidden", "head_dim")}
