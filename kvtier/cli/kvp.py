@@ -73,22 +73,29 @@ def traces(out: str, model: str | None, split: str, texts: int, needles: int, pr
                                                  "importance_value"]), default="importance", show_default=True,
               help="The target: future attention over the whole continuation (the paper's), its first 16 steps, "
                    "steps discounted by exp(-t/32), or attention times the value norm (docs/scorer-objective.md).")
+@click.option("--lr", default=3e-3, show_default=True, type=click.FloatRange(min=0, min_open=True, max=1),
+              help="Learning rate of the network (the recency table learns 10x faster).")
+@click.option("--age-only", "age_only", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="Start from these KVP weights and train only their recency term (the network frozen).")
 @user_errors
-def train(trace_dir: str, out: str, objective: str, steps: int, seed: int, threads: int, importance: str) -> None:
+def train(trace_dir: str, out: str, objective: str, steps: int, seed: int, threads: int, importance: str,
+          lr: float, age_only: str | None) -> None:
     """Train KVP agents on recorded traces; keeps the checkpoint with the best held-out reward."""
     read_manifest(trace_dir)
     check_output_file(out, "--out")
 
-    from ..scoring.kvp import save_agents
+    from ..scoring.kvp import load_agents, save_agents
     from ..training.dataset import load_folder
     from ..training.train import TrainSettings, train_agents
 
     set_threads(threads)
-    settings = TrainSettings(objective=objective, steps=steps, seed=seed)
+    settings = TrainSettings(objective=objective, steps=steps, seed=seed, lr=lr)
     manifest, data = load_folder(trace_dir, importance=importance)
+    base, base_meta = (None, {}) if age_only is None else load_agents(age_only)
     Path(out).expanduser().absolute().parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    agents, report = train_agents(data, manifest["head_dim"], settings, progress=_bar(f"train ({objective})"))
+    agents, report = train_agents(data, manifest["head_dim"], settings, progress=_bar(f"train ({objective})"),
+                                  age_only=base)
     meta = {k: manifest[k] for k in ("model", "num_layers", "num_kv_heads", "head_dim", "hidden_size",
                                      "vocab_size") if k in manifest}
     sources = sorted({t["continuation"] for t in manifest["traces"]})
@@ -96,6 +103,11 @@ def train(trace_dir: str, out: str, objective: str, steps: int, seed: int, threa
                 f"needle tasks; continuations: {', '.join(sources)})",
                 best_step=report["best_step"], best_val_reward=report["best_val_reward"], kvtier_version="0.1.0",
                 settings=report["settings"])
+    if base is not None:   # the network is the one given: keep its record, and say what was trained here
+        meta = {**{k: v for k, v in base_meta.items() if k not in ("format_version", "hidden", "head_dim")},
+                "age_term": {"trained_on": meta["training_data"], "objective": objective, "importance": importance,
+                             "best_step": report["best_step"], "best_val_reward": report["best_val_reward"],
+                             "settings": report["settings"]}}
     save_agents(agents, out, meta)
     Path(out).with_suffix(".report.json").write_text(json.dumps(report, indent=2))
     click.echo(f"best held-out reward {report['best_val_reward']:.4f} at step {report['best_step']} "

@@ -48,6 +48,15 @@ def ranking(agents: KVPAgents, features: torch.Tensor, ages: torch.Tensor) -> to
     return agents(features) + agents.age_bias(ages)
 
 
+def flatten_untrained_ages(agents: KVPAgents, max_age: int) -> None:
+    """Hold the recency term flat past the oldest age training saw: knots it never reached keep no
+    meaning of their own (their initial zeros would make the term jump), so they take the last trained value."""
+    last = int(math.floor(math.log2(1 + max(max_age, 0))))
+    if last + 1 < agents.age.shape[1]:
+        with torch.no_grad():
+            agents.age[:, last + 1:] = agents.age[:, last:last + 1]
+
+
 def mean_reward(agents: KVPAgents, traces: list[TraceTensors]) -> float:
     """Reward of the deterministic ranking (argsort of scores), averaged over agents and traces."""
     with torch.no_grad():
@@ -62,8 +71,13 @@ def _normalisation(traces: list[TraceTensors]) -> tuple[torch.Tensor, torch.Tens
 
 
 def train_agents(traces: list[TraceTensors], head_dim: int, settings: TrainSettings,
-                 progress: Callable[[range], Any] = iter) -> tuple[KVPAgents, dict[str, Any]]:
-    """Train on `traces` (a held-out share picks the best checkpoint); returns the agents and a report."""
+                 progress: Callable[[range], Any] = iter,
+                 age_only: KVPAgents | None = None) -> tuple[KVPAgents, dict[str, Any]]:
+    """Train on `traces` (a held-out share picks the best checkpoint); returns the agents and a report.
+
+    `age_only`: start from these agents and train their recency term alone, the network (and its input
+    statistics) frozen, so what the network learned stays as it was.
+    """
     if len(traces) < 2:
         raise ConfigError(f"{len(traces)} trace(s) given; training needs at least 2 (one held out)")
     rng = random.Random(settings.seed)
@@ -73,13 +87,23 @@ def train_agents(traces: list[TraceTensors], head_dim: int, settings: TrainSetti
     rng.shuffle(order)
     n_val = max(1, int(round(len(traces) * settings.val_share)))
     val, train = [traces[i] for i in order[:n_val]], [traces[i] for i in order[n_val:]]
-    agents = KVPAgents(traces[0].features.shape[0], head_dim, settings.hidden)
-    agents.mean.copy_(_normalisation(train)[0])
-    agents.std.copy_(_normalisation(train)[1])
-    network = [p for name, p in agents.named_parameters() if name != "age"]
-    opt = torch.optim.AdamW([{"params": network},
-                             {"params": [agents.age], "lr": settings.lr * settings.age_lr_scale, "weight_decay": 0.0}],
-                            lr=settings.lr, weight_decay=settings.weight_decay)
+    if age_only is not None:
+        if age_only.agents != traces[0].features.shape[0] or age_only.head_dim != head_dim:
+            raise ConfigError(f"the agents to continue have {age_only.agents} agents of head size {age_only.head_dim}; "
+                              f"the traces need {traces[0].features.shape[0]} of {head_dim}")
+        agents = copy.deepcopy(age_only).train()
+        network = []
+        for name, p in agents.named_parameters():
+            p.requires_grad_(name == "age")
+    else:
+        agents = KVPAgents(traces[0].features.shape[0], head_dim, settings.hidden)
+        agents.mean.copy_(_normalisation(train)[0])
+        agents.std.copy_(_normalisation(train)[1])
+        network = [p for name, p in agents.named_parameters() if name != "age"]
+    groups = [{"params": [agents.age], "lr": settings.lr * settings.age_lr_scale, "weight_decay": 0.0}]
+    if network:
+        groups.insert(0, {"params": network})
+    opt = torch.optim.AdamW(groups, lr=settings.lr, weight_decay=settings.weight_decay)
 
     def schedule(step: int) -> float:
         if step < settings.warmup:
@@ -90,19 +114,24 @@ def train_agents(traces: list[TraceTensors], head_dim: int, settings: TrainSetti
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     best = {"reward": mean_reward(agents, val), "step": 0, "state": copy.deepcopy(agents.state_dict())}
     history = [{"step": 0, "val_reward": best["reward"]}]
+    frozen: dict[int, torch.Tensor] = {}   # with the network frozen, its scores are computed once per trace
+    if age_only is not None:
+        with torch.no_grad():
+            frozen = {id(t): agents(t.features) for t in train}
     for step in progress(range(1, settings.steps + 1)):
         batch = [train[rng.randrange(len(train))] for _ in range(settings.batch_traces)]
         xs, cs, ages = [], [], []
         for t in batch:
             n = t.features.shape[1]
             idx = torch.randperm(n, generator=gen)[: settings.tokens_per_trace]
-            xs.append(t.features[:, idx])
+            xs.append(frozen[id(t)][:, idx] if frozen else t.features[:, idx])
             cs.append(t.importance[:, idx])
             ages.append(t.ages[idx])
         m = min(x.shape[1] for x in xs)
-        x = torch.cat([x[:, :m] for x in xs], dim=1)                     # [agents, batch * m, d]
+        x = torch.cat([x[:, :m] for x in xs], dim=1)                     # [agents, batch * m, d] (or [.., ..])
         c = torch.stack([c[:, :m] for c in cs], dim=1)                   # [agents, batch, m]
-        scores = ranking(agents, x, torch.cat([a[:m] for a in ages])).view(c.shape)
+        age = torch.cat([a[:m] for a in ages])
+        scores = (x + agents.age_bias(age) if frozen else ranking(agents, x, age)).view(c.shape)
         if settings.objective == "reinforce":
             loss, train_reward = reinforce_loss(scores, c, settings.samples, gen)
         else:
@@ -120,6 +149,7 @@ def train_agents(traces: list[TraceTensors], head_dim: int, settings: TrainSetti
             if value > best["reward"]:
                 best = {"reward": value, "step": step, "state": copy.deepcopy(agents.state_dict())}
     agents.load_state_dict(best["state"])
+    flatten_untrained_ages(agents, max(int(t.ages.max()) for t in traces))
     agents.eval()
     report = {"settings": asdict(settings), "best_step": best["step"], "best_val_reward": best["reward"],
               "train_traces": len(train), "val_traces": len(val), "history": history}

@@ -346,6 +346,9 @@ def test_eval_scorer_markdown_in_a_folder(trace_dir, tmp_path):
     (["--seed", "-1"], ["--seed"]),
     (["--objective", "nope"], ["--objective"]),
     (["--importance", "nope"], ["--importance", "importance_decay"]),
+    (["--lr", "0"], ["--lr"]),
+    (["--lr", "abc"], ["--lr"]),
+    (["--age-only", "/nonexistent/w.safetensors"], ["--age-only"]),
 ])
 def test_train_bad_options(trace_dir, tmp_path, args, words):
     assert_one_line(run("train", "--traces", trace_dir, "--out", tmp_path / "w.safetensors", *args), 2, *words)

@@ -170,3 +170,28 @@ def test_training_learns_the_age_term_across_prompt_lengths():
         n = t.features.shape[1]
         assert set(top[0].tolist()) == set(range(n - 16, n)), top
     assert report["best_val_reward"] > report["history"][0]["val_reward"]
+
+
+def test_untrained_knots_hold_the_last_trained_value():
+    from kvtier.training.train import flatten_untrained_ages
+
+    agents = KVPAgents(2, 4, hidden=8)
+    with torch.no_grad():
+        agents.age.copy_(torch.arange(2 * AGE_KNOTS, dtype=torch.float32).view(2, AGE_KNOTS))
+    flatten_untrained_ages(agents, max_age=300)            # log2(301) = 8.2: knots up to 8 were trained
+    assert agents.age[0, :9].tolist() == list(range(9)) and agents.age[0, 9:].tolist() == [8.0] * (AGE_KNOTS - 9)
+    assert torch.equal(agents.age_bias(torch.tensor([10 ** 6]))[:, 0], agents.age[:, 8])
+
+
+def test_age_only_training_keeps_the_network_and_learns_the_term():
+    torch.manual_seed(0)
+    start = KVPAgents(2, 4, hidden=16)
+    settings = TrainSettings(objective="listwise", steps=100, batch_traces=3, tokens_per_trace=64, lr=1e-2,
+                             eval_every=25, hidden=16, seed=0)
+    agents, report = train_agents(_aged_traces(9), head_dim=4, settings=settings, age_only=start)
+    for (name, a), (_, b) in zip(agents.state_dict().items(), start.state_dict().items()):
+        assert torch.equal(a, b) == (name != "age"), name
+    assert torch.equal(start.age, torch.zeros_like(start.age))          # the starting agents are left as they were
+    curve = agents.age_bias(torch.tensor([0, 3, 15, 63]))
+    assert bool((curve[:, :-1] > curve[:, 1:]).all()), curve
+    assert report["best_val_reward"] > report["history"][0]["val_reward"]
