@@ -104,7 +104,7 @@ def train(trace_dir: str, out: str, objective: str, steps: int, seed: int, threa
                 best_step=report["best_step"], best_val_reward=report["best_val_reward"], kvtier_version="0.1.0",
                 settings=report["settings"])
     if base is not None:   # the network is the one given: keep its record, and say what was trained here
-        meta = {**{k: v for k, v in base_meta.items() if k not in ("format_version", "hidden", "head_dim")},
+        meta = {**base_meta,   # save_agents writes format version and sizes afresh
                 "age_term": {"trained_on": meta["training_data"], "objective": objective, "importance": importance,
                              "best_step": report["best_step"], "best_val_reward": report["best_val_reward"],
                              "settings": report["settings"]}}
@@ -134,38 +134,35 @@ def train(trace_dir: str, out: str, objective: str, steps: int, seed: int, threa
 @user_errors
 def calibrate(kvp_path: str, out: str, model: str | None, texts: int, lengths: str, needles: int, slopes: str,
               budgets: str, corpus: str, seed: int, threads: int) -> None:
-    """Choose how much recency KVP adds, by the continuation loss under eviction on training prose."""
+    """Choose how much recency KVP adds, by the continuation loss under eviction on training prose and needles."""
     prompt_lengths = parse_ints(lengths, "--lengths", low=64)
     fractions = parse_fractions(budgets, "--budgets")
     try:
         slope_values = tuple(float(x) for x in slopes.split(","))
     except ValueError:
-        raise click.BadParameter(f"{slopes!r}; allowed: a comma list of numbers >= 0, e.g. 0,1,2,3",
-                                 param_hint="'--slopes'") from None
-    if any(not math.isfinite(x) or x < 0 for x in slope_values):
+        slope_values = ()
+    if not slope_values or any(not math.isfinite(x) or x < 0 for x in slope_values):
         raise click.BadParameter(f"{slopes!r}; allowed: a comma list of numbers >= 0, e.g. 0,1,2,3",
                                  param_hint="'--slopes'")
     check_output_file(out, "--out")
     check_model(model)
 
-    from ..scoring.kvp import load_agents, save_agents
+    from ..config import ModelShape
+    from ..models import load_config
+    from ..scoring.kvp import KVPScorer, load_agents, save_agents
     from ..training.calibrate import calibrate_recency, with_slope
     from ..training.collect import needle_prompts, text_chunks
 
     set_threads(threads)
     agents, meta = load_agents(kvp_path)
+    shape = ModelShape.from_config(load_config(model))   # refuse another model's weights before the slow load
+    KVPScorer.from_agents(agents, meta).check_model(shape.num_layers, shape.num_kv_heads, shape.head_dim)
     lm, tok = load(model)
-    cfg = lm.config.get_text_config()
-    if (cfg.num_hidden_layers, cfg.num_key_value_heads) != (meta["num_layers"], meta["num_kv_heads"]):
-        raise click.BadParameter(f"{kvp_path} was trained for {meta['num_layers']} layers x {meta['num_kv_heads']} "
-                                 f"KV heads; the model has {cfg.num_hidden_layers} x {cfg.num_key_value_heads}",
-                                 param_hint="'--kvp'")
     start = time.perf_counter()
     windows = text_chunks(tok, "train", prompt_lengths, 256, texts, seed, corpus)
     windows += needle_prompts(lm, tok, "train", 1500, needles, 32, seed)
     result = calibrate_recency(lm, agents, meta, [(p, c) for _, p, c in windows], slopes=slope_values,
                                budgets=fractions, progress=_bar("calibrate"))
-    meta = {k: v for k, v in meta.items() if k not in ("format_version", "hidden", "head_dim")}
     meta["calibration"] = {"slope": result.slope, "nll": {f"{k:g}": v for k, v in result.nll.items()},
                            "texts": [name for name, _, _ in windows], "budgets": list(fractions)}
     Path(out).expanduser().absolute().parent.mkdir(parents=True, exist_ok=True)

@@ -266,7 +266,7 @@ class LayerEngine(PageFetching):
         cfg, pool = self.cfg, self.pool
         pos, score = pool.meta()
         budget = cfg.device_tokens(self.seen)
-        if score.shape[1] <= budget:
+        if score.shape[1] <= budget:   # within budget: no ranking (and no age term) to compute this step
             return
         rank = ranking_scores(self.scorer, score, pos, self.seen, self.layer_idx)
         idx = plan_device_demotion(rank, pos, self.seen, budget, cfg.sink_tokens,

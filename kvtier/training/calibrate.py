@@ -3,8 +3,8 @@
 The agents learn the shape of their recency term from attention mass, a proxy; how much recency to add on top
 is chosen on what the model predicts. For each candidate slope ``s`` the term becomes
 ``age(a) - s * ln(1 + a)``, which is exact on the table's knots (they sit at ``log2(1 + a)``, so it is a
-straight line in the knot index); each setting runs the model in evict mode over training-split prose at
-several device budgets and scores the continuation's negative log-likelihood, teacher-forced in decode-sized
+straight line in the knot index); each setting runs the model in evict mode over training-split prose and
+needle tasks at several device budgets and scores the continuation's negative log-likelihood, teacher-forced in decode-sized
 chunks, as `kvtier eval` scores perplexity. The slope with the lowest mean NLL is folded into the table.
 """
 
@@ -20,10 +20,6 @@ import torch
 from ..errors import ConfigError
 from ..scoring.features import AGE_KNOTS
 from ..scoring.kvp import KVPAgents, KVPScorer
-
-SLOPES = (0.0, 1.0, 2.0, 3.0, 4.0, 6.0)
-BUDGETS = (0.05, 0.1, 0.25)
-
 
 @dataclass
 class Calibration:
@@ -44,9 +40,8 @@ def with_slope(agents: KVPAgents, slope: float) -> KVPAgents:
 
 @torch.no_grad()
 def calibrate_recency(model: Any, agents: KVPAgents, meta: dict[str, Any],
-                      texts: Sequence[tuple[torch.Tensor, torch.Tensor]], *, slopes: Sequence[float] = SLOPES,
-                      budgets: Sequence[float] = BUDGETS,
-                      progress: Callable[[Any], Any] = iter) -> Calibration:
+                      texts: Sequence[tuple[torch.Tensor, torch.Tensor]], *, slopes: Sequence[float],
+                      budgets: Sequence[float], progress: Callable[[Any], Any] = iter) -> Calibration:
     """Pick the slope with the lowest mean NLL of each text's continuation under an evicting `TieredCache`.
 
     `texts` are ``(prompt_ids, continuation_ids)`` pairs from the training split; the prompt is prefilled
@@ -60,7 +55,6 @@ def calibrate_recency(model: Any, agents: KVPAgents, meta: dict[str, Any],
         raise ConfigError(f"calibration needs texts, slopes and budgets; got {len(texts)} texts, slopes "
                           f"{list(slopes)}, budgets {list(budgets)}")
     sums = {float(s): 0.0 for s in slopes}
-    runs = 0
     scorers = {float(s): KVPScorer.from_agents(with_slope(agents, s), meta) for s in slopes}
     for prompt, continuation in progress(list(texts)):
         pre = shared_prefill(model, prompt)
@@ -73,6 +67,5 @@ def calibrate_recency(model: Any, agents: KVPAgents, meta: dict[str, Any],
                     sums[slope] += continuation_nll(model, cache, pre.last_logits, continuation)
                 finally:
                     cache.close()
-        runs += 1
-    nll = {s: v / (runs * len(budgets)) for s, v in sums.items()}
-    return Calibration(min(nll, key=nll.get), nll, runs)
+    nll = {s: v / (len(texts) * len(budgets)) for s, v in sums.items()}
+    return Calibration(min(nll, key=nll.get), nll, len(texts))

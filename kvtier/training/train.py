@@ -128,10 +128,11 @@ def train_agents(traces: list[TraceTensors], head_dim: int, settings: TrainSetti
             cs.append(t.importance[:, idx])
             ages.append(t.ages[idx])
         m = min(x.shape[1] for x in xs)
-        x = torch.cat([x[:, :m] for x in xs], dim=1)                     # [agents, batch * m, d] (or [.., ..])
+        # features [agents, batch * m, d]; with the network frozen, its scores [agents, batch * m]
+        x = torch.cat([x[:, :m] for x in xs], dim=1)
         c = torch.stack([c[:, :m] for c in cs], dim=1)                   # [agents, batch, m]
-        age = torch.cat([a[:m] for a in ages])
-        scores = (x + agents.age_bias(age) if frozen else ranking(agents, x, age)).view(c.shape)
+        content = x if frozen else agents(x)
+        scores = (content + agents.age_bias(torch.cat([a[:m] for a in ages]))).view(c.shape)
         if settings.objective == "reinforce":
             loss, train_reward = reinforce_loss(scores, c, settings.samples, gen)
         else:

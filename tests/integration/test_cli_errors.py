@@ -506,3 +506,15 @@ def test_calibrate_bad_options(tmp_path, args, words):
     assert_one_line(run("calibrate", "--kvp", str(shipped_path("SmolLM2-135M-Instruct")), "--out", str(out), *args),
                     2, *words)
     assert not out.exists()
+
+
+def test_calibrate_weights_for_another_model(tmp_path):
+    from kvtier.scoring.kvp import KVPAgents, save_agents
+
+    weights = tmp_path / "toy.safetensors"
+    save_agents(KVPAgents(4, 16, hidden=8), weights, {"model": "toy", "num_layers": 2, "num_kv_heads": 2,
+                                                      "head_dim": 16})
+    out = tmp_path / "w.safetensors"
+    assert_one_line(run("calibrate", "--kvp", weights, "--out", out), 2, "trained for 2 layers x 2 KV heads",
+                    "30 x 3 x 64")
+    assert not out.exists()
