@@ -32,7 +32,13 @@ def _bar(desc: str, quiet: bool = False):
               help="Prompt length of the prose traces, or a comma list taken in turn (e.g. 512,1024,2048,3072): "
                    "several lengths let the scorer tell an entry's age from its position.")
 @click.option("--continuation-tokens", default=128, show_default=True, type=click.IntRange(min=1))
-@click.option("--needle-context", default=1500, show_default=True, type=click.IntRange(min=256))
+@click.option("--needle-context", default="1500", show_default=True,
+              help="Haystack length of the needle traces in tokens, or a comma list taken in turn (each >= 256).")
+@click.option("--chats", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Multi-turn conversation traces: a fact, turns of prose with the model's own sampled replies, "
+                   "then a question about the fact (continuation = greedy answer).")
+@click.option("--chat-context", default="4096", show_default=True,
+              help="Length of the conversations in tokens, or a comma list taken in turn (each >= 512).")
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0))
 @click.option("--threads", default=2, show_default=True, type=THREADS)
 @click.option("--corpus", type=click.Choice(["stdlib", "packages", "both"]), default="stdlib", show_default=True,
@@ -40,12 +46,16 @@ def _bar(desc: str, quiet: bool = False):
                    "packages ship (license texts kept out), or both.")
 @user_errors
 def traces(out: str, model: str | None, split: str, texts: int, needles: int, prompt_tokens: str,
-           continuation_tokens: int, needle_context: int, seed: int, threads: int, corpus: str) -> None:
+           continuation_tokens: int, needle_context: str, chats: int, chat_context: str, seed: int, threads: int,
+           corpus: str) -> None:
     """Record generation traces (keys, values, positions, future attention) for training KVP."""
-    if texts == 0 and needles == 0:
-        raise click.BadParameter("0 with --texts 0: nothing to record; allowed: --texts or --needles above 0",
+    if texts == 0 and needles == 0 and chats == 0:
+        raise click.BadParameter("0 with --texts 0 and --chats 0: nothing to record; allowed: --texts, --needles "
+                                 "or --chats above 0",
                                  param_hint="'--needles'")
     lengths = parse_ints(prompt_tokens, "--prompt-tokens", low=64)
+    contexts = parse_ints(needle_context, "--needle-context", low=256)
+    chat_lengths = parse_ints(chat_context, "--chat-context", low=512)
     check_writable_folder(out, "--out")
     check_model(model)
 
@@ -57,13 +67,15 @@ def traces(out: str, model: str | None, split: str, texts: int, needles: int, pr
     start = time.perf_counter()
     manifest = record_folder(lm, tok, out, model_name=model or DEFAULT_MODEL_NAME, split=split, texts=texts,
                              needles=needles, prompt_tokens=lengths, continuation_tokens=continuation_tokens,
-                             needle_context=needle_context, answer_tokens=32, seed=seed,
-                             progress=_bar("traces"), corpus=corpus)
+                             needle_context=contexts, answer_tokens=32, seed=seed,
+                             progress=_bar("traces"), corpus=corpus,
+                             chats=chats, chat_context=chat_lengths)
     click.echo(f"{len(manifest['traces'])} traces in {out} ({time.perf_counter() - start:.0f} s)")
 
 
 @click.command()
-@click.option("--traces", "trace_dir", required=True, type=click.Path(exists=True, file_okay=False))
+@click.option("--traces", "trace_dirs", required=True, multiple=True, type=click.Path(exists=True, file_okay=False),
+              help="A folder written by `kvtier traces`; repeat it to train on several folders of the same model.")
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="Weights file (.safetensors).")
 @click.option("--objective", type=click.Choice(["reinforce", "listwise"]), default="reinforce", show_default=True)
 @click.option("--steps", default=300, show_default=True, type=click.IntRange(min=1))
@@ -78,10 +90,19 @@ def traces(out: str, model: str | None, split: str, texts: int, needles: int, pr
 @click.option("--age-only", "age_only", default=None, type=click.Path(exists=True, dir_okay=False),
               help="Start from these KVP weights and train only their recency term (the network frozen).")
 @user_errors
-def train(trace_dir: str, out: str, objective: str, steps: int, seed: int, threads: int, importance: str,
-          lr: float, age_only: str | None) -> None:
+def train(trace_dirs: tuple[str, ...], out: str, objective: str, steps: int, seed: int, threads: int,
+          importance: str, lr: float, age_only: str | None) -> None:
     """Train KVP agents on recorded traces; keeps the checkpoint with the best held-out reward."""
-    read_manifest(trace_dir)
+    first = read_manifest(trace_dirs[0])
+    shape_keys = ("model", "num_layers", "num_kv_heads", "head_dim")
+    for folder in trace_dirs[1:]:
+        other = read_manifest(folder)
+        differ = [k for k in shape_keys if other[k] != first[k]]
+        if differ:
+            raise click.BadParameter(
+                f"{folder!r} was recorded with {', '.join(f'{k}={other[k]!r}' for k in differ)}, {trace_dirs[0]!r} "
+                f"with {', '.join(f'{k}={first[k]!r}' for k in differ)}; allowed: folders of one model",
+                param_hint="'--traces'")
     check_output_file(out, "--out")
 
     from ..scoring.kvp import load_agents, save_agents
@@ -90,17 +111,22 @@ def train(trace_dir: str, out: str, objective: str, steps: int, seed: int, threa
 
     set_threads(threads)
     settings = TrainSettings(objective=objective, steps=steps, seed=seed, lr=lr)
-    manifest, data = load_folder(trace_dir, importance=importance)
+    data, corpora, sources = [], [], set()
+    for folder in trace_dirs:
+        part, traces = load_folder(folder, importance=importance)
+        data += traces
+        corpora += [c for c in [part.get("corpus", "unknown")] if c not in corpora]
+        sources |= {t["continuation"] for t in part["traces"]}
     base, base_meta = (None, {}) if age_only is None else load_agents(age_only)
     Path(out).expanduser().absolute().parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    agents, report = train_agents(data, manifest["head_dim"], settings, progress=_bar(f"train ({objective})"),
+    agents, report = train_agents(data, first["head_dim"], settings, progress=_bar(f"train ({objective})"),
                                   age_only=base)
-    meta = {k: manifest[k] for k in ("model", "num_layers", "num_kv_heads", "head_dim", "hidden_size",
-                                     "vocab_size") if k in manifest}
-    sources = sorted({t["continuation"] for t in manifest["traces"]})
-    meta.update(objective=objective, importance=importance, training_data=f"{len(data)} traces from {trace_dir} ({manifest['corpus']}; "
-                f"needle tasks; continuations: {', '.join(sources)})",
+    meta = {k: first[k] for k in ("model", "num_layers", "num_kv_heads", "head_dim", "hidden_size",
+                                  "vocab_size") if k in first}
+    meta.update(objective=objective, importance=importance, training_data=f"{len(data)} traces from "
+                f"{', '.join(Path(d).name for d in trace_dirs)} "
+                f"({'; '.join(corpora)}; needle tasks; continuations: {', '.join(sorted(sources))})",
                 best_step=report["best_step"], best_val_reward=report["best_val_reward"], kvtier_version="0.1.0",
                 settings=report["settings"])
     if base is not None:   # the network is the one given: keep its record, and say what was trained here

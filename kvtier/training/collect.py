@@ -12,6 +12,7 @@ from transformers import DynamicCache
 
 from ..integrations.hf import cache_kwargs
 from ..tasks import make_needle_task
+from .chats import chat_prompts
 from .corpus import corpus_prose
 from .traces import record_trace, save_trace
 
@@ -59,13 +60,19 @@ def text_chunks(tokenizer: Any, split: str, prompt_tokens: int | Sequence[int], 
 
 
 @torch.no_grad()
-def needle_prompts(model: Any, tokenizer: Any, split: str, context_tokens: int, count: int, answer_tokens: int,
-                   seed: int) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-    """Needle tasks (disjoint seeds per split) with the model's own greedy answer as continuation."""
+def needle_prompts(model: Any, tokenizer: Any, split: str, context_tokens: int | Sequence[int], count: int,
+                   answer_tokens: int, seed: int) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """Needle tasks (disjoint seeds per split) with the model's own greedy answer as continuation.
+
+    `context_tokens` may list several haystack lengths, taken in turn: a scorer that only saw needles in short
+    prompts ranks them wrongly in long ones.
+    """
+    lengths = [context_tokens] if isinstance(context_tokens, int) else list(context_tokens)
     base = 1_000_000 if split == "eval" else 0
     out = []
     for i in range(count):
-        task = make_needle_task(tokenizer, context_tokens, depth=(i % 9 + 0.5) / 9, seed=base + seed * 1000 + i)
+        task = make_needle_task(tokenizer, lengths[i % len(lengths)], depth=(i % 9 + 0.5) / 9,
+                                seed=base + seed * 1000 + i)
         gen = model.generate(task.input_ids, **cache_kwargs(DynamicCache(config=model.config)),
                              max_new_tokens=answer_tokens, do_sample=False)
         out.append((f"needle:seed={base + seed * 1000 + i}", task.input_ids, gen[:, task.prompt_tokens:]))
@@ -73,10 +80,12 @@ def needle_prompts(model: Any, tokenizer: Any, split: str, context_tokens: int, 
 
 
 def record_folder(model: Any, tokenizer: Any, out: str | Path, *, model_name: str, split: str, texts: int,
-                  needles: int, prompt_tokens: int | Sequence[int], continuation_tokens: int, needle_context: int,
-                  answer_tokens: int, seed: int, progress: Callable[[Any], Any] = iter,
-                  corpus: str = "stdlib") -> dict[str, Any]:
-    """Record `texts` prose traces and `needles` task traces into `out`; returns the manifest."""
+                  needles: int, prompt_tokens: int | Sequence[int], continuation_tokens: int,
+                  needle_context: int | Sequence[int], answer_tokens: int, seed: int,
+                  progress: Callable[[Any], Any] = iter, corpus: str = "stdlib", chats: int = 0,
+                  chat_context: int | Sequence[int] = 4096) -> dict[str, Any]:
+    """Record `texts` prose traces, `needles` needle-task traces and `chats` conversations
+    (`kvtier.training.chats`) into `out`; returns the manifest."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
@@ -84,6 +93,8 @@ def record_folder(model: Any, tokenizer: Any, out: str | Path, *, model_name: st
                                                            texts, seed, corpus)]
     items += [(s, p, c, "generated") for s, p, c in needle_prompts(model, tokenizer, split, needle_context,
                                                                     needles, answer_tokens, seed)]
+    items += [(s, p, c, "chat") for s, p, c in chat_prompts(model, tokenizer, split, chat_context, chats,
+                                                             answer_tokens, seed, corpus)]
     cfg = model.config.get_text_config()
     manifest: dict[str, Any] = {
         "model": model_name, "num_layers": cfg.num_hidden_layers, "num_kv_heads": cfg.num_key_value_heads,

@@ -364,6 +364,9 @@ def test_train_out_is_a_folder(trace_dir, tmp_path):
     (["--prompt-tokens", "0"], ["--prompt-tokens"]),
     (["--continuation-tokens", "0"], ["--continuation-tokens"]),
     (["--needle-context", "10"], ["--needle-context"]),
+    (["--needle-context", "2048,x"], ["--needle-context", "'x'"]),
+    (["--chats", "-1"], ["--chats"]),
+    (["--chat-context", "100"], ["--chat-context"]),
     (["--threads", "0"], ["--threads"]),
     (["--split", "test"], ["--split"]),
 ])

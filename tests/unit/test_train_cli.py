@@ -12,8 +12,8 @@ from kvtier.cli import main
 from kvtier.scoring.kvp import load_agents
 
 
-def _folder(tmp_path, traces=4, layers=2, heads=2, dim=8):
-    folder = tmp_path / "traces"
+def _folder(tmp_path, traces=4, layers=2, heads=2, dim=8, name="traces"):
+    folder = tmp_path / name
     folder.mkdir()
     g = torch.Generator().manual_seed(0)
     items = []
@@ -44,3 +44,21 @@ def test_train_then_train_the_recency_term_alone(tmp_path):
         assert torch.equal(x, y) == (name != "age"), name      # only the recency table was trained
     assert meta_b["model"] == "toy" and meta_b["best_step"] == meta_a["best_step"]   # the network's record stays
     assert meta_b["age_term"]["settings"]["lr"] == 0.05 and "synthetic" in meta_b["age_term"]["trained_on"]
+
+
+def test_train_on_several_folders_of_one_model(tmp_path):
+    a, b = _folder(tmp_path, name="a"), _folder(tmp_path, name="b")
+    out = tmp_path / "w.safetensors"
+    result = CliRunner().invoke(main, ["train", "--traces", str(a), "--traces", str(b), "--out", str(out),
+                                       "--steps", "2", "--threads", "1"])
+    assert result.exit_code == 0, result.output
+    assert load_agents(out)[1]["training_data"].startswith("8 traces from a, b ")
+
+
+def test_train_refuses_folders_of_different_models(tmp_path):
+    a, b = _folder(tmp_path, name="a"), _folder(tmp_path, name="b", heads=3)
+    result = CliRunner().invoke(main, ["train", "--traces", str(a), "--traces", str(b), "--out",
+                                       str(tmp_path / "w.safetensors"), "--steps", "2", "--threads", "1"])
+    assert result.exit_code == 2
+    assert "--traces" in result.output and "num_kv_heads=3" in result.output and "one model" in result.output
+    assert not (tmp_path / "w.safetensors").exists()

@@ -1,0 +1,92 @@
+"""Multi-turn conversations for KVP traces: a fact in the first turn (acknowledged), turns of prose with the
+model's own sampled replies, then a question about the fact, answered greedily.
+
+Needle traces put the fact in a haystack of repeated noise, and prose traces have no question at all; a chat
+mixes real text, the model's own words and a fact that matters only at the end, as the users' long chats do.
+The wording differs from the evaluation's multi-turn task (`kvtier.eval.tasks.multi_turn`), so a scorer
+trained on these cannot have learned that task's sentences.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Sequence
+
+import torch
+from transformers import DynamicCache
+
+from ..integrations.hf import cache_kwargs
+from ..tasks.needle import KEYS, magic_number
+from .corpus import corpus_prose
+
+FACTS = (
+    "Before we start, please note: the access code for the {key} room is {value}.",
+    "Keep this in mind for later: my {key} account number is {value}.",
+    "One thing first. The ticket number for the {key} order is {value}; I will ask about it later.",
+)
+QUESTIONS = (
+    "What was the access code for the {key} room? Answer with the number only.",
+    "What is my {key} account number? Answer with the number only.",
+    "What was the ticket number for the {key} order? Answer with the number only.",
+)
+ACKNOWLEDGEMENTS = ("Noted, I will keep it in mind.", "Got it.", "Understood, I will remember that.")
+REQUESTS = (
+    "Summarize this passage in two sentences.",
+    "What is the following text about?",
+    "List the main points of the following.",
+    "Explain the following to a beginner.",
+    "Which function or idea in this text matters most, and why?",
+)
+READING_TURNS = 4
+
+
+def _ids(tokenizer: Any, turns: list[dict[str, str]]) -> torch.Tensor:
+    return tokenizer.apply_chat_template(turns, add_generation_prompt=True, return_tensors="pt",
+                                         return_dict=True)["input_ids"]
+
+
+@torch.no_grad()
+def _generate(model: Any, tokenizer: Any, ids: torch.Tensor, tokens: int, sample: bool) -> torch.Tensor:
+    """The model's next ``[1, <= tokens]`` tokens after `ids`, sampled or greedy."""
+    extra = {"do_sample": True, "temperature": 0.8, "top_p": 0.95} if sample else {"do_sample": False}
+    return model.generate(ids, **cache_kwargs(DynamicCache(config=model.config)), max_new_tokens=tokens,
+                          pad_token_id=tokenizer.eos_token_id, **extra)[:, ids.shape[1]:]
+
+
+def _reply(model: Any, tokenizer: Any, turns: list[dict[str, str]], tokens: int) -> dict[str, str]:
+    """The assistant's sampled turn after `turns`."""
+    gen = _generate(model, tokenizer, _ids(tokenizer, turns), tokens, sample=True)
+    return {"role": "assistant", "content": tokenizer.decode(gen[0], skip_special_tokens=True).strip()}
+
+
+def chat_prompts(model: Any, tokenizer: Any, split: str, context_tokens: int | Sequence[int], count: int,
+                 answer_tokens: int, seed: int, corpus: str = "stdlib",
+                 reply_tokens: int = 48) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """``count`` conversations of about `context_tokens` (a comma list is taken in turn) from `split`'s prose;
+    the continuation is the model's greedy answer to the closing question."""
+    lengths = [context_tokens] if isinstance(context_tokens, int) else list(context_tokens)
+    rng = random.Random(f"chat/{split}/{seed}")
+    docs = corpus_prose(corpus, split)
+    rng.shuffle(docs)
+    stream = tokenizer("\n\n".join(t for _, t in docs), return_tensors="pt", add_special_tokens=False)["input_ids"]
+    out = []
+    for i in range(count):
+        target = lengths[i % len(lengths)]
+        form = rng.randrange(len(FACTS))
+        key, value = rng.choice(KEYS), magic_number(rng)
+        turns = [{"role": "user", "content": FACTS[form].format(key=key, value=value)}]
+        turns.append({"role": "assistant", "content": rng.choice(ACKNOWLEDGEMENTS)})
+        question = {"role": "user", "content": QUESTIONS[form].format(key=key)}
+        for turn in range(READING_TURNS):
+            room = target - _ids(tokenizer, [*turns, question]).shape[1] - reply_tokens - 24
+            size = room // (READING_TURNS - turn)
+            if size < 32:
+                break
+            start = rng.randrange(0, stream.shape[1] - size)
+            text = tokenizer.decode(stream[0, start:start + size])
+            turns.append({"role": "user", "content": f"{rng.choice(REQUESTS)}\n\n{text}"})
+            turns.append(_reply(model, tokenizer, turns, reply_tokens))
+        prompt = _ids(tokenizer, [*turns, question])
+        answer = _generate(model, tokenizer, prompt, answer_tokens, sample=False)
+        out.append((f"chat:{split}/seed={seed}/{i}", prompt, answer))
+    return out
