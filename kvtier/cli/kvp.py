@@ -89,9 +89,12 @@ def traces(out: str, model: str | None, split: str, texts: int, needles: int, pr
               help="Learning rate of the network (the recency table learns 10x faster).")
 @click.option("--age-only", "age_only", default=None, type=click.Path(exists=True, dir_okay=False),
               help="Start from these KVP weights and train only their recency term (the network frozen).")
+@click.option("--top-tokens", default=0, show_default=True, type=click.IntRange(min=0, max=384),
+              help="Put each trace's N most important entries (largest share of some head's attention) in every "
+                   "ranking problem drawn from it, beside random ones (384 in all).")
 @user_errors
 def train(trace_dirs: tuple[str, ...], out: str, objective: str, steps: int, seed: int, threads: int,
-          importance: str, lr: float, age_only: str | None) -> None:
+          importance: str, lr: float, age_only: str | None, top_tokens: int) -> None:
     """Train KVP agents on recorded traces; keeps the checkpoint with the best held-out reward."""
     first = read_manifest(trace_dirs[0])
     shape_keys = ("model", "num_layers", "num_kv_heads", "head_dim")
@@ -110,7 +113,7 @@ def train(trace_dirs: tuple[str, ...], out: str, objective: str, steps: int, see
     from ..training.train import TrainSettings, train_agents
 
     set_threads(threads)
-    settings = TrainSettings(objective=objective, steps=steps, seed=seed, lr=lr)
+    settings = TrainSettings(objective=objective, steps=steps, seed=seed, lr=lr, top_tokens=top_tokens)
     data, corpora, sources = [], [], set()
     for folder in trace_dirs:
         part, traces = load_folder(folder, importance=importance)

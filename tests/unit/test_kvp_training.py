@@ -17,7 +17,7 @@ from kvtier.training.evaluate import trace_scores
 from kvtier.training.objective import (listwise_loss, plackett_luce_log_prob, ranking_cost, reinforce_loss,
                                        reward)
 from kvtier.training.traces import baseline_scorers, layer_statistics
-from kvtier.training.train import TrainSettings, train_agents
+from kvtier.training.train import TrainSettings, top_entries, train_agents
 
 
 def test_reward_closed_form():
@@ -151,3 +151,45 @@ def test_scorer_evaluation_runs_the_cache_scorers():
     assert torch.equal(trace_scores("tova", raw), raw["tova"])   # recorded by the scorer when the trace was
     with pytest.raises(ConfigError, match=r"trace holds no 'h2o' scores.*one the trace recorded \(tova\)"):
         trace_scores("h2o", raw)
+
+
+def _needle_traces(count, n=1500, dim=8, seed=0):
+    """Long traces whose importance sits on 3 rare tokens with a marked key (needles), as in a long prompt."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        keys, values = torch.randn(1, n, dim, generator=g), torch.randn(1, n, dim, generator=g)
+        spots = torch.randperm(n, generator=g)[:3]
+        keys[0, spots, 0] = 4.0
+        importance = torch.rand(1, n, generator=g) * 0.01 + torch.exp(keys[..., 1]) * 1e-3
+        importance[0, spots] = 5.0
+        out.append((TraceTensors(entry_features(keys, values, torch.arange(n)), importance, {}, torch.arange(n)),
+                    spots))
+    return out
+
+
+def test_top_entries_are_the_largest_share_of_some_agent():
+    importance = torch.tensor([[1.0, 1.0, 8.0, 1.0, 1.0], [100.0, 300.0, 10.0, 90.0, 0.0]])
+    assert top_entries(importance, 1).tolist() == [2]            # 8/12 of agent 0 beats 300/500 of agent 1
+    assert sorted(top_entries(importance, 2).tolist()) == [1, 2]
+    assert top_entries(importance, 9).numel() == 5
+
+
+def test_problems_with_the_top_entries_learn_needles_random_ones_miss():
+    def mean_needle_rank(top):
+        torch.manual_seed(0)
+        settings = TrainSettings(steps=150, batch_traces=4, tokens_per_trace=48, top_tokens=top, lr=1e-2,
+                                 eval_every=25, hidden=16, seed=0)
+        agents, report = train_agents([t for t, _ in _needle_traces(12)], head_dim=8, settings=settings)
+        assert report["settings"]["top_tokens"] == top
+        with torch.no_grad():
+            ranks = [agents(t.features)[0].argsort(descending=True).argsort()[spots]
+                     for t, spots in _needle_traces(4, seed=7)]
+        return float(torch.cat(ranks).float().mean())
+
+    assert mean_needle_rank(3) < 10 < 50 < mean_needle_rank(0)
+
+
+def test_top_tokens_must_fit_the_problem():
+    with pytest.raises(ConfigError, match="top_tokens=500"):
+        TrainSettings(top_tokens=500)
