@@ -154,6 +154,8 @@ def train(trace_dirs: tuple[str, ...], out: str, objective: str, steps: int, see
 @click.option("--needles", default=4, show_default=True, type=click.IntRange(min=0),
               help="Training-split needle tasks, scored on the full cache's own answer: recency that loses a fact "
                    "costs there what it gains on prose.")
+@click.option("--needle-context", default="1500,4096", show_default=True,
+              help="Haystack lengths of the needle tasks, a comma list taken in turn (each >= 256).")
 @click.option("--slopes", default="0,2,4,6,10,16", show_default=True,
               help="Comma list of extra recency slopes to try (each lowers the term by slope x ln(1 + age)).")
 @click.option("--budgets", default="0.05,0.1,0.25", show_default=True, help="Comma list of device budgets.")
@@ -161,10 +163,11 @@ def train(trace_dirs: tuple[str, ...], out: str, objective: str, steps: int, see
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0))
 @click.option("--threads", default=2, show_default=True, type=THREADS)
 @user_errors
-def calibrate(kvp_path: str, out: str, model: str | None, texts: int, lengths: str, needles: int, slopes: str,
-              budgets: str, corpus: str, seed: int, threads: int) -> None:
+def calibrate(kvp_path: str, out: str, model: str | None, texts: int, lengths: str, needles: int,
+              needle_context: str, slopes: str, budgets: str, corpus: str, seed: int, threads: int) -> None:
     """Choose how much recency KVP adds, by the continuation loss under eviction on training prose and needles."""
     prompt_lengths = parse_ints(lengths, "--lengths", low=64)
+    haystacks = parse_ints(needle_context, "--needle-context", low=256)
     fractions = parse_fractions(budgets, "--budgets")
     try:
         slope_values = tuple(float(x) for x in slopes.split(","))
@@ -189,7 +192,7 @@ def calibrate(kvp_path: str, out: str, model: str | None, texts: int, lengths: s
     lm, tok = load(model)
     start = time.perf_counter()
     windows = text_chunks(tok, "train", prompt_lengths, 256, texts, seed, corpus)
-    windows += needle_prompts(lm, tok, "train", 1500, needles, 32, seed)
+    windows += needle_prompts(lm, tok, "train", haystacks, needles, 32, seed)
     result = calibrate_recency(lm, agents, meta, [(p, c) for _, p, c in windows], slopes=slope_values,
                                budgets=fractions, progress=_bar("calibrate"))
     meta["calibration"] = {"slope": result.slope, "nll": {f"{k:g}": v for k, v in result.nll.items()},

@@ -501,6 +501,7 @@ def test_real_entry_point_prints_one_line():
     (["--lengths", "32"], ["--lengths", "'32'"]),
     (["--budgets", "2"], ["--budgets", "(0, 1]"]),
     (["--texts", "0"], ["--texts"]),
+    (["--needle-context", "100"], ["--needle-context", "'100'"]),
 ])
 def test_calibrate_bad_options(tmp_path, args, words):
     from kvtier.scoring.kvp import shipped_path
