@@ -83,5 +83,8 @@ def load_folder(folder: str | Path, sink_tokens: int = DEFAULT_SINK_TOKENS,
         feats = entry_features(raw["keys"].reshape(layers * heads, n, dim)[:, keep],
                                raw["values"].reshape(layers * heads, n, dim)[:, keep], raw["positions"][keep])
         target = importance_target(raw, importance)
-        out.append(TraceTensors(feats, target.reshape(layers * heads, n)[:, keep], raw, keep))
+        # keep only the positions of the raw trace: its keys, values and baseline scores are in the features
+        # already, and holding them too would double the memory of a folder of long traces
+        out.append(TraceTensors(feats, target.reshape(layers * heads, n)[:, keep], {"positions": raw["positions"]},
+                                keep))
     return manifest, out
