@@ -3,16 +3,57 @@
 The attention-based baselines (TOVA, SnapKV, H2O) need it; attention-free scorers never do. It is computed
 explicitly, in chunks of queries, from the query and the keys attention saw (the device entries, then the
 new ones): ``O(q * k)`` extra work per layer, ``O(q^2)`` at prefill, which is the cost those methods carry.
+
+A chunk of queries reads only the keys causally visible to its last query, and only its diagonal block is
+masked, so a prefill's attention costs half the full square. H2O needs only the sum over queries:
+`received_attention_sum` adds chunk by chunk and never holds the ``q x q`` matrix, whose size (2 GiB per
+layer at 7,680 tokens for a 9-head model) made allocation, not arithmetic, the cost. For the same reason a
+chunk's logits stay under `CHUNK_BYTES`: larger blocks are mapped and unmapped by the allocator on every
+chunk, which cost as much time in the kernel as the arithmetic took (2x slower at 7,680 tokens).
 """
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import torch
+
+CHUNK_BYTES = 16 << 20   # float32 logits of one chunk of queries
+
+
+def chunk_rows(q_heads: int, keys: int) -> int:
+    """Queries per chunk so that their logits over `keys` keys fit `CHUNK_BYTES` (at least 1, at most 512)."""
+    return max(1, min(512, CHUNK_BYTES // (4 * q_heads * max(keys, 1))))
+
+
+def _chunks(query: torch.Tensor, keys: torch.Tensor, scaling: float, queries: slice,
+            chunk: int | None) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """Per chunk of the selected queries, ``(first, count, probs)``: the chunk is rows ``first..first+count-1``
+    of the step, ``probs`` ``[kv_heads, group, count, visible]`` its causal softmax over the first ``visible``
+    keys (every later key is masked for every row of the chunk, so it is left out)."""
+    q_heads, q_len, dim = query.shape[1], query.shape[2], query.shape[3]
+    kv_heads, n = keys.shape[1], keys.shape[2]
+    start, stop, stride = queries.indices(q_len)
+    if stride != 1:
+        raise ValueError(f"queries must be a contiguous slice; got step {stride}")
+    group = q_heads // kv_heads
+    older = n - q_len                                # entries written before the step's first query
+    k = keys[0].float()
+    chunk = chunk or chunk_rows(q_heads, n)
+    for first in range(start, stop, chunk):
+        count = min(chunk, stop - first)
+        visible = older + first + count
+        q = query[0, :, first:first + count].float().reshape(kv_heads, group, count, dim)
+        logits = torch.einsum("hgqd,hkd->hgqk", q, k[:, :visible]).mul_(scaling)
+        diagonal = logits[..., visible - count:]    # row i sees diagonal column j only when j <= i
+        later = torch.ones(count, count, dtype=torch.bool, device=query.device).triu_(1)
+        diagonal.masked_fill_(later, float("-inf"))
+        yield first, count, torch.softmax(logits, dim=-1)
 
 
 def received_attention(query: torch.Tensor, keys: torch.Tensor, new: int, scaling: float,
-                       queries: slice = slice(None), chunk: int = 512) -> torch.Tensor:
-    """Causal softmax attention from (a slice of) the step's queries to its `new` last keys.
+                       queries: slice = slice(None), chunk: int | None = None) -> torch.Tensor:
+    """Causal softmax attention from (a contiguous slice of) the step's queries to its `new` last keys.
 
     Parameters
     ----------
@@ -25,17 +66,22 @@ def received_attention(query: torch.Tensor, keys: torch.Tensor, new: int, scalin
     -------
     ``[kv_heads, group, q_selected, new]`` float32.
     """
-    q_heads, q_len, dim = query.shape[1], query.shape[2], query.shape[3]
     kv_heads, n = keys.shape[1], keys.shape[2]
-    group = q_heads // kv_heads
-    rows = torch.arange(q_len, device=query.device)[queries]
-    k = keys[0].float()
-    out = []
-    for start in range(0, len(rows), chunk):
-        r = rows[start:start + chunk]
-        q = query[0, :, r].float().reshape(kv_heads, group, len(r), dim)
-        logits = torch.einsum("hgqd,hkd->hgqk", q, k) * scaling
-        key_pos = torch.arange(n, device=query.device) - (n - q_len)      # new keys at 0..q-1
-        logits = logits.masked_fill(key_pos[None, :] > r[:, None], float("-inf"))
-        out.append(torch.softmax(logits, dim=-1)[..., n - new:])
-    return torch.cat(out, dim=2)
+    start, stop, _ = queries.indices(query.shape[2])
+    out = torch.zeros(kv_heads, query.shape[1] // kv_heads, max(stop - start, 0), new, device=query.device)
+    for first, count, probs in _chunks(query, keys, scaling, queries, chunk):
+        seen = probs.shape[-1] - (n - new)          # how many of the new keys the chunk's last row sees
+        out[:, :, first - start:first - start + count, :seen] = probs[..., n - new:]
+    return out
+
+
+def received_attention_sum(query: torch.Tensor, keys: torch.Tensor, new: int, scaling: float,
+                           queries: slice = slice(None), chunk: int | None = None) -> torch.Tensor:
+    """`received_attention` summed over the selected queries, ``[kv_heads, group, new]`` float32, in memory
+    for one chunk of queries only."""
+    kv_heads, n = keys.shape[1], keys.shape[2]
+    total = torch.zeros(kv_heads, query.shape[1] // kv_heads, new, device=query.device)
+    for _, _, probs in _chunks(query, keys, scaling, queries, chunk):
+        seen = probs.shape[-1] - (n - new)
+        total[..., :seen] += probs[..., n - new:].sum(dim=2)
+    return total

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from .attention_stats import received_attention
+from .attention_stats import received_attention_sum
 
 
 @dataclass
@@ -15,7 +15,8 @@ class H2OScorer:
     """Attention summed over all queries of the write (causal), averaged over the group's heads.
 
     Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference", arXiv 2306.14048. Costs a
-    full ``q x q`` attention per layer at prefill, computed in chunks. A `QueryScorer`: scored after attention.
+    causal ``q x q`` attention per layer at prefill, summed chunk by chunk. A `QueryScorer`: scored after
+    attention.
     """
 
     name: str = "h2o"
@@ -23,5 +24,4 @@ class H2OScorer:
 
     def score(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, layer_idx: int, *,
               query: torch.Tensor, context_keys: torch.Tensor, scaling: float) -> torch.Tensor:
-        att = received_attention(query, context_keys, keys.shape[2], scaling)
-        return att.sum(dim=2).mean(dim=1).unsqueeze(0)
+        return received_attention_sum(query, context_keys, keys.shape[2], scaling).mean(dim=1).unsqueeze(0)

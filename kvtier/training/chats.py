@@ -17,7 +17,7 @@ from transformers import DynamicCache
 
 from ..integrations.hf import cache_kwargs
 from ..tasks.needle import KEYS, magic_number
-from .corpus import corpus_prose
+from .corpus import corpus_prose, in_turn, joined_ids
 
 FACTS = (
     "Before we start, please note: the access code for the {key} room is {value}.",
@@ -46,29 +46,31 @@ def _ids(tokenizer: Any, turns: list[dict[str, str]]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _generate(model: Any, tokenizer: Any, ids: torch.Tensor, tokens: int, sample: bool) -> torch.Tensor:
-    """The model's next ``[1, <= tokens]`` tokens after `ids`, sampled or greedy."""
-    extra = {"do_sample": True, "temperature": 0.8, "top_p": 0.95} if sample else {"do_sample": False}
+def greedy_answer(model: Any, ids: torch.Tensor, tokens: int) -> torch.Tensor:
+    """The model's greedy ``[1, <= tokens]`` tokens after `ids`."""
     return model.generate(ids, **cache_kwargs(DynamicCache(config=model.config)), max_new_tokens=tokens,
-                          pad_token_id=tokenizer.eos_token_id, **extra)[:, ids.shape[1]:]
+                          do_sample=False)[:, ids.shape[1]:]
 
 
+@torch.no_grad()
 def _reply(model: Any, tokenizer: Any, turns: list[dict[str, str]], tokens: int) -> dict[str, str]:
     """The assistant's sampled turn after `turns`."""
-    gen = _generate(model, tokenizer, _ids(tokenizer, turns), tokens, sample=True)
+    ids = _ids(tokenizer, turns)
+    gen = model.generate(ids, **cache_kwargs(DynamicCache(config=model.config)), max_new_tokens=tokens,
+                         do_sample=True, temperature=0.8, top_p=0.95,
+                         pad_token_id=tokenizer.eos_token_id)[:, ids.shape[1]:]
     return {"role": "assistant", "content": tokenizer.decode(gen[0], skip_special_tokens=True).strip()}
 
 
-def chat_prompts(model: Any, tokenizer: Any, split: str, context_tokens: int | Sequence[int], count: int,
-                 answer_tokens: int, seed: int, corpus: str = "stdlib",
-                 reply_tokens: int = 48) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-    """``count`` conversations of about `context_tokens` (a comma list is taken in turn) from `split`'s prose;
-    the continuation is the model's greedy answer to the closing question."""
-    lengths = [context_tokens] if isinstance(context_tokens, int) else list(context_tokens)
+def conversations(model: Any, tokenizer: Any, split: str, context_tokens: int | Sequence[int], count: int,
+                  seed: int, corpus: str = "stdlib", reply_tokens: int = 48) -> list[tuple[str, torch.Tensor]]:
+    """``(source, prompt)`` of ``count`` conversations of about `context_tokens` (several lengths are taken in
+    turn) from `split`'s prose, each ending on the closing question."""
+    lengths = in_turn(context_tokens)
     rng = random.Random(f"chat/{split}/{seed}")
     docs = corpus_prose(corpus, split)
     rng.shuffle(docs)
-    stream = tokenizer("\n\n".join(t for _, t in docs), return_tensors="pt", add_special_tokens=False)["input_ids"]
+    stream = joined_ids(tokenizer, docs)
     out = []
     for i in range(count):
         target = lengths[i % len(lengths)]
@@ -86,7 +88,14 @@ def chat_prompts(model: Any, tokenizer: Any, split: str, context_tokens: int | S
             text = tokenizer.decode(stream[0, start:start + size])
             turns.append({"role": "user", "content": f"{rng.choice(REQUESTS)}\n\n{text}"})
             turns.append(_reply(model, tokenizer, turns, reply_tokens))
-        prompt = _ids(tokenizer, [*turns, question])
-        answer = _generate(model, tokenizer, prompt, answer_tokens, sample=False)
-        out.append((f"chat:{split}/seed={seed}/{i}", prompt, answer))
+        out.append((f"chat:{split}/seed={seed}/{i}", _ids(tokenizer, [*turns, question])))
     return out
+
+
+def chat_prompts(model: Any, tokenizer: Any, split: str, context_tokens: int | Sequence[int], count: int,
+                 answer_tokens: int, seed: int, corpus: str = "stdlib",
+                 reply_tokens: int = 48) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """`conversations` with the model's greedy answer to the closing question as continuation."""
+    return [(source, prompt, greedy_answer(model, prompt, answer_tokens))
+            for source, prompt in conversations(model, tokenizer, split, context_tokens, count, seed, corpus,
+                                                reply_tokens)]

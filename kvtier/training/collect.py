@@ -8,13 +8,10 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
-from transformers import DynamicCache
-
-from ..integrations.hf import cache_kwargs
 from ..tasks import make_needle_task
-from .chats import chat_prompts
-from .corpus import corpus_prose
-from .traces import record_trace, save_trace
+from .chats import conversations, greedy_answer
+from .corpus import corpus_prose, in_turn, joined_ids
+from .traces import record_answer_trace, record_trace, save_trace
 
 
 CORPUS_NAMES = {
@@ -31,7 +28,7 @@ def text_chunks(tokenizer: Any, split: str, prompt_tokens: int | Sequence[int], 
     `prompt_tokens` may list several lengths, taken in turn: a scorer trained at one prompt length cannot
     tell an entry's age from its position, since the latest token always sits at the same place.
     """
-    lengths = [prompt_tokens] if isinstance(prompt_tokens, int) else list(prompt_tokens)
+    lengths = in_turn(prompt_tokens)
     rng = random.Random(seed)
     docs = corpus_prose(corpus, split)
     rng.shuffle(docs)
@@ -50,8 +47,7 @@ def text_chunks(tokenizer: Any, split: str, prompt_tokens: int | Sequence[int], 
                 found = (f"{name}@{start}", ids[:, start:start + need])
         if found is None:   # short modules: join several into one stream
             if stream is None:
-                stream = tokenizer("\n\n".join(t for _, t in docs), return_tensors="pt",
-                                   add_special_tokens=False)["input_ids"]
+                stream = joined_ids(tokenizer, docs)
             start = rng.randrange(0, stream.shape[1] - need)
             found = (f"{corpus}:joined@{start}", stream[:, start:start + need])
         source, window = found
@@ -59,24 +55,29 @@ def text_chunks(tokenizer: Any, split: str, prompt_tokens: int | Sequence[int], 
     return out
 
 
-@torch.no_grad()
-def needle_prompts(model: Any, tokenizer: Any, split: str, context_tokens: int | Sequence[int], count: int,
-                   answer_tokens: int, seed: int) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-    """Needle tasks (disjoint seeds per split) with the model's own greedy answer as continuation.
+def needle_tasks(tokenizer: Any, split: str, context_tokens: int | Sequence[int],
+                 count: int, seed: int) -> list[tuple[str, torch.Tensor]]:
+    """``(source, prompt)`` of `count` needle tasks (disjoint seeds per split).
 
     `context_tokens` may list several haystack lengths, taken in turn: a scorer that only saw needles in short
     prompts ranks them wrongly in long ones.
     """
-    lengths = [context_tokens] if isinstance(context_tokens, int) else list(context_tokens)
+    lengths = in_turn(context_tokens)
     base = 1_000_000 if split == "eval" else 0
     out = []
     for i in range(count):
         task = make_needle_task(tokenizer, lengths[i % len(lengths)], depth=(i % 9 + 0.5) / 9,
                                 seed=base + seed * 1000 + i)
-        gen = model.generate(task.input_ids, **cache_kwargs(DynamicCache(config=model.config)),
-                             max_new_tokens=answer_tokens, do_sample=False)
-        out.append((f"needle:seed={base + seed * 1000 + i}", task.input_ids, gen[:, task.prompt_tokens:]))
+        out.append((f"needle:seed={base + seed * 1000 + i}", task.input_ids))
     return out
+
+
+@torch.no_grad()
+def needle_prompts(model: Any, tokenizer: Any, split: str, context_tokens: int | Sequence[int], count: int,
+                   answer_tokens: int, seed: int) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """`needle_tasks` with the model's own greedy answer as continuation."""
+    return [(source, prompt, greedy_answer(model, prompt, answer_tokens))
+            for source, prompt in needle_tasks(tokenizer, split, context_tokens, count, seed)]
 
 
 def record_folder(model: Any, tokenizer: Any, out: str | Path, *, model_name: str, split: str, texts: int,
@@ -89,12 +90,13 @@ def record_folder(model: Any, tokenizer: Any, out: str | Path, *, model_name: st
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    items = [(s, p, c, "text") for s, p, c in text_chunks(tokenizer, split, prompt_tokens, continuation_tokens,
-                                                           texts, seed, corpus)]
-    items += [(s, p, c, "generated") for s, p, c in needle_prompts(model, tokenizer, split, needle_context,
-                                                                    needles, answer_tokens, seed)]
-    items += [(s, p, c, "chat") for s, p, c in chat_prompts(model, tokenizer, split, chat_context, chats,
-                                                             answer_tokens, seed, corpus)]
+    items: list[tuple[str, torch.Tensor, torch.Tensor | None, str]] = [
+        (s, p, c, "text") for s, p, c in text_chunks(tokenizer, split, prompt_tokens, continuation_tokens, texts,
+                                                     seed, corpus)]
+    # no continuation yet: the model's greedy answer, generated from the trace's own prefill
+    items += [(s, p, None, "generated") for s, p in needle_tasks(tokenizer, split, needle_context, needles, seed)]
+    items += [(s, p, None, "chat") for s, p in conversations(model, tokenizer, split, chat_context, chats, seed,
+                                                            corpus)]
     cfg = model.config.get_text_config()
     manifest: dict[str, Any] = {
         "model": model_name, "num_layers": cfg.num_hidden_layers, "num_kv_heads": cfg.num_key_value_heads,
@@ -104,7 +106,10 @@ def record_folder(model: Any, tokenizer: Any, out: str | Path, *, model_name: st
         "traces": [],
     }
     for i, (source, prompt, continuation, kind) in enumerate(progress(items)):
-        trace = record_trace(model, prompt, continuation)
+        if continuation is None:
+            continuation, trace = record_answer_trace(model, prompt, answer_tokens)
+        else:
+            trace = record_trace(model, prompt, continuation)
         name = f"trace_{i:05d}.safetensors"
         save_trace(trace, out / name)
         manifest["traces"].append({"file": name, "source": source, "continuation": kind,

@@ -13,6 +13,7 @@ import ast
 import hashlib
 import sysconfig
 from pathlib import Path
+from typing import Any, Sequence
 
 SPLITS = ("train", "eval")
 CORPORA = ("stdlib", "packages", "both")
@@ -116,3 +117,15 @@ def corpus_prose(corpus: str, split: str) -> list[tuple[str, str]]:
     if corpus in ("packages", "both"):
         out += [(f"package:{name}", text) for name, text in package_prose(split)]
     return out
+
+
+def joined_ids(tokenizer: Any, docs: list[tuple[str, str]]) -> Any:
+    """The documents' token ids as one stream ``[1, n]``, blank lines between them: windows longer than one
+    document are cut from it."""
+    return tokenizer("\n\n".join(text for _, text in docs), return_tensors="pt",
+                     add_special_tokens=False)["input_ids"]
+
+
+def in_turn(lengths: int | Sequence[int]) -> list[int]:
+    """One length, or several to take in turn, as a list."""
+    return [lengths] if isinstance(lengths, int) else list(lengths)

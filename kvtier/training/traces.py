@@ -7,6 +7,9 @@ The same pass also records the scores of the attention-based baselines (TOVA, Sn
 only: their own `QueryScorer` classes run on the prompt's queries and keys, exactly as the cache runs them
 after a prefill, so `kvtier eval-scorer` grades the code the cache uses. Attention is computed by
 `received_attention`, the function those scorers share. Traces are safetensors shards plus a ``manifest.json``.
+
+A trace is two forwards: the prompt into a cache (keys, values, baseline scores), then the continuation after
+it (importance). A generated answer comes from that same cache, so a long prompt is computed once.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ from typing import Any, Callable, Iterator
 
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import DynamicCache
 
+from ..integrations.hf import cache_kwargs
 from ..scoring import BASELINES_ATTENTION_BASED, QueryScorer, checked_scores, make_scorer
 from ..scoring.attention_stats import received_attention
 
@@ -32,42 +37,63 @@ def baseline_scorers() -> list[QueryScorer]:
     return [make_scorer(name) for name in BASELINES_ATTENTION_BASED]
 
 
-def layer_statistics(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, prompt: int,
-                     baselines: list[QueryScorer], layer_idx: int = 0,
-                     targets: bool = False) -> dict[str, torch.Tensor]:
-    """Importance and each baseline's scores of the `prompt` first tokens, each ``[kv_heads, prompt]`` float32.
+def future_importance(query: torch.Tensor, key: torch.Tensor, scaling: float, prompt: int,
+                      targets: bool = False) -> dict[str, torch.Tensor]:
+    """Importance of the `prompt` first tokens from the continuation's attention, ``[kv_heads, prompt]``
+    float32 each.
 
-    With `targets`, also the outcome-tied importance variants ``importance_next`` (the first `NEXT_STEPS`
-    continuation steps only) and ``importance_decay`` (step ``t`` weighted by ``exp(-t / DECAY_STEPS)``).
+    With `targets`, also the outcome-tied variants ``importance_next`` (the first `NEXT_STEPS` continuation
+    steps only) and ``importance_decay`` (step ``t`` weighted by ``exp(-t / DECAY_STEPS)``).
 
     Parameters
     ----------
     query
-        ``[1, q_heads, n, dim]``, the queries of prompt and continuation (``n`` tokens in all).
-    key, value
-        ``[1, kv_heads, n, dim]``.
+        ``[1, q_heads, steps, dim]``, the continuation's queries.
+    key
+        ``[1, kv_heads, prompt + steps, dim]``, every key they read.
     """
-    length = key.shape[2]
-    future = received_attention(query, key, length, scaling, slice(prompt, None))[..., :prompt]
+    future = received_attention(query, key, key.shape[2], scaling)[..., :prompt]
     per_step = future.amax(dim=1)                                   # [kv_heads, steps, prompt]
     steps = torch.arange(per_step.shape[1], device=per_step.device, dtype=per_step.dtype)
     stats = {"importance": per_step.sum(dim=1)}
     if targets:   # outcome-tied variants: the next tokens' attention, and attention discounted by the step
         stats["importance_next"] = per_step[:, :NEXT_STEPS].sum(dim=1)
         stats["importance_decay"] = (per_step * torch.exp(-steps / DECAY_STEPS)[None, :, None]).sum(dim=1)
-    k, v = key[:, :, :prompt], value[:, :, :prompt]
-    positions = torch.arange(prompt, device=key.device)
-    for scorer in baselines:  # scored as after a prefill of the prompt alone
-        stats[scorer.name] = checked_scores(scorer, k, v, positions, layer_idx, query=query[:, :, :prompt],
-                                            context_keys=k, scaling=scaling)[0]
+    return stats
+
+
+def prompt_statistics(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+                      baselines: list[QueryScorer], layer_idx: int = 0) -> dict[str, torch.Tensor]:
+    """Each baseline's scores of the prompt, ``[kv_heads, prompt]`` float32, as after a prefill of the prompt
+    alone (`query`, `key`, `value`: the prompt's own)."""
+    positions = torch.arange(key.shape[2], device=key.device)
+    return {scorer.name: checked_scores(scorer, key, value, positions, layer_idx, query=query, context_keys=key,
+                                        scaling=scaling)[0]
+            for scorer in baselines}
+
+
+def layer_statistics(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, prompt: int,
+                     baselines: list[QueryScorer], layer_idx: int = 0,
+                     targets: bool = False) -> dict[str, torch.Tensor]:
+    """`future_importance` and `prompt_statistics` of one pass over prompt and continuation (``query``
+    ``[1, q_heads, n, dim]``, ``key`` and ``value`` ``[1, kv_heads, n, dim]``); the definition that
+    `record_trace`'s two passes reproduce."""
+    stats = future_importance(query[:, :, prompt:], key, scaling, prompt, targets)
+    stats.update(prompt_statistics(query[:, :, :prompt], key[:, :, :prompt], value[:, :, :prompt], scaling,
+                                   baselines, layer_idx))
     return stats
 
 
 @contextmanager
 def capture_attention(model: Any, on_layer: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor,
                                                       torch.Tensor, dict], None]) -> Iterator[None]:
-    """Run the model's own attention, but show each layer's query, key and value to `on_layer` first."""
+    """Run the model's own attention, but show each layer's query, key and value to `on_layer` first.
+
+    The model's own mask is kept: transformers builds no mask for an implementation it does not know, and
+    attention would then be causal from the wrong corner for queries that follow a cache.
+    """
     from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     config = model.config.get_text_config()
@@ -80,6 +106,8 @@ def capture_attention(model: Any, on_layer: Callable[[torch.nn.Module, torch.Ten
         return fn(module, query, key, value, attention_mask, **kwargs)
 
     AttentionInterface.register("kvtier_trace", traced)
+    if base in ALL_MASK_ATTENTION_FUNCTIONS:
+        AttentionMaskInterface.register("kvtier_trace", ALL_MASK_ATTENTION_FUNCTIONS[base])
     config._attn_implementation = "kvtier_trace"
     try:
         yield
@@ -87,32 +115,75 @@ def capture_attention(model: Any, on_layer: Callable[[torch.nn.Module, torch.Ten
         config._attn_implementation = base
 
 
+def _scaling(module: torch.nn.Module, query: torch.Tensor, kwargs: dict) -> float:
+    return kwargs.get("scaling") or getattr(module, "scaling", 1 / math.sqrt(query.shape[-1]))
+
+
+def _prefill(model: Any, prompt_ids: torch.Tensor) -> tuple[DynamicCache, dict[int, dict[str, torch.Tensor]]]:
+    """The prompt's forward into a cache, with each layer's keys, values and baseline scores."""
+    per_layer: dict[int, dict[str, torch.Tensor]] = {}
+    baselines = baseline_scorers()
+
+    def on_layer(module, query, key, value, kwargs):
+        stats = prompt_statistics(query, key, value, _scaling(module, query, kwargs), baselines, module.layer_idx)
+        stats["keys"] = key[0].to(torch.float16)
+        stats["values"] = value[0].to(torch.float16)
+        per_layer[module.layer_idx] = stats
+
+    cache = DynamicCache(config=model.config)
+    with capture_attention(model, on_layer):
+        model(prompt_ids, **cache_kwargs(cache), logits_to_keep=1)
+    return cache, per_layer
+
+
+def _continue(model: Any, cache: DynamicCache, prompt: int, continuation_ids: torch.Tensor,
+              per_layer: dict[int, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The continuation's forward after the prompt's `cache`; adds the prompt's importance to `per_layer` and
+    stacks everything into the trace."""
+    length = prompt + continuation_ids.shape[1]
+
+    def on_layer(module, query, key, value, kwargs):
+        if key.shape[2] != length:
+            raise ValueError(f"layer {module.layer_idx} attends to {key.shape[2]} keys, not the {length} of prompt "
+                             "and continuation: traces need layers that keep every token (no sliding window)")
+        per_layer[module.layer_idx].update(
+            future_importance(query, key, _scaling(module, query, kwargs), prompt, targets=True))
+
+    with capture_attention(model, on_layer):
+        model(continuation_ids, **cache_kwargs(cache), logits_to_keep=1)
+    layers = [per_layer[i] for i in sorted(per_layer)]
+    trace = {name: torch.stack([s[name] for s in layers]).contiguous().cpu() for name in layers[0]}
+    trace["positions"] = torch.arange(prompt)
+    return trace
+
+
 @torch.no_grad()
 def record_trace(model: Any, prompt_ids: torch.Tensor, continuation_ids: torch.Tensor) -> dict[str, torch.Tensor]:
-    """One forward over prompt + continuation; returns the trace tensors of the prompt tokens.
+    """The trace of the prompt tokens: a forward over the prompt, then one over the continuation.
 
     ``keys``, ``values`` ``[layers, kv_heads, prompt, dim]`` float16; ``positions`` ``[prompt]``;
     ``importance``, ``importance_next``, ``importance_decay``, ``tova``, ``snapkv``, ``h2o``
     ``[layers, kv_heads, prompt]`` float32.
     """
+    cache, per_layer = _prefill(model, prompt_ids)
+    return _continue(model, cache, prompt_ids.shape[1], continuation_ids, per_layer)
+
+
+@torch.no_grad()
+def record_answer_trace(model: Any, prompt_ids: torch.Tensor,
+                        answer_tokens: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The model's greedy answer to the prompt (at most `answer_tokens`), and its trace as `record_trace`'s.
+
+    The answer is generated from the recorded prefill, so a long prompt goes through the model once.
+    """
     prompt = prompt_ids.shape[1]
-    full = torch.cat([prompt_ids, continuation_ids], dim=1)
-    per_layer: dict[int, dict[str, torch.Tensor]] = {}
-    baselines = baseline_scorers()
-
-    def on_layer(module, query, key, value, kwargs):
-        scaling = kwargs.get("scaling") or getattr(module, "scaling", 1 / math.sqrt(query.shape[-1]))
-        stats = layer_statistics(query, key, value, scaling, prompt, baselines, module.layer_idx, targets=True)
-        stats["keys"] = key[0, :, :prompt].to(torch.float16)
-        stats["values"] = value[0, :, :prompt].to(torch.float16)
-        per_layer[module.layer_idx] = stats
-
-    with capture_attention(model, on_layer):
-        model(full, use_cache=False)
-    layers = [per_layer[i] for i in sorted(per_layer)]
-    trace = {name: torch.stack([s[name] for s in layers]).contiguous().cpu() for name in layers[0]}
-    trace["positions"] = torch.arange(prompt)
-    return trace
+    cache, per_layer = _prefill(model, prompt_ids)
+    # a negative crop removes that many tokens in every transformers version kvtier supports
+    cache.crop(-1)           # generate computes the last prompt token again, for the first answer token
+    answer = model.generate(prompt_ids, **cache_kwargs(cache), max_new_tokens=answer_tokens,
+                            do_sample=False)[:, prompt:]
+    cache.crop(prompt - cache.get_seq_length())
+    return answer, _continue(model, cache, prompt, answer, per_layer)
 
 
 def save_trace(trace: dict[str, torch.Tensor], path: Path) -> None:

@@ -50,6 +50,29 @@ def test_chunking_does_not_change_h2o(step):
     torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("chunk", [1, 7, 40, 1000])
+@pytest.mark.parametrize("rows", [slice(None), slice(-1, None), slice(-9, None), slice(13, None), slice(5, 31)])
+def test_chunks_read_only_visible_keys_and_match_plain_attention(step, chunk, rows):
+    """Each chunk leaves out the keys its last query cannot see and masks only its diagonal block; the rows
+    and their sum must still equal plain causal attention."""
+    from kvtier.scoring.attention_stats import received_attention, received_attention_sum
+
+    _, context, query, new = step
+    plain = _attention(query, context, 0.3)[:, :, rows]
+    got = received_attention(query, context, new, 0.3, rows, chunk=chunk)
+    torch.testing.assert_close(got, plain[..., -new:])
+    torch.testing.assert_close(received_attention_sum(query, context, new, 0.3, rows, chunk=chunk),
+                               plain[..., -new:].sum(2))
+
+
+def test_strided_query_rows_are_refused(step):
+    from kvtier.scoring.attention_stats import received_attention
+
+    _, context, query, new = step
+    with pytest.raises(ValueError, match="contiguous slice; got step 2"):
+        received_attention(query, context, new, 0.3, slice(None, None, 2))
+
+
 def test_query_needing_scorer_without_query_is_an_error(make_engine):
     engine = make_engine(scorer="tova", device_budget=8, sink_tokens=1, recent_tokens=2)
     k = torch.randn(1, engine.heads, 20, engine.head_dim)

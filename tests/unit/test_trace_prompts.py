@@ -30,3 +30,34 @@ def test_a_conversation_has_the_fact_prose_turns_and_the_question(default_model)
         assert text.rstrip().endswith("assistant")
         assert text.count("<|im_start|>assistant") >= 4    # the acknowledgement, the model's replies, the answer
 
+
+
+def test_a_trace_recorded_in_two_passes_equals_the_one_pass_definition(default_model):
+    """`record_answer_trace` prefills the prompt once, answers from that cache and reads the answer's
+    attention after it; the answer and every tensor must equal a plain generate and `layer_statistics` over
+    one forward of prompt plus answer."""
+    from kvtier.tasks import make_needle_task
+    from kvtier.training.chats import greedy_answer
+    from kvtier.training.traces import baseline_scorers, capture_attention, layer_statistics, record_answer_trace
+
+    model, tok = default_model
+    prompt = make_needle_task(tok, 400, depth=0.3, seed=5).input_ids
+    answer, trace = record_answer_trace(model, prompt, 6)
+    assert torch.equal(answer, greedy_answer(model, prompt, 6)) and answer.shape[1] >= 2
+    n = prompt.shape[1]
+    expect: dict[int, dict[str, torch.Tensor]] = {}
+
+    def on_layer(module, query, key, value, kwargs):
+        stats = layer_statistics(query, key, value, module.scaling, n, baseline_scorers(), module.layer_idx,
+                                 targets=True)
+        expect[module.layer_idx] = {**stats, "keys": key[0, :, :n], "values": value[0, :, :n]}
+
+    with torch.no_grad(), capture_attention(model, on_layer):
+        model(torch.cat([prompt, answer], dim=1), use_cache=False)
+    assert set(trace) == {*expect[0], "positions"}
+    assert torch.equal(trace["positions"], torch.arange(n))
+    for name in expect[0]:
+        want = torch.stack([expect[i][name] for i in sorted(expect)])
+        assert trace[name].shape == want.shape, name
+        tol = dict(rtol=2e-3, atol=2e-3) if name in ("keys", "values") else dict(rtol=1e-3, atol=1e-5)
+        torch.testing.assert_close(trace[name].float(), want.float(), msg=name, **tol)
