@@ -89,17 +89,17 @@ def traces(out: str, model: str | None, split: str, texts: int, needles: int, pr
               help="Learning rate of the network (the recency table learns 10x faster).")
 @click.option("--age-only", "age_only", default=None, type=click.Path(exists=True, dir_okay=False),
               help="Start from these KVP weights and train only their recency term (the network frozen).")
-@click.option("--top-tokens", default=0, show_default=True, type=click.IntRange(min=0, max=384),
+@click.option("--top-tokens", default=0, show_default=True, type=click.IntRange(min=0),
               help="Put each trace's N most important entries (largest share of some head's attention) in every "
-                   "ranking problem drawn from it, beside random ones (384 in all).")
+                   "ranking problem drawn from it, beside random ones (384 in all, so at most 384).")
 @user_errors
 def train(trace_dirs: tuple[str, ...], out: str, objective: str, steps: int, seed: int, threads: int,
           importance: str, lr: float, age_only: str | None, top_tokens: int) -> None:
     """Train KVP agents on recorded traces; keeps the checkpoint with the best held-out reward."""
-    first = read_manifest(trace_dirs[0])
+    manifests = [read_manifest(folder) for folder in trace_dirs]
+    first = manifests[0]
     shape_keys = ("model", "num_layers", "num_kv_heads", "head_dim")
-    for folder in trace_dirs[1:]:
-        other = read_manifest(folder)
+    for folder, other in zip(trace_dirs[1:], manifests[1:]):
         differ = [k for k in shape_keys if other[k] != first[k]]
         if differ:
             raise click.BadParameter(
@@ -108,15 +108,19 @@ def train(trace_dirs: tuple[str, ...], out: str, objective: str, steps: int, see
                 param_hint="'--traces'")
     check_output_file(out, "--out")
 
+    from ..errors import ConfigError
     from ..scoring.kvp import load_agents, save_agents
     from ..training.dataset import load_folder
     from ..training.train import TrainSettings, train_agents
 
+    try:
+        settings = TrainSettings(objective=objective, steps=steps, seed=seed, lr=lr, top_tokens=top_tokens)
+    except ConfigError as e:
+        raise click.BadParameter(str(e), param_hint="'--top-tokens'") from e
     set_threads(threads)
-    settings = TrainSettings(objective=objective, steps=steps, seed=seed, lr=lr, top_tokens=top_tokens)
     data, corpora, sources = [], [], set()
-    for folder in trace_dirs:
-        part, traces = load_folder(folder, importance=importance)
+    for folder, manifest in zip(trace_dirs, manifests):
+        part, traces = load_folder(folder, importance=importance, manifest=manifest)
         data += traces
         corpora += [c for c in [part.get("corpus", "unknown")] if c not in corpora]
         sources |= {t["continuation"] for t in part["traces"]}

@@ -53,12 +53,13 @@ def _chunks(query: torch.Tensor, keys: torch.Tensor, scaling: float, queries: sl
 
 def received_attention(query: torch.Tensor, keys: torch.Tensor, new: int, scaling: float,
                        queries: slice = slice(None), chunk: int | None = None) -> torch.Tensor:
-    """Causal softmax attention from (a contiguous slice of) the step's queries to its `new` last keys.
+    """Causal softmax attention from (a contiguous slice of) the step's queries to the `new` last keys.
 
     Parameters
     ----------
     query
-        ``[1, q_heads, q, dim]``, the step's queries (``q == new``).
+        ``[1, q_heads, q, dim]``, the step's queries, written with the last ``q`` keys (``q <= new``: with
+        ``new`` above ``q`` the result also covers older keys, as a trace's continuation reads its prompt).
     keys
         ``[1, kv_heads, n, dim]``, what attention read: older entries, then the `new` ones.
 

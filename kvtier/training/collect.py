@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
+
 from ..tasks import make_needle_task
 from .chats import conversations, greedy_answer
 from .corpus import corpus_prose, in_turn, joined_ids

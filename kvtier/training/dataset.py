@@ -69,12 +69,12 @@ def rankable(n: int, sink_tokens: int, recent_tokens: int | float) -> torch.Tens
 
 def load_folder(folder: str | Path, sink_tokens: int = DEFAULT_SINK_TOKENS,
                 recent_tokens: int | float = DEFAULT_RECENT_TOKENS,
-                importance: str = "importance") -> tuple[dict, list[TraceTensors]]:
+                importance: str = "importance", manifest: dict | None = None) -> tuple[dict, list[TraceTensors]]:
     """Read every trace of a folder written by `kvtier traces`.
 
-    `importance` names the target (see `importance_target`).
+    `importance` names the target (see `importance_target`); `manifest` is the folder's, if already read.
     """
-    manifest = read_manifest(folder)
+    manifest = read_manifest(folder) if manifest is None else manifest
     out = []
     for item in manifest["traces"]:
         raw = load_trace(Path(folder) / item["file"])

@@ -62,3 +62,12 @@ def test_train_refuses_folders_of_different_models(tmp_path):
     assert result.exit_code == 2
     assert "--traces" in result.output and "num_kv_heads=3" in result.output and "one model" in result.output
     assert not (tmp_path / "w.safetensors").exists()
+
+
+def test_train_refuses_more_top_tokens_than_a_problem_holds(tmp_path):
+    folder = _folder(tmp_path)
+    result = CliRunner().invoke(main, ["train", "--traces", str(folder), "--out", str(tmp_path / "w.safetensors"),
+                                       "--top-tokens", "500", "--threads", "1"])
+    assert result.exit_code == 2
+    assert "--top-tokens" in result.output and "top_tokens=500" in result.output and "384" in result.output
+    assert not (tmp_path / "w.safetensors").exists()
