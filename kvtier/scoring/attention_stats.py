@@ -26,13 +26,16 @@ def chunk_rows(q_heads: int, keys: int) -> int:
     return max(1, min(512, CHUNK_BYTES // (4 * q_heads * max(keys, 1))))
 
 
-def _chunks(query: torch.Tensor, keys: torch.Tensor, scaling: float, queries: slice,
+def _chunks(query: torch.Tensor, keys: torch.Tensor, new: int, scaling: float, queries: slice,
             chunk: int | None) -> Iterator[tuple[int, int, torch.Tensor]]:
     """Per chunk of the selected queries, ``(first, count, probs)``: the chunk is rows ``first..first+count-1``
     of the step, ``probs`` ``[kv_heads, group, count, visible]`` its causal softmax over the first ``visible``
     keys (every later key is masked for every row of the chunk, so it is left out)."""
     q_heads, q_len, dim = query.shape[1], query.shape[2], query.shape[3]
     kv_heads, n = keys.shape[1], keys.shape[2]
+    if not q_len <= new <= n:
+        raise ValueError(f"new={new} with {q_len} queries and {n} keys; allowed: from the number of queries "
+                         "(each query's own key is among the new ones) to the number of keys")
     start, stop, stride = queries.indices(q_len)
     if stride != 1:
         raise ValueError(f"queries must be a contiguous slice; got step {stride}")
@@ -70,7 +73,7 @@ def received_attention(query: torch.Tensor, keys: torch.Tensor, new: int, scalin
     kv_heads, n = keys.shape[1], keys.shape[2]
     start, stop, _ = queries.indices(query.shape[2])
     out = torch.zeros(kv_heads, query.shape[1] // kv_heads, max(stop - start, 0), new, device=query.device)
-    for first, count, probs in _chunks(query, keys, scaling, queries, chunk):
+    for first, count, probs in _chunks(query, keys, new, scaling, queries, chunk):
         seen = probs.shape[-1] - (n - new)          # how many of the new keys the chunk's last row sees
         out[:, :, first - start:first - start + count, :seen] = probs[..., n - new:]
     return out
@@ -82,7 +85,7 @@ def received_attention_sum(query: torch.Tensor, keys: torch.Tensor, new: int, sc
     for one chunk of queries only."""
     kv_heads, n = keys.shape[1], keys.shape[2]
     total = torch.zeros(kv_heads, query.shape[1] // kv_heads, new, device=query.device)
-    for _, _, probs in _chunks(query, keys, scaling, queries, chunk):
+    for _, _, probs in _chunks(query, keys, new, scaling, queries, chunk):
         seen = probs.shape[-1] - (n - new)
         total[..., :seen] += probs[..., n - new:].sum(dim=2)
     return total

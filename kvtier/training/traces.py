@@ -6,7 +6,7 @@ steps ``t`` and the query heads ``g`` of the KV head's group, ``A`` being the ca
 The same pass also records the scores of the attention-based baselines (TOVA, SnapKV, H2O), from the prompt
 only: their own `QueryScorer` classes run on the prompt's queries and keys, exactly as the cache runs them
 after a prefill, so `kvtier eval-scorer` grades the code the cache uses. Attention is computed by
-`received_attention`, the function those scorers share. Traces are safetensors shards plus a ``manifest.json``.
+`kvtier.scoring.attention_stats`, the module those scorers share. Traces are safetensors shards plus a ``manifest.json``.
 
 A trace is two forwards: the prompt into a cache (keys, values, baseline scores), then the continuation after
 it (importance). A generated answer comes from that same cache, so a long prompt is computed once.
@@ -105,10 +105,11 @@ def capture_attention(model: Any, on_layer: Callable[[torch.nn.Module, torch.Ten
         fn = base_fn or __import__(type(module).__module__, fromlist=["x"]).eager_attention_forward
         return fn(module, query, key, value, attention_mask, **kwargs)
 
-    AttentionInterface.register("kvtier_trace", traced)
+    name = f"kvtier_trace_{base}"   # one name per base, so no base's mask is ever lent to another
+    AttentionInterface.register(name, traced)
     if base in ALL_MASK_ATTENTION_FUNCTIONS:
-        AttentionMaskInterface.register("kvtier_trace", ALL_MASK_ATTENTION_FUNCTIONS[base])
-    config._attn_implementation = "kvtier_trace"
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
+    config._attn_implementation = name
     try:
         yield
     finally:
@@ -178,11 +179,14 @@ def record_answer_trace(model: Any, prompt_ids: torch.Tensor,
     """
     prompt = prompt_ids.shape[1]
     cache, per_layer = _prefill(model, prompt_ids)
-    # a negative crop removes that many tokens in every transformers version kvtier supports
+    # crop(-n) removes n tokens in every supported transformers version; crop(0) is never called, since
+    # some versions read it as "keep nothing"
     cache.crop(-1)           # generate computes the last prompt token again, for the first answer token
     answer = model.generate(prompt_ids, **cache_kwargs(cache), max_new_tokens=answer_tokens,
                             do_sample=False)[:, prompt:]
-    cache.crop(prompt - cache.get_seq_length())
+    extra = cache.get_seq_length() - prompt   # the answer's tokens but its last, which no step fed back
+    if extra > 0:
+        cache.crop(-extra)
     return answer, _continue(model, cache, prompt, answer, per_layer)
 
 

@@ -65,12 +65,15 @@ def test_chunks_read_only_visible_keys_and_match_plain_attention(step, chunk, ro
                                plain[..., -new:].sum(2))
 
 
-def test_strided_query_rows_are_refused(step):
-    from kvtier.scoring.attention_stats import received_attention
+def test_strided_query_rows_and_fewer_new_keys_than_queries_are_refused(step):
+    from kvtier.scoring.attention_stats import received_attention, received_attention_sum
 
     _, context, query, new = step
     with pytest.raises(ValueError, match="contiguous slice; got step 2"):
         received_attention(query, context, new, 0.3, slice(None, None, 2))
+    for fn in (received_attention, received_attention_sum):
+        with pytest.raises(ValueError, match=r"new=10 with 40 queries and 47 keys; allowed: from the number of "):
+            fn(query, context, 10, 0.3)
 
 
 def test_query_needing_scorer_without_query_is_an_error(make_engine):

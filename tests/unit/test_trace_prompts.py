@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvtier.training.chats import FACTS, QUESTIONS, chat_prompts
@@ -32,7 +33,8 @@ def test_a_conversation_has_the_fact_prose_turns_and_the_question(default_model)
 
 
 
-def test_a_trace_recorded_in_two_passes_equals_the_one_pass_definition(default_model):
+@pytest.mark.parametrize("answer_tokens", [6, 1])
+def test_a_trace_recorded_in_two_passes_equals_the_one_pass_definition(default_model, answer_tokens):
     """`record_answer_trace` prefills the prompt once, answers from that cache and reads the answer's
     attention after it; the answer and every tensor must equal a plain generate and `layer_statistics` over
     one forward of prompt plus answer."""
@@ -42,8 +44,9 @@ def test_a_trace_recorded_in_two_passes_equals_the_one_pass_definition(default_m
 
     model, tok = default_model
     prompt = make_needle_task(tok, 400, depth=0.3, seed=5).input_ids
-    answer, trace = record_answer_trace(model, prompt, 6)
-    assert torch.equal(answer, greedy_answer(model, prompt, 6)) and answer.shape[1] >= 2
+    answer, trace = record_answer_trace(model, prompt, answer_tokens)
+    assert torch.equal(answer, greedy_answer(model, prompt, answer_tokens))
+    assert answer.shape[1] == answer_tokens        # a one-token answer leaves the cache at the prompt itself
     n = prompt.shape[1]
     expect: dict[int, dict[str, torch.Tensor]] = {}
 
@@ -61,3 +64,31 @@ def test_a_trace_recorded_in_two_passes_equals_the_one_pass_definition(default_m
         assert trace[name].shape == want.shape, name
         tol = dict(rtol=2e-3, atol=2e-3) if name in ("keys", "values") else dict(rtol=1e-3, atol=1e-5)
         torch.testing.assert_close(trace[name].float(), want.float(), msg=name, **tol)
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_capture_keeps_the_models_own_attention_after_a_cache(implementation):
+    """Under `capture_attention` the logits equal a plain forward, for a prefill and for queries after a cache:
+    transformers builds no mask for an implementation it does not know, so the capture must lend the model's."""
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+    from kvtier.integrations.hf import cache_kwargs
+    from kvtier.training.traces import capture_attention
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, attn_implementation=implementation)
+    model = LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 64, (1, 24))
+    seen = []
+    with torch.no_grad():
+        plain = model(ids).logits
+        with capture_attention(model, lambda module, q, k, v, kw: seen.append(q.shape[2])):
+            captured = model(ids).logits
+            cache = DynamicCache(config=config)
+            model(ids[:, :17], **cache_kwargs(cache))
+            after = model(ids[:, 17:], **cache_kwargs(cache)).logits
+    torch.testing.assert_close(captured, plain)
+    torch.testing.assert_close(after, plain[:, 17:], rtol=1e-4, atol=1e-5)
+    assert seen == [24, 24, 17, 17, 7, 7]
+    assert model.config._attn_implementation == implementation
