@@ -18,12 +18,15 @@ from typing import Iterator
 
 import torch
 
-CHUNK_BYTES = 16 << 20   # float32 logits of one chunk of queries
+CHUNK_BYTES = 16 << 20          # float32 logits of one chunk of queries, in host memory
+DEVICE_CHUNK_BYTES = 256 << 20  # on an accelerator: its caching allocator reuses blocks, and fewer launches pay
 
 
-def chunk_rows(q_heads: int, keys: int) -> int:
-    """Queries per chunk so that their logits over `keys` keys fit `CHUNK_BYTES` (at least 1, at most 512)."""
-    return max(1, min(512, CHUNK_BYTES // (4 * q_heads * max(keys, 1))))
+def chunk_rows(q_heads: int, keys: int, device: torch.device | str = "cpu") -> int:
+    """Queries per chunk so that their logits over `keys` keys fit `CHUNK_BYTES` (`DEVICE_CHUNK_BYTES` off the
+    CPU); at least 1, at most 512."""
+    budget = CHUNK_BYTES if torch.device(device).type == "cpu" else DEVICE_CHUNK_BYTES
+    return max(1, min(512, budget // (4 * q_heads * max(keys, 1))))
 
 
 def _chunks(query: torch.Tensor, keys: torch.Tensor, new: int, scaling: float, queries: slice,
@@ -42,7 +45,7 @@ def _chunks(query: torch.Tensor, keys: torch.Tensor, new: int, scaling: float, q
     group = q_heads // kv_heads
     older = n - q_len                                # entries written before the step's first query
     k = keys[0].float()
-    chunk = chunk or chunk_rows(q_heads, n)
+    chunk = chunk or chunk_rows(q_heads, n, query.device)
     for first in range(start, stop, chunk):
         count = min(chunk, stop - first)
         visible = older + first + count

@@ -92,3 +92,14 @@ def test_query_needing_scorer_without_query_is_an_error(make_engine):
         pages = [engine.table.positions(h, p) for p in range(engine.table.n)]
         held = sorted(pos[h].tolist() + [int(x) for page in pages for x in page])
         assert held == list(range(20))
+
+
+def test_chunks_fit_the_memory_budget_of_their_device():
+    """16 MiB of logits on the CPU (larger blocks cost kernel time on every chunk), more on an accelerator."""
+    from kvtier.scoring.attention_stats import CHUNK_BYTES, DEVICE_CHUNK_BYTES, chunk_rows
+
+    rows = chunk_rows(9, 7680)
+    assert rows * 9 * 7680 * 4 <= CHUNK_BYTES < (rows + 1) * 9 * 7680 * 4
+    assert chunk_rows(32, 131072, "cuda") * 32 * 131072 * 4 <= DEVICE_CHUNK_BYTES
+    assert chunk_rows(32, 131072, "cuda") > chunk_rows(32, 131072) == 1
+    assert chunk_rows(9, 100) == chunk_rows(9, 100, "cuda") == 512
