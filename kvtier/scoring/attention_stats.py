@@ -32,8 +32,8 @@ def chunk_rows(q_heads: int, keys: int, device: torch.device | str = "cpu") -> i
 def _chunks(query: torch.Tensor, keys: torch.Tensor, new: int, scaling: float, queries: slice,
             chunk: int | None) -> Iterator[tuple[int, int, torch.Tensor]]:
     """Per chunk of the selected queries, ``(first, count, probs)``: the chunk is rows ``first..first+count-1``
-    of the step, ``probs`` ``[kv_heads, group, count, visible]`` its causal softmax over the first ``visible``
-    keys (every later key is masked for every row of the chunk, so it is left out)."""
+    of the step, ``probs`` ``[kv_heads, group, count, seen]`` its causal softmax over the first ``seen`` of the
+    `new` last keys (every later key is masked for every row of the chunk, so it is left out)."""
     q_heads, q_len, dim = query.shape[1], query.shape[2], query.shape[3]
     kv_heads, n = keys.shape[1], keys.shape[2]
     if not q_len <= new <= n:
@@ -54,7 +54,7 @@ def _chunks(query: torch.Tensor, keys: torch.Tensor, new: int, scaling: float, q
         diagonal = logits[..., visible - count:]    # row i sees diagonal column j only when j <= i
         later = torch.ones(count, count, dtype=torch.bool, device=query.device).triu_(1)
         diagonal.masked_fill_(later, float("-inf"))
-        yield first, count, torch.softmax(logits, dim=-1)
+        yield first, count, torch.softmax(logits, dim=-1)[..., n - new:]
 
 
 def received_attention(query: torch.Tensor, keys: torch.Tensor, new: int, scaling: float,
@@ -73,12 +73,11 @@ def received_attention(query: torch.Tensor, keys: torch.Tensor, new: int, scalin
     -------
     ``[kv_heads, group, q_selected, new]`` float32.
     """
-    kv_heads, n = keys.shape[1], keys.shape[2]
+    kv_heads = keys.shape[1]
     start, stop, _ = queries.indices(query.shape[2])
     out = torch.zeros(kv_heads, query.shape[1] // kv_heads, max(stop - start, 0), new, device=query.device)
     for first, count, probs in _chunks(query, keys, new, scaling, queries, chunk):
-        seen = probs.shape[-1] - (n - new)          # how many of the new keys the chunk's last row sees
-        out[:, :, first - start:first - start + count, :seen] = probs[..., n - new:]
+        out[:, :, first - start:first - start + count, :probs.shape[-1]] = probs
     return out
 
 
@@ -86,9 +85,8 @@ def received_attention_sum(query: torch.Tensor, keys: torch.Tensor, new: int, sc
                            queries: slice = slice(None), chunk: int | None = None) -> torch.Tensor:
     """`received_attention` summed over the selected queries, ``[kv_heads, group, new]`` float32, in memory
     for one chunk of queries only."""
-    kv_heads, n = keys.shape[1], keys.shape[2]
+    kv_heads = keys.shape[1]
     total = torch.zeros(kv_heads, query.shape[1] // kv_heads, new, device=query.device)
     for _, _, probs in _chunks(query, keys, new, scaling, queries, chunk):
-        seen = probs.shape[-1] - (n - new)
-        total[..., :seen] += probs[..., n - new:].sum(dim=2)
+        total[..., :probs.shape[-1]] += probs.sum(dim=2)
     return total
