@@ -8,7 +8,6 @@ queries that attention-based scorers need, and loads them into each policy's cac
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +16,7 @@ from transformers import DynamicCache
 
 from ..integrations.hf import TieredCache, cache_kwargs
 from ..scoring import AgeAware, QueryScorer, Scorer, check_scorer_model, needs_query, scorer_name
-from ..training.traces import capture_attention
+from ..training.traces import attention_scaling, capture_attention
 
 
 @dataclass
@@ -32,8 +31,7 @@ def shared_prefill(model: Any, input_ids: torch.Tensor) -> Prefill:
     queries: dict[int, tuple[torch.Tensor, float]] = {}
 
     def on_layer(module, query, key, value, kwargs):
-        scaling = kwargs.get("scaling") or getattr(module, "scaling", 1 / math.sqrt(query.shape[-1]))
-        queries[module.layer_idx] = (query.detach(), scaling)
+        queries[module.layer_idx] = (query.detach(), attention_scaling(module, query, kwargs))
 
     cache = DynamicCache(config=model.config)
     with capture_attention(model, on_layer):

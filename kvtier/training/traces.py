@@ -6,7 +6,8 @@ steps ``t`` and the query heads ``g`` of the KV head's group, ``A`` being the ca
 The same pass also records the scores of the attention-based baselines (TOVA, SnapKV, H2O), from the prompt
 only: their own `QueryScorer` classes run on the prompt's queries and keys, exactly as the cache runs them
 after a prefill, so `kvtier eval-scorer` grades the code the cache uses. Attention is computed by
-`kvtier.scoring.attention_stats`, the module those scorers share. Traces are safetensors shards plus a ``manifest.json``.
+`kvtier.scoring.attention_stats`, the module those scorers share. Traces are safetensors shards plus a
+``manifest.json``.
 
 A trace is two forwards: the prompt into a cache (keys, values, baseline scores), then the continuation after
 it (importance). A generated answer comes from that same cache, so a long prompt is computed once.
@@ -90,7 +91,8 @@ def capture_attention(model: Any, on_layer: Callable[[torch.nn.Module, torch.Ten
     """Run the model's own attention, but show each layer's query, key and value to `on_layer` first.
 
     The model's own mask is kept: transformers builds no mask for an implementation it does not know, and
-    attention would then be causal from the wrong corner for queries that follow a cache.
+    attention would then not be causal (eager), or causal from the wrong corner for queries that follow a
+    cache (SDPA).
     """
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
@@ -116,7 +118,9 @@ def capture_attention(model: Any, on_layer: Callable[[torch.nn.Module, torch.Ten
         config._attn_implementation = base
 
 
-def _scaling(module: torch.nn.Module, query: torch.Tensor, kwargs: dict) -> float:
+def attention_scaling(module: torch.nn.Module, query: torch.Tensor, kwargs: dict) -> float:
+    """The softmax scale a captured layer uses: the one passed to attention, else the module's, else
+    ``1 / sqrt(dim)``."""
     return kwargs.get("scaling") or getattr(module, "scaling", 1 / math.sqrt(query.shape[-1]))
 
 
@@ -126,7 +130,8 @@ def _prefill(model: Any, prompt_ids: torch.Tensor) -> tuple[DynamicCache, dict[i
     baselines = baseline_scorers()
 
     def on_layer(module, query, key, value, kwargs):
-        stats = prompt_statistics(query, key, value, _scaling(module, query, kwargs), baselines, module.layer_idx)
+        scaling = attention_scaling(module, query, kwargs)
+        stats = prompt_statistics(query, key, value, scaling, baselines, module.layer_idx)
         stats["keys"] = key[0].to(torch.float16)
         stats["values"] = value[0].to(torch.float16)
         per_layer[module.layer_idx] = stats
@@ -148,7 +153,7 @@ def _continue(model: Any, cache: DynamicCache, prompt: int, continuation_ids: to
             raise ValueError(f"layer {module.layer_idx} attends to {key.shape[2]} keys, not the {length} of prompt "
                              "and continuation: traces need layers that keep every token (no sliding window)")
         per_layer[module.layer_idx].update(
-            future_importance(query, key, _scaling(module, query, kwargs), prompt, targets=True))
+            future_importance(query, key, attention_scaling(module, query, kwargs), prompt, targets=True))
 
     with capture_attention(model, on_layer):
         model(continuation_ids, **cache_kwargs(cache), logits_to_keep=1)

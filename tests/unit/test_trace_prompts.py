@@ -32,7 +32,6 @@ def test_a_conversation_has_the_fact_prose_turns_and_the_question(default_model)
         assert text.count("<|im_start|>assistant") >= 4    # the acknowledgement, the model's replies, the answer
 
 
-
 @pytest.mark.parametrize("answer_tokens", [6, 1])
 def test_a_trace_recorded_in_two_passes_equals_the_one_pass_definition(default_model, answer_tokens):
     """`record_answer_trace` prefills the prompt once, answers from that cache and reads the answer's
