@@ -110,6 +110,12 @@ class TieredCacheConfig:
         ``"tier"`` demotes low-ranked entries and recalls them at decode; ``"evict"`` drops them.
     recall_pages
         Pages recalled per layer and KV head at each step (0 disables recall).
+    prefetch_pages
+        Pages per layer and KV head brought up ahead of the next step, beyond `recall_pages`: the next-ranked
+        pages of a step's choice, copied on a side stream while the other layers compute (where recall is
+        planned on the device: CUDA, every demoted page of the layer in host memory). ``None``: half of
+        `recall_pages` there, none elsewhere (without a side stream nothing can overlap). Attention reads
+        only the chosen pages, so the setting changes what moves and when, never the output.
     page_size
         Tokens per page in the host and disk tiers.
     sink_tokens, recent_tokens
@@ -123,6 +129,7 @@ class TieredCacheConfig:
     disk_dir: str | None = None
     mode: str = "tier"
     recall_pages: int = DEFAULT_RECALL_PAGES
+    prefetch_pages: int | None = None
     page_size: int = DEFAULT_PAGE_SIZE
     sink_tokens: int = DEFAULT_SINK_TOKENS
     recent_tokens: int | float = DEFAULT_RECENT_TOKENS
@@ -132,6 +139,8 @@ class TieredCacheConfig:
         if self.mode not in MODES:
             raise ConfigError(f"mode={self.mode!r} is not allowed; allowed: {', '.join(map(repr, MODES))}")
         _whole("recall_pages", self.recall_pages, 0)
+        if self.prefetch_pages is not None:
+            _whole("prefetch_pages", self.prefetch_pages, 0)
         _whole("page_size", self.page_size, 1)
         _whole("sink_tokens", self.sink_tokens, 0)
         object.__setattr__(self, "recent_tokens", check_recent_tokens(self.recent_tokens))
@@ -158,6 +167,12 @@ class TieredCacheConfig:
         """The device budget in tokens after `seen` tokens; never below the sinks and recent window."""
         budget = self.device_budget.tokens(seen)
         return max(budget, min(seen, self.sink_tokens + recent_window(self.recent_tokens, budget)))
+
+    def prefetch(self, on_device: bool) -> int:
+        """Pages per KV head prefetched for the next step by a layer whose recall is planned `on_device`."""
+        if not on_device or not self.recall_pages:
+            return 0
+        return self.recall_pages // 2 if self.prefetch_pages is None else self.prefetch_pages
 
     def recent_window(self, seen: int) -> int:
         """The recent window in tokens after `seen` tokens (a share of the device budget, or fixed)."""

@@ -62,6 +62,7 @@ def clone_counters(src, dst) -> None:
     """Carry the move counters over, so the copy's `stats()` tell the same history."""
     dst.bytes_moved.update(src.bytes_moved)
     dst.pages_recalled.update(src.pages_recalled)
-    for name in ("recall_steps", "pages_reused", "tokens_dropped", "tokens_masked", "disk_wait_seconds"):
+    for name in ("recall_steps", "pages_reused", "pages_prefetched", "prefetch_used", "tokens_dropped",
+                 "tokens_masked", "disk_wait_seconds"):
         setattr(dst, name, getattr(src, name))
 

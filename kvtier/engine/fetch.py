@@ -3,6 +3,11 @@
 Pages the recall buffer already holds stay; the others are gathered from the host slabs and the disk store
 (through the read-ahead cache) into staging and copied up; short-listed disk pages that were not taken are
 read ahead for the next step. Part of `LayerEngine`, kept apart so the life of a step reads on its own.
+
+Where recall is planned on the device, the buffer has spare slots and a step ends by prefetching: the pages
+ranked right after its choice (the likeliest to be chosen next, as the query moves slowly) are copied into
+the spare slots on a side stream, overlapping the other layers' compute; the next step waits for that copy on
+the device, finds most of its choice already there and fetches only the rest on demand.
 """
 
 from __future__ import annotations
@@ -15,26 +20,30 @@ import torch
 from ..placement.page_table import DISK, HOST
 from .. import native
 from ..recall.buffer import RecallBuffer
-from ..recall.device_plan import plan_on_device
+from ..recall.device_plan import plan_on_device, slots_of
 
 
 class PageFetching:
     """The fetch half of a `LayerEngine` (uses its table, tiers, recall buffer, transfers and counters)."""
 
-    def _fetch(self, ids: torch.Tensor, shortlist: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pages ``ids`` ``[heads, r]`` on the device: ``[heads, r * page_size, dim]`` keys and values.
+    def _fetch(self, ids: torch.Tensor, shortlist: torch.Tensor,
+               ahead: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | np.ndarray]:
+        """Pages ``ids`` ``[heads, r]`` on the device: ``[heads, r * page_size, dim]`` keys and values, and the
+        page id of each of their pages ``[heads, r]`` (the order attention reads them in).
 
-        Pages the recall buffer already holds stay; only the others are brought up.
+        Pages the recall buffer already holds stay; only the others are brought up. `shortlist` ranks the
+        candidates, best first; with `ahead` (the step's last query block) the next-ranked ones are prefetched.
         """
         H, r = ids.shape
         on_device = self.recalls_on_device()
+        width = r + self.cfg.prefetch(on_device)
         buf = self.recalled
-        if buf is None or buf.pages != r or buf.on_device != on_device:
-            buf = self.recalled = RecallBuffer(H, r, self.cfg.page_size, self.head_dim, self.dtype, self.device,
+        if buf is None or buf.pages != width or buf.on_device != on_device:
+            self._drop_recalled()
+            buf = self.recalled = RecallBuffer(H, width, self.cfg.page_size, self.head_dim, self.dtype, self.device,
                                                on_device=on_device)
         if on_device:
-            self._fetch_on_device(buf, ids)
-            return buf.k, buf.v
+            return self._fetch_on_device(buf, ids, shortlist if ahead else None)
         want = ids.cpu().numpy()
         heads, pids, slots = buf.plan(want)
         self.counters.pages_reused += H * r - len(pids)
@@ -43,7 +52,7 @@ class PageFetching:
             buf.fill(heads[order], pids[order], slots[order], k, v)
         self._read_ahead(ids, shortlist)
         self.counters.recall_steps += 1
-        return buf.k, buf.v
+        return buf.k, buf.v, buf.ids
 
     def recalls_on_device(self) -> bool:
         """Whether this layer's recall is planned and copied on the device, with no host round-trip: on CUDA
@@ -52,21 +61,71 @@ class PageFetching:
         wanted = self.device_recall if self.device_recall is not None else self.device.type == "cuda"
         return bool(wanted) and self.disk is None and self.host is not None
 
-    def _fetch_on_device(self, buf: RecallBuffer, ids: torch.Tensor) -> None:
-        """Plan and copy the missing pages of ``ids`` ``[heads, r]`` into `buf` without leaving the device."""
+    def _drop_recalled(self) -> None:
+        """Let the recall buffer go, once the device has done the prefetch into it (if one is queued): that
+        prefetch also counts into `device_counts`, which the current stream updates next."""
+        buf = self.recalled
+        if buf is not None and buf.pending is not None:
+            self.transfer.wait([buf.pending])
+            buf.pending = None
+        self.recalled = None
+
+    def _fetch_on_device(self, buf: RecallBuffer, ids: torch.Tensor,
+                         ranked: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Plan and copy the missing pages of ``ids`` ``[heads, r]`` into `buf` without leaving the device;
+        then, given the `ranked` candidates and spare slots, prefetch the next-ranked pages."""
         H, r = ids.shape
-        P, D = self.cfg.page_size, self.head_dim
+        R = buf.pages
+        if buf.pending is not None:   # the prefetch into these slots: the device waits for it, not the host
+            self.transfer.wait([buf.pending])
+            buf.pending = None
         fetch, slots, count, held = plan_on_device(ids, buf.held, self.table.n)
-        src = self._host_slots().gather(1, fetch)
-        dst = slots + torch.arange(H, device=self.device)[:, None] * r
-        for rows, out in ((self.host.k, buf.k), (self.host.v, buf.v)):
-            native.recall_pages(rows.slabs, rows.rows_per_slab, src, dst, count, out.view(H * r, P, D),
-                                rows.addresses(self.device))
-        self.host.read_on(self.device)
+        self._copy_up(buf, fetch, slots, count)
         buf.held = held
         moved = count.sum()
-        self.device_counts.add_(torch.stack([moved, H * r - moved]))   # read by `stats()`, not every step
         self.counters.recall_steps += 1
+        if R == r:   # no spare slots: the buffer holds exactly the chosen pages
+            self.device_counts[:2].add_(torch.stack([moved, H * r - moved]))   # read by `stats()`, not every step
+            return buf.k, buf.v, held
+        filled = torch.arange(r, device=self.device)[None, :] < count[:, None]   # slots just fetched into
+        buf.ahead.scatter_(1, slots, buf.ahead.gather(1, slots) & ~filled)
+        where = slots_of(ids, held, self.table.n)
+        used = buf.ahead.gather(1, where)     # chosen pages a prefetch had brought
+        buf.ahead.scatter_(1, where, False)
+        self.device_counts.add_(torch.stack([moved, H * r - moved, torch.zeros_like(moved), used.sum()]))
+        k, v = buf.chosen(where)
+        if ranked is not None:
+            self._prefetch(buf, ranked[:, :R])
+        return k, v, ids
+
+    def _copy_up(self, buf: RecallBuffer, fetch: torch.Tensor, slots: torch.Tensor, count: torch.Tensor) -> None:
+        """Pages ``fetch[h, :count[h]]`` from the pinned host slabs into buffer slots ``slots[h, :count[h]]``, on
+        the current stream (the `recall_pages` kernel reading the slabs through their mapping)."""
+        H, R = buf.held.shape
+        P, D = self.cfg.page_size, self.head_dim
+        src = self._host_slots().gather(1, fetch)
+        dst = slots + torch.arange(H, device=self.device)[:, None] * R
+        for rows, out in ((self.host.k, buf.k), (self.host.v, buf.v)):
+            native.recall_pages(rows.slabs, rows.rows_per_slab, src, dst, count, out.view(H * R, P, D),
+                                rows.addresses(self.device))
+        self.host.read_on(self.device)
+
+    def _prefetch(self, buf: RecallBuffer, target: torch.Tensor) -> None:
+        """Bring the pages of `target` ``[heads, w]`` (this step's choice and the pages ranked after it) into
+        `buf` on the transfer manager's side stream; the next step's `_fetch_on_device` waits for it."""
+        n, counts = self.table.n, self.device_counts
+
+        def work() -> None:
+            fetch, slots, count, held = plan_on_device(target, buf.held, n)
+            self._copy_up(buf, fetch, slots, count)
+            real = torch.arange(slots.shape[1], device=self.device)[None, :] < count[:, None]
+            buf.ahead.scatter_(1, slots, real | buf.ahead.gather(1, slots))
+            buf.held.copy_(held)
+            counts[2] += count.sum()
+
+        uses = [target, buf.k, buf.v, buf.held, buf.ahead, counts, self._host_slots()]
+        uses += [a for a in (self.host.k.addresses(self.device), self.host.v.addresses(self.device)) if a is not None]
+        buf.pending = self.transfer.run_ahead(work, uses)
 
     def _host_slots(self) -> torch.Tensor:
         """``[heads, n]`` host slot of every page on the device (-1 elsewhere), rebuilt when the table changed."""

@@ -66,7 +66,8 @@ class LayerEngine(PageFetching):
         self.recalled: RecallBuffer | None = None       # those pages, on the device
         self.device_recall: bool | None = None          # plan recall on the device (None: on CUDA, see fetch.py)
         self._slot_mirror: tuple[int, torch.Tensor] | None = None   # (table version, host slots on the device)
-        self.device_counts: torch.Tensor | None = None  # [pages moved, pages reused] by device-planned recall
+        # by device-planned recall: [pages moved on demand, pages reused, pages prefetched, prefetched pages chosen]
+        self.device_counts: torch.Tensor | None = None
         self._nan: torch.Tensor | None = None           # NaN seen in scores not yet checked (deferred on CUDA)
 
     # ------------------------------------------------------------------ write
@@ -78,7 +79,7 @@ class LayerEngine(PageFetching):
         slab = SLAB_TOKENS if budget.is_fraction or budget.value > 65536 else \
             max(SLAB_TOKENS, int(budget.value) + 2 * self.cfg.page_size)   # a huge budget grows slab by slab
         self.pool = DevicePool(self.heads, self.head_dim, dtype, device, slab)
-        self.device_counts = torch.zeros(2, dtype=torch.int64, device=device)
+        self.device_counts = torch.zeros(4, dtype=torch.int64, device=device)
         if self.cfg.mode == "tier":
             self.index = PageIndex(self.heads, self.cfg.page_size, self.head_dim, dtype, device, self.pin)
             self.tiers[0] = HostPool(self.cfg.page_size, self.head_dim, dtype, self.pin)
@@ -189,31 +190,32 @@ class LayerEngine(PageFetching):
                 torch.logsumexp(torch.stack([lse[0] for _, lse in parts]), dim=0)
             ids, shortlist = select_pages(grouped(block, self.heads), self.index, self.cfg.recall_pages, scale,
                                           resident_lse=resident)
-            rk, rv = self._fetch(ids, shortlist)
+            rk, rv, order = self._fetch(ids, shortlist, ahead=b1 == q_len)
             self.last_recall = ids
             packed = block.reshape(1, self.heads, -1, block.shape[3])
             parts.append(attend_with_lse(packed, rk[None], rv[None], scale, softcap=softcap))
             out, lse = finish_with_lse(parts, block)
             outs.append(out)
             if weights:
-                maps.append(self._weights(packed, lse, p, b0, b1, q_len, scale, softcap, query.shape[1]))
+                maps.append(self._weights(packed, lse, p, b0, b1, q_len, scale, softcap, query.shape[1], rk, order))
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         if not weights:
             return out, None
         return out, torch.cat(maps, dim=2).to(query.dtype)
 
     def _weights(self, packed: torch.Tensor, lse: torch.Tensor, p: _Pending, b0: int, b1: int, q_len: int,
-                 scale: float, softcap: float | None, q_heads: int) -> torch.Tensor:
-        """The block's attention weights by position (see `engine.weights`): ``[1, q_heads, b1 - b0, seen]``."""
+                 scale: float, softcap: float | None, q_heads: int, rk: torch.Tensor,
+                 order: torch.Tensor | np.ndarray) -> torch.Tensor:
+        """The block's attention weights by position (see `engine.weights`): ``[1, q_heads, b1 - b0, seen]``;
+        `rk` are the recalled keys attention read, `order` the page id of each of their pages."""
         n = self.pool.count + (1 if q_len == 1 else 0)
         k, _ = self.pool.contiguous(n)
         sets = [(k[0], self.pool.meta(n)[0])]
         if q_len > 1:
             sets.append((p.k[0, :, :b1], p.pos[:b1].expand(self.heads, -1)))
-        buf = self.recalled
-        held = buf.held.cpu().numpy() if buf.on_device else buf.ids   # eager weights read the host anyway
+        held = order.cpu().numpy() if isinstance(order, torch.Tensor) else order   # eager weights read the host
         pos = np.stack([np.stack([self.table.positions(h, pid) for pid in row]) for h, row in enumerate(held)])
-        sets.append((buf.k, torch.from_numpy(pos.reshape(self.heads, -1)).to(self.device)))
+        sets.append((rk, torch.from_numpy(pos.reshape(self.heads, -1)).to(self.device)))
         w = weights_by_position(packed, sets, lse, p.pos[b0:b1], self.seen, scale, softcap)
         return unpack_rows(w, q_heads)
 
@@ -357,7 +359,7 @@ class LayerEngine(PageFetching):
         if self.parked is None:   # everything that could fail has succeeded: let the device go
             self.counters.bytes_moved["device_to_host"] += moved
             self.pool.clear()
-            self.recalled = None
+            self._drop_recalled()
             if self.index is not None:
                 self.index.release()
         self.parked = current
@@ -383,13 +385,18 @@ class LayerEngine(PageFetching):
         """Add what device-planned recall counted on the device to the shared counters (reads the device)."""
         if self.device_counts is None or self.host is None:
             return
-        moved, reused = (int(x) for x in self.device_counts.tolist())
-        if moved or reused:
+        if self.recalled is not None and self.recalled.pending is not None:   # a prefetch still counting
+            self.transfer.wait([self.recalled.pending])
+            self.recalled.pending = None
+        moved, reused, ahead, used = (int(x) for x in self.device_counts.tolist())
+        if moved or reused or ahead:
             self.device_counts.zero_()
             c = self.counters
-            c.pages_recalled["host"] += moved
-            c.bytes_moved["host_to_device"] += moved * self.host.page_bytes()
+            c.pages_recalled["host"] += moved + ahead
+            c.bytes_moved["host_to_device"] += (moved + ahead) * self.host.page_bytes()
             c.pages_reused += reused
+            c.pages_prefetched += ahead
+            c.prefetch_used += used
 
     def usage(self) -> dict[str, dict[str, int]]:
         """Tokens (summed over heads) and bytes per tier, measured from the pools."""
@@ -428,7 +435,7 @@ class LayerEngine(PageFetching):
     def reset(self) -> None:
         """Forget every entry (the shared disk store stays open for reuse)."""
         self.pending = None
-        self.recalled = None
+        self._drop_recalled()
         self.last_recall = None
         self._slot_mirror = None
         self._nan = None

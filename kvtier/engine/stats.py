@@ -14,7 +14,9 @@ class MoveCounters:
     bytes_moved: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MOVES, 0))
     pages_recalled: dict[str, int] = field(default_factory=lambda: {"host": 0, "disk": 0})
     recall_steps: int = 0
-    pages_reused: int = 0        # chosen pages already on the device from an earlier step (nothing moved)
+    pages_reused: int = 0        # chosen pages already on the device when chosen (kept or prefetched)
+    pages_prefetched: int = 0    # pages brought up ahead of need (counted in pages_recalled too)
+    prefetch_used: int = 0       # of those, pages a later step chose
     tokens_dropped: int = 0
     tokens_masked: int = 0       # padding the attention mask left out, never stored
     disk_wait_seconds: float = 0.0

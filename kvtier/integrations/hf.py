@@ -69,6 +69,9 @@ class TieredCache(OneSequence, Cache):
         ``"tier"`` (demote and recall) or ``"evict"`` (drop; the KVP paper's setting).
     recall_pages
         Demoted pages brought back per layer and KV head at each step.
+    prefetch_pages
+        Pages per layer and KV head brought up ahead of the next step on a side stream (CUDA); ``None``: half
+        of `recall_pages` on CUDA, none elsewhere. See `TieredCacheConfig`; it never changes the output.
     page_size, sink_tokens, recent_tokens
         See `TieredCacheConfig`; `recent_tokens` is a token count or, as by default (0.25), a share of the
         device budget.
@@ -79,7 +82,7 @@ class TieredCache(OneSequence, Cache):
     def __init__(self, config: Any, device_budget: float | int = 0.25, host_budget: float | int | None = None,
                  disk_dir: str | os.PathLike | None = None, scorer: str | Scorer | QueryScorer | None = None,
                  mode: str = "tier", recall_pages: int = DEFAULT_RECALL_PAGES, *,
-                 page_size: int = DEFAULT_PAGE_SIZE, sink_tokens: int = DEFAULT_SINK_TOKENS,
+                 prefetch_pages: int | None = None, page_size: int = DEFAULT_PAGE_SIZE, sink_tokens: int = DEFAULT_SINK_TOKENS,
                  recent_tokens: int | float = DEFAULT_RECENT_TOKENS, scorer_kwargs: dict[str, Any] | None = None) -> None:
         plan = layer_plan(config)
         shape = ModelShape.from_config(config)
@@ -102,7 +105,8 @@ class TieredCache(OneSequence, Cache):
             device_budget=Budget(device_budget, "device_budget"),
             host_budget=None if host_budget is None else Budget(host_budget, "host_budget", allow_zero=True),
             disk_dir=None if disk_dir is None else os.fspath(disk_dir),
-            mode=mode, recall_pages=recall_pages, page_size=page_size, sink_tokens=sink_tokens,
+            mode=mode, recall_pages=recall_pages, prefetch_pages=prefetch_pages, page_size=page_size,
+            sink_tokens=sink_tokens,
             recent_tokens=recent_tokens,
             scorer_name=scorer if isinstance(scorer, str) else scorer_name(scorer),
         )
@@ -265,8 +269,12 @@ class TieredCache(OneSequence, Cache):
         Budgets and the tier figures count the tiered (full-attention) layers only; ``window`` gives the
         sliding-window layers, which keep transformers' own window on the device.
         ``bytes_moved`` per direction,
-        ``pages_recalled`` per source tier (pages moved up), ``pages_reused`` (chosen pages the device already
-        held from the step before) and ``reuse_rate`` (their share of the chosen pages), ``transfer_wait_seconds`` (blocked on copies and disk reads).
+        ``pages_recalled`` per source tier (pages moved up, prefetched ones included), ``pages_reused`` (chosen
+        pages already on the device when chosen: kept from an earlier step or prefetched) and ``reuse_rate``
+        (their share of the chosen pages: the hit rate of "what is on the device is what will be chosen"; the
+        rest were fetched on demand), ``prefetch`` (``pages`` brought up ahead of the next step on the side
+        stream, ``used``: those a later step chose, ``hit_rate``: ``used / pages``),
+        ``transfer_wait_seconds`` (blocked on copies and disk reads).
         """
         tiers: dict[str, dict[str, int]] = {t: {"tokens": 0, "bytes": 0, "reserved_bytes": 0}
                                              for t in ("device", "host", "disk")}
@@ -280,6 +288,7 @@ class TieredCache(OneSequence, Cache):
             tiers["disk"]["reserved_bytes"] = self._shared.disk_store.file_bytes()
         c = self.counters
         moved = c.pages_recalled["host"] + c.pages_recalled["disk"]
+        on_demand = moved - c.pages_prefetched
         wait = c.disk_wait_seconds + sum(t.counters.wait_seconds for t in self._shared.transfers.values())
         ahead = [e.readahead for e in self._engines if e.readahead is not None]
         hits, misses = sum(r.hits for r in ahead), sum(r.misses for r in ahead)
@@ -303,9 +312,11 @@ class TieredCache(OneSequence, Cache):
             "pages_recalled_from": dict(c.pages_recalled),
             "recall_steps": c.recall_steps,
             "pages_reused": c.pages_reused,
-            # the share of chosen pages the step before had already brought up: how well "the pages this layer
-            # chose last step" predicts its next choice (what a prefetch ahead of the query would hit)
-            "reuse_rate": (c.pages_reused / (c.pages_reused + moved)) if c.pages_reused + moved else None,
+            # the share of chosen pages already on the device when chosen (kept from the step before, or
+            # prefetched after it): how well the device's content predicted the choice
+            "reuse_rate": (c.pages_reused / (c.pages_reused + on_demand)) if c.pages_reused + on_demand else None,
+            "prefetch": {"pages": c.pages_prefetched, "used": c.prefetch_used,
+                         "hit_rate": c.prefetch_used / c.pages_prefetched if c.pages_prefetched else None},
             "tokens_dropped": c.tokens_dropped,
             "tokens_masked": c.tokens_masked,
             "transfer_wait_seconds": wait,
@@ -331,7 +342,8 @@ class TieredCache(OneSequence, Cache):
                                    "that copy.deepcopy can copy") from e
         new = TieredCache(self.model_config, device_budget=s.device_budget.value,
                           host_budget=None if s.host_budget is None else s.host_budget.value, disk_dir=s.disk_dir,
-                          scorer=scorer, mode=s.mode, recall_pages=s.recall_pages, page_size=s.page_size,
+                          scorer=scorer, mode=s.mode, recall_pages=s.recall_pages,
+                          prefetch_pages=s.prefetch_pages, page_size=s.page_size,
                           sink_tokens=s.sink_tokens, recent_tokens=s.recent_tokens)
         try:
             for mine, theirs in zip(self.layers, new.layers):

@@ -4,6 +4,11 @@ Consecutive decode steps ask for nearly the same pages (the query moves slowly),
 pages that are not in the buffer yet, into the slots of the pages no longer wanted. Attention reads the
 buffer as a set of keys: the order of pages in it carries no meaning. Pages never change once demoted, so
 a buffered copy stays right until the layer is reset or parked.
+
+A buffer planned on the device may have more slots than a step chooses: the spare ones hold the pages ranked
+right after the choice, brought up ahead of the next step (`LayerEngine` prefetch). Attention then reads the
+chosen pages gathered in page-id order (`chosen`), so what it computes never depends on which slots they
+happen to sit in.
 """
 
 from __future__ import annotations
@@ -26,10 +31,20 @@ class RecallBuffer:
         # a buffer planned on the device (`recall.device_plan`) keeps which page each slot holds there instead
         self.on_device = on_device
         self.held = torch.full((heads, pages), -1, dtype=torch.int64, device=device) if on_device else None
+        # slots whose page a prefetch brought up and no step has chosen since (device-planned buffers only)
+        self.ahead = torch.zeros((heads, pages), dtype=torch.bool, device=device) if on_device else None
+        self.pending: int | None = None   # the transfer job of a prefetch into this buffer not yet waited for
 
     @property
     def pages(self) -> int:
         return self.ids.shape[1]
+
+    def chosen(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pages in `slots` ``[heads, w]``, in that order: keys and values ``[heads, w * page_size, dim]``."""
+        H, w = slots.shape
+        R, P, D = self.pages, self.page_size, self.k.shape[2]
+        rows = (slots + torch.arange(H, device=slots.device)[:, None] * R).reshape(-1)
+        return tuple(t.view(H * R, P, D).index_select(0, rows).view(H, w * P, D) for t in (self.k, self.v))
 
     def plan(self, want: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Where the wanted pages ``[heads, pages]`` go: ``(heads, page ids, slots)`` of those to fetch.

@@ -18,9 +18,10 @@ def plan_on_device(want: torch.Tensor, held: torch.Tensor,
     Parameters
     ----------
     want
-        ``[heads, r]`` page ids wanted (distinct per head), int64.
+        ``[heads, w]`` page ids wanted (distinct per head), int64.
     held
-        ``[heads, r]`` the page id each buffer slot holds, ``-1`` for an empty slot.
+        ``[heads, R]`` the page id each buffer slot holds, ``-1`` for an empty slot; ``R >= w`` (a buffer
+        with room for pages brought up ahead of need has more slots than a step chooses).
     pages
         Pages the layer has demoted (every id is below it).
 
@@ -28,19 +29,33 @@ def plan_on_device(want: torch.Tensor, held: torch.Tensor,
     -------
     ``(fetch, slots, count, held_after)``: for head ``h`` and ``j < count[h]``, page ``fetch[h, j]`` goes to
     slot ``slots[h, j]`` (in the order `RecallBuffer.plan` gives); ``held_after`` is `held` once they are in.
+    `fetch` and `slots` are ``[heads, w]``.
     """
-    heads, r = want.shape
+    heads, w = want.shape
+    if held.shape[0] != heads or held.shape[1] < w:
+        raise ValueError(f"plan_on_device: want {list(want.shape)} and held {list(held.shape)}; allowed: as "
+                         "many heads, and at least as many slots as wanted pages")
     empty = pages                                                   # the column standing for an empty slot
     held_col = torch.where(held < 0, torch.full_like(held, empty), held)
     wanted = torch.zeros(heads, pages + 1, dtype=torch.bool, device=want.device).scatter_(1, want, True)
     holding = torch.zeros(heads, pages + 1, dtype=torch.bool, device=want.device).scatter_(1, held_col, True)
     holding[:, empty] = False
-    missing = ~holding.gather(1, want)                              # [heads, r]
-    free = ~wanted.gather(1, held_col)                              # [heads, r]
-    # the real entries first, each in its original order (a stable sort of a 0/1 key)
+    missing = ~holding.gather(1, want)                              # [heads, w]
+    free = ~wanted.gather(1, held_col)                              # [heads, R]
+    # the real entries first, each in its original order (a stable sort of a 0/1 key); a head has at least
+    # as many free slots as missing pages, since every held page it still wants is one of its `w`
     fetch = want.gather(1, torch.argsort((~missing).to(torch.uint8), dim=1, stable=True))
-    slots = torch.argsort((~free).to(torch.uint8), dim=1, stable=True)
+    slots = torch.argsort((~free).to(torch.uint8), dim=1, stable=True)[:, :w]
     count = missing.sum(dim=1)
-    real = torch.arange(r, device=want.device)[None, :] < count[:, None]
+    real = torch.arange(w, device=want.device)[None, :] < count[:, None]
     held_after = held.scatter(1, slots, torch.where(real, fetch, held.gather(1, slots)))
     return fetch, slots, count, held_after
+
+
+def slots_of(want: torch.Tensor, held: torch.Tensor, pages: int) -> torch.Tensor:
+    """``[heads, w]``: the slot of `held` (``[heads, R]``) holding each page of `want` (every one is held)."""
+    heads, slots = held.shape
+    held_col = torch.where(held < 0, torch.full_like(held, pages), held)
+    where = torch.zeros(heads, pages + 1, dtype=torch.int64, device=held.device)
+    where.scatter_(1, held_col, torch.arange(slots, device=held.device).expand(heads, -1))
+    return where.gather(1, want)

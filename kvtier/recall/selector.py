@@ -120,7 +120,8 @@ def select_pages(q: torch.Tensor, index: PageIndex, budget: int, scaling: float,
     Returns
     -------
     ``(chosen, shortlist)``: ``[kv_heads, min(budget, pages)]`` page ids, ascending, and the shortlisted ids
-    ``[kv_heads, m]`` they were chosen from (the pages likeliest to be wanted next).
+    ``[kv_heads, m]`` they were chosen from, best estimated share first (so ``shortlist[:, :budget]`` is the
+    chosen set): the pages likeliest to be wanted next, in the order a prefetch should bring them.
     """
     kv_heads, pages = q.shape[0], index.n
     n = min(budget, pages)
@@ -131,5 +132,6 @@ def select_pages(q: torch.Tensor, index: PageIndex, budget: int, scaling: float,
     cand = torch.topk(index.upper_bounds(q), m, dim=1).indices if m < pages else \
         torch.arange(pages, device=q.device).expand(kv_heads, -1)
     lo, hi, codes = index.pick(cand)
-    best = torch.topk(page_shares(q, lo, hi, codes, scaling, resident, resident_lse), n, dim=1).indices
-    return torch.sort(torch.gather(cand, 1, best), dim=1).values, cand
+    shares = page_shares(q, lo, hi, codes, scaling, resident, resident_lse)
+    ranked = torch.gather(cand, 1, torch.sort(shares, dim=1, descending=True, stable=True).indices)
+    return torch.sort(ranked[:, :n], dim=1).values, ranked

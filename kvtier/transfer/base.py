@@ -2,14 +2,16 @@
 
 Primitives (after vLLM's offloading handlers): ``submit(dst, src) -> job id`` starts ``dst.copy_(src)``;
 ``wait(ids)`` makes the current stream (or the host, for copies into host memory) wait until those jobs
-are done; ``done(id)`` polls. Each manager counts the bytes and the seconds spent waiting. The manager
+are done; ``done(id)`` polls. ``run_ahead(work, uses)`` runs device work (a plan and the copies it makes) on
+a side stream after what the current stream has queued so far, so it overlaps the compute queued next; its
+job id is waited for like a copy's. Each manager counts the bytes and the seconds spent waiting. The manager
 moves data; it never decides what to move.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol
+from typing import Callable, Iterable, Protocol, Sequence
 
 import torch
 
@@ -36,6 +38,8 @@ class TransferManager(Protocol):
     counters: TransferCounters
 
     def submit(self, dst: torch.Tensor, src: torch.Tensor) -> int: ...
+
+    def run_ahead(self, work: Callable[[], None], uses: Sequence[torch.Tensor] = ()) -> int: ...
 
     def wait(self, job_ids: Iterable[int]) -> None: ...
 

@@ -4,13 +4,17 @@ Each job is ordered after the work already queued on the current stream (its sou
 on its direction's stream, and records an event. ``wait`` makes the current stream wait on the event
 for copies into device memory (no host stall), and blocks the host for copies into host memory (the
 host is about to read them). Events come from a pool and are reused.
+
+`run_ahead` puts device work (a recall's plan and copies) on a side stream of its own: it starts once the
+current stream has done what was queued before the call and overlaps whatever is queued after; the tensors it
+touches are marked as used by that stream, so the allocator keeps them until it is done.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from typing import Iterable
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -26,7 +30,7 @@ class CudaTransferManager:
             raise NativeUnavailableError("CudaTransferManager needs a CUDA device; use SyncTransferManager")
         self.device = torch.device(device)
         self.counters = TransferCounters()
-        self._streams = {d: torch.cuda.Stream(device=self.device) for d in ("h2d", "d2h", "d2d")}
+        self._streams = {d: torch.cuda.Stream(device=self.device) for d in ("h2d", "d2h", "d2d", "ahead")}
         self._ids = itertools.count(1)
         self._jobs: dict[int, tuple[str, torch.cuda.Event]] = {}
         self._spare: list[torch.cuda.Event] = []
@@ -53,6 +57,21 @@ class CudaTransferManager:
         job = next(self._ids)
         self._jobs[job] = (kind, event)
         self.counters.bytes[kind] += src.numel() * src.element_size()
+        self.counters.jobs += 1
+        return job
+
+    def run_ahead(self, work: Callable[[], None], uses: Sequence[torch.Tensor] = ()) -> int:
+        stream = self._streams["ahead"]
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            work()
+            event = self._spare.pop() if self._spare else torch.cuda.Event()
+            event.record(stream)
+        for t in uses:
+            if t.is_cuda:
+                t.record_stream(stream)
+        job = next(self._ids)
+        self._jobs[job] = ("ahead", event)
         self.counters.jobs += 1
         return job
 

@@ -155,6 +155,40 @@ def test_a_decode_step_with_host_pages_never_syncs(cuda_device):
         assert cache.stats()["pages_recalled"] > 0 and torch.isfinite(logits).all()
 
 
+@torch.no_grad()
+def test_prefetch_on_a_delayed_side_stream_into_poisoned_slots(cuda_device, monkeypatch):
+    """The prefetch runs on its own stream, here held back by a long sleep before each one, into recall
+    buffers whose slots start as NaN: a step that read a slot before its prefetch landed would decode NaN or
+    other tokens. The tokens equal those of the same cache run with neither, and the prefetch is counted."""
+    from kvtier.recall.buffer import RecallBuffer
+    from kvtier.transfer.cuda_streams import CudaTransferManager
+
+    model = _llama(cuda_device)
+    ids = _prompt(900, cuda_device)
+    with TieredCache(model.config, device_budget=96, recall_pages=6, prefetch_pages=6) as cache:
+        want = _greedy(model, cache, ids, 48)
+    made, run_ahead = RecallBuffer.__init__, CudaTransferManager.run_ahead
+
+    def poisoned(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        self.k.fill_(float("nan"))
+        self.v.fill_(float("nan"))
+
+    def delayed(self, work, uses=()):
+        def late():
+            torch.cuda._sleep(2_000_000)     # a few milliseconds on the side stream, before the copies
+            work()
+        return run_ahead(self, late, uses)
+
+    monkeypatch.setattr(RecallBuffer, "__init__", poisoned)
+    monkeypatch.setattr(CudaTransferManager, "run_ahead", delayed)
+    with TieredCache(model.config, device_budget=96, recall_pages=6, prefetch_pages=6) as cache:
+        got = _greedy(model, cache, ids, 48)
+        s = cache.stats()
+    assert torch.equal(got, want)
+    assert s["prefetch"]["pages"] > 0 and s["prefetch"]["used"] > 0
+
+
 @pytest.mark.parametrize("impl", ["flash_attention_2", "flash_attention_3"])
 def test_flash_attention_decodes_like_dynamic_cache(cuda_device, impl):
     """Flash attention, where installed: the model's own attention at full budget and the 2D padding mask."""

@@ -26,6 +26,32 @@ def test_stream_copies_are_exact_and_counted(cuda_device):
     manager.close()
 
 
+def test_work_run_ahead_waits_for_what_came_before_and_is_waited_for(cuda_device):
+    """`run_ahead` starts after the current stream's queued work (held back here by a sleep) and runs on
+    another stream; `wait` then orders the current stream after it. Nothing is read back on the way."""
+    from kvtier.transfer.cuda_streams import CudaTransferManager
+
+    manager = CudaTransferManager(cuda_device)
+    src = torch.zeros(1 << 20, device=cuda_device)
+    out = torch.full_like(src, float("nan"))
+    torch.cuda._sleep(5_000_000)
+    src.fill_(3.0)                         # queued behind the sleep on the current stream
+    ran_on = []
+
+    def work():
+        ran_on.append(torch.cuda.current_stream(cuda_device))
+        torch.cuda._sleep(5_000_000)
+        out.copy_(src * 2)
+
+    job = manager.run_ahead(work, uses=[src, out])
+    assert ran_on[0] != torch.cuda.current_stream(cuda_device)
+    manager.wait([job])
+    result = out + 1                       # on the current stream, after the side stream's work
+    assert torch.equal(result, torch.full_like(src, 7.0))
+    assert manager.done(job)
+    manager.close()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_round_trip_on_gpu_is_bit_exact(make_engine, cuda_device, dtype):
     engine = make_engine(device_budget=16, host_budget=12, page_size=4, recall_pages=10_000)
@@ -40,7 +66,7 @@ def test_round_trip_on_gpu_is_bit_exact(make_engine, cuda_device, dtype):
     assert (tiers == HOST).any() and (tiers == DISK).any()
     heads, r = engine.heads, engine.table.n
     ids = torch.arange(r).expand(heads, -1)
-    rk, rv = engine._fetch(ids, ids)           # every demoted page, straight to the GPU
+    rk, rv, _ = engine._fetch(ids, ids)          # every demoted page, straight to the GPU
     assert rk.is_cuda
     pos, _ = engine.pool.meta()
     for h in range(heads):

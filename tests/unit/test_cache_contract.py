@@ -147,6 +147,41 @@ def test_attention_weights_with_recall_equal_a_plain_caches(on_device):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
+@torch.no_grad()
+def test_prefetching_recall_gives_the_host_paths_tokens_and_weights():
+    """Device-planned recall that prefetches the next-ranked pages (forced on the CPU) picks and attends to the
+    same pages as the host path at partial recall: the same greedy tokens, the same eager weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                         num_key_value_heads=2, intermediate_size=128, vocab_size=128,
+                                         attn_implementation="eager")).eval()
+    ids = PROMPT[:, :200]
+    runs = []
+    for on_device in (False, True):
+        with TieredCache(model.config, device_budget=40, recall_pages=3, prefetch_pages=4, page_size=4,
+                         scorer="keynorm") as cache:
+            model(ids, **cache_kwargs(cache))
+            for e in cache._engines:
+                e.device_recall = on_device
+            token, tokens, maps = torch.tensor([[5]]), [], []
+            for _ in range(12):
+                out = model(token, output_attentions=True, **cache_kwargs(cache))
+                token = out.logits[:, -1:].argmax(-1)
+                tokens.append(int(token))
+                maps.append(out.attentions)
+            runs.append((tokens, maps, cache.stats()))
+    (tokens, maps, host), (tokens_dev, maps_dev, dev) = runs
+    assert tokens == tokens_dev
+    for step, (a, b) in enumerate(zip(maps, maps_dev)):
+        for x, y in zip(a, b):
+            torch.testing.assert_close(y, x, atol=1e-6, rtol=1e-5, msg=f"step {step}")
+    assert host["prefetch"] == {"pages": 0, "used": 0, "hit_rate": None}
+    assert dev["prefetch"]["pages"] > 0 and dev["reuse_rate"] > host["reuse_rate"]
+    assert dev["recall_steps"] == host["recall_steps"]
+
+
 def test_deepcopy_carries_the_history_and_its_own_scorer(model, tmp_path):
     cache = TieredCache(model.config, disk_dir=tmp_path, device_budget=24, host_budget=40, recall_pages=8,
                         scorer="random", scorer_kwargs={"seed": 3})

@@ -145,7 +145,7 @@ def test_long_query_over_every_recalled_page_is_exact(make_engine, monkeypatch):
     assert (tier == HOST).any() and (tier == DISK).any()
     blocks = []
     real = engine._fetch
-    monkeypatch.setattr(engine, "_fetch", lambda ids, short: blocks.append(ids.shape) or real(ids, short))
+    monkeypatch.setattr(engine, "_fetch", lambda ids, short, ahead=False: blocks.append(ids.shape) or real(ids, short, ahead))
     engine.write(k_all[:, :, old:], v_all[:, :, old:])
     query = torch.randn(1, engine.heads * 3, new, engine.head_dim, generator=g)
     out, _ = engine.attend(query)
@@ -184,7 +184,7 @@ def test_each_query_block_recalls_its_own_pages(make_engine, monkeypatch):
         page_of[p] = pid_idx
     fetched = []
     real = engine._fetch
-    monkeypatch.setattr(engine, "_fetch", lambda ids, short: fetched.append(ids.clone()) or real(ids, short))
+    monkeypatch.setattr(engine, "_fetch", lambda ids, short, ahead=False: fetched.append(ids.clone()) or real(ids, short, ahead))
     engine.write(k_all[:, :, old:], v_all[:, :, old:])
     query = torch.randn(1, engine.heads * 3, new, engine.head_dim, generator=g) * 0.3
     query[:, :, :128] = needles[0] * 4       # block 0 asks for the first planted key

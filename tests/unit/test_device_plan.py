@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from kvtier import native
 from kvtier.native import twins
 from kvtier.recall.buffer import RecallBuffer
-from kvtier.recall.device_plan import plan_on_device
+from kvtier.recall.device_plan import plan_on_device, slots_of
 from kvtier.tiers.slabs import SlabRows
 
 
@@ -39,6 +39,38 @@ def test_device_plan_equals_the_host_plan_step_after_step(heads, r, extra, steps
         held = held_after
         assert np.array_equal(held.numpy(), buf.ids)
         assert all(set(held[hh].tolist()) == set(want[hh].tolist()) for hh in range(heads))
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(heads=st.integers(1, 3), r=st.integers(1, 8), spare=st.integers(0, 8), extra=st.integers(0, 20),
+       steps=st.integers(1, 8), seed=st.integers(0, 2**16))
+def test_a_buffer_with_spare_slots_keeps_what_is_wanted_where_it_is(heads, r, spare, extra, steps, seed):
+    """A step's choice (``r`` pages) then a prefetch (the choice and ``spare`` more) into ``r + spare`` slots:
+    every wanted page ends up held, a held page that is wanted keeps its slot, only unwanted slots change,
+    and `slots_of` finds each wanted page."""
+    rng = np.random.default_rng(seed)
+    pages, R = r + spare + extra, r + spare
+    held = torch.full((heads, R), -1, dtype=torch.int64)
+    for _ in range(steps):
+        ranked = np.stack([rng.permutation(pages)[:R] for _ in range(heads)]).astype(np.int64)
+        for want in (np.sort(ranked[:, :r], axis=1), ranked):
+            want = torch.from_numpy(np.ascontiguousarray(want))
+            fetch, slots, count, after = plan_on_device(want, held, pages)
+            assert fetch.shape == slots.shape == want.shape
+            for h in range(heads):
+                before, now, wanted = held[h].tolist(), after[h].tolist(), set(want[h].tolist())
+                assert wanted <= set(now) and len(set(p for p in now if p >= 0)) == sum(p >= 0 for p in now)
+                n = int(count[h])
+                assert n == len(wanted - set(before))
+                assert set(fetch[h, :n].tolist()) == wanted - set(before)
+                for slot, (old, new) in enumerate(zip(before, now)):
+                    if old in wanted:
+                        assert new == old          # kept where it was
+                    elif new != old:
+                        assert slot in slots[h, :n].tolist()   # only planned slots change
+            where = slots_of(want, after, pages)
+            assert torch.equal(after.gather(1, where), want)
+            held = after
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -72,8 +104,8 @@ def test_recall_pages_fills_only_the_planned_slots(dtype):
 def test_an_engine_recalling_on_the_device_attends_exactly_as_the_host_path(make_engine, recall_pages):
     """The device-planned recall (forced here on the CPU) picks, fetches and attends bit for bit as the
     host-planned one, through demotions, and the counters agree once settled."""
-    engines = [make_engine(heads=2, head_dim=16, device_budget=48, recall_pages=recall_pages, page_size=4)
-               for _ in range(2)]
+    engines = [make_engine(heads=2, head_dim=16, device_budget=48, recall_pages=recall_pages, page_size=4,
+                           prefetch_pages=0) for _ in range(2)]
     engines[1].device_recall = True
     g = torch.Generator().manual_seed(0)
     k = torch.randn(1, 2, 300, 16, generator=g)
@@ -106,3 +138,67 @@ def test_index_rows_by_device_ids_equal_the_host_gather():
     rows = torch.tensor([21, 0, 7, 8, 15, 3])
     for storage in (index.bounds, index.codes):
         assert torch.equal(_rows_by_device_ids(storage, rows, torch.device("cpu")), storage.gather(rows))
+
+
+def _drifting_queries(g, steps, heads=4, dim=16):
+    """Decode queries that move slowly, as a model's do: each is mostly the one before."""
+    q = torch.randn(1, heads, 1, dim, generator=g)
+    for _ in range(steps):
+        q = 0.9 * q + 0.45 * torch.randn(1, heads, 1, dim, generator=g)
+        yield q
+
+
+@pytest.mark.parametrize("spare", [2, 8])
+def test_prefetch_changes_what_moves_never_what_attention_reads(make_engine, spare):
+    """A device-planned engine that prefetches the next-ranked pages chooses the same pages as the host path
+    at every step and attends to exactly them; it fetches fewer pages on demand, and counts what its
+    prefetches brought and what of that was chosen later."""
+    kw = dict(heads=2, head_dim=16, device_budget=48, recall_pages=6, page_size=4)
+    host = make_engine(**kw)
+    plain = make_engine(**kw, prefetch_pages=0)
+    ahead = make_engine(**kw, prefetch_pages=spare)
+    engines = (host, plain, ahead)
+    plain.device_recall = ahead.device_recall = True
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(1, 2, 400, 16, generator=g)
+    for e in engines:
+        e.write(k, k.flip(-1))
+        e.commit()
+    for step, q in enumerate(_drifting_queries(g, 80)):
+        k = torch.randn(1, 2, 1, 16, generator=g)
+        outs = []
+        for e in engines:
+            e.write(k, k.flip(-1))
+            outs.append(e.attend(q)[0])
+            e.commit()
+        assert torch.equal(host.last_recall, ahead.last_recall), f"step {step}"
+        assert torch.equal(outs[0], outs[1])
+        torch.testing.assert_close(outs[2], outs[0], rtol=1e-6, atol=1e-6)
+        assert ahead.recalled.pages == 6 + spare and ahead.recalled.pending is not None
+    for e in engines:
+        e.settle_counts()
+    base, got = plain.counters, ahead.counters
+    on_demand = got.pages_recalled["host"] - got.pages_prefetched
+    assert got.recall_steps == base.recall_steps and base.pages_prefetched == 0
+    assert got.pages_reused + on_demand == base.pages_reused + base.pages_recalled["host"]   # same choices
+    assert on_demand < base.pages_recalled["host"] and got.pages_reused > base.pages_reused
+    assert 0 < got.prefetch_used <= got.pages_prefetched
+    # each prefetched page counts once, when first chosen; a page chosen again later is a plain reuse
+    assert got.prefetch_used <= got.pages_reused - base.pages_reused
+
+
+def test_prefetch_settings_are_checked_and_follow_where_recall_is_planned():
+    from kvtier.config import ModelShape, TieredCacheConfig
+    from kvtier.errors import ConfigError
+    from kvtier.placement import Budget
+
+    def cfg(**kw):
+        return TieredCacheConfig(shape=ModelShape(1, 1, 8), device_budget=Budget(0.5, "device_budget"), **kw)
+
+    for bad in (-1, 1.5, True, "4"):
+        with pytest.raises(ConfigError, match=r"prefetch_pages=.*allowed: a whole number >= 0"):
+            cfg(prefetch_pages=bad)
+    assert cfg(recall_pages=9).prefetch(on_device=True) == 4
+    assert cfg(recall_pages=9).prefetch(on_device=False) == 0
+    assert cfg(recall_pages=9, prefetch_pages=7).prefetch(on_device=True) == 7
+    assert cfg(recall_pages=0, prefetch_pages=7).prefetch(on_device=True) == 0
