@@ -80,6 +80,80 @@ def decode(context: int, new_tokens: int, rounds: int, device_budget: str, host_
         click.echo(f"  {r['cache']:<14}{r['tokens_per_second']:>8.1f} tokens/s   x{r['ratio']:.2f}")
 
 
+@bench.command("prefetch")
+@click.option("--context", default="8K", show_default=True,
+              help="Tokens of the prompt (a needle task: a long text, then a question about it).")
+@click.option("--new-tokens", default=32, show_default=True, type=click.IntRange(min=1),
+              help="Greedy decode steps after the prompt.")
+@click.option("--device-budget", default="0.1", show_default=True, help="Device tokens per KV head.")
+@click.option("--recall-pages", default=64, show_default=True, type=click.IntRange(min=1),
+              help="Pages recalled per layer and KV head per step.")
+@click.option("--prefetch-pages", "spares", default="0,16,32,64", show_default=True,
+              help="Comma list of prefetch_pages settings compared (0: no prefetch, the buffer keeps only the "
+                   "last choice).")
+@click.option("--scorer", default="auto", show_default=True, help="auto: KVP where weights ship for the model, else keynorm.")
+@click.option("--model", default=None, help="A Hugging Face id or local path (default: the packaged model).")
+@click.option("--device", default="cpu", show_default=True, help="Where the model runs (cpu, cuda).")
+@click.option("--threads", default=1, show_default=True, type=THREADS, help="torch CPU threads.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the needle task.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@user_errors
+def prefetch(context: str, new_tokens: int, device_budget: str, recall_pages: int, spares: str, scorer: str,
+             model: str | None, device: str, threads: int, seed: int, as_json: bool) -> None:
+    """How often each decode step's chosen pages are already on the device, with and without prefetching the
+    pages ranked after the last choice (recall planned on the device, as on a GPU; same prompt, same run)."""
+    from .common import bad_option, parse_context, split_list
+
+    tokens = parse_context(context, "--context", 256)
+    budget = parse_budget(device_budget, "--device-budget")
+    if budget is None:
+        raise bad_option("--device-budget", device_budget, "a fraction like 0.1 or a token count like 4096",
+                         "leaves no device tier")
+    check_cache_options(budget, None, None, recall_pages)
+    settings = []
+    for item in split_list(spares, "--prefetch-pages"):
+        if not item.isdigit():
+            raise bad_option("--prefetch-pages", spares, "a comma list of whole numbers >= 0, like 0,16,32",
+                             f"has {item!r}")
+        settings.append(int(item))
+    check_scorer(scorer)
+    check_device(device)
+    check_model(model)
+    set_threads(threads)
+    lm, tok = load(model, quiet=as_json)
+
+    from ..bench.prefetch import prefetch_study
+    from ..tasks.needle import make_needle_task
+
+    lm.to(device)
+    task = make_needle_task(tok, tokens, depth=0.3, seed=seed)
+    echo = (lambda s: None) if as_json else click.echo
+    rows = prefetch_study(lm, task.input_ids.to(device), settings, new_tokens, budget, recall_pages,
+                          None if scorer == "auto" else scorer, progress=echo)
+    heads = lm.config.num_key_value_heads
+    out = {
+        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                    "torch": torch.__version__, "threads": torch.get_num_threads(), "device": device},
+        "prompt_tokens": task.prompt_tokens, "new_tokens": new_tokens,
+        "settings": {"device_budget": budget, "recall_pages": recall_pages, "scorer": scorer, "seed": seed},
+        "same_tokens": all(r.tokens == rows[0].tokens for r in rows),
+        "text": tok.decode(rows[0].tokens),
+        "rows": [r.as_dict(heads) for r in rows],
+    }
+    if as_json:
+        click.echo(json.dumps(out, indent=2))
+        return
+    click.echo(f"\n{task.prompt_tokens:,}-token prompt, {new_tokens} decode steps, device budget {budget}, "
+               f"{recall_pages} pages recalled per layer and KV head, {device}")
+    click.echo(f"  {'prefetch':>8}  {'on device':>9}  {'on demand':>9}  {'prefetched':>10}  {'prefetch hits':>13}")
+    for r in out["rows"]:
+        hit = "-" if r["prefetch_hit_rate"] is None else f"{r['prefetch_hit_rate']:.1%}"
+        click.echo(f"  {r['prefetch_pages']:>8}  {r['on_device_when_chosen']:>9.1%}  "
+                   f"{r['on_demand_pages_per_step']:>9.2f}  {r['prefetched_pages_per_step']:>10.2f}  {hit:>13}")
+    click.echo("  (on device: chosen pages already there when chosen; pages per layer, KV head and step)")
+    click.echo(f"  same tokens in every setting: {'yes' if out['same_tokens'] else 'NO'}")
+
+
 @bench.command("gpu")
 @click.option("--contexts", default="32K,128K", show_default=True,
               help="Comma list of prefilled contexts whose decode step is timed (e.g. 32K,128K).")

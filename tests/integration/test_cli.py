@@ -74,6 +74,22 @@ def test_chat_json_parks_between_turns():
     assert turns[-1]["parked"] == "disk" and turns[-1]["device"]["tokens"] == 0 and turns[-1]["disk"]["tokens"] > 0
 
 
+def test_bench_prefetch_json():
+    """Recall planned on the device, as on a GPU: prefetching raises the share of chosen pages already on the
+    device, and the tokens do not change."""
+    result = run("bench", "prefetch", "--context", "600", "--new-tokens", "6", "--recall-pages", "4",
+                 "--prefetch-pages", "0,4", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output[result.output.index("{"):])
+    assert data["same_tokens"] is True
+    plain, ahead = data["rows"]
+    assert (plain["prefetch_pages"], ahead["prefetch_pages"]) == (0, 4)
+    assert plain["pages_prefetched"] == 0 and plain["prefetch_hit_rate"] is None
+    assert ahead["pages_prefetched"] > 0 and plain["pages_chosen"] == ahead["pages_chosen"] > 0
+    assert ahead["on_device_when_chosen"] > plain["on_device_when_chosen"]
+    assert ahead["pages_on_demand"] < plain["pages_on_demand"]
+
+
 def test_bench_json():
     result = run("bench", "decode", "--context", "256", "--new-tokens", "4", "--rounds", "1", "--json")
     assert result.exit_code == 0, result.output

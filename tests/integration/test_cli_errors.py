@@ -220,6 +220,18 @@ def test_bench_decode_bad_options(args, words):
     assert_one_line(run("bench", "decode", *args), 2, *words)
 
 
+@pytest.mark.parametrize("args, words", [
+    (["--prefetch-pages", "0,x"], ["--prefetch-pages", "'x'", "whole numbers"]),
+    (["--prefetch-pages", "-1"], ["--prefetch-pages", "'-1'"]),
+    (["--prefetch-pages", "4,"], ["--prefetch-pages"]),
+    (["--context", "100"], ["--context", "256"]),
+    (["--recall-pages", "0"], ["--recall-pages"]),
+    (["--device-budget", "none"], ["--device-budget", "no device tier"]),
+])
+def test_bench_prefetch_bad_options(args, words):
+    assert_one_line(run("bench", "prefetch", *args), 2, *words)
+
+
 def test_bench_json_failure():
     assert_json_error(run("bench", "decode", "--rounds", "0", "--json"), 2, "--rounds")
 
