@@ -80,7 +80,7 @@ class PageFetching:
             self.transfer.wait([buf.pending])
             buf.pending = None
         fetch, slots, count, held = plan_on_device(ids, buf.held, self.table.n)
-        self._copy_up(buf, fetch, slots, count)
+        self._copy_up(buf, self._sources(), fetch, slots, count)
         buf.held = held
         moved = count.sum()
         self.counters.recall_steps += 1
@@ -94,37 +94,42 @@ class PageFetching:
         buf.ahead.scatter_(1, where, False)
         self.device_counts.add_(torch.stack([moved, H * r - moved, torch.zeros_like(moved), used.sum()]))
         k, v = buf.chosen(where)
-        if ranked is not None:
+        if ranked is not None and ranked.shape[1] > r:   # else nothing is ranked after the choice
             self._prefetch(buf, ranked[:, :R])
         return k, v, ids
 
-    def _copy_up(self, buf: RecallBuffer, fetch: torch.Tensor, slots: torch.Tensor, count: torch.Tensor) -> None:
+    def _sources(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """What a device-side copy up reads besides the plan: the host slot of every page and the key and value
+        slabs' addresses (made on the current stream, before any side-stream work uses them)."""
+        return self._host_slots(), self.host.k.addresses(self.device), self.host.v.addresses(self.device)
+
+    def _copy_up(self, buf: RecallBuffer, sources: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],
+                 fetch: torch.Tensor, slots: torch.Tensor, count: torch.Tensor) -> None:
         """Pages ``fetch[h, :count[h]]`` from the pinned host slabs into buffer slots ``slots[h, :count[h]]``, on
-        the current stream (the `recall_pages` kernel reading the slabs through their mapping)."""
+        whichever stream is current (the `recall_pages` kernel reading the slabs through their mapping)."""
         H, R = buf.held.shape
         P, D = self.cfg.page_size, self.head_dim
-        src = self._host_slots().gather(1, fetch)
+        host_slots, k_addresses, v_addresses = sources
+        src = host_slots.gather(1, fetch)
         dst = slots + torch.arange(H, device=self.device)[:, None] * R
-        for rows, out in ((self.host.k, buf.k), (self.host.v, buf.v)):
-            native.recall_pages(rows.slabs, rows.rows_per_slab, src, dst, count, out.view(H * R, P, D),
-                                rows.addresses(self.device))
+        for rows, out, addresses in ((self.host.k, buf.k, k_addresses), (self.host.v, buf.v, v_addresses)):
+            native.recall_pages(rows.slabs, rows.rows_per_slab, src, dst, count, out.view(H * R, P, D), addresses)
         self.host.read_on(self.device)
 
     def _prefetch(self, buf: RecallBuffer, target: torch.Tensor) -> None:
         """Bring the pages of `target` ``[heads, w]`` (this step's choice and the pages ranked after it) into
         `buf` on the transfer manager's side stream; the next step's `_fetch_on_device` waits for it."""
-        n, counts = self.table.n, self.device_counts
+        n, counts, sources = self.table.n, self.device_counts, self._sources()
 
         def work() -> None:
             fetch, slots, count, held = plan_on_device(target, buf.held, n)
-            self._copy_up(buf, fetch, slots, count)
+            self._copy_up(buf, sources, fetch, slots, count)
             real = torch.arange(slots.shape[1], device=self.device)[None, :] < count[:, None]
             buf.ahead.scatter_(1, slots, real | buf.ahead.gather(1, slots))
             buf.held.copy_(held)
             counts[2] += count.sum()
 
-        uses = [target, buf.k, buf.v, buf.held, buf.ahead, counts, self._host_slots()]
-        uses += [a for a in (self.host.k.addresses(self.device), self.host.v.addresses(self.device)) if a is not None]
+        uses = [target, buf.k, buf.v, buf.held, buf.ahead, counts, *(t for t in sources if t is not None)]
         buf.pending = self.transfer.run_ahead(work, uses)
 
     def _host_slots(self) -> torch.Tensor:

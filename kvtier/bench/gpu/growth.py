@@ -58,7 +58,10 @@ def _growth(cfg: GpuBenchConfig, model: Any, cache: Any, token: torch.Tensor, la
     before = memory_snapshot(cache, clock.device)
     seen0 = cache.get_seq_length()
     deadline = time.perf_counter() + cfg.growth_seconds
-    times, _ = decode_steps(model, cache, token, cfg.growth_steps, clock, progress, "growth", deadline)
+    demoted: list[bool] = []
+    times, _ = decode_steps(model, cache, token, cfg.growth_steps, clock, progress, "growth", deadline, demoted)
+    split = {name: [t for t, d in zip(times, demoted) if d == flag] for name, flag in (("demoting", True),
+                                                                                     ("other", False))}
     after = memory_snapshot(cache, clock.device)
     new = cache.get_seq_length() - seen0
     allow = growth_allowance(cfg, layers, new)
@@ -72,6 +75,10 @@ def _growth(cfg: GpuBenchConfig, model: Any, cache: Any, token: torch.Tensor, la
             "device_growth_bytes": gpu, "host_growth_bytes": host, "allowance": allow,
             "device_ok": gpu <= allow["device_bytes"], "host_ok": host <= allow["host_bytes"],
             "step_ms_median": _r(_median(times) * 1e3),
+            # a step that demotes still waits for its copies to the host: what that costs, next to the others
+            "demoting_steps": len(split["demoting"]),
+            "demoting_step_ms_median": _r(_median(split["demoting"]) * 1e3) if split["demoting"] else None,
+            "other_step_ms_median": _r(_median(split["other"]) * 1e3) if split["other"] else None,
             "rule": ("growth over the steps must stay within the K/V of the tokens they added plus one allocation "
                      "unit per layer of each pool (device slab, index slab, host slabs); device: "
                      "torch.cuda.memory_allocated on CUDA, else the cache's device pools; host: the larger of the "

@@ -78,6 +78,10 @@ def format_report(result: dict[str, Any]) -> str:
                      f"host {growth['host_growth_bytes'] / MiB:+.1f} MiB "
                      f"(allowed {growth['allowance']['device_bytes'] / MiB:.1f} / "
                      f"{growth['allowance']['host_bytes'] / MiB:.1f} MiB for {growth['new_tokens']} new tokens)")
+        if growth.get("demoting_step_ms_median") is not None and growth.get("other_step_ms_median") is not None:
+            lines.append(f"  steps that demote: {growth['demoting_steps']}, median "
+                         f"{growth['demoting_step_ms_median']:.2f} ms against {growth['other_step_ms_median']:.2f} ms "
+                         "for the others")
     mil = result.get("million")
     if mil is not None:
         lines += ["", f"synthetic {_tokens(mil.get('context', result['settings']['million_context']))}"]

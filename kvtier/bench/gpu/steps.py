@@ -34,19 +34,25 @@ def prefill(model: Any, ids: torch.Tensor, cache: Any, chunk: int, clock: Clock,
 @torch.no_grad()
 def decode_steps(model: Any, cache: Any, token: torch.Tensor, n: int, clock: Clock,
                  progress: Progress | None = None, desc: str = "decode",
-                 deadline: float | None = None) -> tuple[list[float], torch.Tensor]:
-    """`n` greedy decode steps, each timed alone (synchronised); stops early past `deadline` (perf_counter)."""
+                 deadline: float | None = None,
+                 demoted: list[bool] | None = None) -> tuple[list[float], torch.Tensor]:
+    """`n` greedy decode steps, each timed alone (synchronised); stops early past `deadline` (perf_counter).
+    `demoted`, when given, gets whether each step moved entries down from the device (a kvtier cache)."""
     from ...integrations.hf import cache_kwargs
 
     times = []
     steps = range(n) if progress is None else progress.bar(range(n), desc, total=n)
+    moved = (lambda: cache.counters.bytes_moved["device_to_host"]) if demoted is not None else (lambda: 0)
     for _ in steps:
         clock.sync()
+        before = moved()
         t0 = time.perf_counter()
         out = model(token, **cache_kwargs(cache), use_cache=True)
         token = out.logits[:, -1:].argmax(-1)
         clock.sync()
         times.append(time.perf_counter() - t0)
+        if demoted is not None:
+            demoted.append(moved() > before)
         if deadline is not None and time.perf_counter() > deadline:
             break
     return times, token
