@@ -10,13 +10,13 @@ attended: the tokens must agree across settings, and the report says whether the
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
-from ..integrations.hf import TieredCache, cache_kwargs
+from ..integrations.hf import TieredCache
+from .decode import time_decode
 
 
 @dataclass(frozen=True)
@@ -42,24 +42,6 @@ class PrefetchRow:
                 "prefetch_used": self.prefetch_used}
 
 
-@torch.no_grad()
-def _decode(model: Any, input_ids: torch.Tensor, cache: TieredCache, new_tokens: int) -> tuple[list[int], float]:
-    """Prefill, then `new_tokens` greedy steps (timed); recall is planned on the device from the first step."""
-    for engine in cache._engines:
-        engine.device_recall = True
-    logits = model(input_ids, **cache_kwargs(cache)).logits[:, -1]
-    out = []
-    sync = torch.cuda.synchronize if input_ids.is_cuda else (lambda: None)
-    sync()
-    start = time.perf_counter()
-    for _ in range(new_tokens):
-        token = logits.argmax(-1, keepdim=True)
-        out.append(int(token))
-        logits = model(token, **cache_kwargs(cache)).logits[:, -1]
-    sync()
-    return out, time.perf_counter() - start
-
-
 def prefetch_study(model: Any, input_ids: torch.Tensor, spares: list[int], new_tokens: int,
                    device_budget: float | int, recall_pages: int, scorer: str | None = None,
                    progress: Callable[[str], None] | None = None) -> list[PrefetchRow]:
@@ -70,10 +52,12 @@ def prefetch_study(model: Any, input_ids: torch.Tensor, spares: list[int], new_t
             progress(f"prefetch_pages={spare}: prefill {input_ids.shape[1]:,} tokens, decode {new_tokens}")
         with TieredCache(model.config, device_budget=device_budget, recall_pages=recall_pages,
                          prefetch_pages=spare, scorer=scorer) as cache:
-            tokens, seconds = _decode(model, input_ids, cache, new_tokens)
+            for engine in cache._engines:   # planned on the device from the first step, as on a GPU
+                engine.device_recall = True
+            seconds, tokens = time_decode(model, input_ids, cache, new_tokens)
             s = cache.stats()
         ahead = s["prefetch"]
         on_demand = s["pages_recalled"] - ahead["pages"]
-        rows.append(PrefetchRow(spare, tokens, seconds, s["recall_steps"], s["pages_reused"] + on_demand, on_demand,
+        rows.append(PrefetchRow(spare, tokens[0].tolist(), seconds, s["recall_steps"], s["pages_reused"] + on_demand, on_demand,
                                 ahead["pages"], ahead["used"]))
     return rows

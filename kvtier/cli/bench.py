@@ -17,6 +17,22 @@ def bench() -> None:
     """Benchmarks of kvtier against its baselines."""
 
 
+def _checked_and_loaded(scorer: str, device: str, model: str | None, threads: int, quiet: bool) -> tuple:
+    """The checks every model-driven bench makes before loading, then the model on `device` and its tokenizer."""
+    check_scorer(scorer)
+    check_device(device)
+    check_model(model)
+    set_threads(threads)
+    lm, tok = load(model, quiet=quiet)
+    lm.to(device)
+    return lm, tok
+
+
+def _machine(device: str) -> dict:
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "device": device}
+
+
 @bench.command("decode")
 @click.option("--context", default=4096, show_default=True, type=click.IntRange(1, 2**24),
               help="Prompt tokens before decoding.")
@@ -39,11 +55,7 @@ def decode(context: int, new_tokens: int, rounds: int, device_budget: str, host_
     """Decode tokens/s of TieredCache vs DynamicCache after the same long prompt."""
     budget, host = parse_budget(device_budget, "--device-budget"), parse_budget(host_budget, "--host-budget")
     check_cache_options(budget, host, None, recall_pages)
-    check_scorer(scorer)
-    check_device(device)
-    check_model(model)
-    set_threads(threads)
-    lm, tok = load(model, quiet=as_json)
+    lm, tok = _checked_and_loaded(scorer, device, model, threads, as_json)
 
     from transformers import DynamicCache
 
@@ -51,7 +63,6 @@ def decode(context: int, new_tokens: int, rounds: int, device_budget: str, host_
     from ..integrations.hf import TieredCache
     from ..tasks.needle import NOISE
 
-    lm.to(device)
     unit = tok(NOISE, add_special_tokens=False, return_tensors="pt")["input_ids"]
     ids = unit.repeat(1, context // unit.shape[1] + 1)[:, :context].to(device)
     caches = {
@@ -63,8 +74,7 @@ def decode(context: int, new_tokens: int, rounds: int, device_budget: str, host_
     results = compare_decode(lm, ids, caches, new_tokens, rounds, progress=echo)
     base = results[0].tokens_per_second
     out = {
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "torch": torch.__version__, "threads": torch.get_num_threads(), "device": device},
+        "machine": _machine(device),
         "context": context, "new_tokens": new_tokens, "rounds": rounds,
         "settings": {"device_budget": budget, "host_budget": host, "recall_pages": recall_pages, "scorer": scorer},
         "results": [{"cache": r.name, "tokens_per_second": round(r.tokens_per_second, 2),
@@ -116,24 +126,18 @@ def prefetch(context: str, new_tokens: int, device_budget: str, recall_pages: in
             raise bad_option("--prefetch-pages", spares, "a comma list of whole numbers >= 0, like 0,16,32",
                              f"has {item!r}")
         settings.append(int(item))
-    check_scorer(scorer)
-    check_device(device)
-    check_model(model)
-    set_threads(threads)
-    lm, tok = load(model, quiet=as_json)
+    lm, tok = _checked_and_loaded(scorer, device, model, threads, as_json)
 
     from ..bench.prefetch import prefetch_study
     from ..tasks.needle import make_needle_task
 
-    lm.to(device)
     task = make_needle_task(tok, tokens, depth=0.3, seed=seed)
     echo = (lambda s: None) if as_json else click.echo
     rows = prefetch_study(lm, task.input_ids.to(device), settings, new_tokens, budget, recall_pages,
                           None if scorer == "auto" else scorer, progress=echo)
     heads = lm.config.num_key_value_heads
     out = {
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "torch": torch.__version__, "threads": torch.get_num_threads(), "device": device},
+        "machine": _machine(device),
         "prompt_tokens": task.prompt_tokens, "new_tokens": new_tokens,
         "settings": {"device_budget": budget, "recall_pages": recall_pages, "scorer": scorer, "seed": seed},
         "same_tokens": all(r.tokens == rows[0].tokens for r in rows),

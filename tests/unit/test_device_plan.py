@@ -100,6 +100,17 @@ def test_recall_pages_fills_only_the_planned_slots(dtype):
     assert torch.equal(again[dst[0, 0]], torch.zeros_like(again[0]))
 
 
+def _step_all(engines, k, q=None):
+    """One step of every engine: write ``k`` (values ``k`` reversed), attend with `q` when given, commit."""
+    outs = []
+    for e in engines:
+        e.write(k, k.flip(-1))
+        if q is not None:
+            outs.append(e.attend(q)[0])
+        e.commit()
+    return outs
+
+
 @pytest.mark.parametrize("recall_pages", [3, 8])
 def test_an_engine_recalling_on_the_device_attends_exactly_as_the_host_path(make_engine, recall_pages):
     """The device-planned recall (forced here on the CPU) picks, fetches and attends bit for bit as the
@@ -108,18 +119,10 @@ def test_an_engine_recalling_on_the_device_attends_exactly_as_the_host_path(make
                            prefetch_pages=0) for _ in range(2)]
     engines[1].device_recall = True
     g = torch.Generator().manual_seed(0)
-    k = torch.randn(1, 2, 300, 16, generator=g)
-    for e in engines:
-        e.write(k, k.flip(-1))
-        e.commit()
+    _step_all(engines, torch.randn(1, 2, 300, 16, generator=g))
     for step in range(60):
         k = torch.randn(1, 2, 1, 16, generator=g)
-        q = torch.randn(1, 4, 1, 16, generator=g)
-        outs = []
-        for e in engines:
-            e.write(k, k.flip(-1))
-            outs.append(e.attend(q)[0])
-            e.commit()
+        outs = _step_all(engines, k, torch.randn(1, 4, 1, 16, generator=g))
         assert torch.equal(outs[0], outs[1]), f"step {step}"
     assert engines[1].recalled.on_device and not engines[0].recalled.on_device
     for e in engines:
@@ -160,17 +163,9 @@ def test_prefetch_changes_what_moves_never_what_attention_reads(make_engine, spa
     engines = (host, plain, ahead)
     plain.device_recall = ahead.device_recall = True
     g = torch.Generator().manual_seed(0)
-    k = torch.randn(1, 2, 400, 16, generator=g)
-    for e in engines:
-        e.write(k, k.flip(-1))
-        e.commit()
+    _step_all(engines, torch.randn(1, 2, 400, 16, generator=g))
     for step, q in enumerate(_drifting_queries(g, 80)):
-        k = torch.randn(1, 2, 1, 16, generator=g)
-        outs = []
-        for e in engines:
-            e.write(k, k.flip(-1))
-            outs.append(e.attend(q)[0])
-            e.commit()
+        outs = _step_all(engines, torch.randn(1, 2, 1, 16, generator=g), q)
         assert torch.equal(host.last_recall, ahead.last_recall), f"step {step}"
         assert torch.equal(outs[0], outs[1])
         torch.testing.assert_close(outs[2], outs[0], rtol=1e-6, atol=1e-6)
