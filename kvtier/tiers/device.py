@@ -6,6 +6,9 @@ attention runs. Order inside the tier carries no meaning once entries have been 
 the holes it leaves with the last entries (it moves at most as many entries as it demotes, never the whole
 tier). Slabs are added as the tier grows and are never copied.
 
+`take` and `remove` are tensor operations of fixed shape, a gather and a scatter per slab, with nothing read
+back to the host: a GPU step that demotes queues them behind the attention that came before.
+
 Shapes per slab: ``k``, ``v`` ``[1, heads, slab_tokens, head_dim]``; ``pos`` ``[heads, slab_tokens]`` int64;
 ``score`` ``[heads, slab_tokens]`` float32.
 """
@@ -105,52 +108,73 @@ class DevicePool:
 
     def take(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of entries ``idx`` ``[heads, m]``: ``[heads, m, dim]`` each."""
-        S = self.slab_tokens
-        if len(self.k) == 1:
-            ix = idx[..., None].expand(-1, -1, self.head_dim)
-            return torch.gather(self.k[0][0], 1, ix), torch.gather(self.v[0][0], 1, ix)
-        slab, off = torch.div(idx, S, rounding_mode="floor"), idx % S
-        heads = torch.arange(self.heads, device=idx.device)[:, None].expand_as(idx)
-        k = torch.empty(*idx.shape, self.head_dim, dtype=self.dtype, device=self.device)
-        v = torch.empty_like(k)
-        for s in torch.unique(slab).tolist():
-            sel = slab == s
-            k[sel] = self.k[s][0][heads[sel], off[sel]]
-            v[sel] = self.v[s][0][heads[sel], off[sel]]
-        return k, v
+        return self._gather(self.k, idx), self._gather(self.v, idx)
 
     def remove(self, idx: torch.Tensor) -> None:
-        """Drop committed entries ``idx`` ``[heads, m]`` (ascending per head); the last entries fill the holes."""
+        """Drop committed entries ``idx`` ``[heads, m]`` (distinct per head); the last entries fill the holes.
+
+        Head by head, the tail entries that stay (the last `m`, less those dropped) move, in order, into the
+        dropped entries below the tail, in the order `idx` gives them. Written with one fixed shape for every
+        head: lane ``j`` of a head with fewer holes than `m` copies a dropped tail entry onto itself.
+        """
         m = idx.shape[1]
+        if m == 0:
+            return
         new = self.count - m
-        for h in range(self.heads):
-            gone = idx[h]
-            holes = gone[gone < new]
-            if holes.numel() == 0:
-                continue
-            tail = torch.ones(m, dtype=torch.bool, device=self.device)
-            tail[gone[gone >= new] - new] = False
-            movers = torch.arange(new, self.count, device=self.device)[tail]
-            self._move(h, movers, holes)
+        in_tail = idx >= new
+        gone = torch.zeros(self.heads, m + 1, dtype=torch.bool, device=self.device)
+        gone.scatter_(1, torch.where(in_tail, idx - new, m), True)
+        gone = gone[:, :m]                                                   # tail entries dropped
+        movers = new + torch.argsort(gone.to(torch.uint8), dim=1, stable=True)   # the staying ones first
+        moves = (~gone).sum(dim=1, keepdim=True)                             # as many as holes below the tail
+        holes = idx.gather(1, torch.argsort(in_tail.to(torch.uint8), dim=1, stable=True))   # below the tail first
+        dst = torch.where(torch.arange(m, device=self.device)[None, :] < moves, holes, movers)
+        for kind in (self.k, self.v, self.pos, self.score):
+            self._scatter(kind, dst, self._gather(kind, movers))
         self.count = new
 
-    def _move(self, h: int, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy head `h`'s entries at `src` over those at `dst` (same length)."""
-        S = self.slab_tokens
-        for kind in (self.k, self.v, self.pos, self.score):
-            rows = [t[0, h] if t.dim() == 4 else t[h] for t in kind]
-            if len(rows) == 1:
-                rows[0][dst] = rows[0][src]
-                continue
-            s_slab, s_off = torch.div(src, S, rounding_mode="floor"), src % S
-            vals = torch.empty((len(src), *rows[0].shape[1:]), dtype=rows[0].dtype, device=self.device)
-            for s in torch.unique(s_slab).tolist():
-                sel = s_slab == s
-                vals[sel] = rows[s][s_off[sel]]
-            d_slab, d_off = torch.div(dst, S, rounding_mode="floor"), dst % S
-            for s in torch.unique(d_slab).tolist():
-                sel = d_slab == s
-                rows[s][d_off[sel]] = vals[sel]
+    @staticmethod
+    def _rows(t: torch.Tensor) -> torch.Tensor:
+        """A slab as ``[heads, slab_tokens, ...]``."""
+        return t[0] if t.dim() == 4 else t
+
+    def _gather(self, kind: list[torch.Tensor], idx: torch.Tensor) -> torch.Tensor:
+        """Entries ``idx`` ``[heads, m]`` of one kind of slab: ``[heads, m, ...]``."""
+        rows = [self._rows(t) for t in kind]
+        shape = (*idx.shape, *rows[0].shape[2:])
+        if len(rows) == 1:
+            return torch.gather(rows[0], 1, idx.view(*idx.shape, *[1] * (len(shape) - 2)).expand(shape))
+        slab, off = torch.div(idx, self.slab_tokens, rounding_mode="floor"), idx % self.slab_tokens
+        at = off.view(*idx.shape, *[1] * (len(shape) - 2)).expand(shape)
+        out = torch.gather(rows[0], 1, at)
+        for s in range(1, len(rows)):
+            sel = (slab == s).view(*idx.shape, *[1] * (len(shape) - 2))
+            out = torch.where(sel, torch.gather(rows[s], 1, at), out)
+        return out
+
+    def _scatter(self, kind: list[torch.Tensor], idx: torch.Tensor, values: torch.Tensor) -> None:
+        """Write ``values`` ``[heads, m, ...]`` at entries ``idx`` ``[heads, m]`` (distinct per head).
+
+        Over several slabs, each slab gets a scatter of all `m` lanes: a lane meant for another slab repeats
+        the first lane of its head that is meant for this one (same place, same bytes), or, with none, writes
+        back what the slab holds at its first entry.
+        """
+        rows = [self._rows(t) for t in kind]
+        extra = [1] * (values.dim() - 2)
+        if len(rows) == 1:
+            rows[0].scatter_(1, idx.view(*idx.shape, *extra).expand(values.shape), values)
+            return
+        slab, off = torch.div(idx, self.slab_tokens, rounding_mode="floor"), idx % self.slab_tokens
+        for s, r in enumerate(rows):
+            mine = slab == s
+            first = mine.to(torch.uint8).argmax(dim=1, keepdim=True)        # 0 when the head has none here
+            has = mine.any(dim=1, keepdim=True)
+            at = torch.where(mine, off, torch.where(has, off.gather(1, first), 0))
+            at_v = at.view(*idx.shape, *extra).expand(values.shape)
+            ref = torch.where(has.view(-1, 1, *extra),
+                              values.gather(1, first.view(-1, 1, *extra).expand(-1, 1, *values.shape[2:])),
+                              r[:, :1])
+            r.scatter_(1, at_v, torch.where(mine.view(*idx.shape, *extra), values, ref))
 
     def trim(self) -> None:
         """Release the slabs past the committed entries (those a long step's staging added)."""

@@ -1,0 +1,72 @@
+"""The device pool's `take` and `remove` against a plain per-head list of entries, across slab counts: the
+same entries come out, and the last entries fill the holes exactly as a per-head loop would place them."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier.tiers.device import DevicePool
+
+
+def _reference_remove(rows: list[list[int]], gone: list[list[int]]) -> list[list[int]]:
+    """Per head: the tail entries that stay move, in order, into the dropped entries below the tail (in the
+    order they were given)."""
+    out = []
+    for row, drop in zip(rows, gone):
+        row, new = list(row), len(row) - len(drop)
+        holes = [i for i in drop if i < new]
+        movers = [i for i in range(new, len(row)) if i not in drop]
+        for hole, mover in zip(holes, movers):
+            row[hole] = row[mover]
+        out.append(row[:new])
+    return out
+
+
+@settings(max_examples=80, deadline=None, derandomize=True)
+@given(heads=st.integers(1, 3), slab=st.integers(1, 9), start=st.integers(1, 40), seed=st.integers(0, 2**16),
+       steps=st.lists(st.tuples(st.integers(0, 6), st.integers(0, 12)), min_size=1, max_size=6),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_take_and_remove_follow_a_per_head_reference(heads, slab, start, seed, steps, dtype):
+    rng = np.random.default_rng(seed)
+    dim, pool = 3, DevicePool(heads, 3, dtype, torch.device("cpu"), slab)
+    ids = [list(range(start)) for _ in range(heads)]        # entry i of head h holds token ids[h][i]
+    written = 0
+
+    def write(n: int) -> None:
+        nonlocal written
+        tok = torch.arange(written, written + n)
+        k = (tok[None, None, :, None] * 10 + torch.arange(heads)[None, :, None, None]).to(dtype).expand(
+            1, heads, n, dim)
+        pool.stage(k.contiguous(), (-k).contiguous(), tok.expand(heads, n))
+        pool.commit(n, tok.float().expand(heads, n) / 7)
+        written += n
+
+    write(start)
+    for add, drop in steps:
+        if add:
+            write(add)
+            for h in range(heads):
+                ids[h] += list(range(written - add, written))
+        n = pool.count
+        m = min(drop, n)
+        gone = [rng.choice(n, size=m, replace=False).tolist() for _ in range(heads)]   # any order
+        idx = torch.tensor(gone, dtype=torch.int64).reshape(heads, m)
+        k, v = pool.take(idx)
+        for h in range(heads):
+            want = torch.tensor([ids[h][i] for i in gone[h]])
+            assert torch.equal(k[h, :, 0].float(), (want * 10 + h).to(dtype).float())
+            assert torch.equal(v[h], -k[h])
+        pool.remove(idx)
+        ids = _reference_remove(ids, gone)
+        pos, score = pool.meta()
+        assert pool.count == n - m
+        assert pos.tolist() == ids
+        assert torch.equal(score, pos.float() / 7)
+        keys, values = pool.contiguous(pool.count)
+        for h in range(heads):
+            assert torch.equal(keys[0, h, :, 1].float(), (torch.tensor(ids[h]) * 10 + h).to(dtype).float())
+            assert torch.equal(values[0, h], -keys[0, h])
+        pool.trim()
