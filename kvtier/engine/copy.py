@@ -32,6 +32,7 @@ def copy_layer(src: LayerEngine, dst: LayerEngine) -> None:
     pos, score = src.pool.meta()
     dst.pool.replace(k[0].clone(), v[0].clone(), pos.clone(), score.clone())
     dst.seen = src.seen
+    dst._masked_positions = src._masked_positions.copy()
     if src.index is not None:
         dst.index.load_state(src.index.state())
     dst.table.copy_from(src.table)

@@ -69,6 +69,7 @@ class LayerEngine(PageFetching):
         # by device-planned recall: [pages moved on demand, pages reused, pages prefetched, prefetched pages chosen]
         self.device_counts: torch.Tensor | None = None
         self._nan: torch.Tensor | None = None           # NaN seen in scores not yet checked (deferred on CUDA)
+        self._masked_positions = np.empty(0, dtype=np.int64)   # padding positions, never stored
 
     # ------------------------------------------------------------------ write
     def _init(self, device: torch.device, dtype: torch.dtype) -> None:
@@ -247,7 +248,9 @@ class LayerEngine(PageFetching):
         self.pending = None
         self.pool.commit(q, p.score)
         if p.masked is not None:   # padding leaves the cache at once: nothing ever attends it
-            gone = torch.nonzero(p.masked).squeeze(1) + (self.pool.count - q)
+            where = torch.nonzero(p.masked).squeeze(1)
+            self._masked_positions = np.union1d(self._masked_positions, p.pos[where].cpu().numpy())
+            gone = where + (self.pool.count - q)
             self.pool.remove(gone.to(self.device).expand(self.heads, -1))
             self.counters.tokens_masked += gone.numel() * self.heads
         self._demote()
@@ -272,7 +275,7 @@ class LayerEngine(PageFetching):
             return
         rank = ranking_scores(self.scorer, score, pos, self.seen, self.layer_idx)
         idx = plan_device_demotion(rank, pos, self.seen, budget, cfg.sink_tokens,
-                                   cfg.recent_tokens, cfg.page_size)
+                                   cfg.recent_tokens, cfg.page_size, protected=self._kept_on_device())
         if idx is None:
             return
         if self._nan is not None:   # deferred NaN check: before anything is placed by those scores
@@ -289,6 +292,19 @@ class LayerEngine(PageFetching):
         pool.trim()
         if cfg.mode == "tier":
             self._host_overflow()
+
+    def _kept_on_device(self) -> int:
+        """Entries of a head in the always-kept set (sinks, recent window), counted on the host: every
+        position in it is on the device (a kept entry is never demoted, and the window's start only moves
+        forward), except padding that was never stored."""
+        seen = self.seen
+        sinks = min(self.cfg.sink_tokens, seen)
+        start = max(seen - self.cfg.recent_window(seen), sinks)
+        kept = sinks + seen - start
+        masked = self._masked_positions
+        if masked.size:
+            kept -= int(np.count_nonzero((masked < sinks) | ((masked >= start) & (masked < seen))))
+        return kept
 
     def _to_host(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, score: torch.Tensor) -> None:
         """Cut demoted entries ``[heads, m, ...]`` (position order, ``m`` whole pages) into pages on the host."""
@@ -451,6 +467,7 @@ class LayerEngine(PageFetching):
                     self.readahead.forget(slots)
                 self.disk.free(slots)
         self.seen = 0
+        self._masked_positions = np.empty(0, dtype=np.int64)
         self.table.clear()
         if self.pool is not None:
             self.pool.clear()

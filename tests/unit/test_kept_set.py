@@ -6,6 +6,8 @@ import math
 import types
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 import torch
 
 from kvtier import ConfigError, TieredCache
@@ -166,3 +168,40 @@ def test_outcome_tied_targets_follow_their_definitions():
         importance_target(raw, "importance_next")
     with pytest.raises(ConfigError, match="allowed"):
         importance_target(raw, "kl")
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(budget=st.sampled_from([0.1, 0.3, 24, 40]), recent=st.sampled_from([0.25, 0.5, 3, 0]),
+       sinks=st.integers(0, 5), page=st.sampled_from([2, 4]), mode=st.sampled_from(["tier", "evict"]),
+       pad=st.integers(0, 6), chunks=st.lists(st.integers(1, 30), min_size=2, max_size=12))
+def test_the_engine_counts_the_kept_entries_on_the_host(make_engine, monkeypatch, budget, recent, sinks, page,
+                                                        mode, pad, chunks):
+    """The kept set's size that the engine hands the planner (so a GPU step reads nothing back) is the count
+    of device entries the planner would find itself, at every demotion, with left padding never stored."""
+    import kvtier.engine.layer as layer
+
+    try:
+        engine = make_engine(heads=2, head_dim=4, device_budget=budget, mode=mode, page_size=page,
+                             sink_tokens=sinks, recent_tokens=recent, recall_pages=0)
+    except ConfigError:
+        return
+    checked, real = [], plan_device_demotion     # the planner itself, whatever an earlier example patched
+
+    def plan(scores, positions, seen, budget_tokens, sink_tokens, recent_tokens, page_size, protected=None):
+        window = recent_window(recent_tokens, budget_tokens)
+        mine = ((positions < sink_tokens) | (positions >= seen - window)).sum(dim=1)
+        assert (mine == protected).all(), (mine.tolist(), protected)
+        checked.append(protected)
+        return real(scores, positions, seen, budget_tokens, sink_tokens, recent_tokens, page_size, protected)
+
+    monkeypatch.setattr(layer, "plan_device_demotion", plan)
+    g = torch.Generator().manual_seed(sum(chunks))
+    for i, q in enumerate(chunks):
+        k = torch.randn(1, 2, q, 4, generator=g)
+        engine.write(k, -k)
+        if i == 0 and pad:
+            engine.mask_new_tokens(torch.arange(q) < pad)
+        engine.commit()
+    assert engine.seen == sum(chunks)
+    if checked:
+        assert engine.pool.count >= checked[-1]
