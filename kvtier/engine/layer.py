@@ -278,8 +278,8 @@ class LayerEngine(PageFetching):
                                    cfg.recent_tokens, cfg.page_size, protected=self._kept_on_device())
         if idx is None:
             return
-        if self._nan is not None:   # deferred NaN check: before anything is placed by those scores
-            bad, self._nan = bool(self._nan), None
+        if self._nan is not None and cfg.mode == "evict":   # deferred NaN check, before those scores place
+            bad, self._nan = bool(self._nan), None                # (tier mode reads it with its copies down)
             if bad:
                 raise nan_error(scorer_name(self.scorer), self.layer_idx)
         if cfg.mode == "tier":
@@ -307,21 +307,41 @@ class LayerEngine(PageFetching):
         return kept
 
     def _to_host(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, score: torch.Tensor) -> None:
-        """Cut demoted entries ``[heads, m, ...]`` (position order, ``m`` whole pages) into pages on the host."""
+        """Cut demoted entries ``[heads, m, ...]`` (position order, ``m`` whole pages) into pages on the host.
+
+        Everything the host needs goes down as copies on the transfer manager's device-to-host stream,
+        straight into where it stays (the pages into the host slabs, the key codes into the index), with the
+        page ranks and positions for the page table and the deferred NaN flag of the scores beside them;
+        the host then waits once, for all of them together, and places the pages (or, on a NaN, frees
+        their slots and raises: nothing is placed).
+        """
         H, m, D = k.shape
         P = self.cfg.page_size
         n = m // P
         k_pages, v_pages = k.reshape(H, n, P, D), v.reshape(H, n, P, D)
-        staged = [torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin) for t in (k_pages, v_pages)]
-        self.transfer.wait([self.transfer.submit(d, s) for d, s in zip(staged, (k_pages, v_pages))])
-        slots = self.host.store(staged[0].reshape(H * n, P, D), staged[1].reshape(H * n, P, D))
+        slots = self.host.reserve(H * n)
         try:
-            self.index.add(k_pages)
+            jobs = self.host.write_from(slots, k_pages.reshape(H * n, P, D), v_pages.reshape(H * n, P, D),
+                                        self.transfer)
+            jobs += self.index.stage(k_pages, self.transfer)
+            rank = torch.empty((H, n), dtype=torch.float32, pin_memory=self.pin)
+            where = torch.empty((H, n, P), dtype=torch.int64, pin_memory=self.pin)
+            jobs += [self.transfer.submit(rank, page_rank(score.reshape(H, n, P)).float()),
+                     self.transfer.submit(where, pos.reshape(H, n, P))]
+            nan = None
+            if self._nan is not None:
+                nan = torch.empty(1, dtype=torch.bool, pin_memory=self.pin)
+                jobs.append(self.transfer.submit(nan, self._nan.reshape(1)))
+            self.transfer.wait(jobs)
+            if nan is not None:
+                self._nan = None
+                if bool(nan):
+                    raise nan_error(scorer_name(self.scorer), self.layer_idx)
         except BaseException:
             self.host.free(slots)
             raise
-        rank = page_rank(score.reshape(H, n, P)).cpu().numpy()
-        ids = self.table.add(rank, pos.reshape(H, n, P).cpu().numpy())
+        self.index.commit(n)
+        ids = self.table.add(rank.numpy(), where.numpy())
         self.table.place(np.repeat(np.arange(H), n), np.tile(ids, H), HOST, slots)
         self.counters.bytes_moved["device_to_host"] += m * H * 2 * D * k.element_size()
 

@@ -35,17 +35,32 @@ class PageIndex:
 
     def add(self, k_pages: torch.Tensor) -> None:
         """Index the next pages from their keys ``[heads, pages, page_size, dim]`` (all entries valid)."""
+        codes = self._stage(k_pages)
+        self.codes.scatter(torch.arange(self.n * self.heads, (self.n + k_pages.shape[1]) * self.heads), codes.cpu())
+        self.commit(k_pages.shape[1])
+
+    def stage(self, k_pages: torch.Tensor, transfer) -> list[int]:
+        """`add`, split for a demotion that must not wait: the bounds are written on the device, the codes start
+        their copy to host memory through `transfer` (the returned job ids), and the pages count once `commit`
+        is called, after those copies are waited for (until then nothing reads their rows)."""
+        codes = self._stage(k_pages)
+        rows = range(self.n * self.heads, (self.n + k_pages.shape[1]) * self.heads)
+        return self.codes.write_from(rows, codes, transfer)
+
+    def _stage(self, k_pages: torch.Tensor) -> torch.Tensor:
+        """Write the bounds of the next pages past the indexed ones; return their codes ``[m * heads, ...]``."""
         full = torch.full(k_pages.shape[:2], self.page_size, device=k_pages.device)
         lo, hi = round_outward(*page_bounds(k_pages, full), self.dtype)
         codes = encode(k_pages, lo, hi)
         m, H = k_pages.shape[1], self.heads
-        rows = torch.arange(self.n * H, (self.n + m) * H)
         for part in (self.bounds, self.codes):
             part.ensure((self.n + m) * H)
-        bounds = torch.cat([hi, lo], dim=-1).transpose(0, 1).reshape(m * H, -1)
-        self.bounds.scatter(rows.to(self.device), bounds)
-        self.codes.scatter(rows, codes.transpose(0, 1).reshape(m * H, self.page_size, -1).cpu())
-        self.n += m
+        self.bounds.write_range(self.n * H, torch.cat([hi, lo], dim=-1).transpose(0, 1).reshape(m * H, -1))
+        return codes.transpose(0, 1).reshape(m * H, self.page_size, -1)
+
+    def commit(self, pages: int) -> None:
+        """Count `pages` staged pages as indexed."""
+        self.n += pages
 
     def upper_bounds(self, q: torch.Tensor) -> torch.Tensor:
         """The largest logit any key of each page can give a KV head's queries ``q`` ``[heads, rows, dim]``.

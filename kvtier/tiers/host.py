@@ -36,6 +36,7 @@ class HostPool:
         self._free: list[int] = []      # a stack: the lowest free slot on top
         self._used = 0
         self._reads: torch.cuda.Event | None = None   # marks the end of the last device read of the slabs
+        self._reads_on: torch.device | None = None     # the device that read them
 
     def _take(self, n: int) -> np.ndarray:
         if len(self._free) < n:
@@ -62,6 +63,18 @@ class HostPool:
         self.v.scatter(rows, v)
         return slots
 
+    def reserve(self, n: int) -> np.ndarray:
+        """`n` free slots for pages that `write_from` will fill (give them back with `free` if that fails)."""
+        return self._take(n)
+
+    def write_from(self, slots: np.ndarray, k: torch.Tensor, v: torch.Tensor, transfer) -> list[int]:
+        """Start copying pages ``k, v`` ``[n, page_size, head_dim]`` (on the device) into `slots` through
+        `transfer`, straight into the slabs; returns the job ids to wait for. The copies are ordered after
+        the device's reads of the slabs queued so far (a freed slot may still be read), on the device."""
+        if self._reads is not None:
+            torch.cuda.current_stream(self._reads_on).wait_event(self._reads)
+        return self.k.write_from(slots, k, transfer) + self.v.write_from(slots, v, transfer)
+
     def load(self, slots: np.ndarray,
              out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather pages ``[n, page_size, head_dim]`` (into `out` when given: pinned staging, or device memory
@@ -76,7 +89,7 @@ class HostPool:
     def read_on(self, device: torch.device) -> None:
         """Note that kernels queued on `device`'s current stream read the slabs: `store` waits for them."""
         if device.type == "cuda" and self.pin:
-            self._reads = torch.cuda.Event()
+            self._reads, self._reads_on = torch.cuda.Event(), device
             self._reads.record(torch.cuda.current_stream(device))
 
     def free(self, slots: np.ndarray) -> None:

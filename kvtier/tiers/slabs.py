@@ -7,6 +7,7 @@ are allocated as needed and released on `close`; a row's address never changes.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .. import native
@@ -75,6 +76,33 @@ class SlabRows:
         if values.dtype != self.dtype:
             values = values.to(self.dtype)
         native.scatter_pages(self.slabs, self.rows_per_slab, rows, values, self.addresses(self.device))
+
+    def write_range(self, start: int, values: torch.Tensor) -> None:
+        """Rows ``[start, start + n)`` = ``values`` ``[n, *row_shape]``, copied slab by slab on the current stream
+        (no index tensor, nothing read back)."""
+        n, done = values.shape[0], 0
+        while done < n:
+            s, o = divmod(start + done, self.rows_per_slab)
+            take = min(n - done, self.rows_per_slab - o)
+            self.slabs[s][o:o + take].copy_(values[done:done + take], non_blocking=True)
+            done += take
+
+    def write_from(self, rows: np.ndarray, values: torch.Tensor, transfer) -> list[int]:
+        """Start copying ``values`` ``[n, *row_shape]`` (from any device) into `rows` ``[n]`` through `transfer`
+        (a `TransferManager`): one copy per run of consecutive rows in one slab, straight into the slab, no
+        staging. Returns the copies' job ids; the rows are written once they are waited for."""
+        if values.dtype != self.dtype:
+            values = values.to(self.dtype)
+        rows = np.asarray(rows, dtype=np.int64)
+        if len(rows) == 0:
+            return []
+        slab, off = np.divmod(rows, self.rows_per_slab)
+        cut = np.flatnonzero((np.diff(rows) != 1) | (np.diff(slab) != 0)) + 1
+        jobs = []
+        for a, b in zip(np.r_[0, cut].tolist(), np.r_[cut, len(rows)].tolist()):
+            s, o = int(slab[a]), int(off[a])
+            jobs.append(transfer.submit(self.slabs[s][o:o + b - a], values[a:b]))
+        return jobs
 
     def spans(self, n: int) -> list[tuple[int, torch.Tensor]]:
         """``(first row, view)`` for the slabs covering rows ``[0, n)`` (the last view cut at `n`)."""

@@ -49,8 +49,9 @@ def raw_copy(nbytes: int, device: torch.device, repeats: int) -> dict[str, Any]:
 def tier_bandwidth(cfg: GpuBenchConfig, device: torch.device, progress: Progress) -> dict[str, Any]:
     """Demotion and recall batches of one layer of the model's shape, timed through the engine.
 
-    - ``demotion``: ``LayerEngine._to_host`` on ``batch_mib`` of K/V: the device->pinned staging copies on
-      the transfer stream, the host pool's store and the recall index update (bounds, codes);
+    - ``demotion``: ``LayerEngine._to_host`` on ``batch_mib`` of K/V: the copies straight into the pinned
+      host slabs on the transfer stream (one per run of consecutive slots) and the recall index update
+      (bounds on the device, codes copied down beside the pages), waited for once;
     - ``demotion_commit``: ``LayerEngine.commit`` of a step holding that much, end to end (choosing the
       entries, gathering them on the device, then the above);
     - ``recall``: ``LayerEngine._bring_up`` of ``batch_mib`` of random host pages (gather into pinned

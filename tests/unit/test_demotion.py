@@ -1,0 +1,119 @@
+"""A demotion either places its pages or leaves the layer as it was: a copy down that fails, or scores found
+NaN when the deferred check reads them with the copies (as on a GPU), frees the host slots and places
+nothing; and what it places comes down intact, the index and page table included."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier.errors import ScorerError, TransferError
+from kvtier.placement.page_table import HOST
+
+
+def _state(engine):
+    return (engine.table.n, engine.host.pages(), engine.index.n, list(engine.host._free), engine.table.version)
+
+
+def _fill(engine, g, tokens=60):
+    k = torch.randn(1, engine.heads, tokens, engine.head_dim, generator=g)
+    engine.write(k, -k)
+    engine.commit()
+
+
+def _next_token(g, engine):
+    return torch.randn(1, engine.heads, 1, engine.head_dim, generator=g)
+
+
+def _until_demotion(engine, g):
+    """Step one token at a time until the next commit demotes; returns the state just before it."""
+    for _ in range(200):
+        before = _state(engine)
+        k = _next_token(g, engine)
+        engine.write(k, -k)
+        n = engine.table.n
+        engine.commit()
+        if engine.table.n > n:
+            return before
+    raise AssertionError("no demotion in 200 steps")
+
+
+@pytest.mark.parametrize("fail_at", [0, 1, 2, 4])
+def test_a_copy_down_that_fails_places_nothing(make_engine, monkeypatch, fail_at):
+    engine = make_engine(heads=2, head_dim=8, device_budget=32, page_size=4, recall_pages=4)
+    g = torch.Generator().manual_seed(0)
+    _fill(engine, g)
+    _until_demotion(engine, g)     # the layer's pools exist and hold pages
+    calls, real = [0], engine.transfer.submit
+
+    def flaky(dst, src):
+        calls[0] += 1
+        if calls[0] > fail_at:
+            raise TransferError("copy failed (injected)")
+        return real(dst, src)
+
+    monkeypatch.setattr(engine.transfer, "submit", flaky)
+    for _ in range(200):
+        before = _state(engine)
+        k = _next_token(g, engine)
+        engine.write(k, -k)
+        count = engine.pool.count
+        try:
+            engine.commit()
+        except TransferError:
+            break
+    else:
+        raise AssertionError("no demotion was attempted")
+    assert _state(engine)[:4] == before[:4]          # no page, slot or index row taken
+    assert engine.pool.count == count + 1             # the step's token stays on the device
+    monkeypatch.setattr(engine.transfer, "submit", real)
+    k = _next_token(g, engine)
+    engine.write(k, -k)
+    engine.commit()                                   # the next step demotes what is due
+    assert engine.table.n > before[0]
+
+
+def test_nan_scores_checked_with_the_copies_place_nothing(make_engine, monkeypatch):
+    """The GPU's deferred NaN check (forced here on the CPU): the flag comes down with the pages, and a NaN
+    raises before any page is placed."""
+    engine = make_engine(heads=2, head_dim=8, device_budget=32, page_size=4, recall_pages=4)
+    monkeypatch.setattr(engine, "_defer_nan", lambda: True)
+    g = torch.Generator().manual_seed(1)
+    _fill(engine, g)
+    _until_demotion(engine, g)
+    assert engine._nan is None                        # read with that demotion's copies
+    real = engine.scorer.score
+    monkeypatch.setattr(engine.scorer, "score", lambda *a, **kw: real(*a, **kw) * float("nan"))
+    k = _next_token(g, engine)
+    engine.write(k, -k)                               # NaN noted, not read back
+    engine.commit()
+    monkeypatch.setattr(engine.scorer, "score", real)
+    with pytest.raises(ScorerError, match="NaN"):
+        for _ in range(200):
+            before = _state(engine)
+            k = _next_token(g, engine)
+            engine.write(k, -k)
+            engine.commit()
+    assert _state(engine)[:4] == before[:4]
+
+
+def test_demoted_pages_arrive_intact_with_their_index_and_table_rows(make_engine):
+    engine = make_engine(heads=2, head_dim=8, device_budget=24, page_size=4, recall_pages=4)
+    g = torch.Generator().manual_seed(2)
+    written_k = []
+    for _ in range(30):
+        k = torch.randn(1, 2, 3, 8, generator=g)
+        written_k.append(k)
+        engine.write(k, -k)
+        engine.commit()
+    keys = torch.cat(written_k, dim=2)[0]            # [heads, tokens, dim], by position
+    heads, pids = engine.table.pages_in(HOST)
+    assert len(pids) and engine.index.n == engine.table.n
+    slots = engine.table.lookup(heads, pids)[1]
+    k, v = engine.host.load(slots)
+    for i, (h, pid) in enumerate(zip(heads.tolist(), pids.tolist())):
+        pos = engine.table.positions(h, pid)
+        assert torch.equal(k[i], keys[h, pos]) and torch.equal(v[i], -keys[h, pos])
+    lo, hi, codes = engine.index.pick(torch.from_numpy(np.stack([pids[heads == h][:2] for h in range(2)])))
+    assert (lo <= hi).all() and codes.dtype == torch.uint8
