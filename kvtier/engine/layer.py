@@ -46,6 +46,25 @@ class _Pending:
     masked: torch.Tensor | None = None   # [q] bool: padding no query attends; dropped at commit
 
 
+class _Landing:
+    """A demotion's copies to the host, as the page table's `add_later` fill: ready once every copy is done;
+    called, it waits for them (on the host), raises if the scores it placed by were NaN, and returns the
+    pages' ranks and positions."""
+
+    def __init__(self, engine: LayerEngine, jobs: list[int], rank: torch.Tensor, where: torch.Tensor,
+                 nan: torch.Tensor | None) -> None:
+        self.engine, self.jobs, self.rank, self.where, self.nan = engine, jobs, rank, where, nan
+
+    def ready(self) -> bool:
+        return all(self.engine.transfer.done(j) for j in self.jobs)
+
+    def __call__(self) -> tuple[np.ndarray, np.ndarray]:
+        self.engine.transfer.wait(self.jobs)
+        if self.nan is not None and bool(self.nan):
+            raise nan_error(scorer_name(self.engine.scorer), self.engine.layer_idx)
+        return self.rank.numpy(), self.where.numpy()
+
+
 class LayerEngine(PageFetching):
     """The tiers, the page table and the placement of one layer."""
 
@@ -120,6 +139,7 @@ class LayerEngine(PageFetching):
             raise UnsupportedError(f"key shape {list(k.shape)} does not match the config: expected "
                                    f"[1, {self.heads}, tokens, {self.head_dim}]")
         self.flush()
+        self.table.settle(ready_only=True)   # the last demotions' copies have landed by now: note them
         if self.pool is None:
             self._init(k.device, k.dtype)
         if self.parked is not None:
@@ -256,8 +276,8 @@ class LayerEngine(PageFetching):
         self._demote()
 
     def _defer_nan(self) -> bool:
-        """On CUDA the scores' NaN check waits for the next demotion (which reads from the device anyway), so a
-        step reads nothing back; elsewhere it is immediate."""
+        """On CUDA the scores' NaN flag goes down with the next demotion's copies and is read when they land, so
+        a step reads nothing back; elsewhere the check is immediate."""
         return self.pool is not None and self.device.type == "cuda"
 
     def _checked(self, scores: torch.Tensor) -> torch.Tensor:
@@ -311,9 +331,11 @@ class LayerEngine(PageFetching):
 
         Everything the host needs goes down as copies on the transfer manager's device-to-host stream,
         straight into where it stays (the pages into the host slabs, the key codes into the index), with the
-        page ranks and positions for the page table and the deferred NaN flag of the scores beside them;
-        the host then waits once, for all of them together, and places the pages (or, on a NaN, frees
-        their slots and raises: nothing is placed).
+        page ranks and positions for the page table and the deferred NaN flag of the scores beside them. The
+        step does not wait for them: the device orders whatever reads those pages after the copies, and the
+        page table learns the ranks and positions once they have landed (a `_Landing`, settled at the
+        layer's next step, or at once by anything that reads them). A copy that cannot start frees the slots
+        and places nothing.
         """
         H, m, D = k.shape
         P = self.cfg.page_size
@@ -332,16 +354,14 @@ class LayerEngine(PageFetching):
             if self._nan is not None:
                 nan = torch.empty(1, dtype=torch.bool, pin_memory=self.pin)
                 jobs.append(self.transfer.submit(nan, self._nan.reshape(1)))
-            self.transfer.wait(jobs)
-            if nan is not None:
-                self._nan = None
-                if bool(nan):
-                    raise nan_error(scorer_name(self.scorer), self.layer_idx)
         except BaseException:
             self.host.free(slots)
             raise
+        self._nan = None
+        self.transfer.order_after(jobs)   # recall of these pages (and anything after) waits for them on the device
         self.index.commit(n)
-        ids = self.table.add(rank.numpy(), where.numpy())
+        landing = _Landing(self, jobs, rank, where, nan)
+        ids = self.table.add_later(n, landing)
         self.table.place(np.repeat(np.arange(H), n), np.tile(ids, H), HOST, slots)
         self.counters.bytes_moved["device_to_host"] += m * H * 2 * D * k.element_size()
 
@@ -373,6 +393,7 @@ class LayerEngine(PageFetching):
         """Move what the layer holds on the device (and, for disk, on the host) down to `to`."""
         check_target(to)
         self.flush()
+        self.table.settle()    # the host pages are read below: every copy to them must have landed
         if self.pool is None:
             return
         current = self.parked
@@ -472,6 +493,8 @@ class LayerEngine(PageFetching):
         """Forget every entry (the shared disk store stays open for reuse)."""
         self.pending = None
         self._drop_recalled()
+        for landing in self.table.fills():   # copies still landing in slots about to be reused
+            self.transfer.wait(landing.jobs)
         self.last_recall = None
         self._slot_mirror = None
         self._nan = None

@@ -82,7 +82,8 @@ def slab_addresses(slabs: Sequence[torch.Tensor], device: torch.device) -> torch
     ptrs = [loader.device_address(s, device) for s in slabs]
     if any(p is None for p in ptrs):
         return None
-    return torch.tensor(ptrs, dtype=torch.int64).to(device)
+    # from pinned memory without waiting: a step that grows a slab storage does not stall on the lookup
+    return torch.tensor(ptrs, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
 
 
 def _addresses(slabs: Sequence[torch.Tensor], device: torch.device,

@@ -8,6 +8,8 @@ never writes cells itself.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 EMPTY, HOST, DISK = 0, 1, 2
@@ -26,6 +28,8 @@ class PageTable:
         self.n = 0
         self._chunks: list[dict[str, np.ndarray]] = []
         self.version = 0    # changes whenever a page is added or moves: copies of the table know they are old
+        # pages numbered by `add_later` whose ranks and positions are still on their way: (ids, fill)
+        self._unsettled: list[tuple[np.ndarray, Callable[[], tuple[np.ndarray, np.ndarray]]]] = []
 
     def _new_chunk(self) -> dict[str, np.ndarray]:
         H, C = self.heads, self.chunk
@@ -45,17 +49,50 @@ class PageTable:
 
     def add(self, rank: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Number `n` new pages (``rank`` ``[heads, n]``, ``positions`` ``[heads, n, page_size]``); returns ids."""
-        n_new = rank.shape[1]
-        ids = np.arange(self.n, self.n + n_new)
-        while len(self._chunks) * self.chunk < self.n + n_new:
+        ids = self._number(rank.shape[1])
+        self._write(ids, rank, positions)
+        return ids
+
+    def add_later(self, pages: int, fill: Callable[[], tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+        """Number `pages` new pages now and learn their ranks and positions later: ``fill()`` returns them (as
+        `add` takes them), called once, before anything reads ranks or positions (see `settle`). Tiers and
+        slots are there at once. A demotion uses it so that its copies down need not be waited for."""
+        ids = self._number(pages)
+        self._unsettled.append((ids, fill))
+        return ids
+
+    def settle(self, ready_only: bool = False) -> None:
+        """Fill in the ranks and positions of pages numbered by `add_later`, oldest first; with `ready_only`,
+        only while ``fill.ready()`` says a fill would not wait. A fill that raises stays, and raises again."""
+        while self._unsettled:
+            ids, fill = self._unsettled[0]
+            if ready_only and not getattr(fill, "ready", lambda: True)():
+                return
+            self._write(ids, *fill())
+            self._unsettled.pop(0)
+
+    @property
+    def unsettled(self) -> int:
+        """Pages whose ranks and positions are still to come."""
+        return sum(len(ids) for ids, _ in self._unsettled)
+
+    def fills(self) -> list[Callable[[], tuple[np.ndarray, np.ndarray]]]:
+        """The fills still to call, oldest first."""
+        return [fill for _, fill in self._unsettled]
+
+    def _number(self, pages: int) -> np.ndarray:
+        ids = np.arange(self.n, self.n + pages)
+        while len(self._chunks) * self.chunk < self.n + pages:
             self._chunks.append(self._new_chunk())
+        self.n += pages
+        self.version += 1
+        return ids
+
+    def _write(self, ids: np.ndarray, rank: np.ndarray, positions: np.ndarray) -> None:
         for i, pid in enumerate(ids):
             c = self._chunks[pid // self.chunk]
             c["rank"][:, pid % self.chunk] = rank[:, i]
             c["pos"][:, pid % self.chunk] = positions[:, i]
-        self.n += n_new
-        self.version += 1
-        return ids
 
     def _cells(self, heads: np.ndarray, pids: np.ndarray):
         pids = np.asarray(pids, dtype=np.int64)
@@ -85,6 +122,7 @@ class PageTable:
 
     def positions(self, head: int, pid: int) -> np.ndarray:
         """Positions held by one page."""
+        self.settle()
         return self._chunks[pid // self.chunk]["pos"][head, pid % self.chunk]
 
     @property
@@ -94,6 +132,7 @@ class PageTable:
 
     @property
     def rank(self) -> np.ndarray:
+        self.settle()
         return self._column("rank")
 
     @property
@@ -118,6 +157,7 @@ class PageTable:
     def clear(self) -> None:
         self.n = 0
         self._chunks = []
+        self._unsettled = []
         self.version += 1
 
     def copy_from(self, other: PageTable) -> None:
@@ -125,6 +165,7 @@ class PageTable:
         if (other.heads, other.page_size) != (self.heads, self.page_size):
             raise ValueError(f"a page table of {other.heads} heads x {other.page_size}-entry pages cannot be "
                              f"copied into one of {self.heads} x {self.page_size}")
+        other.settle()
         self.chunk, self.n = other.chunk, other.n
         self._chunks = [{name: a.copy() for name, a in c.items()} for c in other._chunks]
         self.version += 1

@@ -192,6 +192,7 @@ def checked_scores(scorer: Scorer | QueryScorer, keys: torch.Tensor, values: tor
 
 
 def nan_error(name: str, layer_idx: int) -> ScorerError:
-    """The error for NaN scores (raised at once, or at the next placement where the check is deferred)."""
+    """The error for NaN scores (raised at once, or where the check is deferred, once the next demotion's
+    copies to the host have landed)."""
     return ScorerError(f"scorer {name!r} returned NaN scores at layer {layer_idx}; scores must be "
                        "ordered numbers (+inf/-inf are allowed)")

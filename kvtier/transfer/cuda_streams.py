@@ -90,6 +90,14 @@ class CudaTransferManager:
             self._spare.append(event)
         self.counters.wait_seconds += time.perf_counter() - start
 
+    def order_after(self, job_ids: Iterable[int]) -> None:
+        """The current stream waits for the jobs' events on the device; the jobs stay for a later `wait`."""
+        current = torch.cuda.current_stream(self.device)
+        for job in job_ids:
+            entry = self._jobs.get(job)
+            if entry is not None:
+                current.wait_event(entry[1])
+
     def done(self, job_id: int) -> bool:
         entry = self._jobs.get(job_id)
         return entry is None or entry[1].query()

@@ -32,6 +32,9 @@ class SyncTransferManager:
     def wait(self, job_ids: Iterable[int]) -> None:
         return None
 
+    def order_after(self, job_ids: Iterable[int]) -> None:
+        return None
+
     def done(self, job_id: int) -> bool:
         return True
 

@@ -156,6 +156,30 @@ def test_a_decode_step_with_host_pages_never_syncs(cuda_device):
 
 
 @torch.no_grad()
+def test_decode_steps_that_demote_never_sync(cuda_device):
+    """Steps that demote too: the planner's counts come from the host, the pool's take and remove are
+    fixed-shape, the copies down are waited for only once they have landed (at the layer's next step)."""
+    from kvtier import native
+
+    if native.kernel_status() is not None:
+        pytest.skip(f"native kernels are off ({native.kernel_status()}); the twins read indices on the host")
+    model = _llama(cuda_device)
+    with TieredCache(model.config, device_budget=64, recall_pages=8, scorer="keynorm") as cache:
+        token = _greedy(model, cache, _prompt(600, cuda_device), 4)[:, -1:]
+        before = cache.counters.bytes_moved["device_to_host"]
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(40):    # a page per head is demoted every 16 steps at a 64-token budget
+                token = model(token, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert cache.counters.bytes_moved["device_to_host"] > before
+        s = cache.stats()
+        assert s["prefetch"]["pages"] > 0 and s["pages_recalled"] > 0
+
+
+@torch.no_grad()
 def test_prefetch_on_a_delayed_side_stream_into_poisoned_slots(cuda_device, monkeypatch):
     """The prefetch runs on its own stream, here held back by a long sleep before each one, into recall
     buffers whose slots start as NaN: a step that read a slot before its prefetch landed would decode NaN or

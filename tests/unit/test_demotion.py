@@ -74,28 +74,45 @@ def test_a_copy_down_that_fails_places_nothing(make_engine, monkeypatch, fail_at
     assert engine.table.n > before[0]
 
 
-def test_nan_scores_checked_with_the_copies_place_nothing(make_engine, monkeypatch):
-    """The GPU's deferred NaN check (forced here on the CPU): the flag comes down with the pages, and a NaN
-    raises before any page is placed."""
+def test_nan_scores_are_caught_when_the_demotions_copies_land(make_engine, monkeypatch):
+    """The GPU's deferred NaN check (forced here on the CPU): the flag goes down with the demotion's copies and
+    is read when they land, at the layer's next step (which raises), or when the table is read."""
     engine = make_engine(heads=2, head_dim=8, device_budget=32, page_size=4, recall_pages=4)
     monkeypatch.setattr(engine, "_defer_nan", lambda: True)
     g = torch.Generator().manual_seed(1)
     _fill(engine, g)
     _until_demotion(engine, g)
-    assert engine._nan is None                        # read with that demotion's copies
+    assert engine._nan is None and engine.table.unsettled > 0    # taken by that demotion's copies
     real = engine.scorer.score
     monkeypatch.setattr(engine.scorer, "score", lambda *a, **kw: real(*a, **kw) * float("nan"))
     k = _next_token(g, engine)
     engine.write(k, -k)                               # NaN noted, not read back
     engine.commit()
     monkeypatch.setattr(engine.scorer, "score", real)
+    for _ in range(200):
+        k = _next_token(g, engine)
+        engine.write(k, -k)                           # lands the earlier copies: clean
+        n = engine.table.n
+        engine.commit()
+        if engine.table.n > n:
+            break
     with pytest.raises(ScorerError, match="NaN"):
-        for _ in range(200):
-            before = _state(engine)
-            k = _next_token(g, engine)
-            engine.write(k, -k)
-            engine.commit()
-    assert _state(engine)[:4] == before[:4]
+        engine.write(_next_token(g, engine), _next_token(g, engine))
+    with pytest.raises(ScorerError, match="NaN"):
+        engine.table.rank                             # and on every later read of the table
+
+
+def test_a_demotions_copies_land_at_the_next_step(make_engine):
+    engine = make_engine(heads=2, head_dim=8, device_budget=32, page_size=4, recall_pages=4)
+    g = torch.Generator().manual_seed(3)
+    _fill(engine, g)
+    _until_demotion(engine, g)
+    assert engine.table.unsettled > 0                 # numbered and placed, ranks and positions to come
+    assert (engine.table.tier[:, -1] == HOST).all()
+    k = _next_token(g, engine)
+    engine.write(k, -k)
+    assert engine.table.unsettled == 0
+    assert np.isfinite(engine.table.rank).all() and (engine.table.positions(0, engine.table.n - 1) >= 0).all()
 
 
 def test_demoted_pages_arrive_intact_with_their_index_and_table_rows(make_engine):
