@@ -29,9 +29,15 @@ class DecodeResult:
 
 
 @torch.no_grad()
-def time_decode(model: Any, input_ids: torch.Tensor, cache: Any, new_tokens: int) -> tuple[float, torch.Tensor]:
-    """Prefill `input_ids` into `cache`, then time `new_tokens` greedy decode steps."""
+def time_decode(model: Any, input_ids: torch.Tensor, cache: Any, new_tokens: int, warmup: int = 0,
+                before_timing: Callable[[], None] | None = None) -> tuple[float, torch.Tensor]:
+    """Prefill `input_ids` into `cache`, then time `new_tokens` greedy decode steps (after `warmup` untimed
+    ones, then `before_timing`); returns the seconds and the timed steps' tokens."""
     logits = model(input_ids, **cache_kwargs(cache)).logits[:, -1]
+    for _ in range(warmup):
+        logits = model(logits.argmax(-1, keepdim=True), **cache_kwargs(cache)).logits[:, -1]
+    if before_timing is not None:
+        before_timing()
     out = []
     sync = torch.cuda.synchronize if input_ids.is_cuda else (lambda: None)
     sync()

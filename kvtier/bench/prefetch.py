@@ -2,6 +2,7 @@
 
 Every setting decodes the same prompt greedily with recall planned on the device (forced on a CPU, where the
 torch twins run the same plan and the side stream is the caller's own), and differs only in `prefetch_pages`.
+The first decode step, which finds the recall buffer empty after the prefill, is run before counting starts.
 Reported per setting: the share of chosen pages already on the device when chosen (kept from the step before,
 or prefetched after it), the pages fetched on demand and the pages prefetched per layer, KV head and step,
 and the share of prefetched pages a later step chose. Prefetch changes what moves and when, never what is
@@ -42,6 +43,12 @@ class PrefetchRow:
                 "prefetch_used": self.prefetch_used}
 
 
+def _counts(stats: dict[str, Any]) -> dict[str, int]:
+    ahead = stats["prefetch"]
+    return {"steps": stats["recall_steps"], "reused": stats["pages_reused"], "prefetched": ahead["pages"],
+            "on_demand": stats["pages_recalled"] - ahead["pages"], "used": ahead["used"]}
+
+
 def prefetch_study(model: Any, input_ids: torch.Tensor, spares: list[int], new_tokens: int,
                    device_budget: float | int, recall_pages: int, scorer: str | None = None,
                    progress: Callable[[str], None] | None = None) -> list[PrefetchRow]:
@@ -54,10 +61,11 @@ def prefetch_study(model: Any, input_ids: torch.Tensor, spares: list[int], new_t
                          prefetch_pages=spare, scorer=scorer) as cache:
             for engine in cache._engines:   # planned on the device from the first step, as on a GPU
                 engine.device_recall = True
-            seconds, tokens = time_decode(model, input_ids, cache, new_tokens)
-            s = cache.stats()
-        ahead = s["prefetch"]
-        on_demand = s["pages_recalled"] - ahead["pages"]
-        rows.append(PrefetchRow(spare, tokens[0].tolist(), seconds, s["recall_steps"], s["pages_reused"] + on_demand, on_demand,
-                                ahead["pages"], ahead["used"]))
+            first: dict[str, Any] = {}
+            seconds, tokens = time_decode(model, input_ids, cache, new_tokens, warmup=1,
+                                          before_timing=lambda: first.update(_counts(cache.stats())))
+            last = _counts(cache.stats())
+        got = {key: last[key] - first[key] for key in last}
+        rows.append(PrefetchRow(spare, tokens[0].tolist(), seconds, got["steps"], got["reused"] + got["on_demand"],
+                                got["on_demand"], got["prefetched"], got["used"]))
     return rows
