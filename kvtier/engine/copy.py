@@ -23,6 +23,7 @@ def copy_layer(src: LayerEngine, dst: LayerEngine) -> None:
         raise UnsupportedError(f"copy.deepcopy of a parked TieredCache (layer {src.layer_idx} is parked in "
                                f"{src.parked.where}); call cache.resume() first")
     src.flush()
+    src.table.settle()     # the source's host pages and index codes are read below: its copies must have landed
     src.settle_counts()
     if src.pool is None:
         return

@@ -130,7 +130,11 @@ class PageFetching:
             counts[2] += count.sum()
 
         uses = [target, buf.k, buf.v, buf.held, buf.ahead, counts, *(t for t in sources if t is not None)]
-        buf.pending = self.transfer.run_ahead(work, uses)
+        try:
+            buf.pending = self.transfer.run_ahead(work, uses)
+        except BaseException:   # slots may hold pages `held` does not say: the next step starts a new buffer
+            self.recalled = None
+            raise
 
     def _host_slots(self) -> torch.Tensor:
         """``[heads, n]`` host slot of every page on the device (-1 elsewhere), rebuilt when the table changed."""

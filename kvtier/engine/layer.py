@@ -342,10 +342,11 @@ class LayerEngine(PageFetching):
         n = m // P
         k_pages, v_pages = k.reshape(H, n, P, D), v.reshape(H, n, P, D)
         slots = self.host.reserve(H * n)
+        jobs: list[int] = []
         try:
-            jobs = self.host.write_from(slots, k_pages.reshape(H * n, P, D), v_pages.reshape(H * n, P, D),
-                                        self.transfer)
-            jobs += self.index.stage(k_pages, self.transfer)
+            self.host.write_from(slots, k_pages.reshape(H * n, P, D), v_pages.reshape(H * n, P, D), self.transfer,
+                                 jobs)
+            self.index.stage(k_pages, self.transfer, jobs)
             rank = torch.empty((H, n), dtype=torch.float32, pin_memory=self.pin)
             where = torch.empty((H, n, P), dtype=torch.int64, pin_memory=self.pin)
             jobs += [self.transfer.submit(rank, page_rank(score.reshape(H, n, P)).float()),
@@ -355,6 +356,10 @@ class LayerEngine(PageFetching):
                 nan = torch.empty(1, dtype=torch.bool, pin_memory=self.pin)
                 jobs.append(self.transfer.submit(nan, self._nan.reshape(1)))
         except BaseException:
+            try:   # copies already started may still write into the slots: they are free only once done
+                self.transfer.wait(jobs)
+            except BaseException:
+                raise   # the slots stay taken (leaked, never overwritten)
             self.host.free(slots)
             raise
         self._nan = None
@@ -373,6 +378,8 @@ class LayerEngine(PageFetching):
         budget = max(0, budget - self._readahead_pages() * self.cfg.page_size)
         n = self.table.n
         tier = self.table.tier
+        if ((tier == HOST).sum(axis=1) * self.cfg.page_size <= budget).all():
+            return   # within budget: no ranks needed, so nothing waits for the last demotion's copies
         plans = plan_host_overflow(self.table.rank, np.full((self.heads, n), self.cfg.page_size), tier == HOST,
                                    budget, 0)
         heads = np.concatenate([np.full(len(ids), h) for h, ids in enumerate(plans)]).astype(np.int64)
@@ -381,6 +388,7 @@ class LayerEngine(PageFetching):
 
     def move_down(self, heads: np.ndarray, pids: np.ndarray) -> None:
         """Write host pages ``(heads[i], pids[i])`` to disk, then free their host slots (all or nothing)."""
+        self.table.settle()    # the host pages are read below: every copy to them must have landed
         slots = self.table.lookup(heads, pids)[1]
         disk = self._disk()
         disk_slots = disk.store(*self.host.load(slots))

@@ -39,13 +39,13 @@ class PageIndex:
         self.codes.scatter(torch.arange(self.n * self.heads, (self.n + k_pages.shape[1]) * self.heads), codes.cpu())
         self.commit(k_pages.shape[1])
 
-    def stage(self, k_pages: torch.Tensor, transfer) -> list[int]:
+    def stage(self, k_pages: torch.Tensor, transfer, jobs: list[int]) -> None:
         """`add`, split for a demotion that must not wait: the bounds are written on the device, the codes start
-        their copy to host memory through `transfer` (the returned job ids), and the pages count once `commit`
-        is called, after those copies are waited for (until then nothing reads their rows)."""
+        their copy to host memory through `transfer` (job ids joining `jobs`), and the pages count once
+        `commit` is called; readers of their rows wait for those copies."""
         codes = self._stage(k_pages)
         rows = range(self.n * self.heads, (self.n + k_pages.shape[1]) * self.heads)
-        return self.codes.write_from(rows, codes, transfer)
+        self.codes.write_from(rows, codes, transfer, jobs)
 
     def _stage(self, k_pages: torch.Tensor) -> torch.Tensor:
         """Write the bounds of the next pages past the indexed ones; return their codes ``[m * heads, ...]``."""

@@ -37,6 +37,7 @@ class HostPool:
         self._used = 0
         self._reads: torch.cuda.Event | None = None   # marks the end of the last device read of the slabs
         self._reads_on: torch.device | None = None     # the device that read them
+        self._written = 0    # slots from here on have never held a page (so no device read of them is queued)
 
     def _take(self, n: int) -> np.ndarray:
         if len(self._free) < n:
@@ -58,6 +59,8 @@ class HostPool:
         """Keep pages ``k, v`` ``[n, page_size, head_dim]``; returns their slots."""
         self._settle()
         slots = self._take(k.shape[0])
+        if len(slots):
+            self._written = max(self._written, int(slots.max()) + 1)
         rows = torch.from_numpy(slots)
         self.k.scatter(rows, k)
         self.v.scatter(rows, v)
@@ -67,13 +70,18 @@ class HostPool:
         """`n` free slots for pages that `write_from` will fill (give them back with `free` if that fails)."""
         return self._take(n)
 
-    def write_from(self, slots: np.ndarray, k: torch.Tensor, v: torch.Tensor, transfer) -> list[int]:
+    def write_from(self, slots: np.ndarray, k: torch.Tensor, v: torch.Tensor, transfer, jobs: list[int]) -> None:
         """Start copying pages ``k, v`` ``[n, page_size, head_dim]`` (on the device) into `slots` through
-        `transfer`, straight into the slabs; returns the job ids to wait for. The copies are ordered after
-        the device's reads of the slabs queued so far (a freed slot may still be read), on the device."""
-        if self._reads is not None:
+        `transfer`, straight into the slabs; the job ids join `jobs`. A slot used before (freed, then handed
+        out again) may still be read by the device: copies into such slots are ordered after the reads queued
+        so far, on the device. Slots never used before need no wait (a decoding layer's usual case)."""
+        if not len(slots):
+            return
+        if self._reads is not None and int(np.min(slots)) < self._written:
             torch.cuda.current_stream(self._reads_on).wait_event(self._reads)
-        return self.k.write_from(slots, k, transfer) + self.v.write_from(slots, v, transfer)
+        self._written = max(self._written, int(np.max(slots)) + 1)
+        self.k.write_from(slots, k, transfer, jobs)
+        self.v.write_from(slots, v, transfer, jobs)
 
     def load(self, slots: np.ndarray,
              out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:

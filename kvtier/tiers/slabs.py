@@ -87,22 +87,21 @@ class SlabRows:
             self.slabs[s][o:o + take].copy_(values[done:done + take], non_blocking=True)
             done += take
 
-    def write_from(self, rows: np.ndarray, values: torch.Tensor, transfer) -> list[int]:
+    def write_from(self, rows: np.ndarray, values: torch.Tensor, transfer, jobs: list[int]) -> None:
         """Start copying ``values`` ``[n, *row_shape]`` (from any device) into `rows` ``[n]`` through `transfer`
         (a `TransferManager`): one copy per run of consecutive rows in one slab, straight into the slab, no
-        staging. Returns the copies' job ids; the rows are written once they are waited for."""
+        staging. Each copy's job id joins `jobs` as it starts (so a failure midway leaves the started ones to
+        wait for); the rows are written once they are waited for."""
         if values.dtype != self.dtype:
             values = values.to(self.dtype)
         rows = np.asarray(rows, dtype=np.int64)
         if len(rows) == 0:
-            return []
+            return
         slab, off = np.divmod(rows, self.rows_per_slab)
         cut = np.flatnonzero((np.diff(rows) != 1) | (np.diff(slab) != 0)) + 1
-        jobs = []
         for a, b in zip(np.r_[0, cut].tolist(), np.r_[cut, len(rows)].tolist()):
             s, o = int(slab[a]), int(off[a])
             jobs.append(transfer.submit(self.slabs[s][o:o + b - a], values[a:b]))
-        return jobs
 
     def spans(self, n: int) -> list[tuple[int, torch.Tensor]]:
         """``(first row, view)`` for the slabs covering rows ``[0, n)`` (the last view cut at `n`)."""

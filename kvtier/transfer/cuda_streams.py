@@ -62,14 +62,21 @@ class CudaTransferManager:
 
     def run_ahead(self, work: Callable[[], None], uses: Sequence[torch.Tensor] = ()) -> int:
         stream = self._streams["ahead"]
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            work()
-            event = self._spare.pop() if self._spare else torch.cuda.Event()
+        current = torch.cuda.current_stream(self.device)
+        stream.wait_stream(current)
+        event = self._spare.pop() if self._spare else torch.cuda.Event()
+        failed = True
+        try:
+            with torch.cuda.stream(stream):
+                work()
+            failed = False
+        finally:   # what `work` queued before any failure is still kept alive, and ordered before what follows
             event.record(stream)
-        for t in uses:
-            if t.is_cuda:
-                t.record_stream(stream)
+            for t in uses:
+                if t.is_cuda:
+                    t.record_stream(stream)
+            if failed:
+                current.wait_event(event)
         job = next(self._ids)
         self._jobs[job] = ("ahead", event)
         self.counters.jobs += 1

@@ -134,3 +134,54 @@ def test_demoted_pages_arrive_intact_with_their_index_and_table_rows(make_engine
         assert torch.equal(k[i], keys[h, pos]) and torch.equal(v[i], -keys[h, pos])
     lo, hi, codes = engine.index.pick(torch.from_numpy(np.stack([pids[heads == h][:2] for h in range(2)])))
     assert (lo <= hi).all() and codes.dtype == torch.uint8
+
+
+def test_a_host_under_its_budget_leaves_the_copies_landing(make_engine):
+    """With a host budget the layer checks for overflow after each demotion; while the host holds less than its
+    budget that check needs no ranks, so the copies are not waited for there."""
+    engine = make_engine(heads=2, head_dim=8, device_budget=32, host_budget=10_000, page_size=4, recall_pages=4)
+    g = torch.Generator().manual_seed(4)
+    _fill(engine, g)
+    _until_demotion(engine, g)
+    assert engine.table.unsettled > 0 and engine.disk is None
+
+
+def test_a_prefetch_failing_midway_drops_the_buffer_and_the_next_step_is_right(make_engine, monkeypatch):
+    """The value copy of a prefetch fails after the key copy went in: the buffer no longer says what its slots
+    hold, so it is let go; later steps rebuild it and attend exactly as the host path does."""
+    from kvtier import native
+
+    kw = dict(heads=2, head_dim=16, device_budget=48, recall_pages=4, page_size=4, prefetch_pages=4)
+    host, dev = make_engine(**kw), make_engine(**kw)
+    dev.device_recall = True
+    g = torch.Generator().manual_seed(5)
+    k = torch.randn(1, 2, 300, 16, generator=g)
+    for e in (host, dev):
+        e.write(k, k.flip(-1))
+        e.commit()
+    real, calls, failed = native.recall_pages, [0], []
+
+    def flaky(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 4:    # the second copy of the first prefetch (after the step's own two)
+            failed.append(True)
+            raise RuntimeError("copy failed (injected)")
+        return real(*args, **kwargs)
+
+    import kvtier.engine.fetch as fetch
+    monkeypatch.setattr(fetch.native, "recall_pages", flaky)
+    for step in range(12):
+        k = torch.randn(1, 2, 1, 16, generator=g)
+        q = torch.randn(1, 4, 1, 16, generator=g)
+        outs = []
+        for e in (host, dev):
+            e.write(k, k.flip(-1))
+            try:
+                outs.append(e.attend(q)[0])
+            except RuntimeError:
+                assert e is dev and step == 0 and e.recalled is None
+                outs.append(None)
+            e.commit()
+        if outs[1] is not None:
+            torch.testing.assert_close(outs[1], outs[0], rtol=1e-6, atol=1e-6)
+    assert failed

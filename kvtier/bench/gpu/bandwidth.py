@@ -51,7 +51,7 @@ def tier_bandwidth(cfg: GpuBenchConfig, device: torch.device, progress: Progress
 
     - ``demotion``: ``LayerEngine._to_host`` on ``batch_mib`` of K/V: the copies straight into the pinned
       host slabs on the transfer stream (one per run of consecutive slots) and the recall index update
-      (bounds on the device, codes copied down beside the pages), waited for once;
+      (bounds on the device, codes copied down beside the pages), timed until they have landed;
     - ``demotion_commit``: ``LayerEngine.commit`` of a step holding that much, end to end (choosing the
       entries, gathering them on the device, then the above);
     - ``recall``: ``LayerEngine._bring_up`` of ``batch_mib`` of random host pages (gather into pinned

@@ -75,7 +75,7 @@ def _growth(cfg: GpuBenchConfig, model: Any, cache: Any, token: torch.Tensor, la
             "device_growth_bytes": gpu, "host_growth_bytes": host, "allowance": allow,
             "device_ok": gpu <= allow["device_bytes"], "host_ok": host <= allow["host_bytes"],
             "step_ms_median": _r(_median(times) * 1e3),
-            # a step that demotes still waits for its copies to the host: what that costs, next to the others
+            # a step that demotes queues its copies to the host and more bookkeeping: its cost, next to the others
             "demoting_steps": len(split["demoting"]),
             "demoting_step_ms_median": _r(_median(split["demoting"]) * 1e3) if split["demoting"] else None,
             "other_step_ms_median": _r(_median(split["other"]) * 1e3) if split["other"] else None,
