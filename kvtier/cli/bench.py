@@ -101,7 +101,8 @@ def decode(context: int, new_tokens: int, rounds: int, device_budget: str, host_
 @click.option("--prefetch-pages", "spares", default="0,16,32,64", show_default=True,
               help="Comma list of prefetch_pages settings compared (0: no prefetch, the buffer keeps only the "
                    "last choice).")
-@click.option("--scorer", default="auto", show_default=True, help="auto: KVP where weights ship for the model, else keynorm.")
+@click.option("--scorer", default="auto", show_default=True,
+              help="auto: KVP where weights ship for the model, else keynorm.")
 @click.option("--model", default=None, help="A Hugging Face id or local path (default: the packaged model).")
 @click.option("--device", default="cpu", show_default=True, help="Where the model runs (cpu, cuda).")
 @click.option("--threads", default=1, show_default=True, type=THREADS, help="torch CPU threads.")

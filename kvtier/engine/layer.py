@@ -89,6 +89,7 @@ class LayerEngine(PageFetching):
         self.device_counts: torch.Tensor | None = None
         self._nan: torch.Tensor | None = None           # NaN seen in scores not yet checked (deferred on CUDA)
         self._masked_positions = np.empty(0, dtype=np.int64)   # padding positions, never stored
+        self._unordered: list[int] = []   # demotion copies no device read has been ordered after yet
 
     # ------------------------------------------------------------------ write
     def _init(self, device: torch.device, dtype: torch.dtype) -> None:
@@ -192,6 +193,9 @@ class LayerEngine(PageFetching):
         """
         if not self.recalls():
             return None
+        if self._unordered:   # the last demotions' copies, long done by now: what reads their pages comes after
+            self.transfer.order_after(self._unordered)
+            self._unordered = []
         p = self.pending
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
         q_len = query.shape[2]
@@ -332,10 +336,10 @@ class LayerEngine(PageFetching):
         Everything the host needs goes down as copies on the transfer manager's device-to-host stream,
         straight into where it stays (the pages into the host slabs, the key codes into the index), with the
         page ranks and positions for the page table and the deferred NaN flag of the scores beside them. The
-        step does not wait for them: the device orders whatever reads those pages after the copies, and the
-        page table learns the ranks and positions once they have landed (a `_Landing`, settled at the
-        layer's next step, or at once by anything that reads them). A copy that cannot start frees the slots
-        and places nothing.
+        step does not wait for them: the layer's next recall, the first device read of those pages, is ordered
+        after the copies on the device, and the page table learns the ranks and positions once they have
+        landed (a `_Landing`, settled at the layer's next step, or at once by anything that reads them). A copy
+        that cannot start frees the slots and places nothing.
         """
         H, m, D = k.shape
         P = self.cfg.page_size
@@ -363,7 +367,7 @@ class LayerEngine(PageFetching):
             self.host.free(slots)
             raise
         self._nan = None
-        self.transfer.order_after(jobs)   # recall of these pages (and anything after) waits for them on the device
+        self._unordered += jobs   # the layer's next recall waits for them on the device (see `attend`)
         self.index.commit(n)
         landing = _Landing(self, jobs, rank, where, nan)
         ids = self.table.add_later(n, landing)
@@ -503,6 +507,7 @@ class LayerEngine(PageFetching):
         self._drop_recalled()
         for landing in self.table.fills():   # copies still landing in slots about to be reused
             self.transfer.wait(landing.jobs)
+        self._unordered = []
         self.last_recall = None
         self._slot_mirror = None
         self._nan = None

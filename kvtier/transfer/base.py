@@ -5,8 +5,8 @@ Primitives (after vLLM's offloading handlers): ``submit(dst, src) -> job id`` st
 are done; ``done(id)`` polls. ``run_ahead(work, uses)`` runs device work (a plan and the copies it makes) on
 a side stream after what the current stream has queued so far, so it overlaps the compute queued next; its
 job id is waited for like a copy's. ``order_after(ids)`` makes the current stream wait for those jobs on
-the device only, even copies into host memory, whose host-side wait can then come later. Each manager counts the bytes and the seconds spent waiting. The manager
-moves data; it never decides what to move.
+the device only, even copies into host memory, whose host-side wait can then come later. Each manager
+counts the bytes and the seconds spent waiting. The manager moves data; it never decides what to move.
 """
 
 from __future__ import annotations
