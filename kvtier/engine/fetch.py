@@ -61,13 +61,17 @@ class PageFetching:
         wanted = self.device_recall if self.device_recall is not None else self.device.type == "cuda"
         return bool(wanted) and self.disk is None and self.host is not None
 
-    def _drop_recalled(self) -> None:
-        """Let the recall buffer go, once the device has done the prefetch into it (if one is queued): that
-        prefetch also counts into `device_counts`, which the current stream updates next."""
+    def _await_prefetch(self) -> None:
+        """Order the current stream after the prefetch queued into the recall buffer, if any (on the device: the
+        host does not wait); it writes the buffer's slots and counts into `device_counts`."""
         buf = self.recalled
         if buf is not None and buf.pending is not None:
             self.transfer.wait([buf.pending])
             buf.pending = None
+
+    def _drop_recalled(self) -> None:
+        """Let the recall buffer go, once the device has done the prefetch into it (if one is queued)."""
+        self._await_prefetch()
         self.recalled = None
 
     def _fetch_on_device(self, buf: RecallBuffer, ids: torch.Tensor,
@@ -76,9 +80,7 @@ class PageFetching:
         then, given the `ranked` candidates and spare slots, prefetch the next-ranked pages."""
         H, r = ids.shape
         R = buf.pages
-        if buf.pending is not None:   # the prefetch into these slots: the device waits for it, not the host
-            self.transfer.wait([buf.pending])
-            buf.pending = None
+        self._await_prefetch()
         fetch, slots, count, held = plan_on_device(ids, buf.held, self.table.n)
         self._copy_up(buf, self._sources(), fetch, slots, count)
         buf.held = held

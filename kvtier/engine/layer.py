@@ -17,7 +17,7 @@ import torch
 
 from ..config import TieredCacheConfig
 from ..errors import ScorerError, UnsupportedError
-from ..placement import page_rank, plan_device_demotion, plan_host_overflow
+from ..placement import page_rank, plan_device_demotion, plan_host_overflow, protected_count
 from ..placement.page_table import DISK, HOST, PageTable
 from ..recall import PageIndex, grouped, select_pages
 from ..recall.buffer import RecallBuffer
@@ -299,7 +299,7 @@ class LayerEngine(PageFetching):
             return
         rank = ranking_scores(self.scorer, score, pos, self.seen, self.layer_idx)
         idx = plan_device_demotion(rank, pos, self.seen, budget, cfg.sink_tokens,
-                                   cfg.recent_tokens, cfg.page_size, protected=self._kept_on_device())
+                                   cfg.recent_tokens, cfg.page_size, kept=self._kept_on_device())
         if idx is None:
             return
         if self._nan is not None and cfg.mode == "evict":   # deferred NaN check, before those scores place
@@ -321,13 +321,11 @@ class LayerEngine(PageFetching):
         """Entries of a head in the always-kept set (sinks, recent window), counted on the host: every
         position in it is on the device (a kept entry is never demoted, and the window's start only moves
         forward), except padding that was never stored."""
-        seen = self.seen
-        sinks = min(self.cfg.sink_tokens, seen)
-        start = max(seen - self.cfg.recent_window(seen), sinks)
-        kept = sinks + seen - start
+        seen, cfg = self.seen, self.cfg
+        kept = protected_count(seen, cfg.sink_tokens, cfg.recent_tokens, cfg.device_tokens(seen))
         masked = self._masked_positions
         if masked.size:
-            kept -= int(np.count_nonzero((masked < sinks) | ((masked >= start) & (masked < seen))))
+            kept -= int(np.count_nonzero((masked < cfg.sink_tokens) | (masked >= seen - cfg.recent_window(seen))))
         return kept
 
     def _to_host(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, score: torch.Tensor) -> None:
@@ -360,10 +358,9 @@ class LayerEngine(PageFetching):
                 nan = torch.empty(1, dtype=torch.bool, pin_memory=self.pin)
                 jobs.append(self.transfer.submit(nan, self._nan.reshape(1)))
         except BaseException:
-            try:   # copies already started may still write into the slots: they are free only once done
-                self.transfer.wait(jobs)
-            except BaseException:
-                raise   # the slots stay taken (leaked, never overwritten)
+            # copies already started may still write into the slots: they are free only once done (if that
+            # wait fails too, the slots stay taken: leaked, never overwritten)
+            self.transfer.wait(jobs)
             self.host.free(slots)
             raise
         self._nan = None
@@ -454,9 +451,7 @@ class LayerEngine(PageFetching):
         """Add what device-planned recall counted on the device to the shared counters (reads the device)."""
         if self.device_counts is None or self.host is None:
             return
-        if self.recalled is not None and self.recalled.pending is not None:   # a prefetch still counting
-            self.transfer.wait([self.recalled.pending])
-            self.recalled.pending = None
+        self._await_prefetch()   # a prefetch still counting
         moved, reused, ahead, used = (int(x) for x in self.device_counts.tolist())
         if moved or reused or ahead:
             self.device_counts.zero_()

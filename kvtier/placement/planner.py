@@ -41,7 +41,7 @@ def plan_device_demotion(
     sink_tokens: int,
     recent_tokens: int | float,
     page_size: int,
-    protected: int | None = None,
+    kept: int | None = None,
 ) -> torch.Tensor | None:
     """Choose the device entries to demote, in whole pages, so the device tier fits its budget.
 
@@ -59,7 +59,7 @@ def plan_device_demotion(
     page_size
         Entries per page: demotions come in whole pages, which is also the hysteresis (after a demotion
         the tier sits up to a page under its budget, so a decoding layer demotes once every page of steps).
-    protected
+    kept
         How many of a head's entries are in the always-kept set, when the caller knows it (the engine counts
         it on the host, so a GPU step reads nothing back); None counts it from `positions`.
 
@@ -74,7 +74,6 @@ def plan_device_demotion(
     heads, n = scores.shape
     if n <= budget_tokens:
         return None
-    kept = protected
     recent = recent_window(recent_tokens, budget_tokens)
     protected = (positions < sink_tokens) | (positions >= seen - recent)
     movable = n - (int(protected[0].sum()) if kept is None else kept)

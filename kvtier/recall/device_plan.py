@@ -36,7 +36,7 @@ def plan_on_device(want: torch.Tensor, held: torch.Tensor,
         raise ValueError(f"plan_on_device: want {list(want.shape)} and held {list(held.shape)}; allowed: as "
                          "many heads, and at least as many slots as wanted pages")
     empty = pages                                                   # the column standing for an empty slot
-    held_col = torch.where(held < 0, torch.full_like(held, empty), held)
+    held_col = _columns(held, pages)
     wanted = torch.zeros(heads, pages + 1, dtype=torch.bool, device=want.device).scatter_(1, want, True)
     holding = torch.zeros(heads, pages + 1, dtype=torch.bool, device=want.device).scatter_(1, held_col, True)
     holding[:, empty] = False
@@ -55,7 +55,11 @@ def plan_on_device(want: torch.Tensor, held: torch.Tensor,
 def slots_of(want: torch.Tensor, held: torch.Tensor, pages: int) -> torch.Tensor:
     """``[heads, w]``: the slot of `held` (``[heads, R]``) holding each page of `want` (every one is held)."""
     heads, slots = held.shape
-    held_col = torch.where(held < 0, torch.full_like(held, pages), held)
     where = torch.zeros(heads, pages + 1, dtype=torch.int64, device=held.device)
-    where.scatter_(1, held_col, torch.arange(slots, device=held.device).expand(heads, -1))
+    where.scatter_(1, _columns(held, pages), torch.arange(slots, device=held.device).expand(heads, -1))
     return where.gather(1, want)
+
+
+def _columns(held: torch.Tensor, pages: int) -> torch.Tensor:
+    """`held` with each empty slot (``-1``) as column `pages`, one past every page id."""
+    return torch.where(held < 0, torch.full_like(held, pages), held)
