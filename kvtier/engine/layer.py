@@ -372,24 +372,33 @@ class LayerEngine(PageFetching):
         self.counters.bytes_moved["device_to_host"] += m * H * 2 * D * k.element_size()
 
     def _host_overflow(self) -> None:
-        """Push the lowest-ranked host pages to disk until the host fits its budget."""
+        """Push the lowest-ranked host pages to disk until the host fits its budget.
+
+        The pages of demotions whose copies are still landing stay where they are this time (their ranks are
+        not known without waiting for the copies), unless the other host pages cannot make room.
+        """
         budget = self.cfg.host_tokens(self.seen)
         if budget is None or self.table.n == 0:
             return
-        budget = max(0, budget - self._readahead_pages() * self.cfg.page_size)
+        P = self.cfg.page_size
+        budget = max(0, budget - self._readahead_pages() * P)
         n = self.table.n
-        tier = self.table.tier
-        if ((tier == HOST).sum(axis=1) * self.cfg.page_size <= budget).all():
+        on_host = self.table.tier == HOST
+        over = on_host.sum(axis=1) * P - budget
+        if (over <= 0).all():
             return   # within budget: no ranks needed, so nothing waits for the last demotion's copies
-        plans = plan_host_overflow(self.table.rank, np.full((self.heads, n), self.cfg.page_size), tier == HOST,
-                                   budget, 0)
+        rank, landed = self.table.landed_rank()
+        movable = on_host & landed[None, :]
+        if (movable.sum(axis=1) * P < over).any():   # the landed pages cannot make room: wait for the others
+            rank, movable = self.table.rank, on_host
+        plans = plan_host_overflow(rank, np.full((self.heads, n), P), on_host, budget, 0, movable)
         heads = np.concatenate([np.full(len(ids), h) for h, ids in enumerate(plans)]).astype(np.int64)
         if len(heads):
             self.move_down(heads, np.concatenate(plans).astype(np.int64))
 
     def move_down(self, heads: np.ndarray, pids: np.ndarray) -> None:
         """Write host pages ``(heads[i], pids[i])`` to disk, then free their host slots (all or nothing)."""
-        self.table.settle()    # the host pages are read below: every copy to them must have landed
+        self.table.settle(pages=pids)    # the host pages are read below: the copies to them must have landed
         slots = self.table.lookup(heads, pids)[1]
         disk = self._disk()
         disk_slots = disk.store(*self.host.load(slots))

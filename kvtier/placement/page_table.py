@@ -61,12 +61,15 @@ class PageTable:
         self._unsettled.append((ids, fill))
         return ids
 
-    def settle(self, ready_only: bool = False) -> None:
+    def settle(self, ready_only: bool = False, pages: np.ndarray | None = None) -> None:
         """Fill in the ranks and positions of pages numbered by `add_later`, oldest first; with `ready_only`,
-        only while ``fill.ready()`` says a fill would not wait. A fill that raises stays, and raises again."""
+        only while ``fill.ready()`` says a fill would not wait; with `pages` (page ids), only as far as those
+        pages need. A fill that raises stays, and raises again."""
         while self._unsettled:
             ids, fill = self._unsettled[0]
             if ready_only and not getattr(fill, "ready", lambda: True)():
+                return
+            if pages is not None and not np.isin(pages, self.landing()).any():
                 return
             self._write(ids, *fill())
             self._unsettled.pop(0)
@@ -75,6 +78,20 @@ class PageTable:
     def unsettled(self) -> int:
         """Pages whose ranks and positions are still to come."""
         return sum(len(ids) for ids, _ in self._unsettled)
+
+    def landing(self) -> np.ndarray:
+        """Ids of the pages whose ranks and positions are still to come (their fills not yet called)."""
+        if not self._unsettled:
+            return np.empty(0, dtype=np.int64)
+        return np.concatenate([ids for ids, _ in self._unsettled])
+
+    def landed_rank(self) -> tuple[np.ndarray, np.ndarray]:
+        """The ranks known without waiting: ``[heads, n]``, after taking the fills that are ready, and ``[n]``
+        bool, which pages they hold (the others' cells are meaningless until they land)."""
+        self.settle(ready_only=True)
+        known = np.ones(self.n, dtype=bool)
+        known[self.landing()] = False
+        return self._column("rank"), known
 
     def fills(self) -> list[Callable[[], tuple[np.ndarray, np.ndarray]]]:
         """The fills still to call, oldest first."""
@@ -122,7 +139,7 @@ class PageTable:
 
     def positions(self, head: int, pid: int) -> np.ndarray:
         """Positions held by one page."""
-        self.settle()
+        self.settle(pages=np.array([pid]))
         return self._chunks[pid // self.chunk]["pos"][head, pid % self.chunk]
 
     @property

@@ -100,6 +100,7 @@ def plan_host_overflow(
     on_host: np.ndarray,
     budget_tokens: int,
     slack: int,
+    movable: np.ndarray | None = None,
 ) -> list[np.ndarray]:
     """Choose, per head, the host pages to push down to disk.
 
@@ -113,6 +114,9 @@ def plan_host_overflow(
         ``[heads, pages]`` bool: which pages live on the host now.
     budget_tokens, slack
         Host budget per head in tokens; when over it, pages go down until ``budget_tokens - slack`` holds.
+    movable
+        ``[heads, pages]`` bool: which host pages may go (default: all); the others count toward the budget
+        but stay. When the movable pages cannot make room, all of them go.
 
     Returns
     -------
@@ -126,6 +130,8 @@ def plan_host_overflow(
         if held <= budget_tokens:
             plans.append(np.empty(0, dtype=np.int64))
             continue
+        if movable is not None:
+            ids = ids[movable[h, ids]]
         # lowest rank first, older page first among ties (lexsort: last key is primary)
         order = ids[np.lexsort((ids, page_rank[h, ids]))]
         freed = np.cumsum(page_count[h, order])

@@ -185,3 +185,72 @@ def test_a_prefetch_failing_midway_drops_the_buffer_and_the_next_step_is_right(m
         if outs[1] is not None:
             torch.testing.assert_close(outs[1], outs[0], rtol=1e-6, atol=1e-6)
     assert failed
+
+
+def _copies_land_a_step_late(engine, monkeypatch):
+    """Make the CPU's transfer manager report each step's copies as under way until the next step, as a GPU's
+    would be; returns ``(waited, land)``: the jobs still under way that something waited for, and a function
+    that lands every copy made so far."""
+    t = engine.transfer
+    issued, waited, landed = [0], [], [0]
+    submit = t.submit
+
+    def late_submit(dst, src):
+        issued.append(submit(dst, src))
+        return issued[-1]
+
+    monkeypatch.setattr(t, "submit", late_submit)
+    monkeypatch.setattr(t, "done", lambda job: job <= landed[0])
+    monkeypatch.setattr(t, "wait", lambda jobs: waited.extend(j for j in jobs if j > landed[0]))
+
+    def land():
+        landed[0] = max(issued)
+
+    return waited, land
+
+
+@pytest.mark.parametrize("host_budget", [24, 40])
+def test_a_host_over_its_budget_sends_landed_pages_down_without_waiting(make_engine, monkeypatch, host_budget):
+    """Over its budget, the host sends pages to disk after a demotion; it picks them among the pages whose ranks
+    are known, the lowest-ranked first, so the step waits for none of the copies it just queued, and the host
+    still ends the step within its budget."""
+    engine = make_engine(heads=2, head_dim=8, device_budget=16, host_budget=host_budget, page_size=4,
+                         recall_pages=4)
+    g = torch.Generator().manual_seed(5)
+    _fill(engine, g, tokens=40)
+    waited, land = _copies_land_a_step_late(engine, monkeypatch)
+    moved_steps = 0
+    for _ in range(60):
+        land()                                     # the last step's copies are done by the next step
+        k = _next_token(g, engine)
+        engine.write(k, -k)
+        on_host_before = engine.table.tier == HOST
+        rank_before, known_before = engine.table.landed_rank()
+        n = engine.table.n
+        engine.commit()
+        assert waited == []
+        assert (engine.table.tokens(HOST) <= host_budget).all()
+        went = on_host_before & (engine.table.tier[:, :n] != HOST)
+        if went.any():
+            moved_steps += 1
+            assert engine.table.unsettled > 0      # the new pages were placed without waiting for their ranks
+            for h in range(engine.heads):
+                stayed = on_host_before[h] & ~went[h] & known_before
+                assert known_before[went[h]].all()
+                if went[h].any() and stayed.any():  # the lowest-ranked landed pages went
+                    assert rank_before[h, went[h]].max() <= rank_before[h, stayed].min()
+    assert moved_steps >= 3
+
+
+def test_a_host_that_only_landing_pages_could_empty_waits_for_them(make_engine, monkeypatch):
+    """When the pages already landed cannot bring the host within budget (a budget below one demotion's pages),
+    the layer waits for the copies under way and picks among every host page: the budget holds either way."""
+    engine = make_engine(heads=2, head_dim=8, device_budget=16, host_budget=0, page_size=4, recall_pages=4)
+    g = torch.Generator().manual_seed(6)
+    _fill(engine, g, tokens=40)
+    waited, land = _copies_land_a_step_late(engine, monkeypatch)
+    for _ in range(12):
+        land()
+        _until_demotion(engine, g)
+        assert (engine.table.tokens(HOST) == 0).all()
+    assert waited and engine.table.unsettled == 0

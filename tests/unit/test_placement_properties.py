@@ -4,7 +4,8 @@ The rule modelled: per head, when the device holds more than its budget, ceil(ov
 of the lowest-scored unprotected entries (older first among ties) are demoted, but only as many pages as
 the unprotected entries fill; the demoted entries are cut into pages in position order. After a demotion,
 when the host holds more than its budget minus the read-ahead pages, its lowest-ranked pages (rank = best
-score in the page, older page first among ties) go to disk until it fits.
+score in the page, older page first among ties) go to disk until it fits. (Here every copy lands at once; where
+the last demotion's copies are still under way its pages are spared, see test_demotion.py.)
 """
 
 from __future__ import annotations
