@@ -116,8 +116,10 @@ def build_error(src: str, device: torch.device) -> str | None:
     return _ready.get((src, device.index))
 
 
-def launch(k: Any, device: torch.device, grid: tuple[int, ...], block: tuple[int, ...], args: tuple) -> None:
-    """Launch `k` on torch's current stream of `device`, so it runs after the torch work queued before it."""
+def launch(k: Any, device: torch.device, grid: tuple[int, ...], block: tuple[int, ...], args: tuple,
+           shared_mem: int = 0) -> None:
+    """Launch `k` on torch's current stream of `device`, so it runs after the torch work queued before it
+    (`shared_mem`: bytes of dynamic shared memory per block)."""
     cp = cupy_module()
     handle = torch.cuda.current_stream(device).cuda_stream
     with cp.cuda.Device(device.index):
@@ -126,7 +128,7 @@ def launch(k: Any, device: torch.device, grid: tuple[int, ...], block: tuple[int
             stream = cp.cuda.Stream.null if handle == 0 else cp.cuda.ExternalStream(handle)
             _streams[(device.index, handle)] = stream
         with stream:
-            k(grid, block, args)
+            k(grid, block, args, shared_mem=shared_mem)
 
 
 def device_address(t: torch.Tensor, device: torch.device) -> int | None:

@@ -189,6 +189,44 @@ def recall_pages(slabs: Sequence[torch.Tensor], rows_per_slab: int, src_rows: to
     return twins.recall_pages(slabs, rows_per_slab, src_rows, dst_rows, count, out)
 
 
+PLAN_MARKS_MAX = 1 << 22       # wanted pages x slots per head past which the plan runs as the twin
+_PLAN_SHARED_MAX = 48 * 1024   # bytes of shared memory a block gets without asking
+
+
+def plan_recall(want: torch.Tensor, held: torch.Tensor,
+                pages: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The recall buffer's plan: ``(fetch, slots, count, held_after)``, all on the device (see
+    `twins.plan_recall` for the rule); one launch on CUDA instead of some twenty tensor ops.
+
+    `want` ``[heads, w]`` holds distinct page ids below `pages` per head, `held` ``[heads, R]`` (``R >= w``)
+    the page in each slot or ``-1``; neither is checked on the device (that would need the host).
+    """
+    heads, w = want.shape
+    R = held.shape[1]
+    if held.shape[0] != heads or R < w:
+        raise ValueError(f"plan_recall: want {list(want.shape)} and held {list(held.shape)}; allowed: as many "
+                         "heads, and at least as many slots as wanted pages")
+    want, held = (t.to(torch.int64).contiguous() for t in (want, held))
+    why = _why_not(want.device, [want, held])
+    if why is None and held.device != want.device:
+        why = "tensors differ in device"
+    if why is None and (w * R > PLAN_MARKS_MAX or w + R > _PLAN_SHARED_MAX):
+        why = f"{w} wanted pages x {R} slots is past the kernel's limit"
+    k = loader.kernel("plan_recall", "kvtier_plan_recall", want.device) if why is None and heads and w else None
+    if k is None:
+        loader.record("plan_recall", "twin", why or loader.build_error("plan_recall", want.device) or "nothing to do")
+        return twins.plan_recall(want, held, pages)
+    fetch, slots = torch.empty_like(want), torch.empty_like(want)
+    count = torch.empty(heads, dtype=torch.int64, device=want.device)
+    held_after = torch.empty_like(held)
+    loader.launch(k, want.device, (heads,), (_THREADS,),
+                  (_u64(want.data_ptr()), _u64(held.data_ptr()), _i64(w), _i64(R), _u64(fetch.data_ptr()),
+                   _u64(slots.data_ptr()), _u64(count.data_ptr()), _u64(held_after.data_ptr())),
+                  shared_mem=w + R)
+    loader.record("plan_recall", "kernel")
+    return fetch, slots, count, held_after
+
+
 def scatter_pages(slabs: Sequence[torch.Tensor], rows_per_slab: int, rows: np.ndarray | torch.Tensor,
                   values: torch.Tensor, addresses: torch.Tensor | None = None) -> None:
     """Row ``rows[i]`` of a slab storage ``= values[i]`` (``[n, *row]``); rows must be distinct.

@@ -209,3 +209,30 @@ def recall_pages(slabs: Sequence[torch.Tensor], rows_per_slab: int, src_rows: to
     gather_pages(slabs, rows_per_slab, src.cpu() if slabs and slabs[0].device.type == "cpu" else src, pages)
     out[dst.to(out.device)] = pages
     return out
+
+
+def plan_recall(want: torch.Tensor, held: torch.Tensor,
+                pages: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The recall buffer's plan (twin of ``kvtier_plan_recall``): ``(fetch, slots, count, held_after)``.
+
+    Per head: the wanted pages ``want`` ``[heads, w]`` missing from ``held`` ``[heads, R]`` (``-1``: empty)
+    first, then the others, each in their order; the free slots (holding no wanted page) first, then the
+    others, each in slot order, the first `w` of them; how many pages are missing; `held` once they are in.
+    Bitmaps over the `pages` page ids stand for the kernel's comparisons.
+    """
+    heads, w = want.shape
+    empty = pages                                                   # the column standing for an empty slot
+    held_col = torch.where(held < 0, torch.full_like(held, empty), held)
+    wanted = torch.zeros(heads, pages + 1, dtype=torch.bool, device=want.device).scatter_(1, want, True)
+    holding = torch.zeros(heads, pages + 1, dtype=torch.bool, device=want.device).scatter_(1, held_col, True)
+    holding[:, empty] = False
+    missing = ~holding.gather(1, want)                              # [heads, w]
+    free = ~wanted.gather(1, held_col)                              # [heads, R]
+    # the real entries first, each in its original order (a stable sort of a 0/1 key); a head has at least
+    # as many free slots as missing pages, since every held page it still wants is one of its `w`
+    fetch = want.gather(1, torch.argsort((~missing).to(torch.uint8), dim=1, stable=True))
+    slots = torch.argsort((~free).to(torch.uint8), dim=1, stable=True)[:, :w]
+    count = missing.sum(dim=1)
+    real = torch.arange(w, device=want.device)[None, :] < count[:, None]
+    held_after = held.scatter(1, slots, torch.where(real, fetch, held.gather(1, slots)))
+    return fetch, slots, count, held_after

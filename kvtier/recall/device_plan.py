@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from .. import native
+
 
 def plan_on_device(want: torch.Tensor, held: torch.Tensor,
                    pages: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -29,27 +31,13 @@ def plan_on_device(want: torch.Tensor, held: torch.Tensor,
     -------
     ``(fetch, slots, count, held_after)``: for head ``h`` and ``j < count[h]``, page ``fetch[h, j]`` goes to
     slot ``slots[h, j]`` (in the order `RecallBuffer.plan` gives); ``held_after`` is `held` once they are in.
-    `fetch` and `slots` are ``[heads, w]``.
+    `fetch` and `slots` are ``[heads, w]``. On CUDA one kernel launch makes it (`kvtier.native.plan_recall`).
     """
     heads, w = want.shape
     if held.shape[0] != heads or held.shape[1] < w:
         raise ValueError(f"plan_on_device: want {list(want.shape)} and held {list(held.shape)}; allowed: as "
                          "many heads, and at least as many slots as wanted pages")
-    empty = pages                                                   # the column standing for an empty slot
-    held_col = _columns(held, pages)
-    wanted = torch.zeros(heads, pages + 1, dtype=torch.bool, device=want.device).scatter_(1, want, True)
-    holding = torch.zeros(heads, pages + 1, dtype=torch.bool, device=want.device).scatter_(1, held_col, True)
-    holding[:, empty] = False
-    missing = ~holding.gather(1, want)                              # [heads, w]
-    free = ~wanted.gather(1, held_col)                              # [heads, R]
-    # the real entries first, each in its original order (a stable sort of a 0/1 key); a head has at least
-    # as many free slots as missing pages, since every held page it still wants is one of its `w`
-    fetch = want.gather(1, torch.argsort((~missing).to(torch.uint8), dim=1, stable=True))
-    slots = torch.argsort((~free).to(torch.uint8), dim=1, stable=True)[:, :w]
-    count = missing.sum(dim=1)
-    real = torch.arange(w, device=want.device)[None, :] < count[:, None]
-    held_after = held.scatter(1, slots, torch.where(real, fetch, held.gather(1, slots)))
-    return fetch, slots, count, held_after
+    return native.plan_recall(want, held, pages)
 
 
 def slots_of(want: torch.Tensor, held: torch.Tensor, pages: int) -> torch.Tensor:

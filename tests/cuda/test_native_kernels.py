@@ -321,3 +321,26 @@ def test_recall_pages_kernel_is_the_twin(kernels, dtype, pinned):
     launches.check(1)
     want = twins.recall_pages([t.cpu() for t in s.slabs], 5, src, dst, count, before.cpu())
     assert torch.equal(_bits(out.cpu()), _bits(want))
+
+
+@pytest.mark.parametrize("heads,w,R,pages", [(8, 64, 96, 6000), (3, 5, 8, 20), (1, 96, 96, 200), (8, 1, 400, 900)])
+def test_plan_recall_kernel_is_the_twin(kernels, heads, w, R, pages):
+    """The recall buffer's plan in one launch: the same fetch list, slots, counts and buffer ids as the twin,
+    over buffers partly empty, partly holding wanted pages, step after step."""
+    g = torch.Generator().manual_seed(heads * 1000 + w)
+    held = torch.full((heads, R), -1, dtype=torch.int64)
+    launches = _Launches("plan_recall")
+    for _ in range(6):
+        want = torch.stack([torch.randperm(pages, generator=g)[:w] for _ in range(heads)])
+        if held.max() >= 0:   # keep some of what the buffer holds wanted, as consecutive steps do
+            for h in range(heads):
+                kept = held[h][held[h] >= 0][: w // 2]
+                rest = want[h][~torch.isin(want[h], kept)][: w - len(kept)]
+                want[h] = torch.cat([kept, rest])
+        got = native.plan_recall(want.to(kernels), held.to(kernels), pages)
+        expect = twins.plan_recall(want, held, pages)
+        for a, b in zip(got, expect):
+            assert torch.equal(a.cpu(), b)
+        held = expect[3]
+    torch.cuda.synchronize()
+    launches.check(6)

@@ -26,6 +26,7 @@ KERNELS = {
     "gather_pages": ["kvtier_gather_pages"],
     "scatter_pages": ["kvtier_scatter_pages"],
     "recall_pages": ["kvtier_recall_pages"],
+    "plan_recall": ["kvtier_plan_recall"],
     "pack_entries": ["kvtier_pack_entries"],
     "page_select": ["kvtier_page_upper_bounds_f32", "kvtier_page_upper_bounds_f16",
                     "kvtier_page_upper_bounds_bf16", "kvtier_code_logits"],

@@ -347,10 +347,10 @@ def test_without_cuda_every_op_runs_its_twin_and_says_why(monkeypatch):
 
 def test_every_kernel_the_ops_launch_is_in_the_shipped_sources():
     names = {p.stem for p in native.sources()}
-    assert names == {"gather_pages", "scatter_pages", "recall_pages", "pack_entries", "page_select"}
+    assert names == {"gather_pages", "scatter_pages", "recall_pages", "plan_recall", "pack_entries", "page_select"}
     ops_text = (loader.SOURCE_DIR.parent / "ops.py").read_text()
     for src, kernel in [("gather_pages", "kvtier_gather_pages"), ("scatter_pages", "kvtier_scatter_pages"),
-                        ("recall_pages", "kvtier_recall_pages"),
+                        ("recall_pages", "kvtier_recall_pages"), ("plan_recall", "kvtier_plan_recall"),
                         ("pack_entries", "kvtier_pack_entries"), ("page_select", "kvtier_code_logits"),
                         ("page_select", "kvtier_page_upper_bounds_f32"),
                         ("page_select", "kvtier_page_upper_bounds_f16"),
@@ -443,6 +443,22 @@ def _run_as_the_kernel(name: str, grid: tuple, args: tuple) -> None:
                 continue
             row = _mem(_u64(slabs, s_row // per) + (s_row % per) * row_bytes, row_bytes)
             _mem(out + d_row * row_bytes, row_bytes)[:] = row
+    elif name == "kvtier_plan_recall":   # the kernel's two steps, as written in plan_recall.cu
+        want_p, held_p, w, R, fetch_p, slots_p, count_p, after_p = (int(a) for a in args)
+        for h in range(int(grid[0])):
+            want = [_i64(want_p, h * w + j) for j in range(w)]
+            held = [_i64(held_p, h * R + i) for i in range(R)]
+            missing = [x not in held for x in want]
+            free = [x < 0 or x not in want for x in held]
+            fetch = [x for x, m in zip(want, missing) if m] + [x for x, m in zip(want, missing) if not m]
+            slots = ([i for i in range(R) if free[i]] + [i for i in range(R) if not free[i]])[:w]
+            n = sum(missing)
+            for j in range(n):
+                held[slots[j]] = fetch[j]
+            for ptr, values in ((fetch_p + 8 * h * w, fetch), (slots_p + 8 * h * w, slots), (count_p + 8 * h, [n]),
+                                (after_p + 8 * h * R, held)):
+                if values:
+                    _mem(ptr, 8 * len(values))[:] = np.array(values, dtype=np.int64).view(np.uint8)
     elif name == "kvtier_pack_entries":
         slabs, S, heads, idx, m, out, row_bytes = (int(a) for a in args)
         for e in range(heads * m):
@@ -476,8 +492,10 @@ def replayed_kernels(monkeypatch):
     sigs = _signatures()
     launches = []
 
-    def launch(k, device, grid, block, args):
+    def launch(k, device, grid, block, args, shared_mem=0):
         kinds = sigs[k]
+        if k == "kvtier_plan_recall":   # a byte of marks per wanted page and per slot
+            assert shared_mem == int(args[2]) + int(args[3])
         assert [type(a) for a in args] == kinds, f"{k}: launched with {[type(a).__name__ for a in args]}"
         assert all(g >= 1 for g in grid) and len(grid) <= 3 and block[0] % 32 == 0
         launches.append((k, grid, block))
@@ -494,6 +512,7 @@ def replayed_kernels(monkeypatch):
 def test_every_kernel_has_a_signature_to_check_launches_against():
     sigs = _signatures()
     assert set(sigs) == {"kvtier_gather_pages", "kvtier_scatter_pages", "kvtier_recall_pages", "kvtier_pack_entries",
+                         "kvtier_plan_recall",
                          "kvtier_code_logits",
                          "kvtier_page_upper_bounds_f32", "kvtier_page_upper_bounds_f16",
                          "kvtier_page_upper_bounds_bf16"}
@@ -550,3 +569,20 @@ def test_recall_pages_launch_gives_the_twins_result(replayed_kernels, dtype):
     want = twins.recall_pages(s.slabs, 5, src, dst, count, torch.full_like(out, float("nan")))
     assert torch.equal(_bits(out), _bits(want))
     assert [name for name, _, _ in replayed_kernels] == ["kvtier_recall_pages"]
+
+
+def test_plan_recall_launch_gives_the_twins_plan(replayed_kernels):
+    g = torch.Generator().manual_seed(12)
+    for heads, w, R, pages in ((3, 5, 8, 20), (1, 4, 4, 6), (2, 0, 3, 5)):
+        want = torch.stack([torch.randperm(pages, generator=g)[:w] for _ in range(heads)])
+        held = torch.stack([torch.randperm(pages, generator=g)[:R] for _ in range(heads)])
+        held[torch.rand(heads, R, generator=g) < 0.3] = -1
+        got = native.plan_recall(want, held, pages)
+        for a, b in zip(got, twins.plan_recall(want, held, pages)):
+            assert torch.equal(a, b)
+    assert [name for name, _, _ in replayed_kernels] == ["kvtier_plan_recall"] * 2   # w = 0: nothing to launch
+
+
+def test_plan_recall_refuses_a_buffer_smaller_than_the_want():
+    with pytest.raises(ValueError, match="at least as many slots"):
+        native.plan_recall(torch.zeros(2, 4, dtype=torch.int64), torch.zeros(2, 3, dtype=torch.int64), 10)

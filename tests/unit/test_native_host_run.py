@@ -1,0 +1,98 @@
+"""The plan kernel's own code, compiled for the host with `nvcc`, gives the twin's plan.
+
+`native/plan_recall.cu` keeps its logic in ``__host__ __device__`` functions: the marking shared by a
+block's threads, then the assignment one thread makes. A small host program runs them (the threads' share of
+the marking as lanes in turn) over many random buffers, and each plan must equal `twins.plan_recall`, id for
+id. What only a GPU shows (shared memory, the barrier, the launch) is `tests/cuda`'s; skipped without nvcc.
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+import torch
+
+from kvtier.native import loader, twins
+
+from test_native_compile import NVCC, needs_nvcc
+
+HARNESS = r"""
+#include "plan_recall.cu"
+#include <cstdio>
+#include <vector>
+// Cases from stdin until its end, each: heads w R lanes, want [heads * w], held [heads * R]; for each, one
+// line of fetch, slots, count and held_after.
+int main() {
+    long long heads, w, R, lanes;
+    while (scanf("%lld %lld %lld %lld", &heads, &w, &R, &lanes) == 4) {
+        std::vector<kv_i64> want(heads * w), held(heads * R), fetch(heads * w), slots(heads * w), count(heads),
+            after(heads * R);
+        for (auto& x : want) if (scanf("%lld", &x) != 1) return 2;
+        for (auto& x : held) if (scanf("%lld", &x) != 1) return 2;
+        std::vector<unsigned char> marks(w + R + 1);
+        for (kv_i64 h = 0; h < heads; ++h) {
+            for (kv_i64 lane = 0; lane < lanes; ++lane) {
+                kv_plan_marks(&want[h * w], w, &held[h * R], R, marks.data(), marks.data() + w, &after[h * R],
+                              lane, lanes);
+            }
+            kv_plan_assign(&want[h * w], w, R, marks.data(), marks.data() + w, &fetch[h * w], &slots[h * w],
+                           &count[h], &after[h * R]);
+        }
+        for (auto v : {&fetch, &slots, &count, &after}) {
+            for (auto x : *v) printf("%lld ", x);
+            printf("| ");
+        }
+        printf("\n");
+    }
+    return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory):
+    if NVCC is None:
+        pytest.skip("nvcc is not installed")
+    d = tmp_path_factory.mktemp("plan")
+    (d / "harness.cu").write_text(HARNESS)
+    exe = d / "harness"
+    done = subprocess.run([NVCC, *loader.OPTIONS, "-I", str(loader.SOURCE_DIR), "-o", str(exe), str(d / "harness.cu")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return exe
+
+
+def _case(g: torch.Generator, heads: int, w: int, R: int, pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct wanted pages per head, and a buffer of distinct pages (some empty) overlapping them."""
+    want = torch.stack([torch.randperm(pages, generator=g)[:w] for _ in range(heads)])
+    held = torch.full((heads, R), -1, dtype=torch.int64)
+    for h in range(heads):
+        ids = torch.randperm(pages, generator=g)[:R]
+        keep = torch.rand(R, generator=g) < 0.7
+        held[h] = torch.where(keep, ids, torch.full_like(ids, -1))
+    return want, held
+
+
+@needs_nvcc
+def test_the_plan_kernels_code_gives_the_twins_plan(harness):
+    g = torch.Generator().manual_seed(0)
+    cases, lines = [], []
+    for i in range(300):
+        heads = int(torch.randint(1, 5, (1,), generator=g))
+        w = int(torch.randint(0, 12, (1,), generator=g))
+        R = w + int(torch.randint(0, 10, (1,), generator=g))
+        pages = max(w, R) + int(torch.randint(0, 20, (1,), generator=g))
+        want, held = _case(g, heads, w, R, pages)
+        lanes = [1, 3, 32, 128][i % 4]
+        cases.append((want, held, pages))
+        lines.append(f"{heads} {w} {R} {lanes} " + " ".join(map(str, want.flatten().tolist() + held.flatten().tolist())))
+    done = subprocess.run([str(harness)], input="\n".join(lines) + "\n", capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout.strip().split("\n")
+    assert len(out) == len(cases)
+    for (want, held, pages), line in zip(cases, out):
+        got = [[int(x) for x in part.split()] for part in line.split("|")[:4]]
+        expect = twins.plan_recall(want, held, pages)
+        for a, b in zip(got, expect):
+            assert a == b.flatten().tolist(), (want.tolist(), held.tolist())
