@@ -159,6 +159,70 @@ def prefetch(context: str, new_tokens: int, device_budget: str, recall_pages: in
     click.echo(f"  same tokens in every setting: {'yes' if out['same_tokens'] else 'NO'}")
 
 
+@bench.command("launches")
+@click.option("--context", default="8K", show_default=True,
+              help="Tokens of the prompt (a needle task: a long text, then a question about it).")
+@click.option("--steps", default=4, show_default=True, type=click.IntRange(min=1),
+              help="Decode steps counted (after two that are not).")
+@click.option("--device-budget", default="0.1", show_default=True, help="Device tokens per KV head.")
+@click.option("--recall-pages", default=64, show_default=True, type=click.IntRange(min=1),
+              help="Pages recalled per layer and KV head per step.")
+@click.option("--scorer", default="auto", show_default=True,
+              help="auto: KVP where weights ship for the model, else keynorm.")
+@click.option("--model", default=None, help="A Hugging Face id or local path (default: the packaged model).")
+@click.option("--device", default="cpu", show_default=True, help="Where the model runs (cpu, cuda).")
+@click.option("--threads", default=1, show_default=True, type=THREADS, help="torch CPU threads.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the needle task.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@user_errors
+def launches(context: str, steps: int, device_budget: str, recall_pages: int, scorer: str, model: str | None,
+             device: str, threads: int, seed: int, as_json: bool) -> None:
+    """Kernel launches per layer of a decode step (tensor operations; on a GPU each costs the host a few
+    microseconds), kvtier (recall planned on the device, as on a GPU) against DynamicCache, by part."""
+    from .common import bad_option, parse_context
+
+    tokens = parse_context(context, "--context", 256)
+    budget = parse_budget(device_budget, "--device-budget")
+    if budget is None:
+        raise bad_option("--device-budget", device_budget, "a fraction like 0.1 or a token count like 4096",
+                         "leaves no device tier")
+    check_cache_options(budget, None, None, recall_pages)
+    lm, tok = _checked_and_loaded(scorer, device, model, threads, as_json)
+
+    from transformers import DynamicCache
+
+    from ..bench.launches import count_launches
+    from ..integrations.hf import TieredCache
+    from ..tasks.needle import make_needle_task
+
+    task = make_needle_task(tok, tokens, depth=0.3, seed=seed)
+    ids = task.input_ids.to(device)
+
+    def tiered():
+        cache = TieredCache(lm.config, device_budget=budget, recall_pages=recall_pages,
+                            scorer=None if scorer == "auto" else scorer)
+        for engine in cache._engines:   # planned on the device, as on a GPU
+            engine.device_recall = True
+        return cache
+
+    rows = [count_launches(lm, ids, lambda: DynamicCache(config=lm.config), "DynamicCache", steps)[0],
+            count_launches(lm, ids, tiered, "TieredCache", steps)[0]]
+    out = {"machine": _machine(device), "prompt_tokens": task.prompt_tokens, "steps": steps,
+           "settings": {"device_budget": budget, "recall_pages": recall_pages, "scorer": scorer, "seed": seed},
+           "rows": [r.as_dict() for r in rows],
+           "ratio": round(rows[1].total / max(1, rows[0].total), 2)}
+    if as_json:
+        click.echo(json.dumps(out, indent=2))
+        return
+    click.echo(f"\n{task.prompt_tokens:,}-token prompt, {steps} decode steps counted, device budget {budget}, "
+               f"{recall_pages} pages recalled per layer and KV head")
+    for r in out["rows"]:
+        click.echo(f"  {r['cache']:<14}{r['launches_per_layer_step']:>8.1f} launches per layer and step")
+        for part, n in r["by_part_per_layer_step"].items():
+            click.echo(f"      {part:<28}{n:>8.1f}")
+    click.echo(f"  TieredCache / DynamicCache: x{out['ratio']:.2f}")
+
+
 @bench.command("gpu")
 @click.option("--contexts", default="32K,128K", show_default=True,
               help="Comma list of prefilled contexts whose decode step is timed (e.g. 32K,128K).")

@@ -20,7 +20,8 @@ import torch
 from ..placement.page_table import DISK, HOST
 from .. import native
 from ..recall.buffer import RecallBuffer
-from ..recall.device_plan import plan_on_device, slots_of
+from ..native import RecallPlan
+from ..recall.device_plan import plan_on_device
 
 
 class PageFetching:
@@ -81,21 +82,17 @@ class PageFetching:
         H, r = ids.shape
         R = buf.pages
         self._await_prefetch()
-        fetch, slots, count, held = plan_on_device(ids, buf.held, self.table.n)
-        self._copy_up(buf, self._sources(), fetch, slots, count)
-        buf.held = held
-        moved = count.sum()
+        sources = self._sources()
+        spare = R > r
+        # the plan also keeps the prefetch flags and the counters `stats()` reads (on the device)
+        plan = plan_on_device(ids, buf.held, self.table.n, sources[0], buf.ahead if spare else None,
+                              self.device_counts)
+        self._copy_up(buf, sources, plan)
+        buf.held = plan.held_after
         self.counters.recall_steps += 1
-        if R == r:   # no spare slots: the buffer holds exactly the chosen pages
-            self.device_counts[:2].add_(torch.stack([moved, H * r - moved]))   # read by `stats()`, not every step
-            return buf.k, buf.v, held
-        filled = torch.arange(r, device=self.device)[None, :] < count[:, None]   # slots just fetched into
-        buf.ahead.scatter_(1, slots, buf.ahead.gather(1, slots) & ~filled)
-        where = slots_of(ids, held, self.table.n)
-        used = buf.ahead.gather(1, where)     # chosen pages a prefetch had brought
-        buf.ahead.scatter_(1, where, False)
-        self.device_counts.add_(torch.stack([moved, H * r - moved, torch.zeros_like(moved), used.sum()]))
-        k, v = buf.chosen(where)
+        if not spare:   # the buffer holds exactly the chosen pages
+            return buf.k, buf.v, plan.held_after
+        k, v = buf.chosen(plan.where)
         if ranked is not None and ranked.shape[1] > r:   # else nothing is ranked after the choice
             self._prefetch(buf, ranked[:, :R])
         return k, v, ids
@@ -106,16 +103,15 @@ class PageFetching:
         return self._host_slots(), self.host.k.addresses(self.device), self.host.v.addresses(self.device)
 
     def _copy_up(self, buf: RecallBuffer, sources: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],
-                 fetch: torch.Tensor, slots: torch.Tensor, count: torch.Tensor) -> None:
-        """Pages ``fetch[h, :count[h]]`` from the pinned host slabs into buffer slots ``slots[h, :count[h]]``, on
-        whichever stream is current (the `recall_pages` kernel reading the slabs through their mapping)."""
+                 plan: RecallPlan) -> None:
+        """The plan's pages from the pinned host slabs into their buffer slots, on whichever stream is current
+        (the `recall_pages` kernel reading the slabs through their mapping)."""
         H, R = buf.held.shape
         P, D = self.cfg.page_size, self.head_dim
-        host_slots, k_addresses, v_addresses = sources
-        src = host_slots.gather(1, fetch)
-        dst = slots + torch.arange(H, device=self.device)[:, None] * R
+        _, k_addresses, v_addresses = sources
         for rows, out, addresses in ((self.host.k, buf.k, k_addresses), (self.host.v, buf.v, v_addresses)):
-            native.recall_pages(rows.slabs, rows.rows_per_slab, src, dst, count, out.view(H * R, P, D), addresses)
+            native.recall_pages(rows.slabs, rows.rows_per_slab, plan.src_rows, plan.dst_rows, plan.count,
+                                out.view(H * R, P, D), addresses)
         self.host.read_on(self.device)
 
     def _prefetch(self, buf: RecallBuffer, target: torch.Tensor) -> None:
@@ -124,12 +120,9 @@ class PageFetching:
         n, counts, sources = self.table.n, self.device_counts, self._sources()
 
         def work() -> None:
-            fetch, slots, count, held = plan_on_device(target, buf.held, n)
-            self._copy_up(buf, sources, fetch, slots, count)
-            real = torch.arange(slots.shape[1], device=self.device)[None, :] < count[:, None]
-            buf.ahead.scatter_(1, slots, real | buf.ahead.gather(1, slots))
-            buf.held.copy_(held)
-            counts[2] += count.sum()
+            plan = plan_on_device(target, buf.held, n, sources[0], buf.ahead, counts, prefetch=True)
+            self._copy_up(buf, sources, plan)
+            buf.held.copy_(plan.held_after)
 
         uses = [target, buf.k, buf.v, buf.held, buf.ahead, counts, *(t for t in sources if t is not None)]
         try:

@@ -8,8 +8,8 @@ neither cupy nor anything CUDA. The CUDA sources live in the repository's top-le
   memory, read by the kernel through its mapping (recall without staging or a copy call per page);
 - `recall_pages`: the pages a device-side plan chose (rows and per-head counts on the device) into the
   recall buffer's slots, with nothing read back to the host;
-- `plan_recall`: the recall buffer's plan (which wanted pages are missing, which slots they take), made on
-  the device in one launch;
+- `plan_recall`: a recall step's plan (which wanted pages are missing, which slots they take, the copy's
+  rows) and its bookkeeping (prefetch flags, counters), made on the device in one launch;
 - `scatter_pages`: contiguous pages into distinct rows of a slab storage (the recall buffer's free slots);
 - `pack_entries`: chosen entries of the device pool into contiguous pages (demotion staging);
 - `page_upper_bounds`: the key-bound upper bound of every demoted page for a block of queries;
@@ -23,6 +23,7 @@ from .loader import backend, reset_stats, sources
 from .loader import status as kernel_status
 from .ops import (code_logits, gather_pages, pack_entries, page_upper_bounds, plan_recall, recall_pages,
                   scatter_pages, slab_addresses)
+from .twins import RecallPlan
 
-__all__ = ["backend", "code_logits", "gather_pages", "kernel_status", "pack_entries", "page_upper_bounds",
+__all__ = ["RecallPlan", "backend", "code_logits", "gather_pages", "kernel_status", "pack_entries", "page_upper_bounds",
            "plan_recall", "recall_pages", "reset_stats", "scatter_pages", "slab_addresses", "sources"]

@@ -193,38 +193,51 @@ PLAN_MARKS_MAX = 1 << 22       # wanted pages x slots per head past which the pl
 _PLAN_SHARED_MAX = 48 * 1024   # bytes of shared memory a block gets without asking
 
 
-def plan_recall(want: torch.Tensor, held: torch.Tensor,
-                pages: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The recall buffer's plan: ``(fetch, slots, count, held_after)``, all on the device (see
-    `twins.plan_recall` for the rule); one launch on CUDA instead of some twenty tensor ops.
+def plan_recall(want: torch.Tensor, held: torch.Tensor, pages: int, host_slots: torch.Tensor | None = None,
+                ahead: torch.Tensor | None = None, counts: torch.Tensor | None = None,
+                prefetch: bool = False) -> twins.RecallPlan:
+    """A recall step's plan and bookkeeping, all on the device (`twins.plan_recall` says what each argument
+    and field is); one launch on CUDA instead of some forty tensor ops.
 
-    `want` ``[heads, w]`` holds distinct page ids below `pages` per head, `held` ``[heads, R]`` (``R >= w``)
-    the page in each slot or ``-1``; neither is checked on the device (that would need the host).
+    `want` holds distinct page ids below `pages` per head, `held` at least as many slots; neither is checked
+    on the device (that would need the host).
     """
     heads, w = want.shape
     R = held.shape[1]
     if held.shape[0] != heads or R < w:
         raise ValueError(f"plan_recall: want {list(want.shape)} and held {list(held.shape)}; allowed: as many "
                          "heads, and at least as many slots as wanted pages")
+    if host_slots is not None and tuple(host_slots.shape) != (heads, pages):
+        raise ValueError(f"plan_recall: host_slots {list(host_slots.shape)}; allowed: [{heads}, {pages}]")
+    if ahead is not None and (ahead.shape != held.shape or ahead.dtype != torch.bool):
+        raise ValueError(f"plan_recall: ahead {list(ahead.shape)} {ahead.dtype}; allowed: {list(held.shape)} bool")
+    if counts is not None and (counts.shape != (4,) or counts.dtype != torch.int64):
+        raise ValueError(f"plan_recall: counts {list(counts.shape)} {counts.dtype}; allowed: [4] int64")
     want, held = (t.to(torch.int64).contiguous() for t in (want, held))
-    why = _why_not(want.device, [want, held])
-    if why is None and held.device != want.device:
+    given = [t for t in (host_slots, ahead, counts) if t is not None]
+    why = _why_not(want.device, [want, held, *given])
+    if why is None and any(t.device != want.device for t in (held, *given)):
         why = "tensors differ in device"
     if why is None and (w * R > PLAN_MARKS_MAX or w + R > _PLAN_SHARED_MAX):
         why = f"{w} wanted pages x {R} slots is past the kernel's limit"
     k = loader.kernel("plan_recall", "kvtier_plan_recall", want.device) if why is None and heads and w else None
     if k is None:
         loader.record("plan_recall", "twin", why or loader.build_error("plan_recall", want.device) or "nothing to do")
-        return twins.plan_recall(want, held, pages)
-    fetch, slots = torch.empty_like(want), torch.empty_like(want)
+        return twins.plan_recall(want, held, pages, host_slots, ahead, counts, prefetch)
+    fetch, slots, where, src_rows, dst_rows = (torch.empty_like(want) for _ in range(5))
     count = torch.empty(heads, dtype=torch.int64, device=want.device)
     held_after = torch.empty_like(held)
+
+    def ptr(t: torch.Tensor | None) -> np.uint64:
+        return _u64(0 if t is None else t.data_ptr())
+
     loader.launch(k, want.device, (heads,), (_THREADS,),
-                  (_u64(want.data_ptr()), _u64(held.data_ptr()), _i64(w), _i64(R), _u64(fetch.data_ptr()),
-                   _u64(slots.data_ptr()), _u64(count.data_ptr()), _u64(held_after.data_ptr())),
+                  (ptr(want), ptr(held), ptr(host_slots), _i64(pages), _i64(w), _i64(R), ptr(fetch), ptr(slots),
+                   ptr(count), ptr(held_after), ptr(where), ptr(src_rows), ptr(dst_rows), ptr(ahead), ptr(counts),
+                   np.int32(prefetch)),
                   shared_mem=w + R)
     loader.record("plan_recall", "kernel")
-    return fetch, slots, count, held_after
+    return twins.RecallPlan(fetch, slots, count, held_after, where, src_rows, dst_rows)
 
 
 def scatter_pages(slabs: Sequence[torch.Tensor], rows_per_slab: int, rows: np.ndarray | torch.Tensor,

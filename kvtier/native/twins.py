@@ -14,6 +14,7 @@ whose rows are numbered across slabs.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -211,16 +212,31 @@ def recall_pages(slabs: Sequence[torch.Tensor], rows_per_slab: int, src_rows: to
     return out
 
 
-def plan_recall(want: torch.Tensor, held: torch.Tensor,
-                pages: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The recall buffer's plan (twin of ``kvtier_plan_recall``): ``(fetch, slots, count, held_after)``.
 
-    Per head: the wanted pages ``want`` ``[heads, w]`` missing from ``held`` ``[heads, R]`` (``-1``: empty)
-    first, then the others, each in their order; the free slots (holding no wanted page) first, then the
-    others, each in slot order, the first `w` of them; how many pages are missing; `held` once they are in.
-    Bitmaps over the `pages` page ids stand for the kernel's comparisons.
+class RecallPlan(NamedTuple):
+    """A recall step's plan (see `plan_recall`); every field on the device, ``[heads, w]`` unless said."""
+
+    fetch: torch.Tensor        # the missing pages first, then the others
+    slots: torch.Tensor        # the slot each of `fetch` goes to (real for the first `count`)
+    count: torch.Tensor        # [heads]: pages missing
+    held_after: torch.Tensor   # [heads, R]: the page each slot holds once they are in
+    where: torch.Tensor        # the slot holding each wanted page afterwards, in the order wanted
+    src_rows: torch.Tensor     # the host slot of each of `fetch` (or the page id, without host slots)
+    dst_rows: torch.Tensor     # the buffer row of each of `slots`: head * R + slot
+
+
+def plan_recall(want: torch.Tensor, held: torch.Tensor, pages: int, host_slots: torch.Tensor | None = None,
+                ahead: torch.Tensor | None = None, counts: torch.Tensor | None = None,
+                prefetch: bool = False) -> RecallPlan:
+    """A recall step's plan and bookkeeping (twin of ``kvtier_plan_recall``, whose header states the rule).
+
+    `want` ``[heads, w]`` holds distinct page ids below `pages`, `held` ``[heads, R]`` the page in each slot
+    or ``-1``; `host_slots` ``[heads, pages]`` the host slot of each page; `ahead` ``[heads, R]`` bool, the
+    buffer's prefetch flags, and `counts` ``[4]`` int64, the recall counters, are updated in place. Bitmaps
+    over the page ids stand for the kernel's comparisons.
     """
     heads, w = want.shape
+    R = held.shape[1]
     empty = pages                                                   # the column standing for an empty slot
     held_col = torch.where(held < 0, torch.full_like(held, empty), held)
     wanted = torch.zeros(heads, pages + 1, dtype=torch.bool, device=want.device).scatter_(1, want, True)
@@ -235,4 +251,24 @@ def plan_recall(want: torch.Tensor, held: torch.Tensor,
     count = missing.sum(dim=1)
     real = torch.arange(w, device=want.device)[None, :] < count[:, None]
     held_after = held.scatter(1, slots, torch.where(real, fetch, held.gather(1, slots)))
-    return fetch, slots, count, held_after
+    after_col = torch.where(held_after < 0, torch.full_like(held_after, empty), held_after)
+    slot_of = torch.zeros(heads, pages + 1, dtype=torch.int64, device=want.device)
+    slot_of.scatter_(1, after_col, torch.arange(R, device=want.device).expand(heads, -1))
+    where = slot_of.gather(1, want)
+    src_rows = fetch if host_slots is None else host_slots.gather(1, fetch)
+    dst_rows = slots + torch.arange(heads, device=want.device)[:, None] * R
+    used = None
+    if ahead is not None:
+        kept = ahead.gather(1, slots)
+        ahead.scatter_(1, slots, kept | real if prefetch else kept & ~real)
+        if not prefetch:
+            used = ahead.gather(1, where).sum()
+            ahead.scatter_(1, where, False)
+    if counts is not None:
+        if prefetch:
+            counts[2] += count.sum()
+        else:
+            moved = count.sum()
+            counts.add_(torch.stack([moved, heads * w - moved, torch.zeros_like(moved),
+                                     torch.zeros_like(moved) if used is None else used]))
+    return RecallPlan(fetch, slots, count, held_after, where, src_rows, dst_rows)

@@ -1,9 +1,11 @@
-"""The recall buffer's plan in tensor ops on the device: which wanted pages to fetch, into which slots.
+"""The recall buffer's plan on the device: which wanted pages to fetch, into which slots.
 
 The same rule as `RecallBuffer.plan` (pages already held keep their slots; the k-th missing page of a head
-takes that head's k-th free slot), written so that nothing is read back to the host: the result has a fixed
-shape ``[heads, r]`` and a per-head count of how many of its entries are real. A GPU step can then queue the
-choice of pages, the plan and the copy (`kvtier.native.recall_pages`) behind each other with no sync.
+takes that head's k-th free slot), made so that nothing is read back to the host: the result has a fixed
+shape ``[heads, w]`` and a per-head count of how many of its entries are real. A GPU step can then queue the
+choice of pages, the plan and the copy (`kvtier.native.recall_pages`) behind each other with no sync. On
+CUDA the plan, the copy's rows, where each page sits afterwards, the buffer's prefetch flags and the recall
+counters come out of one kernel launch (`kvtier.native.plan_recall`).
 """
 
 from __future__ import annotations
@@ -11,10 +13,12 @@ from __future__ import annotations
 import torch
 
 from .. import native
+from ..native import RecallPlan
 
 
-def plan_on_device(want: torch.Tensor, held: torch.Tensor,
-                   pages: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def plan_on_device(want: torch.Tensor, held: torch.Tensor, pages: int, host_slots: torch.Tensor | None = None,
+                   ahead: torch.Tensor | None = None, counts: torch.Tensor | None = None,
+                   prefetch: bool = False) -> RecallPlan:
     """Where the wanted pages go.
 
     Parameters
@@ -26,28 +30,21 @@ def plan_on_device(want: torch.Tensor, held: torch.Tensor,
         with room for pages brought up ahead of need has more slots than a step chooses).
     pages
         Pages the layer has demoted (every id is below it).
+    host_slots
+        ``[heads, pages]`` the host slot of each page, so the plan gives the rows the copy reads.
+    ahead, counts
+        The buffer's prefetch flags ``[heads, R]`` and the recall counters ``[4]`` (fetched on demand, found
+        in the buffer, prefetched, found thanks to a prefetch), updated in place; `prefetch` says whether the
+        plan is a step's choice or a prefetch.
 
     Returns
     -------
-    ``(fetch, slots, count, held_after)``: for head ``h`` and ``j < count[h]``, page ``fetch[h, j]`` goes to
-    slot ``slots[h, j]`` (in the order `RecallBuffer.plan` gives); ``held_after`` is `held` once they are in.
-    `fetch` and `slots` are ``[heads, w]``. On CUDA one kernel launch makes it (`kvtier.native.plan_recall`).
+    A `RecallPlan`: for head ``h`` and ``j < count[h]``, page ``fetch[h, j]`` goes to slot ``slots[h, j]``
+    (in the order `RecallBuffer.plan` gives); ``held_after`` is `held` once they are in; ``where`` the slot
+    of each wanted page then.
     """
     heads, w = want.shape
     if held.shape[0] != heads or held.shape[1] < w:
         raise ValueError(f"plan_on_device: want {list(want.shape)} and held {list(held.shape)}; allowed: as "
                          "many heads, and at least as many slots as wanted pages")
-    return native.plan_recall(want, held, pages)
-
-
-def slots_of(want: torch.Tensor, held: torch.Tensor, pages: int) -> torch.Tensor:
-    """``[heads, w]``: the slot of `held` (``[heads, R]``) holding each page of `want` (every one is held)."""
-    heads, slots = held.shape
-    where = torch.zeros(heads, pages + 1, dtype=torch.int64, device=held.device)
-    where.scatter_(1, _columns(held, pages), torch.arange(slots, device=held.device).expand(heads, -1))
-    return where.gather(1, want)
-
-
-def _columns(held: torch.Tensor, pages: int) -> torch.Tensor:
-    """`held` with each empty slot (``-1``) as column `pages`, one past every page id."""
-    return torch.where(held < 0, torch.full_like(held, pages), held)
+    return native.plan_recall(want, held, pages, host_slots, ahead, counts, prefetch)

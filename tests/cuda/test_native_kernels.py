@@ -325,22 +325,29 @@ def test_recall_pages_kernel_is_the_twin(kernels, dtype, pinned):
 
 @pytest.mark.parametrize("heads,w,R,pages", [(8, 64, 96, 6000), (3, 5, 8, 20), (1, 96, 96, 200), (8, 1, 400, 900)])
 def test_plan_recall_kernel_is_the_twin(kernels, heads, w, R, pages):
-    """The recall buffer's plan in one launch: the same fetch list, slots, counts and buffer ids as the twin,
-    over buffers partly empty, partly holding wanted pages, step after step."""
+    """A recall step's plan in one launch: the same fetch list, slots, counts, buffer ids, slots of the wanted
+    pages and copy rows as the twin, and the same prefetch flags and counters (added atomically by the heads'
+    blocks), step after step, a step's choice then a prefetch."""
     g = torch.Generator().manual_seed(heads * 1000 + w)
     held = torch.full((heads, R), -1, dtype=torch.int64)
+    host = torch.randperm(heads * pages, generator=g).view(heads, pages)
+    ahead, counts = torch.zeros(heads, R, dtype=torch.bool), torch.zeros(4, dtype=torch.int64)
+    dev_ahead, dev_counts, dev_host = ahead.to(kernels), counts.to(kernels), host.to(kernels)
     launches = _Launches("plan_recall")
-    for _ in range(6):
+    for step in range(8):
         want = torch.stack([torch.randperm(pages, generator=g)[:w] for _ in range(heads)])
         if held.max() >= 0:   # keep some of what the buffer holds wanted, as consecutive steps do
             for h in range(heads):
                 kept = held[h][held[h] >= 0][: w // 2]
                 rest = want[h][~torch.isin(want[h], kept)][: w - len(kept)]
                 want[h] = torch.cat([kept, rest])
-        got = native.plan_recall(want.to(kernels), held.to(kernels), pages)
-        expect = twins.plan_recall(want, held, pages)
+        prefetch = step % 2 == 1
+        got = native.plan_recall(want.to(kernels), held.to(kernels), pages, dev_host, dev_ahead, dev_counts,
+                                 prefetch)
+        expect = twins.plan_recall(want, held, pages, host, ahead, counts, prefetch)
         for a, b in zip(got, expect):
             assert torch.equal(a.cpu(), b)
-        held = expect[3]
+        assert torch.equal(dev_ahead.cpu(), ahead) and torch.equal(dev_counts.cpu(), counts)
+        held = expect.held_after
     torch.cuda.synchronize()
-    launches.check(6)
+    launches.check(8)

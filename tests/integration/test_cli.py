@@ -96,3 +96,17 @@ def test_bench_json():
     data = json.loads(result.output[result.output.index("{"):])
     assert [r["cache"] for r in data["results"]] == ["DynamicCache", "TieredCache"]
     assert data["machine"]["threads"] == 1
+
+
+def test_bench_launches_json():
+    """kvtier's decode step, recall planned on the device, issues more launches per layer than DynamicCache's,
+    and the count says where they come from; the plan is one native call per recall."""
+    result = run("bench", "launches", "--context", "600", "--steps", "1", "--recall-pages", "4", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output[result.output.index("{"):])
+    plain, tiered = data["rows"]
+    assert plain["cache"] == "DynamicCache" and set(plain["by_part_per_layer_step"]) == {"model"}
+    assert tiered["launches_per_layer_step"] > plain["launches_per_layer_step"] > 0
+    assert {"page choice", "recall and prefetch", "scorer", "model"} <= set(tiered["by_part_per_layer_step"])
+    assert tiered["native_calls_per_layer_step"]["plan_recall"] >= 1
+    assert data["ratio"] > 1

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from kvtier import native
 from kvtier.native import twins
 from kvtier.recall.buffer import RecallBuffer
-from kvtier.recall.device_plan import plan_on_device, slots_of
+from kvtier.recall.device_plan import plan_on_device
 from kvtier.tiers.slabs import SlabRows
 
 
@@ -31,7 +31,8 @@ def test_device_plan_equals_the_host_plan_step_after_step(heads, r, extra, steps
     for _ in range(steps):
         want = _wants(rng, heads, r, pages)
         h, pids, slots = buf.plan(want)
-        fetch, to, count, held_after = plan_on_device(torch.from_numpy(want), held, pages)
+        plan = plan_on_device(torch.from_numpy(want), held, pages)
+        fetch, to, count, held_after = plan.fetch, plan.slots, plan.count, plan.held_after
         assert count.tolist() == np.bincount(h, minlength=heads).tolist()
         got = [(hh, int(fetch[hh, j]), int(to[hh, j])) for hh in range(heads) for j in range(int(count[hh]))]
         assert got == list(zip(h.tolist(), pids.tolist(), slots.tolist()))
@@ -46,17 +47,22 @@ def test_device_plan_equals_the_host_plan_step_after_step(heads, r, extra, steps
        steps=st.integers(1, 8), seed=st.integers(0, 2**16))
 def test_a_buffer_with_spare_slots_keeps_what_is_wanted_where_it_is(heads, r, spare, extra, steps, seed):
     """A step's choice (``r`` pages) then a prefetch (the choice and ``spare`` more) into ``r + spare`` slots:
-    every wanted page ends up held, a held page that is wanted keeps its slot, only unwanted slots change,
-    and `slots_of` finds each wanted page."""
+    every wanted page ends up held, a held page that is wanted keeps its slot, only unwanted slots change, and
+    `where` finds each wanted page; the copy's rows, the prefetch flags and the counters follow the plan."""
     rng = np.random.default_rng(seed)
     pages, R = r + spare + extra, r + spare
     held = torch.full((heads, R), -1, dtype=torch.int64)
+    host_slots = torch.from_numpy(rng.permutation(heads * pages).reshape(heads, pages).astype(np.int64))
+    ahead = torch.zeros(heads, R, dtype=torch.bool)
+    counts = torch.zeros(4, dtype=torch.int64)
+    want_ahead, want_counts = ahead.clone(), counts.clone()
     for _ in range(steps):
         ranked = np.stack([rng.permutation(pages)[:R] for _ in range(heads)]).astype(np.int64)
-        for want in (np.sort(ranked[:, :r], axis=1), ranked):
+        for prefetch, want in ((False, np.sort(ranked[:, :r], axis=1)), (True, ranked)):
             want = torch.from_numpy(np.ascontiguousarray(want))
-            fetch, slots, count, after = plan_on_device(want, held, pages)
-            assert fetch.shape == slots.shape == want.shape
+            plan = plan_on_device(want, held, pages, host_slots, ahead, counts, prefetch=prefetch)
+            fetch, slots, count, after = plan.fetch, plan.slots, plan.count, plan.held_after
+            assert fetch.shape == slots.shape == plan.where.shape == want.shape
             for h in range(heads):
                 before, now, wanted = held[h].tolist(), after[h].tolist(), set(want[h].tolist())
                 assert wanted <= set(now) and len(set(p for p in now if p >= 0)) == sum(p >= 0 for p in now)
@@ -68,8 +74,19 @@ def test_a_buffer_with_spare_slots_keeps_what_is_wanted_where_it_is(heads, r, sp
                         assert new == old          # kept where it was
                     elif new != old:
                         assert slot in slots[h, :n].tolist()   # only planned slots change
-            where = slots_of(want, after, pages)
-            assert torch.equal(after.gather(1, where), want)
+                for j in range(n):                 # the prefetch flags of the slots filled
+                    want_ahead[h, slots[h, j]] = prefetch
+            assert torch.equal(after.gather(1, plan.where), want)
+            assert torch.equal(plan.src_rows, host_slots.gather(1, fetch))
+            assert torch.equal(plan.dst_rows, slots + torch.arange(heads)[:, None] * R)
+            moved = int(count.sum())
+            if prefetch:
+                want_counts[2] += moved
+            else:                                  # chosen pages a prefetch had brought: counted, flags cleared
+                used = int(want_ahead.gather(1, plan.where).sum())
+                want_ahead.scatter_(1, plan.where, False)
+                want_counts += torch.tensor([moved, want.numel() - moved, 0, used])
+            assert torch.equal(ahead, want_ahead) and torch.equal(counts, want_counts)
             held = after
 
 

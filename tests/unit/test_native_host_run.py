@@ -21,28 +21,41 @@ HARNESS = r"""
 #include "plan_recall.cu"
 #include <cstdio>
 #include <vector>
-// Cases from stdin until its end, each: heads w R lanes, want [heads * w], held [heads * R]; for each, one
-// line of fetch, slots, count and held_after.
+// Cases from stdin until its end, each: heads w R pages lanes prefetch, want [heads * w], held [heads * R],
+// host_slots [heads * pages], ahead [heads * R] (0/1), counts [4]; for each, one line: fetch | slots | count |
+// held_after | where | src_rows | dst_rows | ahead | counts.
+static bool read(std::vector<kv_i64>& v) {
+    for (auto& x : v) if (scanf("%lld", &x) != 1) return false;
+    return true;
+}
 int main() {
-    long long heads, w, R, lanes;
-    while (scanf("%lld %lld %lld %lld", &heads, &w, &R, &lanes) == 4) {
-        std::vector<kv_i64> want(heads * w), held(heads * R), fetch(heads * w), slots(heads * w), count(heads),
-            after(heads * R);
-        for (auto& x : want) if (scanf("%lld", &x) != 1) return 2;
-        for (auto& x : held) if (scanf("%lld", &x) != 1) return 2;
-        std::vector<unsigned char> marks(w + R + 1);
-        for (kv_i64 h = 0; h < heads; ++h) {
+    long long heads, w, R, pages, lanes, prefetch;
+    while (scanf("%lld %lld %lld %lld %lld %lld", &heads, &w, &R, &pages, &lanes, &prefetch) == 6) {
+        std::vector<kv_i64> want(heads * w), held(heads * R), host(heads * pages), flags(heads * R), counts(4),
+            fetch(heads * w), slots(heads * w), count(heads), after(heads * R), where(heads * w), src(heads * w),
+            dst(heads * w);
+        if (!read(want) || !read(held) || !read(host) || !read(flags) || !read(counts)) return 2;
+        std::vector<unsigned char> ahead(flags.begin(), flags.end()), marks(w + R + 1);
+        for (kv_i64 h = 0; h < heads; ++h) {   // a block: its threads' shares of a step as lanes in turn
             for (kv_i64 lane = 0; lane < lanes; ++lane) {
                 kv_plan_marks(&want[h * w], w, &held[h * R], R, marks.data(), marks.data() + w, &after[h * R],
                               lane, lanes);
             }
             kv_plan_assign(&want[h * w], w, R, marks.data(), marks.data() + w, &fetch[h * w], &slots[h * w],
                            &count[h], &after[h * R]);
+            for (kv_i64 lane = 0; lane < lanes; ++lane) {
+                kv_plan_rows(&want[h * w], w, R, h, &host[h * pages], &fetch[h * w], &slots[h * w], &after[h * R],
+                             &where[h * w], &src[h * w], &dst[h * w], lane, lanes);
+            }
+            kv_plan_flags(w, &slots[h * w], &count[h], &where[h * w], &ahead[h * R], counts.data(), (int)prefetch);
         }
-        for (auto v : {&fetch, &slots, &count, &after}) {
+        for (auto v : {&fetch, &slots, &count, &after, &where, &src, &dst}) {
             for (auto x : *v) printf("%lld ", x);
             printf("| ");
         }
+        for (auto x : ahead) printf("%d ", (int)x);
+        printf("| ");
+        for (auto x : counts) printf("%lld ", x);
         printf("\n");
     }
     return 0;
@@ -84,15 +97,20 @@ def test_the_plan_kernels_code_gives_the_twins_plan(harness):
         R = w + int(torch.randint(0, 10, (1,), generator=g))
         pages = max(w, R) + int(torch.randint(0, 20, (1,), generator=g))
         want, held = _case(g, heads, w, R, pages)
-        lanes = [1, 3, 32, 128][i % 4]
-        cases.append((want, held, pages))
-        lines.append(f"{heads} {w} {R} {lanes} " + " ".join(map(str, want.flatten().tolist() + held.flatten().tolist())))
+        host = torch.randperm(heads * pages, generator=g).view(heads, pages)
+        ahead = torch.rand(heads, R, generator=g) < 0.4
+        counts = torch.randint(0, 100, (4,), generator=g)
+        lanes, prefetch = [1, 3, 32, 128][i % 4], i % 3 == 0
+        cases.append((want, held, pages, host, ahead, counts, prefetch))
+        numbers = [*want.flatten().tolist(), *held.flatten().tolist(), *host.flatten().tolist(),
+                   *ahead.long().flatten().tolist(), *counts.tolist()]
+        lines.append(f"{heads} {w} {R} {pages} {lanes} {int(prefetch)} " + " ".join(map(str, numbers)))
     done = subprocess.run([str(harness)], input="\n".join(lines) + "\n", capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     out = done.stdout.strip().split("\n")
     assert len(out) == len(cases)
-    for (want, held, pages), line in zip(cases, out):
-        got = [[int(x) for x in part.split()] for part in line.split("|")[:4]]
-        expect = twins.plan_recall(want, held, pages)
-        for a, b in zip(got, expect):
-            assert a == b.flatten().tolist(), (want.tolist(), held.tolist())
+    for (want, held, pages, host, ahead, counts, prefetch), line in zip(cases, out):
+        got = [[int(x) for x in part.split()] for part in line.split("|")]
+        expect = twins.plan_recall(want, held, pages, host, ahead, counts, prefetch)   # flags, counts in place
+        for a, b in zip(got, [*expect, ahead.long(), counts]):
+            assert a == b.flatten().tolist(), (want.tolist(), held.tolist(), prefetch)

@@ -443,8 +443,14 @@ def _run_as_the_kernel(name: str, grid: tuple, args: tuple) -> None:
                 continue
             row = _mem(_u64(slabs, s_row // per) + (s_row % per) * row_bytes, row_bytes)
             _mem(out + d_row * row_bytes, row_bytes)[:] = row
-    elif name == "kvtier_plan_recall":   # the kernel's two steps, as written in plan_recall.cu
-        want_p, held_p, w, R, fetch_p, slots_p, count_p, after_p = (int(a) for a in args)
+    elif name == "kvtier_plan_recall":   # the kernel's four steps, as written in plan_recall.cu
+        (want_p, held_p, hs_p, pages, w, R, fetch_p, slots_p, count_p, after_p, where_p, src_p, dst_p, ahead_p,
+         counts_p, prefetch) = (int(a) for a in args)
+
+        def put(ptr, values):
+            if values:
+                _mem(ptr, 8 * len(values))[:] = np.array(values, dtype=np.int64).view(np.uint8)
+
         for h in range(int(grid[0])):
             want = [_i64(want_p, h * w + j) for j in range(w)]
             held = [_i64(held_p, h * R + i) for i in range(R)]
@@ -455,10 +461,29 @@ def _run_as_the_kernel(name: str, grid: tuple, args: tuple) -> None:
             n = sum(missing)
             for j in range(n):
                 held[slots[j]] = fetch[j]
+            where = [held.index(x) for x in want]
+            src = [_i64(hs_p, h * pages + x) for x in fetch] if hs_p else fetch
             for ptr, values in ((fetch_p + 8 * h * w, fetch), (slots_p + 8 * h * w, slots), (count_p + 8 * h, [n]),
-                                (after_p + 8 * h * R, held)):
-                if values:
-                    _mem(ptr, 8 * len(values))[:] = np.array(values, dtype=np.int64).view(np.uint8)
+                                (after_p + 8 * h * R, held), (where_p + 8 * h * w, where), (src_p + 8 * h * w, src),
+                                (dst_p + 8 * h * w, [h * R + x for x in slots])):
+                put(ptr, values)
+            used = 0
+            if ahead_p:
+                flags = _mem(ahead_p + h * R, R)
+                for j in range(n):
+                    flags[slots[j]] = 1 if prefetch else 0
+                if not prefetch:
+                    used = int(sum(flags[x] for x in where))
+                    for x in where:
+                        flags[x] = 0
+            if counts_p:
+                c = _mem(counts_p, 32).view(np.int64)
+                if prefetch:
+                    c[2] += n
+                else:
+                    c[0] += n
+                    c[1] += w - n
+                    c[3] += used
     elif name == "kvtier_pack_entries":
         slabs, S, heads, idx, m, out, row_bytes = (int(a) for a in args)
         for e in range(heads * m):
@@ -495,7 +520,7 @@ def replayed_kernels(monkeypatch):
     def launch(k, device, grid, block, args, shared_mem=0):
         kinds = sigs[k]
         if k == "kvtier_plan_recall":   # a byte of marks per wanted page and per slot
-            assert shared_mem == int(args[2]) + int(args[3])
+            assert shared_mem == int(args[4]) + int(args[5])
         assert [type(a) for a in args] == kinds, f"{k}: launched with {[type(a).__name__ for a in args]}"
         assert all(g >= 1 for g in grid) and len(grid) <= 3 and block[0] % 32 == 0
         launches.append((k, grid, block))
@@ -577,10 +602,20 @@ def test_plan_recall_launch_gives_the_twins_plan(replayed_kernels):
         want = torch.stack([torch.randperm(pages, generator=g)[:w] for _ in range(heads)])
         held = torch.stack([torch.randperm(pages, generator=g)[:R] for _ in range(heads)])
         held[torch.rand(heads, R, generator=g) < 0.3] = -1
-        got = native.plan_recall(want, held, pages)
+        host_slots = torch.randperm(heads * pages, generator=g).view(heads, pages)
+        for prefetch in (False, True):
+            ahead = torch.rand(heads, R, generator=g) < 0.5
+            counts = torch.arange(4, dtype=torch.int64)
+            twin_ahead, twin_counts = ahead.clone(), counts.clone()
+            got = native.plan_recall(want, held, pages, host_slots, ahead, counts, prefetch)
+            expect = twins.plan_recall(want, held, pages, host_slots, twin_ahead, twin_counts, prefetch)
+            for a, b in zip(got, expect):
+                assert torch.equal(a, b)
+            assert torch.equal(ahead, twin_ahead) and torch.equal(counts, twin_counts)
+        got = native.plan_recall(want, held, pages)          # no host slots, flags or counters
         for a, b in zip(got, twins.plan_recall(want, held, pages)):
             assert torch.equal(a, b)
-    assert [name for name, _, _ in replayed_kernels] == ["kvtier_plan_recall"] * 2   # w = 0: nothing to launch
+    assert [name for name, _, _ in replayed_kernels] == ["kvtier_plan_recall"] * 6   # w = 0: nothing to launch
 
 
 def test_plan_recall_refuses_a_buffer_smaller_than_the_want():

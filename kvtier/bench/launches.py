@@ -1,0 +1,134 @@
+"""How many tensor operations a decode step issues per layer, kvtier against DynamicCache, by part.
+
+On a GPU every tensor operation is a kernel launch, which costs the host a few microseconds whatever the size
+of the work; a decode step that issues more launches than its GPU work can hide behind is bound by the host,
+not by memory bandwidth. The count is a property of the code, not of the machine, so it is measured here on
+any device: every aten operation dispatched during the counted steps is one launch, except views (no kernel)
+and the operations a native kernel's torch twin runs, where the native operation counts once (on CUDA it is
+one kernel launch; `kvtier.native.backend()` counts the calls). kvtier plans its recall on the device, as it
+does on a GPU, so the path counted is the GPU's.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .. import native
+from ..integrations.hf import cache_kwargs
+
+_PACKAGE = str(Path(__file__).resolve().parents[1]) + "/"
+_OUTSIDE = tuple(_PACKAGE + d for d in ("bench/", "cli/"))   # what drives the model, not part of a step
+_TWINS = str(Path(native.__file__).resolve().parent / "twins.py")
+# metadata only: no kernel runs for these
+VIEW_OPS = frozenset({"view", "_unsafe_view", "expand", "reshape", "as_strided", "slice", "select", "unsqueeze",
+                      "squeeze", "permute", "transpose", "t", "alias", "detach", "split", "split_with_sizes",
+                      "unbind", "narrow", "_reshape_alias", "lift_fresh", "unflatten", "flatten", "view_as_real",
+                      "view_as_complex", "diagonal", "expand_as", "movedim"})
+HOST_READS = frozenset({"_local_scalar_dense", "equal", "is_nonzero"})   # the host waits for the device
+# the part of kvtier a file belongs to, by path prefix inside the package, first match wins
+PARTS = (("scoring/", "scorer"), ("recall/selector", "page choice"), ("recall/index", "page choice"),
+         ("recall/codes", "page choice"), ("recall/bounds", "page choice"), ("recall/", "recall and prefetch"),
+         ("engine/fetch", "recall and prefetch"), ("engine/attention", "attention over the parts"),
+         ("engine/weights", "attention over the parts"), ("native/", "native kernels"),
+         ("integrations/", "cache interface"), ("", "placement and bookkeeping"))
+MODEL = "model"
+
+
+def part_of(path: str) -> str:
+    rel = path[len(_PACKAGE):]
+    return next(name for prefix, name in PARTS if rel.startswith(prefix))
+
+
+class LaunchCounter(TorchDispatchMode):
+    """Counts the launches dispatched under it by part (the innermost kvtier file on the Python stack, else
+    the model), and the host reads of device values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.parts: Counter[str] = Counter()
+        self.ops: Counter[str] = Counter()
+        self.host_reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name not in VIEW_OPS:
+            self._count(name)
+        return func(*args, **(kwargs or {}))
+
+    def _count(self, name: str) -> None:
+        frame, part = sys._getframe(2), None
+        while frame is not None:
+            path = frame.f_code.co_filename
+            if path == _TWINS:
+                return   # inside a native twin: the native call is the launch
+            if part is None and path.startswith(_PACKAGE) and not path.startswith(_OUTSIDE):
+                part = part_of(path)
+            frame = frame.f_back
+        self.parts[part or MODEL] += 1
+        self.ops[name] += 1
+        self.host_reads += name in HOST_READS
+
+
+@dataclass
+class LaunchCount:
+    cache: str
+    layers: int
+    steps: int
+    parts: dict[str, int]
+    native_calls: dict[str, int]
+    host_reads: int
+    ops: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values()) + sum(self.native_calls.values())
+
+    def as_dict(self) -> dict[str, Any]:
+        per = self.layers * self.steps
+        parts = dict(self.parts)
+        if self.native_calls:
+            parts["native kernels"] = parts.get("native kernels", 0) + sum(self.native_calls.values())
+        return {"cache": self.cache, "steps": self.steps, "layers": self.layers,
+                "launches_per_layer_step": round(self.total / per, 1),
+                "by_part_per_layer_step": {k: round(v / per, 1) for k, v in sorted(parts.items(), key=lambda x: -x[1])},
+                "native_calls_per_layer_step": {k: round(v / per, 2) for k, v in self.native_calls.items()},
+                "host_reads_per_step": round(self.host_reads / self.steps, 1),
+                "top_ops_per_layer_step": {k: round(v / per, 1) for k, v in Counter(self.ops).most_common(12)}}
+
+
+def count_launches(model: Any, input_ids: torch.Tensor, make_cache: Callable[[], Any], name: str, steps: int,
+                   warmup: int = 2) -> tuple[LaunchCount, torch.Tensor]:
+    """Prefill `input_ids` into a new cache, decode `warmup` steps, then count the launches of `steps` greedy
+    decode steps; returns the count and the counted steps' tokens."""
+    cache = make_cache()
+    try:
+        with torch.no_grad():
+            logits = model(input_ids, **cache_kwargs(cache)).logits[:, -1]
+            for _ in range(warmup):
+                logits = model(logits.argmax(-1, keepdim=True), **cache_kwargs(cache)).logits[:, -1]
+            before = _native_calls()
+            counter, tokens = LaunchCounter(), []
+            for _ in range(steps):
+                nxt = logits.argmax(-1, keepdim=True)
+                tokens.append(nxt)
+                with counter:
+                    logits = model(nxt, **cache_kwargs(cache)).logits[:, -1]
+            after = _native_calls()
+    finally:
+        if hasattr(cache, "close"):
+            cache.close()
+    calls = {op: after[op] - before.get(op, 0) for op in after if after[op] - before.get(op, 0)}
+    layers = model.config.get_text_config().num_hidden_layers
+    return LaunchCount(name, layers, steps, dict(counter.parts), calls, counter.host_reads,
+                       dict(counter.ops)), torch.cat(tokens, dim=1)
+
+
+def _native_calls() -> dict[str, int]:
+    return {op: s["kernel"] + s["twin"] for op, s in native.backend()["ops"].items()}

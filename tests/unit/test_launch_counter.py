@@ -1,0 +1,39 @@
+"""The launch count of `kvtier bench launches`: what is counted as a kernel launch, and what is not."""
+
+from __future__ import annotations
+
+import torch
+
+from kvtier import native
+from kvtier.bench.launches import LaunchCounter, part_of, _PACKAGE
+
+
+def test_views_are_free_and_every_other_op_is_one_launch():
+    x = torch.randn(4, 6)
+    with LaunchCounter() as c:
+        y = x.view(6, 4)[1:5].t().unsqueeze(0)     # views: no kernel
+        z = (y * 2 + 1).sum()                      # mul, add, sum
+        y.reshape(16)                              # a reshape that must copy: a kernel
+    assert c.ops == {"mul": 1, "add": 1, "sum": 1, "clone": 1} and c.parts == {"model": 4}
+    with LaunchCounter() as c:
+        bool(z > 0)                                # gt, then the host reads the device's answer
+    assert c.host_reads == 1 and c.ops["gt"] == 1
+
+
+def test_a_native_twins_ops_are_not_counted_the_call_is_by_the_backend():
+    want = torch.tensor([[3, 1, 4]])
+    held = torch.tensor([[1, -1, 5, 9]])
+    before = native.backend()["ops"].get("plan_recall", {"kernel": 0, "twin": 0})
+    with LaunchCounter() as c:
+        native.plan_recall(want, held, 10)
+    after = native.backend()["ops"]["plan_recall"]
+    assert after["kernel"] + after["twin"] == before["kernel"] + before["twin"] + 1
+    assert sum(c.parts.values()) == 0              # the twin's dozen ops stand for one kernel launch
+
+
+def test_parts_follow_the_file_that_issued_the_op():
+    assert part_of(_PACKAGE + "scoring/kvp.py") == "scorer"
+    assert part_of(_PACKAGE + "recall/selector.py") == "page choice"
+    assert part_of(_PACKAGE + "recall/device_plan.py") == "recall and prefetch"
+    assert part_of(_PACKAGE + "engine/fetch.py") == "recall and prefetch"
+    assert part_of(_PACKAGE + "engine/layer.py") == "placement and bookkeeping"
