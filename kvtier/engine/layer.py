@@ -146,7 +146,7 @@ class LayerEngine(PageFetching):
         if self.parked is not None:
             self.restore()
         q = k.shape[2]
-        positions = torch.arange(self.seen, self.seen + q, device=k.device)
+        positions = self.shared.positions(self.seen, q, k.device)   # the same tensor for every layer
         score = None  # scored after attention, with the query, by attention-based scorers
         if not needs_query(self.scorer):
             score = self._checked(checked_scores(self.scorer, k, v, positions, self.layer_idx,

@@ -44,6 +44,7 @@ class SharedResources:
         self._private: str | None = None
         self._disk: DiskStore | None = None
         self._pid = os.getpid()     # a forked child never closes (deletes) its parent's files
+        self._positions: tuple[int, int, torch.device, torch.Tensor] | None = None
         self.closed = False
 
     def _check_open(self) -> None:
@@ -56,6 +57,14 @@ class SharedResources:
         if device not in self.transfers:
             self.transfers[device] = self._transfer_factory(device)
         return self.transfers[device]
+
+    def positions(self, start: int, n: int, device: torch.device) -> torch.Tensor:
+        """``arange(start, start + n)`` on `device`, one tensor for every layer of a step (never written to):
+        a scorer seeing the same tensor again may reuse what it computed from it (KVP's position features)."""
+        last = self._positions
+        if last is None or last[:3] != (start, n, device):
+            last = self._positions = (start, n, device, torch.arange(start, start + n, device=device))
+        return last[3]
 
     def private_dir(self, *, validate: bool = False) -> str:
         """The cache's private folder (made on first use, removed on close).
@@ -96,6 +105,7 @@ class SharedResources:
 
     def close(self) -> None:
         self.closed = True
+        self._positions = None
         if os.getpid() != self._pid:   # a forked child: the files are its parent's
             self._disk, self._private = None, None
             self.transfers.clear()

@@ -58,6 +58,7 @@ def decode(codes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Ten
 
 
 _ORDERS: dict[tuple[int, torch.device], torch.Tensor] = {}
+_WORD_SHIFTS: dict[torch.device, torch.Tensor] = {}
 
 
 def unpacked(codes: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -71,11 +72,13 @@ def unpacked(codes: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor 
         c = F.embedding(codes.long(), _table(codes.device)).view(*codes.shape[:-1], -1)[..., :dim]
         return c, None
     words = codes.view(torch.int32)
-    c = torch.stack([(words >> (2 * j)) & 0x03030303 for j in range(PER_BYTE)], dim=-1)
     key = (dim, codes.device)
     if key not in _ORDERS:
         _ORDERS[key] = torch.tensor([16 * g + 4 * b + j for g in range(dim // 16) for j in range(4)
                                      for b in range(4)], device=codes.device)
+        _WORD_SHIFTS[codes.device] = torch.tensor([2 * j for j in range(PER_BYTE)], dtype=torch.int32,
+                                                  device=codes.device)
+    c = (words[..., None] >> _WORD_SHIFTS[codes.device]).bitwise_and_(0x03030303)   # every shift in one op
     return c.view(torch.uint8).view(*codes.shape[:-1], dim).float(), _ORDERS[key]
 
 

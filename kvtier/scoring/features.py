@@ -25,10 +25,13 @@ def position_features(positions: torch.Tensor) -> torch.Tensor:
     return torch.cat([lp[:, None], (lp * lp)[:, None], waves], dim=-1)
 
 
-def entry_features(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """``keys, values`` ``[heads, tokens, dim]`` -> ``[heads, tokens, 2 * dim + 8]`` float32."""
-    pos = position_features(positions.to(keys.device)).expand(keys.shape[0], -1, -1)
-    return torch.cat([keys.float(), values.float(), pos], dim=-1)
+def entry_features(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                   position_feats: torch.Tensor | None = None) -> torch.Tensor:
+    """``keys, values`` ``[heads, tokens, dim]`` -> ``[heads, tokens, 2 * dim + 8]`` float32 (`position_feats`:
+    ``position_features(positions)`` when the caller has them already)."""
+    if position_feats is None:
+        position_feats = position_features(positions.to(keys.device))
+    return torch.cat([keys.float(), values.float(), position_feats.expand(keys.shape[0], -1, -1)], dim=-1)
 
 
 AGE_KNOTS = 22   # knots at log2(1 + age) = 0, 1, ..., 21: ages up to 2M tokens, flat beyond

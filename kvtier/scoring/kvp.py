@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from ..errors import ConfigError
-from .features import AGE_KNOTS, POSITION_FEATURES, age_basis, entry_features
+from .features import AGE_KNOTS, POSITION_FEATURES, age_basis, entry_features, position_features
 
 FORMAT_VERSION = 1
 SHIPPED = {"SmolLM2-135M-Instruct": "smollm2-135m-instruct.safetensors"}
@@ -70,6 +70,9 @@ class KVPAgents(torch.nn.Module):
         return lo + (hi - lo) * w.expand(shape)
 
 
+_KEPT_POSITIONS = 256   # the longest run of positions whose features a scorer keeps for the next layer
+
+
 @dataclass
 class KVPScorer:
     """Scores entries with the trained agents of their layer.
@@ -91,6 +94,7 @@ class KVPScorer:
     def __post_init__(self) -> None:
         self.agents, self.meta = load_agents(self.path if self.path is not None else shipped_path(self.model))
         self._device_copies: dict[torch.device, KVPAgents] = {}
+        self._last_positions: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def from_agents(cls, agents: KVPAgents, meta: dict[str, Any], name: str = "kvp") -> KVPScorer:
@@ -99,6 +103,7 @@ class KVPScorer:
         scorer.path, scorer.model, scorer.name = None, str(meta.get("model", "")), name
         scorer.agents, scorer.meta = agents.eval(), dict(meta)
         scorer._device_copies = {}
+        scorer._last_positions = None
         return scorer
 
     @property
@@ -124,9 +129,20 @@ class KVPScorer:
               layer_idx: int) -> torch.Tensor:
         heads = keys.shape[1]
         agents = self._on(keys.device)
-        x = entry_features(keys[0], values[0], positions)
+        x = entry_features(keys[0], values[0], positions, self._position_features(positions, keys.device))
         out = agents(x, slice(layer_idx * heads, (layer_idx + 1) * heads))
         return out.unsqueeze(0)
+
+    def _position_features(self, positions: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """`position_features` of `positions`, computed once for the very tensor every layer of a decode step
+        passes (`SharedResources.positions`; never written to), not once per layer. Only short runs of
+        positions are kept (a prefill chunk computes its own: it is one of many launches there)."""
+        last = self._last_positions
+        if last is not None and last[0] is positions and last[1].device == device:
+            return last[1]
+        feats = position_features(positions.to(device))
+        self._last_positions = (positions, feats) if positions.numel() <= _KEPT_POSITIONS else None
+        return feats
 
     @torch.no_grad()
     def age_bias(self, ages: torch.Tensor, layer_idx: int) -> torch.Tensor:

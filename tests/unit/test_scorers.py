@@ -124,3 +124,26 @@ def test_snapkv_settings_are_checked():
         make_scorer("snapkv", kernel=4)
     with pytest.raises(ConfigError, match="window=0; allowed: a whole number >= 1"):
         make_scorer("snapkv", window=0)
+
+
+def test_kvp_computes_a_steps_position_features_once_for_every_layer(monkeypatch):
+    """Every layer of a decode step passes KVP the same positions tensor (`SharedResources.positions`), so the
+    position features are computed once a step, not once a layer; the scores are those computed afresh."""
+    from kvtier.engine.resources import SharedResources
+    from kvtier.scoring import features, kvp
+
+    shared = SharedResources(None)
+    pos = shared.positions(40, 1, torch.device("cpu"))
+    assert shared.positions(40, 1, torch.device("cpu")) is pos and shared.positions(41, 1, torch.device("cpu")) is not pos
+    scorer = make_scorer("kvp")
+    calls = []
+    real = features.position_features
+    monkeypatch.setattr(kvp, "position_features", lambda p: calls.append(p) or real(p))
+    g = torch.Generator().manual_seed(0)
+    heads, dim = scorer.shape[1], scorer.shape[2]
+    k, v = torch.randn(1, heads, 1, dim, generator=g), torch.randn(1, heads, 1, dim, generator=g)
+    step = [scorer.score(k, v, pos, layer) for layer in range(3)]
+    assert len(calls) == 1
+    fresh = [scorer.score(k, v, torch.tensor([40]), layer) for layer in range(3)]   # a new tensor each time
+    assert len(calls) == 4 and all(torch.equal(a, b) for a, b in zip(step, fresh))
+    shared.close()
