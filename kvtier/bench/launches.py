@@ -3,8 +3,8 @@
 On a GPU every tensor operation is a kernel launch, which costs the host a few microseconds whatever the size
 of the work; a decode step that issues more launches than its GPU work can hide behind is bound by the host,
 not by memory bandwidth. The count is a property of the code, not of the machine, so it is measured here on
-any device: every aten operation dispatched during the counted steps is one launch, except views (no kernel)
-and the operations a native kernel's torch twin runs, where the native operation counts once (on CUDA it is
+any device: every aten operation dispatched during the counted steps is one launch, except views and
+allocations (no kernel) and the operations a native kernel's torch twin runs, where the native operation counts once (on CUDA it is
 one kernel launch; `kvtier.native.backend()` counts the calls). kvtier plans its recall on the device, as it
 does on a GPU, so the path counted is the GPU's.
 """
@@ -26,11 +26,12 @@ from ..integrations.hf import cache_kwargs
 _PACKAGE = str(Path(__file__).resolve().parents[1]) + "/"
 _OUTSIDE = tuple(_PACKAGE + d for d in ("bench/", "cli/"))   # what drives the model, not part of a step
 _TWINS = str(Path(native.__file__).resolve().parent / "twins.py")
-# metadata only: no kernel runs for these
-VIEW_OPS = frozenset({"view", "_unsafe_view", "expand", "reshape", "as_strided", "slice", "select", "unsqueeze",
-                      "squeeze", "permute", "transpose", "t", "alias", "detach", "split", "split_with_sizes",
-                      "unbind", "narrow", "_reshape_alias", "lift_fresh", "unflatten", "flatten", "view_as_real",
-                      "view_as_complex", "diagonal", "expand_as", "movedim"})
+# views and allocations: no kernel runs for these
+NO_KERNEL = frozenset({"view", "_unsafe_view", "expand", "reshape", "as_strided", "slice", "select", "unsqueeze",
+                       "squeeze", "permute", "transpose", "t", "alias", "detach", "split", "split_with_sizes",
+                       "unbind", "narrow", "_reshape_alias", "lift_fresh", "unflatten", "flatten", "view_as_real",
+                       "view_as_complex", "diagonal", "expand_as", "movedim", "empty", "empty_like",
+                       "empty_strided", "new_empty", "new_empty_strided"})
 HOST_READS = frozenset({"_local_scalar_dense", "equal", "is_nonzero"})   # the host waits for the device
 # the part of kvtier a file belongs to, by path prefix inside the package, first match wins
 PARTS = (("scoring/", "scorer"), ("recall/selector", "page choice"), ("recall/index", "page choice"),
@@ -58,7 +59,7 @@ class LaunchCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
-        if name not in VIEW_OPS:
+        if name not in NO_KERNEL:
             self._count(name)
         return func(*args, **(kwargs or {}))
 

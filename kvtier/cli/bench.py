@@ -162,8 +162,9 @@ def prefetch(context: str, new_tokens: int, device_budget: str, recall_pages: in
 @bench.command("launches")
 @click.option("--context", default="8K", show_default=True,
               help="Tokens of the prompt (a needle task: a long text, then a question about it).")
-@click.option("--steps", default=4, show_default=True, type=click.IntRange(min=1),
-              help="Decode steps counted (after two that are not).")
+@click.option("--steps", default=16, show_default=True, type=click.IntRange(min=1),
+              help="Decode steps counted (after two that are not); 16, a page of steps, holds one demotion per "
+                   "layer at the default page size.")
 @click.option("--device-budget", default="0.1", show_default=True, help="Device tokens per KV head.")
 @click.option("--recall-pages", default=64, show_default=True, type=click.IntRange(min=1),
               help="Pages recalled per layer and KV head per step.")

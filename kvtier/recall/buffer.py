@@ -34,6 +34,7 @@ class RecallBuffer:
         # slots whose page a prefetch brought up and no step has chosen since (device-planned buffers only)
         self.ahead = torch.zeros((heads, pages), dtype=torch.bool, device=device) if on_device else None
         self.pending: int | None = None   # the transfer job of a prefetch into this buffer not yet waited for
+        self._row_base: torch.Tensor | None = None
 
     @property
     def pages(self) -> int:
@@ -43,7 +44,9 @@ class RecallBuffer:
         """The pages in `slots` ``[heads, w]``, in that order: keys and values ``[heads, w * page_size, dim]``."""
         H, w = slots.shape
         R, P, D = self.pages, self.page_size, self.k.shape[2]
-        rows = (slots + torch.arange(H, device=slots.device)[:, None] * R).reshape(-1)
+        if self._row_base is None:   # the first row of each head's slots, kept: one op fewer a step
+            self._row_base = torch.arange(H, device=slots.device)[:, None] * R
+        rows = (slots + self._row_base).reshape(-1)
         return tuple(t.view(H * R, P, D).index_select(0, rows).view(H, w * P, D) for t in (self.k, self.v))
 
     def plan(self, want: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
