@@ -24,7 +24,7 @@ from .. import native
 from ..integrations.hf import cache_kwargs
 
 _PACKAGE = str(Path(__file__).resolve().parents[1]) + "/"
-_OUTSIDE = tuple(_PACKAGE + d for d in ("bench/", "cli/"))   # what drives the model, not part of a step
+_OUTSIDE = tuple(_PACKAGE + d for d in ("bench/", "cli/", "__main__.py"))   # what drives the model
 _TWINS = str(Path(native.__file__).resolve().parent / "twins.py")
 # views and allocations: no kernel runs for these
 NO_KERNEL = frozenset({"view", "_unsafe_view", "expand", "reshape", "as_strided", "slice", "select", "unsqueeze",
