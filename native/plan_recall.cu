@@ -87,14 +87,17 @@ __host__ __device__ inline void kv_plan_assign(const kv_i64* __restrict__ want, 
 }
 
 // Step 3, shared like step 1, once step 2 is done: the copy's rows, and each wanted page's slot.
+// (`fetch`, `slots` and `held_after` were written earlier in the launch: no __restrict__ on them, so no
+// load of them goes through the read-only cache.)
 __host__ __device__ inline void kv_plan_rows(const kv_i64* __restrict__ want, kv_i64 w, kv_i64 R, kv_i64 h,
-                                             const kv_i64* __restrict__ host_slots,
-                                             const kv_i64* __restrict__ fetch, const kv_i64* __restrict__ slots,
-                                             const kv_i64* __restrict__ held_after, kv_i64* __restrict__ where,
-                                             kv_i64* __restrict__ src_rows, kv_i64* __restrict__ dst_rows,
-                                             kv_i64 lane, kv_i64 width) {
+                                             const kv_i64* __restrict__ host_slots, kv_i64 pages,
+                                             const kv_i64* fetch, const kv_i64* slots, const kv_i64* held_after,
+                                             kv_i64* __restrict__ where, kv_i64* __restrict__ src_rows,
+                                             kv_i64* __restrict__ dst_rows, kv_i64 lane, kv_i64 width) {
     for (kv_i64 j = lane; j < w; j += width) {
-        src_rows[j] = host_slots ? host_slots[fetch[j]] : fetch[j];
+        const kv_i64 page = fetch[j];
+        // a page id outside the table (never made by the engine) reads nothing: row -1, which the copy skips
+        src_rows[j] = !host_slots ? page : (page >= 0 && page < pages ? host_slots[page] : -1);
         dst_rows[j] = h * R + slots[j];
         kv_i64 at = 0;
         for (kv_i64 i = 0; i < R; ++i) {
@@ -116,9 +119,9 @@ __host__ __device__ inline void kv_add(kv_i64* counter, kv_i64 value) {
 }
 
 // Step 4, by one thread once step 3 is done: the prefetch flags (if the buffer keeps them) and the counters.
-__host__ __device__ inline void kv_plan_flags(kv_i64 w, const kv_i64* __restrict__ slots, const kv_i64* count,
-                                              const kv_i64* __restrict__ where, unsigned char* __restrict__ ahead,
-                                              kv_i64* __restrict__ counts, int prefetch) {
+__host__ __device__ inline void kv_plan_flags(kv_i64 w, const kv_i64* slots, const kv_i64* count, const kv_i64* where,
+                                              unsigned char* __restrict__ ahead, kv_i64* __restrict__ counts,
+                                              int prefetch) {
     const kv_i64 n = *count;
     kv_i64 used = 0;
     if (ahead) {
@@ -162,7 +165,7 @@ extern "C" __global__ void kvtier_plan_recall(const kv_i64* __restrict__ want, c
         kv_plan_assign(want + h * w, w, R, marks, marks + w, fetch + h * w, slots + h * w, count + h, after);
     }
     __syncthreads();
-    kv_plan_rows(want + h * w, w, R, h, host_slots ? host_slots + h * pages : nullptr, fetch + h * w,
+    kv_plan_rows(want + h * w, w, R, h, host_slots ? host_slots + h * pages : nullptr, pages, fetch + h * w,
                  slots + h * w, after, where + h * w, src_rows + h * w, dst_rows + h * w, threadIdx.x, blockDim.x);
     __syncthreads();
     if (threadIdx.x == 0) {

@@ -207,8 +207,9 @@ def plan_recall(want: torch.Tensor, held: torch.Tensor, pages: int, host_slots: 
     if held.shape[0] != heads or R < w:
         raise ValueError(f"plan_recall: want {list(want.shape)} and held {list(held.shape)}; allowed: as many "
                          "heads, and at least as many slots as wanted pages")
-    if host_slots is not None and tuple(host_slots.shape) != (heads, pages):
-        raise ValueError(f"plan_recall: host_slots {list(host_slots.shape)}; allowed: [{heads}, {pages}]")
+    if host_slots is not None and (tuple(host_slots.shape) != (heads, pages) or host_slots.dtype != torch.int64):
+        raise ValueError(f"plan_recall: host_slots {list(host_slots.shape)} {host_slots.dtype}; allowed: "
+                         f"[{heads}, {pages}] int64")
     if ahead is not None and (ahead.shape != held.shape or ahead.dtype != torch.bool):
         raise ValueError(f"plan_recall: ahead {list(ahead.shape)} {ahead.dtype}; allowed: {list(held.shape)} bool")
     if counts is not None and (counts.shape != (4,) or counts.dtype != torch.int64):

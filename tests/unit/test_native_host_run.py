@@ -21,16 +21,17 @@ HARNESS = r"""
 #include "plan_recall.cu"
 #include <cstdio>
 #include <vector>
-// Cases from stdin until its end, each: heads w R pages lanes prefetch, want [heads * w], held [heads * R],
-// host_slots [heads * pages], ahead [heads * R] (0/1), counts [4]; for each, one line: fetch | slots | count |
-// held_after | where | src_rows | dst_rows | ahead | counts.
+// Cases from stdin until its end, each: heads w R pages lanes prefetch given, want [heads * w], held
+// [heads * R], host_slots [heads * pages], ahead [heads * R] (0/1), counts [4] (the last three passed to the
+// kernel's functions only if `given`, else null); for each, one line: fetch | slots | count | held_after |
+// where | src_rows | dst_rows | ahead | counts.
 static bool read(std::vector<kv_i64>& v) {
     for (auto& x : v) if (scanf("%lld", &x) != 1) return false;
     return true;
 }
 int main() {
-    long long heads, w, R, pages, lanes, prefetch;
-    while (scanf("%lld %lld %lld %lld %lld %lld", &heads, &w, &R, &pages, &lanes, &prefetch) == 6) {
+    long long heads, w, R, pages, lanes, prefetch, given;
+    while (scanf("%lld %lld %lld %lld %lld %lld %lld", &heads, &w, &R, &pages, &lanes, &prefetch, &given) == 7) {
         std::vector<kv_i64> want(heads * w), held(heads * R), host(heads * pages), flags(heads * R), counts(4),
             fetch(heads * w), slots(heads * w), count(heads), after(heads * R), where(heads * w), src(heads * w),
             dst(heads * w);
@@ -44,10 +45,11 @@ int main() {
             kv_plan_assign(&want[h * w], w, R, marks.data(), marks.data() + w, &fetch[h * w], &slots[h * w],
                            &count[h], &after[h * R]);
             for (kv_i64 lane = 0; lane < lanes; ++lane) {
-                kv_plan_rows(&want[h * w], w, R, h, &host[h * pages], &fetch[h * w], &slots[h * w], &after[h * R],
-                             &where[h * w], &src[h * w], &dst[h * w], lane, lanes);
+                kv_plan_rows(&want[h * w], w, R, h, given ? &host[h * pages] : nullptr, pages, &fetch[h * w],
+                             &slots[h * w], &after[h * R], &where[h * w], &src[h * w], &dst[h * w], lane, lanes);
             }
-            kv_plan_flags(w, &slots[h * w], &count[h], &where[h * w], &ahead[h * R], counts.data(), (int)prefetch);
+            kv_plan_flags(w, &slots[h * w], &count[h], &where[h * w], given ? &ahead[h * R] : nullptr,
+                          given ? counts.data() : nullptr, (int)prefetch);
         }
         for (auto v : {&fetch, &slots, &count, &after, &where, &src, &dst}) {
             for (auto x : *v) printf("%lld ", x);
@@ -100,17 +102,20 @@ def test_the_plan_kernels_code_gives_the_twins_plan(harness):
         host = torch.randperm(heads * pages, generator=g).view(heads, pages)
         ahead = torch.rand(heads, R, generator=g) < 0.4
         counts = torch.randint(0, 100, (4,), generator=g)
-        lanes, prefetch = [1, 3, 32, 128][i % 4], i % 3 == 0
-        cases.append((want, held, pages, host, ahead, counts, prefetch))
+        lanes, prefetch, given = [1, 3, 32, 128][i % 4], i % 3 == 0, i % 5 != 0
+        cases.append((want, held, pages, host, ahead, counts, prefetch, given))
         numbers = [*want.flatten().tolist(), *held.flatten().tolist(), *host.flatten().tolist(),
                    *ahead.long().flatten().tolist(), *counts.tolist()]
-        lines.append(f"{heads} {w} {R} {pages} {lanes} {int(prefetch)} " + " ".join(map(str, numbers)))
+        lines.append(f"{heads} {w} {R} {pages} {lanes} {int(prefetch)} {int(given)} " + " ".join(map(str, numbers)))
     done = subprocess.run([str(harness)], input="\n".join(lines) + "\n", capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     out = done.stdout.strip().split("\n")
     assert len(out) == len(cases)
-    for (want, held, pages, host, ahead, counts, prefetch), line in zip(cases, out):
+    for (want, held, pages, host, ahead, counts, prefetch, given), line in zip(cases, out):
         got = [[int(x) for x in part.split()] for part in line.split("|")]
-        expect = twins.plan_recall(want, held, pages, host, ahead, counts, prefetch)   # flags, counts in place
+        if given:   # flags and counts updated in place
+            expect = twins.plan_recall(want, held, pages, host, ahead, counts, prefetch)
+        else:       # without host slots the copy reads page ids; flags and counts untouched
+            expect = twins.plan_recall(want, held, pages, None, None, None, prefetch)
         for a, b in zip(got, [*expect, ahead.long(), counts]):
             assert a == b.flatten().tolist(), (want.tolist(), held.tolist(), prefetch)
