@@ -179,7 +179,7 @@ def prefetch(context: str, new_tokens: int, device_budget: str, recall_pages: in
 def launches(context: str, steps: int, device_budget: str, recall_pages: int, scorer: str, model: str | None,
              device: str, threads: int, seed: int, as_json: bool) -> None:
     """Kernel launches per layer of a decode step (tensor operations; on a GPU each costs the host a few
-    microseconds), kvtier (recall planned on the device, as on a GPU) against DynamicCache, by part."""
+    microseconds), kvtier (recall planned and pages chosen as on a GPU) against DynamicCache, by part."""
     from .common import bad_option, parse_context
 
     tokens = parse_context(context, "--context", 256)
@@ -202,8 +202,8 @@ def launches(context: str, steps: int, device_budget: str, recall_pages: int, sc
     def tiered():
         cache = TieredCache(lm.config, device_budget=budget, recall_pages=recall_pages,
                             scorer=None if scorer == "auto" else scorer)
-        for engine in cache._engines:   # planned on the device, as on a GPU
-            engine.device_recall = True
+        for engine in cache._engines:   # recall planned and pages chosen as on a GPU
+            engine.device_recall = engine.select_kernels = True
         return cache
 
     rows = [count_launches(lm, ids, lambda: DynamicCache(config=lm.config), "DynamicCache", steps)[0],

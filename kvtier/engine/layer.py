@@ -84,6 +84,7 @@ class LayerEngine(PageFetching):
         self.last_recall: torch.Tensor | None = None   # [heads, pages] ids recalled for the last query block
         self.recalled: RecallBuffer | None = None       # those pages, on the device
         self.device_recall: bool | None = None          # plan recall on the device (None: on CUDA, see fetch.py)
+        self.select_kernels: bool | None = None         # page choice by native kernels (None: on CUDA, PageIndex)
         self._slot_mirror: tuple[int, torch.Tensor] | None = None   # (table version, host slots on the device)
         # by device-planned recall: [pages moved on demand, pages reused, pages prefetched, prefetched pages chosen]
         self.device_counts: torch.Tensor | None = None
@@ -103,6 +104,7 @@ class LayerEngine(PageFetching):
         self.device_counts = torch.zeros(4, dtype=torch.int64, device=device)
         if self.cfg.mode == "tier":
             self.index = PageIndex(self.heads, self.cfg.page_size, self.head_dim, dtype, device, self.pin)
+            self.index.native_select = self.select_kernels
             self.tiers[0] = HostPool(self.cfg.page_size, self.head_dim, dtype, self.pin)
 
     @property

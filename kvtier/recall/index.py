@@ -33,6 +33,20 @@ class PageIndex:
         self.n = 0
         self._reads: torch.cuda.Event | None = None   # the last device read of the pinned codes
         self._head_rows: torch.Tensor | None = None   # [heads, 1]: 0 .. heads - 1, kept (one op fewer a step)
+        # whether page choice runs the native kernels (`page_upper_bounds`, `code_logits`: one launch each
+        # where the matrix products take several); None: where they can run (CUDA and cupy; their twins,
+        # a long run of small ops, would cost more launches than they save). Their sums round in another
+        # order than a matrix product's, as a GPU's products already do than a CPU's.
+        self.native_select: bool | None = None
+        self._kernels_here: bool | None = None
+
+    @property
+    def uses_kernels(self) -> bool:
+        if self.native_select is not None:
+            return self.native_select
+        if self._kernels_here is None:
+            self._kernels_here = self.device.type == "cuda" and native.kernel_status() is None
+        return self._kernels_here
 
     def add(self, k_pages: torch.Tensor) -> None:
         """Index the next pages from their keys ``[heads, pages, page_size, dim]`` (all entries valid)."""
@@ -69,6 +83,10 @@ class PageIndex:
         Returns ``[heads, n]`` float32, computed slab by slab and in blocks of query rows.
         """
         H = self.heads
+        if self.uses_kernels:   # a launch per slab, from the bounds rows as they are kept
+            if self.n == 0:
+                return torch.empty(H, 0, device=q.device)
+            return native.page_upper_bounds(q, [b for _, b in self.bounds.spans(self.n * H)], H)
         q2 = torch.cat([q.float().clamp(min=0), q.float().clamp(max=0)], dim=-1)    # [heads, rows, 2 dim]
         out = []
         for _, b in self.bounds.spans(self.n * H):

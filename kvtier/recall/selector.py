@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import native
 from .codes import step as code_step
 from .codes import unpacked
 from .index import PageIndex
@@ -46,7 +47,8 @@ def _resident_lse(q: torch.Tensor, resident: list[torch.Tensor], scaling: float)
 
 
 def page_shares(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, codes: torch.Tensor, scaling: float,
-                resident: list[torch.Tensor] | None = None, resident_lse: torch.Tensor | None = None) -> torch.Tensor:
+                resident: list[torch.Tensor] | None = None, resident_lse: torch.Tensor | None = None,
+                kernels: bool = False) -> torch.Tensor:
     """Log of each page's estimated share of attention, the largest over a KV head's query rows.
 
     Parameters
@@ -60,6 +62,9 @@ def page_shares(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, codes: torc
     resident_lse
         ``[kv_heads, rows]``: the log-sum-exp of those keys' logits when attention already computed it (then
         `resident` is not needed).
+    kernels
+        Estimate the logits with the native `code_logits` (one launch, its own order of sums) instead of the
+        matrix products.
 
     Returns
     -------
@@ -75,10 +80,15 @@ def page_shares(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, codes: torc
         qr = q[:, r0:r0 + row_step]
         parts = []
         for s in range(0, pages, page_step):
+            lo_s = lo[:, s:s + page_step].float()
+            if kernels:
+                logits, base = native.code_logits(qr, lo_s, code_step(lo_s, hi[:, s:s + page_step]),
+                                                  codes[:, s:s + page_step], scaling)   # [H, c, rows, P], [H, c, rows]
+                parts.append((torch.logsumexp(logits, dim=3) + base).transpose(1, 2))
+                continue
             # a decoded key is lo + code * step, so q . key = q . lo + (q * step) . code: the codes are
             # multiplied as they are, never turned into keys
             c, order = unpacked(codes[:, s:s + page_step], dim)                 # [H, c, P, D]
-            lo_s = lo[:, s:s + page_step].float()
             step, qo = code_step(lo_s, hi[:, s:s + page_step]), qr
             if order is not None:   # put the query and steps in the codes' channel order
                 step, qo = step.index_select(2, order), qr.index_select(2, order)
@@ -132,6 +142,6 @@ def select_pages(q: torch.Tensor, index: PageIndex, budget: int, scaling: float,
     cand = torch.topk(index.upper_bounds(q), m, dim=1).indices if m < pages else \
         torch.arange(pages, device=q.device).expand(kv_heads, -1)
     lo, hi, codes = index.pick(cand)
-    shares = page_shares(q, lo, hi, codes, scaling, resident, resident_lse)
+    shares = page_shares(q, lo, hi, codes, scaling, resident, resident_lse, kernels=index.uses_kernels)
     ranked = torch.gather(cand, 1, torch.sort(shares, dim=1, descending=True, stable=True).indices)
     return torch.sort(ranked[:, :n], dim=1).values, ranked

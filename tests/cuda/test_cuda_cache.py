@@ -235,3 +235,40 @@ def test_flash_attention_decodes_like_dynamic_cache(cuda_device, impl):
             torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
             step = ref[:, -1:].argmax(-1)
         assert cache.stats()["pages_recalled"] > 0
+
+
+@torch.no_grad()
+def test_page_choice_by_the_kernels_chooses_as_the_matrix_products(cuda_device):
+    """On CUDA with cupy, page choice runs the native kernels (the bounds of every index slab, the code
+    estimates of the short list), with nothing read back, and chooses what the matrix products choose (their
+    sums round in other orders, so a near-tie may differ; nearly every page must agree)."""
+    from kvtier import native
+
+    if native.kernel_status() is not None:
+        pytest.skip(f"native kernels are off ({native.kernel_status()})")
+    model = _llama(cuda_device)
+    ids = _prompt(2400, cuda_device)     # 146 pages per head: past the 96-page short list
+    chosen = {}
+    for kernels in (False, True):
+        with TieredCache(model.config, device_budget=64, recall_pages=8, scorer="keynorm") as cache:
+            token = model(ids, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
+            for e in cache._engines:
+                e.index.native_select = kernels
+            native.reset_stats()
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                model(token, **cache_kwargs(cache))
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            chosen[kernels] = [e.last_recall.cpu() for e in cache._engines]
+            ran = native.backend()["ops"]
+            if kernels:
+                assert ran["page_upper_bounds"]["kernel"] >= len(cache._engines)
+                assert ran["code_logits"]["kernel"] >= len(cache._engines)
+            else:
+                assert "code_logits" not in ran and "page_upper_bounds" not in ran
+    same = sum(len(set(a[h].tolist()) & set(b[h].tolist())) for a, b in zip(chosen[False], chosen[True])
+               for h in range(a.shape[0]))
+    total = sum(a.numel() for a in chosen[False])
+    assert same >= 0.9 * total, f"{same} of {total} chosen pages agree"
