@@ -27,9 +27,12 @@ __device__ __forceinline__ float kv_float(kv_half x) {
 //   lane l sums d = l, l + 32, l + 64, ... in that order, starting from +0;
 //   lanes combine as a tree: for off = 16, 8, 4, 2, 1, lane l adds lane l + off (l < off);
 //   the rows' maximum propagates NaN, as torch.amax does.
-// `bounds` holds rows page * heads + head of [hi (dim) | lo (dim)]; out[h * out_stride + col0 + p].
+// `bounds` holds rows page * heads + head of [hi (dim) | lo (dim)]; or, where `slabs` is given, the rows lie
+// in slabs of `pages_per_slab` pages each (the recall index's storage), `slabs` holding their addresses, so
+// one launch covers every slab. out[h * out_stride + col0 + p].
 template <typename T>
 __device__ __forceinline__ void kv_upper_bounds(const float* __restrict__ q, const T* __restrict__ bounds,
+                                                const kv_u64* __restrict__ slabs, kv_i64 pages_per_slab,
                                                 kv_i64 pages, int heads, int rows, int dim,
                                                 float* __restrict__ out, kv_i64 out_stride, kv_i64 col0) {
     const int lane = threadIdx.x & 31;
@@ -39,7 +42,9 @@ __device__ __forceinline__ void kv_upper_bounds(const float* __restrict__ q, con
     for (kv_i64 row = ((kv_i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; row < total; row += warps) {
         const kv_i64 page = row / heads;
         const int h = (int)(row % heads);
-        const T* hi = bounds + row * 2 * dim;
+        const T* hi = slabs ? reinterpret_cast<const T*>(slabs[page / pages_per_slab]) +
+                                  ((page % pages_per_slab) * heads + h) * 2 * dim
+                            : bounds + row * 2 * dim;
         const T* lo = hi + dim;
         const float* qh = q + (kv_i64)h * rows * dim;
         float best = __int_as_float(0xff800000);   // -inf
@@ -66,9 +71,10 @@ __device__ __forceinline__ void kv_upper_bounds(const float* __restrict__ q, con
 
 #define KV_UPPER_BOUNDS(NAME, T)                                                                        \
     extern "C" __global__ void NAME(const float* __restrict__ q, const T* __restrict__ bounds,           \
+                                    const kv_u64* __restrict__ slabs, kv_i64 pages_per_slab,             \
                                     kv_i64 pages, int heads, int rows, int dim, float* __restrict__ out, \
                                     kv_i64 out_stride, kv_i64 col0) {                                    \
-        kv_upper_bounds<T>(q, bounds, pages, heads, rows, dim, out, out_stride, col0);                    \
+        kv_upper_bounds<T>(q, bounds, slabs, pages_per_slab, pages, heads, rows, dim, out, out_stride, col0); \
     }
 KV_UPPER_BOUNDS(kvtier_page_upper_bounds_f32, float)
 KV_UPPER_BOUNDS(kvtier_page_upper_bounds_f16, kv_half)

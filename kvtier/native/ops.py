@@ -322,7 +322,8 @@ _BOUND_KERNELS = {torch.float32: "kvtier_page_upper_bounds_f32", torch.float16: 
 
 
 def page_upper_bounds(q: torch.Tensor, spans: Sequence[torch.Tensor], heads: int,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, addresses: torch.Tensor | None = None,
+                      rows_per_slab: int | None = None) -> torch.Tensor:
     """The largest logit any key of each page can give a KV head's queries, over every page.
 
     Parameters
@@ -334,6 +335,10 @@ def page_upper_bounds(q: torch.Tensor, spans: Sequence[torch.Tensor], heads: int
         row ``page * heads + head`` is ``[hi | lo]``, in float32, float16 or bfloat16.
     out
         Where to write the result (float32, contiguous, on `q`'s device), if not a new tensor.
+    addresses, rows_per_slab
+        When the spans are the slabs of one storage (`SlabRows.spans`: every span but the last holds
+        `rows_per_slab` rows), its slabs' addresses (`SlabRows.addresses`): one launch then covers them all,
+        instead of one per span.
 
     Returns
     -------
@@ -352,6 +357,8 @@ def page_upper_bounds(q: torch.Tensor, spans: Sequence[torch.Tensor], heads: int
     out = _out(out, (H, total), q.device, "page_upper_bounds")
     if R == 0:
         return out.fill_(float("-inf"))
+    if addresses is not None and total and _one_launch(q, spans, heads, out, addresses, rows_per_slab, total):
+        return out
     col = 0
     for b in spans:
         n = b.shape[0] // heads
@@ -360,8 +367,8 @@ def page_upper_bounds(q: torch.Tensor, spans: Sequence[torch.Tensor], heads: int
         if k is not None:
             warps_per_block = _THREADS // 32
             loader.launch(k, q.device, _grid(-(-(n * heads) // warps_per_block)), (_THREADS,),
-                          (_u64(q.data_ptr()), _u64(b.data_ptr()), _i64(n), np.int32(heads), np.int32(R),
-                           np.int32(D), _u64(out.data_ptr()), _i64(total), _i64(col)))
+                          (_u64(q.data_ptr()), _u64(b.data_ptr()), _u64(0), _i64(0), _i64(n), np.int32(heads),
+                           np.int32(R), np.int32(D), _u64(out.data_ptr()), _i64(total), _i64(col)))
             loader.record("page_upper_bounds", "kernel")
         else:
             why = why or loader.build_error("page_select", q.device) or "no pages"
@@ -369,6 +376,30 @@ def page_upper_bounds(q: torch.Tensor, spans: Sequence[torch.Tensor], heads: int
             out[:, col:col + n] = twins.page_upper_bounds(q, b.to(q.device), heads)
         col += n
     return out
+
+
+def _one_launch(q: torch.Tensor, spans: Sequence[torch.Tensor], heads: int, out: torch.Tensor,
+                addresses: torch.Tensor, rows_per_slab: int | None, total: int) -> bool:
+    """`page_upper_bounds` over every slab of one storage in one launch, if the kernel can take it."""
+    dtypes = {b.dtype for b in spans}
+    if rows_per_slab is None or rows_per_slab % heads or len(dtypes) != 1 or addresses.shape != (len(spans),) \
+            or any(b.shape[0] != rows_per_slab for b in spans[:-1]):
+        raise ValueError(f"page_upper_bounds: addresses {list(addresses.shape)} with rows_per_slab={rows_per_slab} "
+                         f"for spans of {[b.shape[0] for b in spans]} rows; allowed: one address per span, every "
+                         "span but the last holding rows_per_slab rows (a multiple of heads), one dtype")
+    why = _why_not(q.device, [q, out, *spans]) or (None if addresses.device == q.device else "addresses elsewhere")
+    if why is not None or any(b.device != q.device for b in spans):
+        return False
+    k = loader.kernel("page_select", _BOUND_KERNELS[spans[0].dtype], q.device)
+    if k is None:
+        return False
+    H, R, D = q.shape
+    loader.launch(k, q.device, _grid(-(-(total * heads) // (_THREADS // 32))), (_THREADS,),
+                  (_u64(q.data_ptr()), _u64(0), _u64(addresses.data_ptr()), _i64(rows_per_slab // heads),
+                   _i64(total), np.int32(heads), np.int32(R), np.int32(D), _u64(out.data_ptr()), _i64(total),
+                   _i64(0)))
+    loader.record("page_upper_bounds", "kernel")
+    return True
 
 
 def code_logits(q: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, codes: torch.Tensor, scaling: float,

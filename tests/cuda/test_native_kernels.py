@@ -245,7 +245,15 @@ def test_page_upper_bounds_kernel_over_index_slabs_and_nan(kernels, dtype):
     want = twins.page_upper_bounds(q.cpu(), torch.cat([b.cpu() for b in spans]), H)
     assert got[1].isnan().all().item() and not got[0].isnan().any().item()
     assert torch.equal(got[0].cpu(), want[0]) and want[1].isnan().all()
+    index.native_select = False                       # the matrix products
     torch.testing.assert_close(got[0], index.upper_bounds(q)[0], rtol=1e-5, atol=1e-4)
+    launches = _Launches("page_upper_bounds")        # every slab in one launch, through the address table
+    once = native.page_upper_bounds(q, spans, H, addresses=index.bounds.addresses(kernels),
+                                    rows_per_slab=index.bounds.rows_per_slab)
+    launches.check(1)
+    assert torch.equal(_bits(once), _bits(got))
+    index.native_select = True                        # what page choice runs on CUDA
+    assert torch.equal(_bits(index.upper_bounds(q)), _bits(got))
 
 
 @pytest.mark.parametrize("dim,page_size", [(64, 16), (128, 32), (64, 32)])

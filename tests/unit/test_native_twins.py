@@ -491,10 +491,15 @@ def _run_as_the_kernel(name: str, grid: tuple, args: tuple) -> None:
             src = _u64(slabs, t // S) + ((e // m) * S + t % S) * row_bytes
             _mem(out + e * row_bytes, row_bytes)[:] = _mem(src, row_bytes)
     elif name.startswith("kvtier_page_upper_bounds_"):
-        q, b, pages, heads, rows, dim, out, stride, col0 = (int(a) for a in args)
+        q, b, slabs, per_slab, pages, heads, rows, dim, out, stride, col0 = (int(a) for a in args)
         dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[name.rsplit("_", 1)[1]]
-        got = twins.page_upper_bounds(_tensor(q, (heads, rows, dim), torch.float32),
-                                      _tensor(b, (pages * heads, 2 * dim), dtype), heads)
+        if slabs:   # the rows of each page through the slab address table
+            bounds = torch.cat([_tensor(_u64(slabs, p // per_slab) + (p % per_slab) * heads * 2 * dim *
+                                        torch.empty((), dtype=dtype).element_size(), (heads, 2 * dim), dtype)
+                                for p in range(pages)])
+        else:
+            bounds = _tensor(b, (pages * heads, 2 * dim), dtype)
+        got = twins.page_upper_bounds(_tensor(q, (heads, rows, dim), torch.float32), bounds, heads)
         _tensor(out, (heads, stride), torch.float32)[:, col0:col0 + pages] = got
     elif name == "kvtier_code_logits":
         q, lo, st, codes, logits, base, c, rows, page, dim, scaling = args
@@ -621,3 +626,22 @@ def test_plan_recall_launch_gives_the_twins_plan(replayed_kernels):
 def test_plan_recall_refuses_a_buffer_smaller_than_the_want():
     with pytest.raises(ValueError, match="at least as many slots"):
         native.plan_recall(torch.zeros(2, 4, dtype=torch.int64), torch.zeros(2, 3, dtype=torch.int64), 10)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_page_upper_bounds_over_every_index_slab_is_one_launch(replayed_kernels, dtype):
+    """Given the index storage's slab addresses, the bounds of all its slabs come from one launch, equal to the
+    span by span twin."""
+    H, D = 2, 64
+    index = PageIndex(H, 16, D, dtype, torch.device("cpu"), pages_per_slab=4)
+    index.add(torch.randn(H, 10, 16, D, generator=torch.Generator().manual_seed(13)))
+    spans = [b for _, b in index.bounds.spans(index.n * H)]
+    addresses = torch.tensor([t.data_ptr() for t in index.bounds.slabs], dtype=torch.int64)
+    q = torch.randn(H, 3, D, generator=torch.Generator().manual_seed(14))
+    got = native.page_upper_bounds(q, spans, H, addresses=addresses, rows_per_slab=index.bounds.rows_per_slab)
+    assert torch.equal(_bits(got), _bits(twins.page_upper_bounds(q, torch.cat(spans), H)))
+    suffix = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}[dtype]
+    bounds = [name for name, _, _ in replayed_kernels if name.startswith("kvtier_page_upper_bounds")]
+    assert bounds == [f"kvtier_page_upper_bounds_{suffix}"] and len(spans) == 3
+    with pytest.raises(ValueError, match="rows_per_slab"):
+        native.page_upper_bounds(q, spans, H, addresses=addresses, rows_per_slab=3)
