@@ -84,7 +84,8 @@ class LayerEngine(PageFetching):
         self.last_recall: torch.Tensor | None = None   # [heads, pages] ids recalled for the last query block
         self.recalled: RecallBuffer | None = None       # those pages, on the device
         self.device_recall: bool | None = None          # plan recall on the device (None: on CUDA, see fetch.py)
-        self.select_kernels: bool | None = None         # page choice by native kernels (None: on CUDA, PageIndex)
+        self.select_kernels: bool | None = None         # page choice by native kernels (None: on CUDA, PageIndex;
+                                                        # read when the index is made, at the first write)
         self._slot_mirror: tuple[int, torch.Tensor] | None = None   # (table version, host slots on the device)
         # by device-planned recall: [pages moved on demand, pages reused, pages prefetched, prefetched pages chosen]
         self.device_counts: torch.Tensor | None = None

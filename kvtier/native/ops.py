@@ -382,11 +382,13 @@ def _one_launch(q: torch.Tensor, spans: Sequence[torch.Tensor], heads: int, out:
                 addresses: torch.Tensor, rows_per_slab: int | None, total: int) -> bool:
     """`page_upper_bounds` over every slab of one storage in one launch, if the kernel can take it."""
     dtypes = {b.dtype for b in spans}
-    if rows_per_slab is None or rows_per_slab % heads or len(dtypes) != 1 or addresses.shape != (len(spans),) \
-            or any(b.shape[0] != rows_per_slab for b in spans[:-1]):
-        raise ValueError(f"page_upper_bounds: addresses {list(addresses.shape)} with rows_per_slab={rows_per_slab} "
-                         f"for spans of {[b.shape[0] for b in spans]} rows; allowed: one address per span, every "
-                         "span but the last holding rows_per_slab rows (a multiple of heads), one dtype")
+    if rows_per_slab is None or rows_per_slab % heads or len(dtypes) != 1 or addresses.dim() != 1 \
+            or addresses.shape[0] < len(spans) or addresses.dtype != torch.int64 \
+            or any(b.shape[0] != rows_per_slab for b in spans[:-1]) or spans[-1].shape[0] > rows_per_slab:
+        raise ValueError(f"page_upper_bounds: addresses {list(addresses.shape)} {addresses.dtype} with "
+                         f"rows_per_slab={rows_per_slab} for spans of {[b.shape[0] for b in spans]} rows; allowed: "
+                         "int64 addresses of at least every span's slab, every span but the last holding "
+                         "rows_per_slab rows (a multiple of heads) and the last at most that, one dtype")
     why = _why_not(q.device, [q, out, *spans]) or (None if addresses.device == q.device else "addresses elsewhere")
     if why is not None or any(b.device != q.device for b in spans):
         return False

@@ -45,9 +45,14 @@ _TABLES: dict[torch.device, torch.Tensor] = {}
 def _table(device: torch.device) -> torch.Tensor:
     """byte -> its 4 codes as floats ``[256, 4]``: one lookup unpacks a byte (cheaper than shifts and masks)."""
     if device not in _TABLES:
-        _TABLES[device] = torch.tensor([[(b >> s) & LEVELS for s in _SHIFTS] for b in range(256)],
-                                       dtype=torch.float32, device=device)
+        _TABLES[device] = _on(torch.tensor([[(b >> s) & LEVELS for s in _SHIFTS] for b in range(256)],
+                                           dtype=torch.float32), device)
     return _TABLES[device]
+
+
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host-made table on `device`, copied from pinned memory without a wait on CUDA."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
 def decode(codes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
@@ -74,10 +79,10 @@ def unpacked(codes: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor 
     words = codes.view(torch.int32)
     key = (dim, codes.device)
     if key not in _ORDERS:
-        _ORDERS[key] = torch.tensor([16 * g + 4 * b + j for g in range(dim // 16) for j in range(4)
-                                     for b in range(4)], device=codes.device)
-        _WORD_SHIFTS[codes.device] = torch.tensor([2 * j for j in range(PER_BYTE)], dtype=torch.int32,
-                                                  device=codes.device)
+        _ORDERS[key] = _on(torch.tensor([16 * g + 4 * b + j for g in range(dim // 16) for j in range(4)
+                                         for b in range(4)]), codes.device)
+        _WORD_SHIFTS[codes.device] = _on(torch.tensor([2 * j for j in range(PER_BYTE)], dtype=torch.int32),
+                                         codes.device)
     c = (words[..., None] >> _WORD_SHIFTS[codes.device]).bitwise_and_(0x03030303)   # every shift in one op
     return c.view(torch.uint8).view(*codes.shape[:-1], dim).float(), _ORDERS[key]
 

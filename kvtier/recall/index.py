@@ -86,9 +86,11 @@ class PageIndex:
         if self.uses_kernels:   # one launch over every slab, from the bounds rows as they are kept
             if self.n == 0:
                 return torch.empty(H, 0, device=q.device)
-            return native.page_upper_bounds(q, [b for _, b in self.bounds.spans(self.n * H)], H,
-                                            addresses=self.bounds.addresses(self.device),
-                                            rows_per_slab=self.bounds.rows_per_slab)
+            spans = [b for _, b in self.bounds.spans(self.n * H)]
+            addresses = self.bounds.addresses(self.device)
+            if addresses is None and len(spans) > 1:   # forced where no kernel runs: one twin call, as one launch
+                spans = [torch.cat(spans)]
+            return native.page_upper_bounds(q, spans, H, addresses=addresses, rows_per_slab=self.bounds.rows_per_slab)
         q2 = torch.cat([q.float().clamp(min=0), q.float().clamp(max=0)], dim=-1)    # [heads, rows, 2 dim]
         out = []
         for _, b in self.bounds.spans(self.n * H):
