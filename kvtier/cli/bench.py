@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import platform
+from typing import Callable
 
 import click
 import torch
@@ -31,6 +32,44 @@ def _checked_and_loaded(scorer: str, device: str, model: str | None, threads: in
 def _machine(device: str) -> dict:
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "torch": torch.__version__, "threads": torch.get_num_threads(), "device": device}
+
+
+def _needle_bench_options(*own: Callable) -> Callable[[Callable], Callable]:
+    """The options of the benches that decode a needle prompt (`prefetch`, `launches`), with the bench's `own`
+    options after the prompt's length."""
+    shared_tail = [
+        click.option("--device-budget", default="0.1", show_default=True, help="Device tokens per KV head."),
+        click.option("--recall-pages", default=64, show_default=True, type=click.IntRange(min=1),
+                     help="Pages recalled per layer and KV head per step."),
+        click.option("--scorer", default="auto", show_default=True,
+                     help="auto: KVP where weights ship for the model, else keynorm."),
+        click.option("--model", default=None, help="A Hugging Face id or local path (default: the packaged model)."),
+        click.option("--device", default="cpu", show_default=True, help="Where the model runs (cpu, cuda)."),
+        click.option("--threads", default=1, show_default=True, type=THREADS, help="torch CPU threads."),
+        click.option("--seed", default=0, show_default=True, type=int, help="Seed of the needle task."),
+        click.option("--json", "as_json", is_flag=True, help="Print JSON."),
+    ]
+    context = click.option("--context", default="8K", show_default=True,
+                           help="Tokens of the prompt (a needle task: a long text, then a question about it).")
+
+    def apply(f):
+        for option in reversed([context, *own, *shared_tail]):
+            f = option(f)
+        return f
+    return apply
+
+
+def _needle_budget(context: str, device_budget: str, recall_pages: int) -> tuple[int, float | int]:
+    """The prompt's tokens and the device budget, checked (a needle bench needs a device tier)."""
+    from .common import bad_option, parse_context
+
+    tokens = parse_context(context, "--context", 256)
+    budget = parse_budget(device_budget, "--device-budget")
+    if budget is None:
+        raise bad_option("--device-budget", device_budget, "a fraction like 0.1 or a token count like 4096",
+                         "leaves no device tier")
+    check_cache_options(budget, None, None, recall_pages)
+    return tokens, budget
 
 
 @bench.command("decode")
@@ -91,36 +130,20 @@ def decode(context: int, new_tokens: int, rounds: int, device_budget: str, host_
 
 
 @bench.command("prefetch")
-@click.option("--context", default="8K", show_default=True,
-              help="Tokens of the prompt (a needle task: a long text, then a question about it).")
-@click.option("--new-tokens", default=32, show_default=True, type=click.IntRange(min=1),
-              help="Greedy decode steps after the prompt.")
-@click.option("--device-budget", default="0.1", show_default=True, help="Device tokens per KV head.")
-@click.option("--recall-pages", default=64, show_default=True, type=click.IntRange(min=1),
-              help="Pages recalled per layer and KV head per step.")
-@click.option("--prefetch-pages", "spares", default="0,16,32,64", show_default=True,
-              help="Comma list of prefetch_pages settings compared (0: no prefetch, the buffer keeps only the "
-                   "last choice).")
-@click.option("--scorer", default="auto", show_default=True,
-              help="auto: KVP where weights ship for the model, else keynorm.")
-@click.option("--model", default=None, help="A Hugging Face id or local path (default: the packaged model).")
-@click.option("--device", default="cpu", show_default=True, help="Where the model runs (cpu, cuda).")
-@click.option("--threads", default=1, show_default=True, type=THREADS, help="torch CPU threads.")
-@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the needle task.")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@_needle_bench_options(
+    click.option("--new-tokens", default=32, show_default=True, type=click.IntRange(min=1),
+                 help="Greedy decode steps after the prompt."),
+    click.option("--prefetch-pages", "spares", default="0,16,32,64", show_default=True,
+                 help="Comma list of prefetch_pages settings compared (0: no prefetch, the buffer keeps only the "
+                      "last choice)."))
 @user_errors
 def prefetch(context: str, new_tokens: int, device_budget: str, recall_pages: int, spares: str, scorer: str,
              model: str | None, device: str, threads: int, seed: int, as_json: bool) -> None:
     """How often each decode step's chosen pages are already on the device, with and without prefetching the
     pages ranked after the last choice (recall planned on the device, as on a GPU; same prompt, same run)."""
-    from .common import bad_option, parse_context, split_list
+    from .common import bad_option, split_list
 
-    tokens = parse_context(context, "--context", 256)
-    budget = parse_budget(device_budget, "--device-budget")
-    if budget is None:
-        raise bad_option("--device-budget", device_budget, "a fraction like 0.1 or a token count like 4096",
-                         "leaves no device tier")
-    check_cache_options(budget, None, None, recall_pages)
+    tokens, budget = _needle_budget(context, device_budget, recall_pages)
     settings = []
     for item in split_list(spares, "--prefetch-pages"):
         if not item.isdigit():
@@ -160,34 +183,16 @@ def prefetch(context: str, new_tokens: int, device_budget: str, recall_pages: in
 
 
 @bench.command("launches")
-@click.option("--context", default="8K", show_default=True,
-              help="Tokens of the prompt (a needle task: a long text, then a question about it).")
-@click.option("--steps", default=16, show_default=True, type=click.IntRange(min=1),
-              help="Decode steps counted (after two that are not); 16, a page of steps, holds one demotion per "
-                   "layer at the default page size.")
-@click.option("--device-budget", default="0.1", show_default=True, help="Device tokens per KV head.")
-@click.option("--recall-pages", default=64, show_default=True, type=click.IntRange(min=1),
-              help="Pages recalled per layer and KV head per step.")
-@click.option("--scorer", default="auto", show_default=True,
-              help="auto: KVP where weights ship for the model, else keynorm.")
-@click.option("--model", default=None, help="A Hugging Face id or local path (default: the packaged model).")
-@click.option("--device", default="cpu", show_default=True, help="Where the model runs (cpu, cuda).")
-@click.option("--threads", default=1, show_default=True, type=THREADS, help="torch CPU threads.")
-@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the needle task.")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@_needle_bench_options(
+    click.option("--steps", default=16, show_default=True, type=click.IntRange(min=1),
+                 help="Decode steps counted (after two that are not); 16, a page of steps, holds one demotion "
+                      "per layer at the default page size."))
 @user_errors
 def launches(context: str, steps: int, device_budget: str, recall_pages: int, scorer: str, model: str | None,
              device: str, threads: int, seed: int, as_json: bool) -> None:
     """Kernel launches per layer of a decode step (tensor operations; on a GPU each costs the host a few
     microseconds), kvtier (recall planned and pages chosen as on a GPU) against DynamicCache, by part."""
-    from .common import bad_option, parse_context
-
-    tokens = parse_context(context, "--context", 256)
-    budget = parse_budget(device_budget, "--device-budget")
-    if budget is None:
-        raise bad_option("--device-budget", device_budget, "a fraction like 0.1 or a token count like 4096",
-                         "leaves no device tier")
-    check_cache_options(budget, None, None, recall_pages)
+    tokens, budget = _needle_budget(context, device_budget, recall_pages)
     lm, tok = _checked_and_loaded(scorer, device, model, threads, as_json)
 
     from transformers import DynamicCache
