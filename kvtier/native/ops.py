@@ -365,11 +365,7 @@ def page_upper_bounds(q: torch.Tensor, spans: Sequence[torch.Tensor], heads: int
         why = _why_not(q.device, [q, b]) or (None if b.device == q.device else "bounds and queries differ in device")
         k = loader.kernel("page_select", _BOUND_KERNELS[b.dtype], q.device) if why is None and n else None
         if k is not None:
-            warps_per_block = _THREADS // 32
-            loader.launch(k, q.device, _grid(-(-(n * heads) // warps_per_block)), (_THREADS,),
-                          (_u64(q.data_ptr()), _u64(b.data_ptr()), _u64(0), _i64(0), _i64(n), np.int32(heads),
-                           np.int32(R), np.int32(D), _u64(out.data_ptr()), _i64(total), _i64(col)))
-            loader.record("page_upper_bounds", "kernel")
+            _launch_bounds(k, q, heads, out, n, col, bounds=b)
         else:
             why = why or loader.build_error("page_select", q.device) or "no pages"
             loader.record("page_upper_bounds", "twin", why)
@@ -395,13 +391,22 @@ def _one_launch(q: torch.Tensor, spans: Sequence[torch.Tensor], heads: int, out:
     k = loader.kernel("page_select", _BOUND_KERNELS[spans[0].dtype], q.device)
     if k is None:
         return False
-    H, R, D = q.shape
-    loader.launch(k, q.device, _grid(-(-(total * heads) // (_THREADS // 32))), (_THREADS,),
-                  (_u64(q.data_ptr()), _u64(0), _u64(addresses.data_ptr()), _i64(rows_per_slab // heads),
-                   _i64(total), np.int32(heads), np.int32(R), np.int32(D), _u64(out.data_ptr()), _i64(total),
-                   _i64(0)))
-    loader.record("page_upper_bounds", "kernel")
+    _launch_bounds(k, q, heads, out, total, 0, slabs=addresses, pages_per_slab=rows_per_slab // heads)
     return True
+
+
+def _launch_bounds(k, q: torch.Tensor, heads: int, out: torch.Tensor, pages: int, col: int,
+                   bounds: torch.Tensor | None = None, slabs: torch.Tensor | None = None,
+                   pages_per_slab: int = 0) -> None:
+    """One launch of a `page_upper_bounds` kernel over `pages` pages, into columns from `col` of `out`: from
+    one span of `bounds` rows, or from slabs of `pages_per_slab` pages through their address table `slabs`."""
+    H, R, D = q.shape
+    loader.launch(k, q.device, _grid(-(-(pages * heads) // (_THREADS // 32))), (_THREADS,),
+                  (_u64(q.data_ptr()), _u64(0 if bounds is None else bounds.data_ptr()),
+                   _u64(0 if slabs is None else slabs.data_ptr()), _i64(pages_per_slab), _i64(pages),
+                   np.int32(heads), np.int32(R), np.int32(D), _u64(out.data_ptr()), _i64(out.shape[1]),
+                   _i64(col)))
+    loader.record("page_upper_bounds", "kernel")
 
 
 def code_logits(q: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, codes: torch.Tensor, scaling: float,

@@ -212,7 +212,6 @@ def recall_pages(slabs: Sequence[torch.Tensor], rows_per_slab: int, src_rows: to
     return out
 
 
-
 class RecallPlan(NamedTuple):
     """A recall step's plan (see `plan_recall`); every field on the device, ``[heads, w]`` unless said."""
 
@@ -238,7 +237,11 @@ def plan_recall(want: torch.Tensor, held: torch.Tensor, pages: int, host_slots: 
     heads, w = want.shape
     R = held.shape[1]
     empty = pages                                                   # the column standing for an empty slot
-    held_col = torch.where(held < 0, torch.full_like(held, empty), held)
+
+    def column(ids: torch.Tensor) -> torch.Tensor:
+        return torch.where(ids < 0, torch.full_like(ids, empty), ids)
+
+    held_col = column(held)
     wanted = torch.zeros(heads, pages + 1, dtype=torch.bool, device=want.device).scatter_(1, want, True)
     holding = torch.zeros(heads, pages + 1, dtype=torch.bool, device=want.device).scatter_(1, held_col, True)
     holding[:, empty] = False
@@ -251,9 +254,8 @@ def plan_recall(want: torch.Tensor, held: torch.Tensor, pages: int, host_slots: 
     count = missing.sum(dim=1)
     real = torch.arange(w, device=want.device)[None, :] < count[:, None]
     held_after = held.scatter(1, slots, torch.where(real, fetch, held.gather(1, slots)))
-    after_col = torch.where(held_after < 0, torch.full_like(held_after, empty), held_after)
     slot_of = torch.zeros(heads, pages + 1, dtype=torch.int64, device=want.device)
-    slot_of.scatter_(1, after_col, torch.arange(R, device=want.device).expand(heads, -1))
+    slot_of.scatter_(1, column(held_after), torch.arange(R, device=want.device).expand(heads, -1))
     where = slot_of.gather(1, want)
     src_rows = fetch if host_slots is None else host_slots.gather(1, fetch)
     dst_rows = slots + torch.arange(heads, device=want.device)[:, None] * R

@@ -41,10 +41,6 @@ def plan_on_device(want: torch.Tensor, held: torch.Tensor, pages: int, host_slot
     -------
     A `RecallPlan`: for head ``h`` and ``j < count[h]``, page ``fetch[h, j]`` goes to slot ``slots[h, j]``
     (in the order `RecallBuffer.plan` gives); ``held_after`` is `held` once they are in; ``where`` the slot
-    of each wanted page then.
+    of each wanted page then. Shapes are checked there (a `ValueError` names them).
     """
-    heads, w = want.shape
-    if held.shape[0] != heads or held.shape[1] < w:
-        raise ValueError(f"plan_on_device: want {list(want.shape)} and held {list(held.shape)}; allowed: as "
-                         "many heads, and at least as many slots as wanted pages")
     return native.plan_recall(want, held, pages, host_slots, ahead, counts, prefetch)

@@ -93,6 +93,10 @@ class KVPScorer:
 
     def __post_init__(self) -> None:
         self.agents, self.meta = load_agents(self.path if self.path is not None else shipped_path(self.model))
+        self._fresh_caches()
+
+    def _fresh_caches(self) -> None:
+        """What the scorer keeps between calls: its agents per device, the last step's position features."""
         self._device_copies: dict[torch.device, KVPAgents] = {}
         self._last_positions: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -102,8 +106,7 @@ class KVPScorer:
         scorer = cls.__new__(cls)
         scorer.path, scorer.model, scorer.name = None, str(meta.get("model", "")), name
         scorer.agents, scorer.meta = agents.eval(), dict(meta)
-        scorer._device_copies = {}
-        scorer._last_positions = None
+        scorer._fresh_caches()
         return scorer
 
     @property

@@ -134,7 +134,8 @@ def test_kvp_computes_a_steps_position_features_once_for_every_layer(monkeypatch
 
     shared = SharedResources(None)
     pos = shared.positions(40, 1, torch.device("cpu"))
-    assert shared.positions(40, 1, torch.device("cpu")) is pos and shared.positions(41, 1, torch.device("cpu")) is not pos
+    cpu = torch.device("cpu")
+    assert shared.positions(40, 1, cpu) is pos and shared.positions(41, 1, cpu) is not pos
     scorer = make_scorer("kvp")
     calls = []
     real = features.position_features
