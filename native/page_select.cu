@@ -7,21 +7,6 @@
 // torch multiplies and adds, which round the same way on any device. The orders are given below.
 #include "kvtier_native.cuh"
 
-// Bounds are stored in the cache's dtype; these read one element as float32 (exact for all three).
-struct kv_half {
-    unsigned short bits;
-};
-struct kv_bf16 {
-    unsigned short bits;
-};
-__device__ __forceinline__ float kv_float(float x) { return x; }
-__device__ __forceinline__ float kv_float(kv_bf16 x) { return __uint_as_float(((unsigned int)x.bits) << 16); }
-__device__ __forceinline__ float kv_float(kv_half x) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
-    return f;
-}
-
 // Upper bound of page p for KV head h: max over query rows r of sum_d (q[h,r,d] >= 0 ? q*hi : q*lo)
 // (bounds.py's q+ . hi + q- . lo, one product per channel). A warp per (page, head):
 //   lane l sums d = l, l + 32, l + 64, ... in that order, starting from +0;

@@ -369,7 +369,7 @@ def page_upper_bounds(q: torch.Tensor, spans: Sequence[torch.Tensor], heads: int
         else:
             why = why or loader.build_error("page_select", q.device) or "no pages"
             loader.record("page_upper_bounds", "twin", why)
-            out[:, col:col + n] = twins.page_upper_bounds(q, b.to(q.device), heads)
+            twins.page_upper_bounds(q, b.to(q.device), heads, out=out[:, col:col + n])
         col += n
     return out
 
@@ -463,3 +463,109 @@ def code_logits(q: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, codes: to
                    np.int32(D), np.float32(s)))
     loader.record("code_logits", "kernel")
     return logits, base
+
+
+_RANK_THREADS = 256
+RANK_SHARED_MAX = 48 * 1024   # bytes of shared memory a block gets without opting in to more
+_RANK_TILE_MAX = 64
+
+
+def _rank_shared(m: int, tile: int, rows: int, page: int, dim: int) -> int:
+    """Bytes of shared memory `kvtier_rank_pages` lays out (``kv_rank_layout`` in native/rank_pages.cu)."""
+    codes = -(-(tile * page * (-(-dim // 4))) // 16) * 16
+    floats = 2 * tile * dim + tile * rows * page + tile * rows + m * rows + rows + m
+    return codes + 4 * floats + 4 * m
+
+
+def rank_pages_tile(m: int, rows: int, page: int, dim: int) -> int:
+    """Candidates per tile that `rank_pages`' kernel works in (the most that fit its shared memory, at most
+    64), or 0 when even one does not: then the twin runs, and a caller on a GPU should rank another way."""
+    fixed = 4 * (m * rows + rows + 2 * m) + 15                      # every candidate's rows, and the padding
+    per = 4 * (2 * dim + rows * page + rows) + page * (-(-dim // 4))  # one candidate of a tile
+    tile = max(0, min(m, _RANK_TILE_MAX, (RANK_SHARED_MAX - fixed) // per))
+    while tile and _rank_shared(m, tile, rows, page, dim) > RANK_SHARED_MAX:
+        tile -= 1
+    return tile
+
+
+def rank_pages(q: torch.Tensor, cand: torch.Tensor, pages: int, bounds: tuple[Sequence[torch.Tensor], int],
+               codes: tuple[Sequence[torch.Tensor], int], page: int, scaling: float, keep: int,
+               resident: torch.Tensor | None = None,
+               addresses: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rank short-listed pages by their estimated share of attention, from their 2-bit key codes, in one
+    launch (what `kvtier.recall.selector` does after the bounds' short list).
+
+    Parameters
+    ----------
+    q
+        ``[heads, rows, dim]`` grouped queries (made float32).
+    cand
+        ``[heads, m]`` int64 distinct page ids (the short list).
+    pages
+        Pages in the index: the ids allowed.
+    bounds, codes
+        ``(slabs, rows_per_slab)`` of the recall index's storages: rows ``page * heads + head`` of ``[hi | lo]``
+        ``[2 * dim]`` (the cache's dtype, on the device) and of codes ``[page, ceil(dim / 4)]`` uint8 (on the
+        device or in pinned host memory, read through its mapping).
+    page, scaling, keep
+        Entries per page, the attention's logit scale (rounded to float32), pages to choose (1 to m).
+    resident
+        ``[heads, rows]`` float32: the log-sum-exp of the logits of the keys attention reads anyway.
+    addresses
+        The storages' slab address tables (`slab_addresses`), when the caller keeps them.
+
+    Returns
+    -------
+    ``(chosen [heads, keep], ranked [heads, m], shares [heads, m])``: the `keep` pages of largest share in
+    ascending id, all candidates best first (ties in short-list order), and the log shares (float32); see
+    ``native/rank_pages.cu`` for every step, which the twin follows bit for bit.
+    """
+    q = q.float().contiguous()
+    H, R, D = q.shape
+    if cand.dim() != 2 or cand.shape[0] != H or cand.dtype != torch.int64 or cand.device != q.device:
+        raise ValueError(f"rank_pages: cand {list(cand.shape)} {cand.dtype} on {cand.device}; allowed: "
+                         f"[{H}, m] torch.int64 on {q.device}")
+    m = cand.shape[1]
+    if not 1 <= keep <= m:
+        raise ValueError(f"rank_pages: keep={keep}; allowed: 1 to {m} (the candidates)")
+    if resident is not None and (tuple(resident.shape) != (H, R) or resident.dtype != torch.float32
+                                 or resident.device != q.device):
+        raise ValueError(f"rank_pages: resident {list(resident.shape)} {resident.dtype} on {resident.device}; "
+                         f"allowed: [{H}, {R}] torch.float32 on {q.device}")
+    (b_slabs, b_per), (c_slabs, c_per) = bounds, codes
+    if not b_slabs or not c_slabs:
+        raise ValueError("rank_pages: the index has no storage; allowed: at least one slab of each")
+    _check_layout(b_slabs, b_per, (2 * D,), b_slabs[0].dtype, "rank_pages bounds")
+    _check_layout(c_slabs, c_per, (page, -(-D // 4)), torch.uint8, "rank_pages codes")
+    s = float(np.float32(scaling))
+    suffix = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}.get(b_slabs[0].dtype)
+    why = _why_not(q.device, [q, cand])
+    if why is None and suffix is None:
+        why = f"bounds of dtype {b_slabs[0].dtype}"
+    if why is None and resident is not None and resident.stride(1) != 1:
+        why = "the resident log-sum-exps are not contiguous by row"
+    tile = rank_pages_tile(m, R, page, D)
+    if why is None and not tile:
+        why = f"{m} candidates of {R} query rows do not fit a block's shared memory"
+    b_addr = _addresses(b_slabs, q.device, addresses[0]) if why is None else None
+    c_addr = _addresses(c_slabs, q.device, addresses[1]) if why is None else None
+    if why is None and (b_addr is None or c_addr is None):
+        why = "a storage is out of the kernel's reach (pageable host memory or another device)"
+    k = loader.kernel("rank_pages", f"kvtier_rank_pages_{suffix}", q.device) if why is None else None
+    if k is None:
+        loader.record("rank_pages", "twin", why or loader.build_error("rank_pages", q.device))
+        return twins.rank_pages(q, cand, pages, bounds, codes, page, s, keep, resident)
+    chosen = torch.empty(H, keep, dtype=torch.int64, device=q.device)
+    ranked = torch.empty(H, m, dtype=torch.int64, device=q.device)
+    shares = torch.empty(H, m, dtype=torch.float32, device=q.device)
+    loader.launch(k, q.device, (H,), (_RANK_THREADS,),
+                  (_u64(q.data_ptr()), _u64(cand.data_ptr()), _i64(m), _i64(pages), _u64(b_addr.data_ptr()),
+                   _i64(b_per), _u64(c_addr.data_ptr()), _i64(c_per),
+                   _u64(0 if resident is None else resident.data_ptr()),
+                   _i64(0 if resident is None else resident.stride(0)), np.int32(H), np.int32(R), np.int32(page),
+                   np.int32(D), np.int32(tile), np.float32(s), _i64(keep), _u64(shares.data_ptr()),
+                   _u64(ranked.data_ptr()), _u64(chosen.data_ptr())),
+                  shared_mem=_rank_shared(m, tile, R, page, D))
+    loader.record("rank_pages", "kernel")
+    return chosen, ranked, shares

@@ -117,7 +117,8 @@ def _lane_sum(x: torch.Tensor) -> torch.Tensor:
     return acc[..., 0]
 
 
-def page_upper_bounds(q: torch.Tensor, bounds: torch.Tensor, heads: int) -> torch.Tensor:
+def page_upper_bounds(q: torch.Tensor, bounds: torch.Tensor, heads: int,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
     """Upper bound of each page's logit for a KV head's queries (twin of ``kvtier_page_upper_bounds_*``).
 
     Parameters
@@ -129,13 +130,14 @@ def page_upper_bounds(q: torch.Tensor, bounds: torch.Tensor, heads: int) -> torc
 
     Returns
     -------
-    ``[heads, pages]`` float32: the maximum over rows of ``sum_d (q >= 0 ? q * hi : q * lo)``, summed in the
-    kernel's warp order (`_lane_sum`); the maximum propagates NaN.
+    ``[heads, pages]`` float32 (in `out` when given): the maximum over rows of ``sum_d (q >= 0 ? q * hi :
+    q * lo)``, summed in the kernel's warp order (`_lane_sum`); the maximum propagates NaN.
     """
     H, R, D = q.shape
     pages = bounds.shape[0] // heads
     b = bounds.view(pages, heads, 2, D)
-    out = torch.empty(H, pages, dtype=torch.float32, device=q.device)
+    if out is None:
+        out = torch.empty(H, pages, dtype=torch.float32, device=q.device)
     step = max(1, _CHUNK_ELEMENTS // max(1, H * R * D))
     qe = q[:, :, None, :]                                               # [H, R, 1, D]
     for p0 in range(0, pages, step):
@@ -193,6 +195,136 @@ def code_logits(q: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, codes: to
         logits[:, sl] = acc * s
         base[:, sl] = acc_b * s
     return logits, base
+
+
+# ----------------------------------------------------------------------------- exp, log and log-sum-exp
+def _f32(*values: str, device: torch.device) -> list[torch.Tensor]:
+    """Float32 constants from the kernels' hexadecimal literals (exact)."""
+    return [torch.tensor(float.fromhex(v), dtype=torch.float32, device=device) for v in values]
+
+
+def _bits_float(bits: torch.Tensor) -> torch.Tensor:
+    return bits.to(torch.int32).view(torch.float32)
+
+
+def exp(x: torch.Tensor) -> torch.Tensor:
+    """e^x of float32 `x` as ``kv_exp`` in ``native/kvtier_native.cuh`` computes it, bit for bit (its comment
+    gives the method); within 2 ulp of e^x, 0 below log(FLT_MIN)."""
+    x = x.float()
+    log2e, magic, ln2_hi, ln2_lo, top, bottom = _f32("0x1.715476p+0", "0x1.8p+23", "0x1.62e400p-1",
+                                                     "0x1.7f7d1cp-20", "0x1.62e430p+6", "-0x1.5d589ep+6",
+                                                     device=x.device)
+    k = ((x * log2e) + magic) - magic
+    r = (x - k * ln2_hi) - k * ln2_lo
+    p = torch.full_like(x, float.fromhex("0x1.a01a02p-13"))
+    for c in ("0x1.6c16c2p-10", "0x1.111112p-7", "0x1.555556p-5", "0x1.555556p-3", "0x1p-1", "0x1p+0", "0x1p+0"):
+        p = p * r + _f32(c, device=x.device)[0]
+    ki = torch.nan_to_num(k, nan=0.0).clamp(-126, 128).to(torch.int32)
+    k1 = ki >> 1
+    out = (p * _bits_float((k1 + 127) << 23)) * _bits_float((ki - k1 + 127) << 23)
+    out = torch.where(x < bottom, torch.zeros_like(x), out)
+    out = torch.where(x > top, torch.full_like(x, float("inf")), out)
+    return torch.where(torch.isnan(x), x, out)
+
+
+def log(x: torch.Tensor) -> torch.Tensor:
+    """log x of float32 `x` as ``kv_log`` in ``native/kvtier_native.cuh`` computes it, bit for bit."""
+    x = x.float()
+    tiny, sqrt2, ln2_hi, ln2_lo = _f32("0x1p-126", "0x1.6a09e6p+0", "0x1.62e400p-1", "0x1.7f7d1cp-20",
+                                       device=x.device)
+    sub = x < tiny
+    xs = torch.where(sub, x * _f32("0x1p+23", device=x.device)[0], x)
+    b = xs.view(torch.int32)
+    e = torch.where(sub, -23, 0) + ((b >> 23) & 0xFF) - 127
+    m = _bits_float((b & 0x7FFFFF) | 0x3F800000)
+    big = m > sqrt2
+    m = torch.where(big, m * 0.5, m)
+    e = e + big.to(torch.int32)
+    one = torch.ones_like(m)
+    f = (m - one) / (m + one)
+    f2 = f * f
+    p = torch.full_like(x, float.fromhex("0x1.3b13b2p-4"))
+    for c in ("0x1.745d18p-4", "0x1.c71c72p-4", "0x1.24924ap-3", "0x1.99999ap-3", "0x1.555556p-2"):
+        p = p * f2 + _f32(c, device=x.device)[0]
+    p = p * f2
+    t = f + f
+    ef = e.float()
+    out = ef * ln2_hi + (ef * ln2_lo + (t + t * p))
+    out = torch.where(x == float("inf"), x, out)
+    out = torch.where(x == 0, torch.full_like(x, float("-inf")), out)
+    return torch.where(torch.isnan(x) | (x < 0), torch.full_like(x, float("nan")), out)
+
+
+def _running_max(x: torch.Tensor) -> torch.Tensor:
+    """The maximum over the last axis taken in order from the first element, NaN winning (as the kernels)."""
+    m = x[..., 0]
+    for i in range(1, x.shape[-1]):
+        v = x[..., i]
+        m = torch.where(torch.isnan(v) | (v > m), v, m)
+    return m
+
+
+def logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """``kv_logsumexp`` over the last axis of float32 `x` (at least one element), bit for bit: the maximum
+    m, then the sum of e^(x - m) from +0 in order, then m + log(sum); m itself when it is NaN or infinite."""
+    m = _running_max(x)
+    s = torch.zeros_like(m)
+    for i in range(x.shape[-1]):
+        s = s + exp(x[..., i] - m)
+    out = m + log(s)
+    return torch.where(torch.isnan(m) | torch.isinf(m), m, out)
+
+
+# ------------------------------------------------------------------------------------------ page ranking
+def rank_pages(q: torch.Tensor, cand: torch.Tensor, pages: int, bounds: tuple[Sequence[torch.Tensor], int],
+               codes: tuple[Sequence[torch.Tensor], int], page: int, scaling: float, keep: int,
+               resident: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The short list's shares of attention and its ranking (twin of ``kvtier_rank_pages_*``, whose header
+    in ``native/rank_pages.cu`` states every step).
+
+    Parameters
+    ----------
+    q
+        ``[heads, rows, dim]`` float32 grouped queries.
+    cand
+        ``[heads, m]`` int64 distinct candidate page ids.
+    pages
+        Pages in the index (a candidate outside it reads nothing, and its head's shares come out NaN).
+    bounds, codes
+        ``(slabs, rows_per_slab)`` of the index's storages: rows ``page * heads + head`` of ``[hi | lo]``
+        ``[2 * dim]`` (any float dtype) and of codes ``[page, ceil(dim / 4)]`` uint8.
+    resident
+        ``[heads, rows]`` float32: the log-sum-exp of the keys attention reads anyway, if any.
+
+    Returns
+    -------
+    ``(chosen [heads, keep], ranked [heads, m], shares [heads, m])``: the `keep` best candidates in
+    ascending id, every candidate best first, and the shares (float32).
+    """
+    H, R, D = q.shape
+    m = cand.shape[1]
+    valid = (cand >= 0) & (cand < pages)
+    rows = (torch.where(valid, cand, 0) * H + torch.arange(H, device=cand.device)[:, None]).reshape(-1)
+    b_slabs, b_per = bounds
+    c_slabs, c_per = codes
+    b = gather_pages(b_slabs, b_per, rows.to(b_slabs[0].device), torch.empty(
+        (H * m, 2 * D), dtype=b_slabs[0].dtype, device=b_slabs[0].device)).to(q.device).view(H, m, 2 * D).float()
+    code = gather_pages(c_slabs, c_per, rows.to(c_slabs[0].device), torch.empty(
+        (H * m, page, -(-D // 4)), dtype=torch.uint8, device=c_slabs[0].device)).to(q.device).view(H, m, page, -1)
+    nan = torch.tensor(float("nan"), device=q.device)
+    lo = torch.where(valid[..., None], b[..., D:], nan)
+    three, tiny = _f32("0x1.8p+1", "0x1p-126", device=q.device)
+    st = torch.where(valid[..., None], (b[..., :D] - lo) / three, nan)
+    st = torch.where(st < tiny, tiny, st)
+    logits, base = code_logits(q, lo, st, code, scaling)                 # [H, m, R, page], [H, m, R]
+    page_lse = logsumexp(logits) + base                                  # [H, m, R]
+    total = logsumexp(page_lse.transpose(1, 2))                          # [H, R]
+    if resident is not None:
+        total = logsumexp(torch.stack([total, resident.float()], dim=-1))
+    shares = _running_max(page_lse - total[:, None, :])                  # [H, m]
+    order = torch.sort(shares, dim=1, descending=True, stable=True).indices
+    ranked = cand.gather(1, order)
+    return torch.sort(ranked[:, :keep], dim=1).values, ranked, shares
 
 
 def recall_pages(slabs: Sequence[torch.Tensor], rows_per_slab: int, src_rows: torch.Tensor,

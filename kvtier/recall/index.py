@@ -124,6 +124,25 @@ class PageIndex:
         return (bounds[..., self.dim:], bounds[..., :self.dim],
                 codes.view(heads, m, self.page_size, -1).to(self.device, non_blocking=True))
 
+    def rank(self, q: torch.Tensor, cand: torch.Tensor, keep: int, scaling: float,
+             resident_lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pages ``cand`` ``[heads, m]`` ranked by their estimated share of the queries' attention, read from
+        both storages where they are, in one launch (`kvtier.native.rank_pages`): ``(the best `keep` in
+        ascending id, all of them best first)``."""
+        chosen, ranked, _ = native.rank_pages(
+            q, cand, self.n, (self.bounds.slabs, self.bounds.rows_per_slab),
+            (self.codes.slabs, self.codes.rows_per_slab), self.page_size, scaling, keep, resident_lse,
+            addresses=(self.bounds.addresses(self.device), self.codes.addresses(self.device)))
+        if self.device.type == "cuda":   # `release` waits for this read of the pinned codes too
+            self._reads = torch.cuda.Event()
+            self._reads.record(torch.cuda.current_stream(self.device))
+        return chosen, ranked
+
+    def ranks_in_one_launch(self, candidates: int, rows: int) -> bool:
+        """Whether `rank` takes `candidates` pages for `rows` query rows in one launch here: the kernels
+        choose pages (`uses_kernels`) and the short list fits a block's shared memory."""
+        return self.uses_kernels and native.rank_pages_tile(candidates, rows, self.page_size, self.dim) > 0
+
     def device_bytes(self) -> int:
         """Device bytes of the bounds of the indexed pages."""
         return 2 * self.n * self.heads * self.dim * torch.empty((), dtype=self.dtype).element_size()

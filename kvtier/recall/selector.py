@@ -140,7 +140,11 @@ def select_pages(q: torch.Tensor, index: PageIndex, budget: int, scaling: float,
         return ids, ids
     m = min(pages, max(int(shortlist * n), shortlist_min))
     cand = torch.topk(index.upper_bounds(q), m, dim=1).indices if m < pages else \
-        torch.arange(pages, device=q.device).expand(kv_heads, -1)
+        torch.arange(pages, device=q.device).expand(kv_heads, -1).contiguous()
+    if index.ranks_in_one_launch(m, q.shape[1]):   # the rest of the choice in one kernel
+        if resident_lse is None:
+            resident_lse = _resident_lse(q, resident or [], scaling)
+        return index.rank(q, cand, n, scaling, resident_lse)
     lo, hi, codes = index.pick(cand)
     shares = page_shares(q, lo, hi, codes, scaling, resident, resident_lse, kernels=index.uses_kernels)
     ranked = torch.gather(cand, 1, torch.sort(shares, dim=1, descending=True, stable=True).indices)

@@ -342,14 +342,14 @@ def test_plan_recall_kernel_is_the_twin(kernels, heads, w, R, pages):
     ahead, counts = torch.zeros(heads, R, dtype=torch.bool), torch.zeros(4, dtype=torch.int64)
     dev_ahead, dev_counts, dev_host = ahead.to(kernels), counts.to(kernels), host.to(kernels)
     launches = _Launches("plan_recall")
-    for step in range(8):
+    for turn in range(8):
         want = torch.stack([torch.randperm(pages, generator=g)[:w] for _ in range(heads)])
         if held.max() >= 0:   # keep some of what the buffer holds wanted, as consecutive steps do
             for h in range(heads):
                 kept = held[h][held[h] >= 0][: w // 2]
                 rest = want[h][~torch.isin(want[h], kept)][: w - len(kept)]
                 want[h] = torch.cat([kept, rest])
-        prefetch = step % 2 == 1
+        prefetch = turn % 2 == 1
         got = native.plan_recall(want.to(kernels), held.to(kernels), pages, dev_host, dev_ahead, dev_counts,
                                  prefetch)
         expect = twins.plan_recall(want, held, pages, host, ahead, counts, prefetch)
@@ -359,3 +359,47 @@ def test_plan_recall_kernel_is_the_twin(kernels, heads, w, R, pages):
         held = expect.held_after
     torch.cuda.synchronize()
     launches.check(8)
+
+
+# ------------------------------------------------------------------------------------------- page ranking
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit, any NaN standing for any other (a NaN's payload is the hardware's choice)."""
+    a, b = a.detach().float().cpu(), b.detach().float().cpu()
+    return bool(torch.equal(a.isnan(), b.isnan())
+                and torch.equal(a.nan_to_num(0.0).view(torch.int32), b.nan_to_num(0.0).view(torch.int32)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,cands,keep", [(1, 96, 64), (4, 96, 64), (4, 300, 200), (12, 40, 7)])
+def test_rank_pages_kernel_is_the_twin(kernels, dtype, rows, cands, keep):
+    """Over an index of several slabs with its codes in pinned host memory (read through the mapping): the
+    kernel's shares, ranking and choice are the twin's, bit for bit, in one launch."""
+    H, D, P = 4, 128, 16
+    g = torch.Generator().manual_seed(rows + cands)
+    index = PageIndex(H, P, D, dtype, kernels, pin=True, pages_per_slab=128)
+    centres = torch.randn(H, 400, 1, D, generator=g) * 2
+    index.add((centres + torch.randn(H, 400, P, D, generator=g)).to(kernels))
+    q = torch.randn(H, rows, D, generator=g)
+    cand = torch.stack([torch.randperm(400, generator=g)[:cands] for _ in range(H)])
+    resident = torch.randn(H, rows, generator=g) + 3
+    bounds, codes = (index.bounds.slabs, index.bounds.rows_per_slab), (index.codes.slabs, index.codes.rows_per_slab)
+    launches = _Launches("rank_pages")
+    got = native.rank_pages(q.to(kernels), cand.to(kernels), index.n, bounds, codes, P, D ** -0.5, keep,
+                            resident.to(kernels))
+    torch.cuda.synchronize()
+    launches.check(1)
+    cpu_bounds = ([s.cpu() for s in bounds[0]], bounds[1])
+    want = twins.rank_pages(q, cand, index.n, cpu_bounds, codes, P, float(np.float32(D ** -0.5)), keep, resident)
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+    assert _same_bits(got[2], want[2])
+    index.release()
+
+
+def test_exp_and_log_twins_give_the_same_bits_on_the_gpu_and_the_cpu(cuda_device):
+    g = torch.Generator().manual_seed(5)
+    x = torch.cat([torch.randn(100000, generator=g) * 40, torch.tensor([0.0, float("inf"), float("-inf"), 1e-40])])
+    assert _same_bits(twins.exp(x.to(cuda_device)), twins.exp(x))
+    y = x.abs()
+    assert _same_bits(twins.log(y.to(cuda_device)), twins.log(y))
+    v = torch.randn(64, 37, generator=g) * 10
+    assert _same_bits(twins.logsumexp(v.to(cuda_device)), twins.logsumexp(v))

@@ -30,6 +30,7 @@ KERNELS = {
     "pack_entries": ["kvtier_pack_entries"],
     "page_select": ["kvtier_page_upper_bounds_f32", "kvtier_page_upper_bounds_f16",
                     "kvtier_page_upper_bounds_bf16", "kvtier_code_logits"],
+    "rank_pages": ["kvtier_rank_pages_f32", "kvtier_rank_pages_f16", "kvtier_rank_pages_bf16"],
 }
 
 

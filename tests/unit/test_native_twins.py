@@ -26,6 +26,7 @@ from kvtier.tiers.host import HostPool
 from kvtier.tiers.slabs import SlabRows
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+_SUFFIX = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -347,17 +348,20 @@ def test_without_cuda_every_op_runs_its_twin_and_says_why(monkeypatch):
 
 def test_every_kernel_the_ops_launch_is_in_the_shipped_sources():
     names = {p.stem for p in native.sources()}
-    assert names == {"gather_pages", "scatter_pages", "recall_pages", "plan_recall", "pack_entries", "page_select"}
+    assert names == {"gather_pages", "scatter_pages", "recall_pages", "plan_recall", "pack_entries", "page_select",
+                     "rank_pages"}
     ops_text = (loader.SOURCE_DIR.parent / "ops.py").read_text()
     for src, kernel in [("gather_pages", "kvtier_gather_pages"), ("scatter_pages", "kvtier_scatter_pages"),
                         ("recall_pages", "kvtier_recall_pages"), ("plan_recall", "kvtier_plan_recall"),
                         ("pack_entries", "kvtier_pack_entries"), ("page_select", "kvtier_code_logits"),
                         ("page_select", "kvtier_page_upper_bounds_f32"),
                         ("page_select", "kvtier_page_upper_bounds_f16"),
-                        ("page_select", "kvtier_page_upper_bounds_bf16")]:
+                        ("page_select", "kvtier_page_upper_bounds_bf16"), ("rank_pages", "kvtier_rank_pages_f32"),
+                        ("rank_pages", "kvtier_rank_pages_f16"), ("rank_pages", "kvtier_rank_pages_bf16")]:
         text = loader.source(src)
-        assert f'extern "C" __global__ void {kernel}(' in text or f"KV_UPPER_BOUNDS({kernel}," in text
-        assert kernel in ops_text
+        assert (f'extern "C" __global__ void {kernel}(' in text or f"KV_UPPER_BOUNDS({kernel}," in text
+                or f"KV_RANK_PAGES({kernel}," in text)
+        assert kernel in ops_text or kernel.rsplit("_", 1)[0] + "_{suffix}" in ops_text
         assert "#include" not in text   # headers inlined: NVRTC sees one self-contained text
     with pytest.raises(FileNotFoundError, match="shipped: gather_pages"):
         loader.source("nope")
@@ -509,6 +513,23 @@ def _run_as_the_kernel(name: str, grid: tuple, args: tuple) -> None:
                                 _tensor(codes, (H, c, page, -(-dim // 4)), torch.uint8), float(scaling))
         _tensor(logits, (H, c, rows, page), torch.float32).copy_(got[0])
         _tensor(base, (H, c, rows), torch.float32).copy_(got[1])
+    elif name.startswith("kvtier_rank_pages_"):
+        (q, cand, m, pages, b_addr, b_per, c_addr, c_per, res, res_stride, heads, rows, page, dim, tile, scaling,
+         keep, shares, ranked, chosen) = args
+        H, R, D, P, m, keep = int(grid[0]), int(rows), int(dim), int(page), int(m), int(keep)
+        assert H == int(heads) and 1 <= int(tile) <= m
+        dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[name.rsplit("_", 1)[1]]
+
+        def storage(addr, per, row_shape, dt):   # the slabs holding the index's rows, through their addresses
+            n = -(-int(pages) * H // int(per))
+            return [_tensor(_u64(addr, i), (int(per), *row_shape), dt) for i in range(n)], int(per)
+
+        resident = None if not int(res) else _tensor(int(res), (H, int(res_stride)), torch.float32)[:, :R]
+        got = twins.rank_pages(_tensor(int(q), (H, R, D), torch.float32), _tensor(int(cand), (H, m), torch.int64),
+                               int(pages), storage(b_addr, b_per, (2 * D,), dtype),
+                               storage(c_addr, c_per, (P, -(-D // 4)), torch.uint8), P, float(scaling), keep, resident)
+        for ptr, value in ((chosen, got[0]), (ranked, got[1]), (shares, got[2])):
+            _tensor(int(ptr), tuple(value.shape), value.dtype).copy_(value)
     else:
         raise AssertionError(f"no replay for kernel {name}")
 
@@ -526,6 +547,9 @@ def replayed_kernels(monkeypatch):
         kinds = sigs[k]
         if k == "kvtier_plan_recall":   # a byte of marks per wanted page and per slot
             assert shared_mem == int(args[4]) + int(args[5])
+        if k.startswith("kvtier_rank_pages_"):   # the layout the kernel makes, within a block's default share
+            m, rows, page, dim, tile = (int(args[i]) for i in (2, 11, 12, 13, 14))
+            assert shared_mem == ops._rank_shared(m, tile, rows, page, dim) <= ops.RANK_SHARED_MAX
         assert [type(a) for a in args] == kinds, f"{k}: launched with {[type(a).__name__ for a in args]}"
         assert all(g >= 1 for g in grid) and len(grid) <= 3 and block[0] % 32 == 0
         launches.append((k, grid, block))
@@ -545,7 +569,8 @@ def test_every_kernel_has_a_signature_to_check_launches_against():
                          "kvtier_plan_recall",
                          "kvtier_code_logits",
                          "kvtier_page_upper_bounds_f32", "kvtier_page_upper_bounds_f16",
-                         "kvtier_page_upper_bounds_bf16"}
+                         "kvtier_page_upper_bounds_bf16", "kvtier_rank_pages_f32", "kvtier_rank_pages_f16",
+                         "kvtier_rank_pages_bf16"}
     assert sigs["kvtier_gather_pages"] == [np.uint64, np.int64, np.uint64, np.uint64, np.int64, np.int64]
 
 
@@ -651,3 +676,34 @@ def test_page_upper_bounds_over_every_index_slab_is_one_launch(replayed_kernels,
         native.page_upper_bounds(q, spans, H, addresses=addresses, rows_per_slab=3)
     with pytest.raises(ValueError, match="at least every span"):
         native.page_upper_bounds(q, spans, H, addresses=addresses[:2], rows_per_slab=index.bounds.rows_per_slab)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rank_pages_launch_gives_the_twins_ranking(replayed_kernels, dtype):
+    H, D = 2, 64
+    index = PageIndex(H, 16, D, dtype, torch.device("cpu"), pages_per_slab=4)
+    g = torch.Generator().manual_seed(13)
+    index.add(torch.randn(H, 10, 16, D, generator=g))
+    q = torch.randn(H, 3, D, generator=g)
+    cand = torch.stack([torch.randperm(10, generator=g)[:7] for _ in range(H)])
+    bounds, codes = (index.bounds.slabs, index.bounds.rows_per_slab), (index.codes.slabs, index.codes.rows_per_slab)
+    resident = torch.randn(H, 8, generator=g)[:, :3]   # rows of a wider tensor: a stride the kernel takes
+    got = native.rank_pages(q, cand, index.n, bounds, codes, 16, 0.125, 4, resident)
+    want = twins.rank_pages(q, cand, index.n, bounds, codes, 16, 0.125, 4, resident)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    ran = [name for name, _, _ in replayed_kernels]
+    assert ran[-1] == f"kvtier_rank_pages_{_SUFFIX[dtype]}" and ran.count(ran[-1]) == 1   # after the index's writes
+
+
+def test_rank_pages_refuses_bad_arguments_naming_them():
+    index = PageIndex(2, 4, 8, torch.float32, torch.device("cpu"))
+    index.add(torch.randn(2, 5, 4, 8))
+    args = (5, (index.bounds.slabs, index.bounds.rows_per_slab), (index.codes.slabs, index.codes.rows_per_slab), 4, 0.5)
+    q, cand = torch.randn(2, 1, 8), torch.tensor([[0, 3], [4, 1]])
+    with pytest.raises(ValueError, match="keep=3; allowed: 1 to 2"):
+        native.rank_pages(q, cand, *args, 3)
+    with pytest.raises(ValueError, match=r"cand \[2, 2\] torch.int32"):
+        native.rank_pages(q, cand.int(), *args, 1)
+    with pytest.raises(ValueError, match=r"resident \[2, 3\]"):
+        native.rank_pages(q, cand, *args, 1, torch.zeros(2, 3))
