@@ -5,8 +5,9 @@ of the work; a decode step that issues more launches than its GPU work can hide 
 not by memory bandwidth. The count is a property of the code, not of the machine, so it is measured here on
 any device: every aten operation dispatched during the counted steps is one launch, except views and
 allocations (no kernel) and the operations a native kernel's torch twin runs, where the native operation
-counts once (on CUDA it is one kernel launch; `kvtier.native.backend()` counts the calls). kvtier plans its recall on the device and
-chooses pages with the native kernels, as it does on a GPU, so the path counted is the GPU's.
+counts once (on CUDA it is one kernel launch; `kvtier.native.backend()` counts the calls). kvtier plans its
+recall on the device, and chooses pages and scores entries with the native kernels, as it does on a GPU, so
+the path counted is the GPU's.
 """
 
 from __future__ import annotations

@@ -191,7 +191,8 @@ def prefetch(context: str, new_tokens: int, device_budget: str, recall_pages: in
 def launches(context: str, steps: int, device_budget: str, recall_pages: int, scorer: str, model: str | None,
              device: str, threads: int, seed: int, as_json: bool) -> None:
     """Kernel launches per layer of a decode step (tensor operations; on a GPU each costs the host a few
-    microseconds), kvtier (recall planned and pages chosen as on a GPU) against DynamicCache, by part."""
+    microseconds), kvtier (recall planned, pages chosen and entries scored as on a GPU) against DynamicCache,
+    by part."""
     tokens, budget = _needle_budget(context, device_budget, recall_pages)
     lm, tok = _checked_and_loaded(scorer, device, model, threads, as_json)
 
@@ -207,8 +208,10 @@ def launches(context: str, steps: int, device_budget: str, recall_pages: int, sc
     def tiered():
         cache = TieredCache(lm.config, device_budget=budget, recall_pages=recall_pages,
                             scorer=None if scorer == "auto" else scorer)
-        for engine in cache._engines:   # recall planned and pages chosen as on a GPU
+        for engine in cache._engines:   # recall planned, pages chosen and entries scored as on a GPU
             engine.device_recall = engine.select_kernels = True
+            if hasattr(engine.scorer, "native_score"):
+                engine.scorer.native_score = True
         return cache
 
     rows = [count_launches(lm, ids, lambda: DynamicCache(config=lm.config), "DynamicCache", steps)[0],

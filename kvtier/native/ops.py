@@ -569,3 +569,61 @@ def rank_pages(q: torch.Tensor, cand: torch.Tensor, pages: int, bounds: tuple[Se
                   shared_mem=_rank_shared(m, tile, R, page, D))
     loader.record("rank_pages", "kernel")
     return chosen, ranked, shares
+
+
+_KVP_THREADS_MAX = 1024
+
+
+def kvp_score(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, weights: twins.MLPWeights,
+              first: int) -> torch.Tensor:
+    """KVP's scores of new entries in one launch (`kvtier.scoring.kvp.KVPAgents` for inference).
+
+    Parameters
+    ----------
+    keys, values
+        ``[heads, tokens, dim]`` in the cache's dtype (any strides with the channels contiguous).
+    positions
+        ``[tokens, f]`` float32: the entries' position features (`kvtier.scoring.features.position_features`).
+    weights
+        The networks' weights (float32, contiguous, on the keys' device).
+    first
+        The agent of head 0 (``layer * heads``).
+
+    Returns
+    -------
+    ``[heads, tokens]`` float32; sums in the order ``native/kvp_score.cu`` gives, so they differ from the
+    matrix products' by float rounding.
+    """
+    if keys.dim() != 3 or values.shape != keys.shape or values.dtype != keys.dtype:
+        raise ValueError(f"kvp_score: keys {list(keys.shape)} {keys.dtype} and values {list(values.shape)} "
+                         f"{values.dtype}; allowed: the same [heads, tokens, dim] shape and dtype")
+    H, T, D = keys.shape
+    agents, d_in, hidden = weights.w1.shape
+    f = d_in - 2 * D
+    if f < 0 or tuple(positions.shape) != (T, f):
+        raise ValueError(f"kvp_score: position features {list(positions.shape)} for networks of {d_in} inputs; "
+                         f"allowed: [{T}, {d_in - 2 * D}] (keys and values of {D} channels take the rest)")
+    if not 0 <= first <= agents - H:
+        raise ValueError(f"kvp_score: first={first}; allowed: 0 to {agents - H} ({agents} agents, {H} heads)")
+    positions = positions.float().contiguous()
+    why = _why_not(keys.device, [positions, *weights])
+    suffix = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}.get(keys.dtype)
+    if why is None and (suffix is None or keys.stride() != values.stride() or keys.stride(2) != 1):
+        why = "keys and values of another dtype or layout (the kernel takes strides with contiguous channels)"
+    if why is None and any(w.dtype != torch.float32 or w.device != keys.device for w in weights):
+        why = "weights not float32 on the keys' device"
+    if why is None and hidden > _KVP_THREADS_MAX:
+        why = f"{hidden} hidden units, more than a block's threads"
+    k = loader.kernel("kvp_score", f"kvtier_kvp_score_{suffix}", keys.device) if why is None and T else None
+    if k is None:
+        loader.record("kvp_score", "twin", why or loader.build_error("kvp_score", keys.device) or "no tokens")
+        return twins.kvp_score(keys, values, positions, weights, first)
+    scores = torch.empty(H, T, dtype=torch.float32, device=keys.device)
+    threads = min(_KVP_THREADS_MAX, max(32, -(-hidden // 32) * 32))
+    loader.launch(k, keys.device, (T, H), (threads,),
+                  (_u64(keys.data_ptr()), _u64(values.data_ptr()), _i64(keys.stride(0)), _i64(keys.stride(1)),
+                   _u64(positions.data_ptr()), np.int32(D), np.int32(f), np.int32(hidden), _i64(first),
+                   *(_u64(w.data_ptr()) for w in weights), _u64(scores.data_ptr())),
+                  shared_mem=4 * (d_in + 2 * hidden))
+    loader.record("kvp_score", "kernel")
+    return scores

@@ -327,6 +327,46 @@ def rank_pages(q: torch.Tensor, cand: torch.Tensor, pages: int, bounds: tuple[Se
     return torch.sort(ranked[:, :keep], dim=1).values, ranked, shares
 
 
+# ------------------------------------------------------------------------------------------- KVP scores
+class MLPWeights(NamedTuple):
+    """The weights of a stack of KVP networks (`kvtier.scoring.kvp.KVPAgents`), float32, agent first."""
+
+    mean: torch.Tensor   # [agents, 1, d_in]
+    std: torch.Tensor    # [agents, 1, d_in]
+    w1: torch.Tensor     # [agents, d_in, hidden]
+    b1: torch.Tensor     # [agents, 1, hidden]
+    w2: torch.Tensor     # [agents, hidden, hidden]
+    b2: torch.Tensor     # [agents, 1, hidden]
+    w3: torch.Tensor     # [agents, hidden, 1]
+    b3: torch.Tensor     # [agents, 1, 1]
+
+
+def _dense(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``sum_i x[..., i] w[:, i, :]`` over i in order from +0, then ``+ b`` (x ``[agents, tokens, n]``)."""
+    acc = torch.zeros(*x.shape[:-1], w.shape[-1], dtype=torch.float32, device=x.device)
+    for i in range(x.shape[-1]):
+        acc = acc + x[..., i, None] * w[:, None, i, :]
+    return acc + b
+
+
+def _silu(v: torch.Tensor) -> torch.Tensor:
+    return v / (1.0 + exp(-v))
+
+
+def kvp_score(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, weights: MLPWeights,
+              first: int) -> torch.Tensor:
+    """KVP scores of entries ``keys, values`` ``[heads, tokens, dim]`` (any float dtype) at position features
+    ``positions`` ``[tokens, f]``, head h scored by agent ``first + h`` (twin of ``kvtier_kvp_score_*``, whose
+    header in ``native/kvp_score.cu`` states every step): ``[heads, tokens]`` float32."""
+    H = keys.shape[0]
+    a = slice(first, first + H)
+    x = torch.cat([keys.float(), values.float(), positions.float().expand(H, -1, -1)], dim=-1)
+    z = (x - weights.mean[a]) / weights.std[a]
+    h1 = _silu(_dense(z, weights.w1[a], weights.b1[a]))
+    h2 = _silu(_dense(h1, weights.w2[a], weights.b2[a]))
+    return _dense(h2, weights.w3[a], weights.b3[a])[..., 0]
+
+
 def recall_pages(slabs: Sequence[torch.Tensor], rows_per_slab: int, src_rows: torch.Tensor,
                  dst_rows: torch.Tensor, count: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """For each head ``h`` and ``j < count[h]``: ``out[dst_rows[h, j]] = row src_rows[h, j]`` of the storage

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from .. import native
 from ..errors import ConfigError
 from .features import AGE_KNOTS, POSITION_FEATURES, age_basis, entry_features, position_features
 
@@ -60,6 +61,11 @@ class KVPAgents(torch.nn.Module):
         h = F.silu(torch.baddbmm(self.b2[sel], h, self.w2[sel]))
         return torch.baddbmm(self.b3[sel], h, self.w3[sel]).squeeze(-1)
 
+    def weights(self) -> native.MLPWeights:
+        """The networks' weights for `kvtier.native.kvp_score` (views of the parameters, without autograd)."""
+        return native.MLPWeights(self.mean, self.std, *(p.detach() for p in (self.w1, self.b1, self.w2, self.b2,
+                                                                             self.w3, self.b3)))
+
     def age_bias(self, ages: torch.Tensor, agents: slice | None = None) -> torch.Tensor:
         """The recency term for entries of age `ages` (``[tokens]`` or ``[agents, tokens]``): ``[agents, tokens]``."""
         table = self.age[slice(None) if agents is None else agents]
@@ -96,9 +102,12 @@ class KVPScorer:
         self._fresh_caches()
 
     def _fresh_caches(self) -> None:
-        """What the scorer keeps between calls: its agents per device, the last step's position features."""
-        self._device_copies: dict[torch.device, KVPAgents] = {}
+        """What the scorer keeps between calls: its agents (and their weights' views) per device, the last
+        step's position features; and whether it scores through the native kernel (`native_score`: None,
+        where the kernel runs, CUDA with cupy; one launch where the networks take a dozen)."""
+        self._device_copies: dict[torch.device, tuple[KVPAgents, native.MLPWeights]] = {}
         self._last_positions: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.native_score: bool | None = None
 
     @classmethod
     def from_agents(cls, agents: KVPAgents, meta: dict[str, Any], name: str = "kvp") -> KVPScorer:
@@ -122,17 +131,29 @@ class KVPScorer:
                 f"{num_kv_heads} x {head_dim}; train one for this model (`kvtier traces` then `kvtier train`)")
 
     def _on(self, device: torch.device) -> KVPAgents:
+        return self._copy(device)[0]
+
+    def _copy(self, device: torch.device) -> tuple[KVPAgents, native.MLPWeights]:
         if device not in self._device_copies:
             # Module.to moves in place: copy first so the CPU agents stay where they are
-            self._device_copies[device] = self.agents if device.type == "cpu" else copy.deepcopy(self.agents).to(device)
+            agents = self.agents if device.type == "cpu" else copy.deepcopy(self.agents).to(device)
+            self._device_copies[device] = (agents, agents.weights())
         return self._device_copies[device]
+
+    def _kernel_scores(self, device: torch.device) -> bool:
+        if self.native_score is not None:
+            return self.native_score
+        return device.type == "cuda" and native.kernel_status() is None
 
     @torch.no_grad()
     def score(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
               layer_idx: int) -> torch.Tensor:
         heads = keys.shape[1]
-        agents = self._on(keys.device)
-        x = entry_features(keys[0], values[0], positions, self._position_features(positions, keys.device))
+        agents, weights = self._copy(keys.device)
+        feats = self._position_features(positions, keys.device)
+        if self._kernel_scores(keys.device):
+            return native.kvp_score(keys[0], values[0], feats, weights, layer_idx * heads).unsqueeze(0)
+        x = entry_features(keys[0], values[0], positions, feats)
         out = agents(x, slice(layer_idx * heads, (layer_idx + 1) * heads))
         return out.unsqueeze(0)
 

@@ -403,3 +403,30 @@ def test_exp_and_log_twins_give_the_same_bits_on_the_gpu_and_the_cpu(cuda_device
     assert _same_bits(twins.log(y.to(cuda_device)), twins.log(y))
     v = torch.randn(64, 37, generator=g) * 10
     assert _same_bits(twins.logsumexp(v.to(cuda_device)), twins.logsumexp(v))
+
+
+# --------------------------------------------------------------------------------------------- KVP scores
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 5, 300])
+def test_kvp_score_kernel_is_the_twin(kernels, dtype, tokens):
+    """Keys and values laid out as a model hands them over ([1, tokens, heads, dim] transposed to head-major):
+    the kernel reads them through their strides and scores every head in one launch, bit for bit the twin."""
+    from kvtier.scoring.features import position_features
+    from kvtier.scoring.kvp import KVPScorer
+
+    scorer = KVPScorer()
+    layers, H, D = scorer.shape
+    g = torch.Generator().manual_seed(tokens)
+    k = torch.randn(tokens, H, D, generator=g).to(dtype).to(kernels).transpose(0, 1)   # [H, tokens, D], strided
+    v = torch.randn(tokens, H, D, generator=g).to(dtype).to(kernels).transpose(0, 1)
+    pos = position_features(torch.arange(40, 40 + tokens)).to(kernels)
+    layer = layers - 1
+    launches = _Launches("kvp_score")
+    got = native.kvp_score(k, v, pos, scorer._copy(kernels)[1], layer * H)
+    torch.cuda.synchronize()
+    launches.check(1)
+    want = twins.kvp_score(k.cpu(), v.cpu(), pos.cpu(), scorer.agents.weights(), layer * H)
+    assert _same_bits(got, want)
+    plain = scorer.agents(torch.cat([k.cpu().float(), v.cpu().float(), pos.cpu().expand(H, -1, -1)], dim=-1),
+                          slice(layer * H, (layer + 1) * H))
+    torch.testing.assert_close(got.cpu(), plain, rtol=1e-5, atol=1e-4)

@@ -31,7 +31,9 @@ KERNELS = {
     "page_select": ["kvtier_page_upper_bounds_f32", "kvtier_page_upper_bounds_f16",
                     "kvtier_page_upper_bounds_bf16", "kvtier_code_logits"],
     "rank_pages": ["kvtier_rank_pages_f32", "kvtier_rank_pages_f16", "kvtier_rank_pages_bf16"],
+    "kvp_score": ["kvtier_kvp_score_f32", "kvtier_kvp_score_f16", "kvtier_kvp_score_bf16"],
 }
+FLOAT_SOURCES = ("page_select", "rank_pages", "kvp_score")   # float arithmetic the twins follow op by op
 
 
 def _nvcc() -> str | None:
@@ -44,6 +46,17 @@ def _nvcc() -> str | None:
 
 NVCC = _nvcc()
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not installed (not on PATH, no CUDA_HOME)")
+
+
+def host_harness(text: str, where: Path) -> Path:
+    """A C++ program that includes kernel sources (their ``__host__ __device__`` code), built for the host with
+    nvcc: the host's float operations, like the device's _rn intrinsics, are never contracted into FMAs."""
+    (where / "harness.cu").write_text(text)
+    exe = where / "harness"
+    done = subprocess.run([NVCC, *loader.OPTIONS, "-Xcompiler", "-ffp-contract=off", "-I", str(loader.SOURCE_DIR),
+                           "-o", str(exe), str(where / "harness.cu")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return exe
 
 
 def _entries(ptx: str) -> set[str]:
@@ -75,7 +88,7 @@ def test_source_compiles_with_nvcc_without_warnings(src: Path, as_loaded: bool, 
         assert "warning" not in (done.stdout + done.stderr).lower(), done.stdout + done.stderr
     text = ptx.read_text()
     assert _entries(text) == set(KERNELS[src.stem])
-    if src.stem == "page_select":
+    if src.stem in FLOAT_SOURCES:
         # products and sums round on their own (the twins' order): no fused multiply-add may appear
         assert not re.search(r"\bfma\.rn\.f32\b", text)
 

@@ -15,7 +15,7 @@ import torch
 
 from kvtier.native import loader, twins
 
-from test_native_compile import NVCC, needs_nvcc
+from test_native_compile import NVCC, host_harness, needs_nvcc
 
 HARNESS = r"""
 #include "plan_recall.cu"
@@ -69,13 +69,7 @@ int main() {
 def harness(tmp_path_factory):
     if NVCC is None:
         pytest.skip("nvcc is not installed")
-    d = tmp_path_factory.mktemp("plan")
-    (d / "harness.cu").write_text(HARNESS)
-    exe = d / "harness"
-    done = subprocess.run([NVCC, *loader.OPTIONS, "-I", str(loader.SOURCE_DIR), "-o", str(exe), str(d / "harness.cu")],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    return exe
+    return host_harness(HARNESS, tmp_path_factory.mktemp("plan"))
 
 
 def _case(g: torch.Generator, heads: int, w: int, R: int, pages: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,7 +17,7 @@ import torch
 
 from kvtier.native import loader, ops, twins
 
-from test_native_compile import NVCC, needs_nvcc
+from test_native_compile import NVCC, host_harness, needs_nvcc
 
 HARNESS = r"""
 #include "rank_pages.cu"
@@ -125,14 +125,7 @@ DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 def harness(tmp_path_factory):
     if NVCC is None:
         pytest.skip("nvcc is not installed")
-    d = tmp_path_factory.mktemp("rank")
-    (d / "harness.cu").write_text(HARNESS)
-    exe = d / "harness"
-    # the host's float operations, like the device's _rn intrinsics, must not be contracted into FMAs
-    done = subprocess.run([NVCC, *loader.OPTIONS, "-Xcompiler", "-ffp-contract=off", "-I", str(loader.SOURCE_DIR),
-                           "-o", str(exe), str(d / "harness.cu")], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    return exe
+    return host_harness(HARNESS, tmp_path_factory.mktemp("rank"))
 
 
 def _hex(t: torch.Tensor) -> str:
