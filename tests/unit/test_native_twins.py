@@ -349,7 +349,7 @@ def test_without_cuda_every_op_runs_its_twin_and_says_why(monkeypatch):
 def test_every_kernel_the_ops_launch_is_in_the_shipped_sources():
     names = {p.stem for p in native.sources()}
     assert names == {"gather_pages", "scatter_pages", "recall_pages", "plan_recall", "pack_entries", "page_select",
-                     "rank_pages"}
+                     "rank_pages", "kvp_score"}
     ops_text = (loader.SOURCE_DIR.parent / "ops.py").read_text()
     for src, kernel in [("gather_pages", "kvtier_gather_pages"), ("scatter_pages", "kvtier_scatter_pages"),
                         ("recall_pages", "kvtier_recall_pages"), ("plan_recall", "kvtier_plan_recall"),
@@ -357,10 +357,12 @@ def test_every_kernel_the_ops_launch_is_in_the_shipped_sources():
                         ("page_select", "kvtier_page_upper_bounds_f32"),
                         ("page_select", "kvtier_page_upper_bounds_f16"),
                         ("page_select", "kvtier_page_upper_bounds_bf16"), ("rank_pages", "kvtier_rank_pages_f32"),
-                        ("rank_pages", "kvtier_rank_pages_f16"), ("rank_pages", "kvtier_rank_pages_bf16")]:
+                        ("rank_pages", "kvtier_rank_pages_f16"), ("rank_pages", "kvtier_rank_pages_bf16"),
+                        ("kvp_score", "kvtier_kvp_score_f32"), ("kvp_score", "kvtier_kvp_score_f16"),
+                        ("kvp_score", "kvtier_kvp_score_bf16")]:
         text = loader.source(src)
         assert (f'extern "C" __global__ void {kernel}(' in text or f"KV_UPPER_BOUNDS({kernel}," in text
-                or f"KV_RANK_PAGES({kernel}," in text)
+                or f"KV_RANK_PAGES({kernel}," in text or f"KV_KVP_SCORE({kernel}," in text)
         assert kernel in ops_text or kernel.rsplit("_", 1)[0] + "_{suffix}" in ops_text
         assert "#include" not in text   # headers inlined: NVRTC sees one self-contained text
     with pytest.raises(FileNotFoundError, match="shipped: gather_pages"):
@@ -429,7 +431,7 @@ def _i64(addr: int, i: int) -> int:
     return int(_mem(int(addr) + 8 * i, 8).view(np.int64)[0])
 
 
-def _run_as_the_kernel(name: str, grid: tuple, args: tuple) -> None:
+def _run_as_the_kernel(name: str, grid: tuple, args: tuple, block: tuple = (128,)) -> None:
     """What kernel `name` does with `args`, replayed on host memory with the twins' arithmetic."""
     if name in ("kvtier_gather_pages", "kvtier_scatter_pages"):
         slabs, per, rows, flat, n, row_bytes = args
@@ -530,6 +532,23 @@ def _run_as_the_kernel(name: str, grid: tuple, args: tuple) -> None:
                                storage(c_addr, c_per, (P, -(-D // 4)), torch.uint8), P, float(scaling), keep, resident)
         for ptr, value in ((chosen, got[0]), (ranked, got[1]), (shares, got[2])):
             _tensor(int(ptr), tuple(value.shape), value.dtype).copy_(value)
+    elif name.startswith("kvtier_kvp_score_"):
+        (keys, values, head_stride, token_stride, pos, dim, f, hidden, first, *weights, scores) = (int(a) for a in args)
+        T, H = int(grid[0]), int(grid[1])
+        dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[name.rsplit("_", 1)[1]]
+        span = (H - 1) * head_stride + (T - 1) * token_stride + dim
+
+        def strided(addr):
+            return _tensor(addr, (span,), dtype).as_strided((H, T, dim), (head_stride, token_stride, 1))
+
+        d_in = 2 * dim + f
+        agents = first + H   # the agents read: those up to the last head's
+        shapes = [(agents, 1, d_in), (agents, 1, d_in), (agents, d_in, hidden), (agents, 1, hidden),
+                  (agents, hidden, hidden), (agents, 1, hidden), (agents, hidden, 1), (agents, 1, 1)]
+        w = twins.MLPWeights(*(_tensor(a, s, torch.float32) for a, s in zip(weights, shapes)))
+        got = twins.kvp_score(strided(keys), strided(values), _tensor(pos, (T, f), torch.float32), w, first)
+        _tensor(scores, (H, T), torch.float32).copy_(got)
+        assert block[0] >= hidden or block[0] == 1024
     else:
         raise AssertionError(f"no replay for kernel {name}")
 
@@ -547,13 +566,15 @@ def replayed_kernels(monkeypatch):
         kinds = sigs[k]
         if k == "kvtier_plan_recall":   # a byte of marks per wanted page and per slot
             assert shared_mem == int(args[4]) + int(args[5])
+        if k.startswith("kvtier_kvp_score_"):   # the features and both hidden layers
+            assert shared_mem == 4 * (2 * int(args[5]) + int(args[6]) + 2 * int(args[7]))
         if k.startswith("kvtier_rank_pages_"):   # the layout the kernel makes, within a block's default share
             m, rows, page, dim, tile = (int(args[i]) for i in (2, 11, 12, 13, 14))
             assert shared_mem == ops._rank_shared(m, tile, rows, page, dim) <= ops.RANK_SHARED_MAX
         assert [type(a) for a in args] == kinds, f"{k}: launched with {[type(a).__name__ for a in args]}"
         assert all(g >= 1 for g in grid) and len(grid) <= 3 and block[0] % 32 == 0
         launches.append((k, grid, block))
-        _run_as_the_kernel(k, grid, args)
+        _run_as_the_kernel(k, grid, args, block)
 
     monkeypatch.setattr(ops, "_why_not", lambda device, tensors: None)
     monkeypatch.setattr(ops, "slab_addresses",
@@ -570,7 +591,8 @@ def test_every_kernel_has_a_signature_to_check_launches_against():
                          "kvtier_code_logits",
                          "kvtier_page_upper_bounds_f32", "kvtier_page_upper_bounds_f16",
                          "kvtier_page_upper_bounds_bf16", "kvtier_rank_pages_f32", "kvtier_rank_pages_f16",
-                         "kvtier_rank_pages_bf16"}
+                         "kvtier_rank_pages_bf16", "kvtier_kvp_score_f32", "kvtier_kvp_score_f16",
+                         "kvtier_kvp_score_bf16"}
     assert sigs["kvtier_gather_pages"] == [np.uint64, np.int64, np.uint64, np.uint64, np.int64, np.int64]
 
 
@@ -707,3 +729,20 @@ def test_rank_pages_refuses_bad_arguments_naming_them():
         native.rank_pages(q, cand.int(), *args, 1)
     with pytest.raises(ValueError, match=r"resident \[2, 3\]"):
         native.rank_pages(q, cand, *args, 1, torch.zeros(2, 3))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kvp_score_launch_gives_the_twins_scores(replayed_kernels, dtype):
+    from kvtier.scoring.features import position_features
+    from kvtier.scoring.kvp import KVPScorer
+
+    scorer = KVPScorer()
+    layers, H, D = scorer.shape
+    g = torch.Generator().manual_seed(14)
+    k = torch.randn(4, H, D, generator=g).to(dtype).transpose(0, 1)    # head-major view of token-major memory
+    v = torch.randn(4, H, D, generator=g).to(dtype).transpose(0, 1)
+    pos = position_features(torch.arange(9, 13))
+    w = scorer.agents.weights()
+    got = native.kvp_score(k, v, pos, w, 2 * H)
+    assert torch.equal(got, twins.kvp_score(k, v, pos, w, 2 * H))
+    assert [name for name, _, _ in replayed_kernels] == [f"kvtier_kvp_score_{_SUFFIX[dtype]}"]
