@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from .. import native
+
 _CHUNK_ELEMENTS = 1 << 22   # logits per block in the plain-torch path
 
 
@@ -68,10 +70,17 @@ def merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     return merge_with_lse(parts)[0]
 
 
-def merge_with_lse(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """`merge`, with the log-sum-exp of the union (the softmax's normaliser, for attention weights)."""
+def merge_with_lse(parts: list[tuple[torch.Tensor, torch.Tensor]],
+                   kernels: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`merge`, with the log-sum-exp of the union (the softmax's normaliser, for attention weights).
+
+    `kernels`: merge through `kvtier.native.merge_parts` (one launch per four parts where its kernel runs,
+    against some seven here; its exp and log round their own way)."""
     if len(parts) == 1:
         return parts[0]
+    if kernels:
+        out, lse = native.merge_parts([(o[0], lse[0]) for o, lse in parts])
+        return out[None], lse[None]
     lse = torch.stack([p[1] for p in parts])
     total = torch.logsumexp(lse, dim=0)
     weights = torch.exp(lse - total).nan_to_num_(0.0)    # a part with no keys has weight 0
@@ -147,11 +156,12 @@ def finish(parts: list[tuple[torch.Tensor, torch.Tensor]], query: torch.Tensor) 
     return finish_with_lse(parts, query)[0]
 
 
-def finish_with_lse(parts: list[tuple[torch.Tensor, torch.Tensor]],
-                    query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`finish`, with the union's log-sum-exp ``[1, kv_heads, group * L]`` (packed rows)."""
+def finish_with_lse(parts: list[tuple[torch.Tensor, torch.Tensor]], query: torch.Tensor,
+                    kernels: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`finish`, with the union's log-sum-exp ``[1, kv_heads, group * L]`` (packed rows); `kernels` as in
+    `merge_with_lse`."""
     _, q_heads, L, dim = query.shape
-    out, lse = merge_with_lse(parts)
+    out, lse = merge_with_lse(parts, kernels)
     out = out.reshape(1, q_heads, L, dim)
     return out.transpose(1, 2).to(query.dtype).contiguous(), lse
 

@@ -84,8 +84,8 @@ class LayerEngine(PageFetching):
         self.last_recall: torch.Tensor | None = None   # [heads, pages] ids recalled for the last query block
         self.recalled: RecallBuffer | None = None       # those pages, on the device
         self.device_recall: bool | None = None          # plan recall on the device (None: on CUDA, see fetch.py)
-        self.select_kernels: bool | None = None         # page choice by native kernels (None: on CUDA, PageIndex;
-                                                        # read when the index is made, at the first write)
+        self.select_kernels: bool | None = None         # page choice and the attention merge by native kernels
+                                                        # (None: on CUDA, PageIndex; read when the index is made)
         self._slot_mirror: tuple[int, torch.Tensor] | None = None   # (table version, host slots on the device)
         # by device-planned recall: [pages moved on demand, pages reused, pages prefetched, prefetched pages chosen]
         self.device_counts: torch.Tensor | None = None
@@ -222,7 +222,7 @@ class LayerEngine(PageFetching):
             self.last_recall = ids
             packed = block.reshape(1, self.heads, -1, block.shape[3])
             parts.append(attend_with_lse(packed, rk[None], rv[None], scale, softcap=softcap))
-            out, lse = finish_with_lse(parts, block)
+            out, lse = finish_with_lse(parts, block, kernels=self.index.uses_kernels)
             outs.append(out)
             if weights:
                 maps.append(self._weights(packed, lse, p, b0, b1, q_len, scale, softcap, query.shape[1], rk, order))

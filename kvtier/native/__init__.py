@@ -15,7 +15,8 @@ neither cupy nor anything CUDA. The CUDA sources live in the repository's top-le
 - `page_upper_bounds`: the key-bound upper bound of every demoted page for a block of queries;
 - `code_logits`: the logits of short-listed pages estimated from their 2-bit key codes;
 - `rank_pages`: the short list's estimated shares of attention and its ranking, in one launch;
-- `kvp_score`: KVP's networks over a step's new entries, every head in one launch.
+- `kvp_score`: KVP's networks over a step's new entries, every head in one launch;
+- `merge_parts`: attention over the union of key sets from each set's output and log-sum-exp.
 
 Each operation runs its kernel when it can (CUDA tensors, cupy importable, ``KVTIER_NATIVE`` not ``0``) and
 its twin (`kvtier.native.twins`) otherwise, on whatever device the tensors are; `backend()` tells which ran.
@@ -23,10 +24,10 @@ its twin (`kvtier.native.twins`) otherwise, on whatever device the tensors are; 
 
 from .loader import backend, reset_stats, sources
 from .loader import status as kernel_status
-from .ops import (code_logits, gather_pages, kvp_score, pack_entries, page_upper_bounds, plan_recall, rank_pages,
-                  rank_pages_tile, recall_pages, scatter_pages, slab_addresses)
+from .ops import (code_logits, gather_pages, kvp_score, merge_parts, pack_entries, page_upper_bounds, plan_recall,
+                  rank_pages, rank_pages_tile, recall_pages, scatter_pages, slab_addresses)
 from .twins import MLPWeights, RecallPlan
 
 __all__ = ["MLPWeights", "RecallPlan", "backend", "code_logits", "gather_pages", "kernel_status", "kvp_score",
-           "pack_entries", "page_upper_bounds", "plan_recall", "rank_pages", "rank_pages_tile", "recall_pages", "reset_stats", "scatter_pages",
-           "slab_addresses", "sources"]
+           "merge_parts", "pack_entries", "page_upper_bounds", "plan_recall", "rank_pages", "rank_pages_tile",
+           "recall_pages", "reset_stats", "scatter_pages", "slab_addresses", "sources"]

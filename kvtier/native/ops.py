@@ -627,3 +627,61 @@ def kvp_score(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                   shared_mem=4 * (d_in + 2 * hidden))
     loader.record("kvp_score", "kernel")
     return scores
+
+
+_MERGE_THREADS = 256
+
+
+def merge_parts(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention over the union of disjoint key sets, from each set's attention output and log-sum-exp:
+    one launch per `twins.MERGE_MAX` parts.
+
+    Parameters
+    ----------
+    parts
+        ``(out [heads, rows, dim], lse [heads, rows])`` per key set, float32, any strides with the channels
+        contiguous; a set with no keys has lse -inf and weighs nothing.
+
+    Returns
+    -------
+    ``(out [heads, rows, dim], lse [heads, rows])`` float32, contiguous; more than `twins.MERGE_MAX` parts are
+    merged a group at a time, each group's result the first part of the next.
+    """
+    if not parts:
+        raise ValueError("merge_parts: no parts; allowed: at least one (out, lse) pair")
+    H, R, D = parts[0][0].shape
+    for o, lse in parts:
+        if (tuple(o.shape) != (H, R, D) or tuple(lse.shape) != (H, R) or o.dtype != torch.float32
+                or lse.dtype != torch.float32 or o.device != parts[0][0].device or lse.device != o.device):
+            raise ValueError(f"merge_parts: a part of {list(o.shape)} {o.dtype} and {list(lse.shape)} {lse.dtype} "
+                             f"on {o.device}; allowed: [{H}, {R}, {D}] and [{H}, {R}] torch.float32, all on "
+                             f"{parts[0][0].device}")
+    parts = list(parts)
+    while len(parts) > 1:
+        group, rest = parts[:twins.MERGE_MAX], parts[twins.MERGE_MAX:]
+        parts = [_merge_group(group, H, R, D)] + rest
+    return parts[0]
+
+
+def _merge_group(group: list[tuple[torch.Tensor, torch.Tensor]], H: int, R: int,
+                 D: int) -> tuple[torch.Tensor, torch.Tensor]:
+    device = group[0][0].device
+    why = _why_not(device, [])
+    if why is None and any(o.stride(2) != 1 for o, _ in group):
+        why = "an output whose channels are not contiguous"
+    k = loader.kernel("merge_parts", "kvtier_merge_parts", device) if why is None and H * R * D else None
+    if k is None:
+        loader.record("merge_parts", "twin", why or loader.build_error("merge_parts", device) or "nothing to merge")
+        return twins.merge_parts(group)
+    out = torch.empty(H, R, D, dtype=torch.float32, device=device)
+    lse = torch.empty(H, R, dtype=torch.float32, device=device)
+    args: list = []
+    for i in range(twins.MERGE_MAX):
+        o, l_ = group[i] if i < len(group) else group[0]   # unused slots: any valid part, never read
+        args += [_u64(o.data_ptr()), _i64(o.stride(0)), _i64(o.stride(1)),
+                 _u64(l_.data_ptr()), _i64(l_.stride(0)), _i64(l_.stride(1))]
+    loader.launch(k, device, _grid(-(-(H * R * D) // _MERGE_THREADS)), (_MERGE_THREADS,),
+                  (*args, np.int32(len(group)), np.int32(H), np.int32(R), np.int32(D), _u64(out.data_ptr()),
+                   _u64(lse.data_ptr())))
+    loader.record("merge_parts", "kernel")
+    return out, lse

@@ -327,6 +327,26 @@ def rank_pages(q: torch.Tensor, cand: torch.Tensor, pages: int, bounds: tuple[Se
     return torch.sort(ranked[:, :keep], dim=1).values, ranked, shares
 
 
+# -------------------------------------------------------------------------------------- attention merge
+MERGE_MAX = 4   # parts per `kvtier_merge_parts` launch
+
+
+def merge_parts(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over the union of up to `MERGE_MAX` disjoint key sets from each set's ``(out [heads, rows, dim],
+    lse [heads, rows])`` (twin of ``kvtier_merge_parts``, whose header in ``native/merge_parts.cu`` states each
+    step): ``(out, lse)`` of the union, float32."""
+    first = parts[0][1]
+    pad = [torch.full(first.shape, float("-inf"), device=first.device)] * (MERGE_MAX - len(parts))
+    total = logsumexp(torch.stack([lse.float() for _, lse in parts] + pad, dim=-1))
+    out = None
+    for o, lse in parts:
+        w = exp(lse.float() - total)
+        w = torch.where(torch.isnan(w), torch.zeros_like(w), w)
+        term = o.float() * w[..., None]
+        out = term if out is None else out + term
+    return out, total
+
+
 # ------------------------------------------------------------------------------------------- KVP scores
 class MLPWeights(NamedTuple):
     """The weights of a stack of KVP networks (`kvtier.scoring.kvp.KVPAgents`), float32, agent first."""

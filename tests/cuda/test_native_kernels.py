@@ -430,3 +430,28 @@ def test_kvp_score_kernel_is_the_twin(kernels, dtype, tokens):
     plain = scorer.agents(torch.cat([k.cpu().float(), v.cpu().float(), pos.cpu().expand(H, -1, -1)], dim=-1),
                           slice(layer * H, (layer + 1) * H))
     torch.testing.assert_close(got.cpu(), plain, rtol=1e-5, atol=1e-4)
+
+
+# -------------------------------------------------------------------------------------- attention merge
+@pytest.mark.parametrize("parts", [2, 5])
+def test_merge_parts_kernel_is_the_twin(kernels, parts):
+    """Parts as attention hands them over on CUDA (an output of the model's dtype made float32, a log-sum-exp
+    row padded past the rows): one launch per four parts, bit for bit the twin's merge."""
+    from kvtier.engine.attention import attend_with_lse
+
+    g = torch.Generator().manual_seed(parts)
+    q = torch.randn(1, 8, 4, 128, generator=g).to(torch.bfloat16).to(kernels)
+    made = []
+    for i in range(parts):
+        k = torch.randn(1, 8, 64 + 16 * i, 128, generator=g).to(torch.bfloat16).to(kernels)
+        out, lse = attend_with_lse(q, k, k.flip(-1), 128 ** -0.5)
+        made.append((out[0], lse[0]))
+    launches = _Launches("merge_parts")
+    got = native.merge_parts(made)
+    torch.cuda.synchronize()
+    launches.check(1 if parts <= 4 else 2)
+    cpu = [(o.cpu(), lse.cpu()) for o, lse in made]
+    want = twins.merge_parts(cpu[:4])
+    if parts > 4:
+        want = twins.merge_parts([want, *cpu[4:]])
+    assert _same_bits(got[0], want[0]) and _same_bits(got[1], want[1])

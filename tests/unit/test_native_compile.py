@@ -32,8 +32,9 @@ KERNELS = {
                     "kvtier_page_upper_bounds_bf16", "kvtier_code_logits"],
     "rank_pages": ["kvtier_rank_pages_f32", "kvtier_rank_pages_f16", "kvtier_rank_pages_bf16"],
     "kvp_score": ["kvtier_kvp_score_f32", "kvtier_kvp_score_f16", "kvtier_kvp_score_bf16"],
+    "merge_parts": ["kvtier_merge_parts"],
 }
-FLOAT_SOURCES = ("page_select", "rank_pages", "kvp_score")   # float arithmetic the twins follow op by op
+FLOAT_SOURCES = ("page_select", "rank_pages", "kvp_score", "merge_parts")   # float arithmetic the twins follow op by op
 
 
 def _nvcc() -> str | None:

@@ -13,7 +13,7 @@ import subprocess
 import pytest
 import torch
 
-from kvtier.native import loader, twins
+from kvtier.native import twins
 
 from test_native_compile import NVCC, host_harness, needs_nvcc
 

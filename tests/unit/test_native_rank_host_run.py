@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvtier.native import loader, ops, twins
+from kvtier.native import ops, twins
 
 from test_native_compile import NVCC, host_harness, needs_nvcc
 

@@ -349,7 +349,7 @@ def test_without_cuda_every_op_runs_its_twin_and_says_why(monkeypatch):
 def test_every_kernel_the_ops_launch_is_in_the_shipped_sources():
     names = {p.stem for p in native.sources()}
     assert names == {"gather_pages", "scatter_pages", "recall_pages", "plan_recall", "pack_entries", "page_select",
-                     "rank_pages", "kvp_score"}
+                     "rank_pages", "kvp_score", "merge_parts"}
     ops_text = (loader.SOURCE_DIR.parent / "ops.py").read_text()
     for src, kernel in [("gather_pages", "kvtier_gather_pages"), ("scatter_pages", "kvtier_scatter_pages"),
                         ("recall_pages", "kvtier_recall_pages"), ("plan_recall", "kvtier_plan_recall"),
@@ -359,7 +359,7 @@ def test_every_kernel_the_ops_launch_is_in_the_shipped_sources():
                         ("page_select", "kvtier_page_upper_bounds_bf16"), ("rank_pages", "kvtier_rank_pages_f32"),
                         ("rank_pages", "kvtier_rank_pages_f16"), ("rank_pages", "kvtier_rank_pages_bf16"),
                         ("kvp_score", "kvtier_kvp_score_f32"), ("kvp_score", "kvtier_kvp_score_f16"),
-                        ("kvp_score", "kvtier_kvp_score_bf16")]:
+                        ("kvp_score", "kvtier_kvp_score_bf16"), ("merge_parts", "kvtier_merge_parts")]:
         text = loader.source(src)
         assert (f'extern "C" __global__ void {kernel}(' in text or f"KV_UPPER_BOUNDS({kernel}," in text
                 or f"KV_RANK_PAGES({kernel}," in text or f"KV_KVP_SCORE({kernel}," in text)
@@ -549,6 +549,17 @@ def _run_as_the_kernel(name: str, grid: tuple, args: tuple, block: tuple = (128,
         got = twins.kvp_score(strided(keys), strided(values), _tensor(pos, (T, f), torch.float32), w, first)
         _tensor(scores, (H, T), torch.float32).copy_(got)
         assert block[0] >= hidden or block[0] == 1024
+    elif name == "kvtier_merge_parts":
+        *slots, count, H, R, D, out, lse = (int(a) for a in args)
+        parts = []
+        for i in range(count):
+            o, o_h, o_r, lp, l_h, l_r = slots[6 * i:6 * i + 6]
+            o_span, l_span = (H - 1) * o_h + (R - 1) * o_r + D, (H - 1) * l_h + (R - 1) * l_r + 1
+            parts.append((_tensor(o, (o_span,), torch.float32).as_strided((H, R, D), (o_h, o_r, 1)),
+                          _tensor(lp, (l_span,), torch.float32).as_strided((H, R), (l_h, l_r))))
+        got = twins.merge_parts(parts)
+        _tensor(out, (H, R, D), torch.float32).copy_(got[0])
+        _tensor(lse, (H, R), torch.float32).copy_(got[1])
     else:
         raise AssertionError(f"no replay for kernel {name}")
 
@@ -592,7 +603,7 @@ def test_every_kernel_has_a_signature_to_check_launches_against():
                          "kvtier_page_upper_bounds_f32", "kvtier_page_upper_bounds_f16",
                          "kvtier_page_upper_bounds_bf16", "kvtier_rank_pages_f32", "kvtier_rank_pages_f16",
                          "kvtier_rank_pages_bf16", "kvtier_kvp_score_f32", "kvtier_kvp_score_f16",
-                         "kvtier_kvp_score_bf16"}
+                         "kvtier_kvp_score_bf16", "kvtier_merge_parts"}
     assert sigs["kvtier_gather_pages"] == [np.uint64, np.int64, np.uint64, np.uint64, np.int64, np.int64]
 
 
@@ -746,3 +757,13 @@ def test_kvp_score_launch_gives_the_twins_scores(replayed_kernels, dtype):
     got = native.kvp_score(k, v, pos, w, 2 * H)
     assert torch.equal(got, twins.kvp_score(k, v, pos, w, 2 * H))
     assert [name for name, _, _ in replayed_kernels] == [f"kvtier_kvp_score_{_SUFFIX[dtype]}"]
+
+
+def test_merge_parts_launches_give_the_twins_merge(replayed_kernels):
+    g = torch.Generator().manual_seed(15)
+    parts = [(torch.randn(2, 3, 20, generator=g)[..., :16], torch.randn(2, 5, generator=g)[:, 1:4]) for _ in range(6)]
+    got = native.merge_parts(parts)
+    first = twins.merge_parts(parts[:4])
+    want = twins.merge_parts([first, *parts[4:]])
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert [name for name, _, _ in replayed_kernels] == ["kvtier_merge_parts"] * 2
