@@ -109,9 +109,9 @@ class PageFetching:
         H, R = buf.held.shape
         P, D = self.cfg.page_size, self.head_dim
         _, k_addresses, v_addresses = sources
-        for rows, out, addresses in ((self.host.k, buf.k, k_addresses), (self.host.v, buf.v, v_addresses)):
-            native.recall_pages(rows.slabs, rows.rows_per_slab, plan.src_rows, plan.dst_rows, plan.count,
-                                out.view(H * R, P, D), addresses)
+        k, v = self.host.k, self.host.v   # keys and values in one launch
+        native.recall_pages(k.slabs, k.rows_per_slab, plan.src_rows, plan.dst_rows, plan.count,
+                            buf.k.view(H * R, P, D), k_addresses, pair=(v.slabs, buf.v.view(H * R, P, D), v_addresses))
         self.host.read_on(self.device)
 
     def _prefetch(self, buf: RecallBuffer, target: torch.Tensor) -> None:

@@ -153,13 +153,16 @@ def gather_pages(slabs: Sequence[torch.Tensor], rows_per_slab: int, rows: np.nda
 
 
 def recall_pages(slabs: Sequence[torch.Tensor], rows_per_slab: int, src_rows: torch.Tensor, dst_rows: torch.Tensor,
-                 count: torch.Tensor, out: torch.Tensor, addresses: torch.Tensor | None = None) -> torch.Tensor:
+                 count: torch.Tensor, out: torch.Tensor, addresses: torch.Tensor | None = None,
+                 pair: tuple[Sequence[torch.Tensor], torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
     """For each head ``h`` and ``j < count[h]``: ``out[dst_rows[h, j]] = row src_rows[h, j]`` of a slab storage.
 
     The plan (``[heads, r]`` rows, ``[heads]`` counts) stays on the device: nothing is read back to the host,
     so a recall can be queued behind the attention that chose it. On CUDA the slabs may be pinned host
     memory, read through its mapping. Rows outside the storage or `out` are skipped, not raised: checking
-    them would need the host; the caller's plan makes none.
+    them would need the host; the caller's plan makes none. `pair`, ``(slabs, out, addresses)`` of a second
+    storage laid out as the first (a layer's values beside its keys), is copied by the same plan in the same
+    launch.
     """
     heads, r = src_rows.shape
     if dst_rows.shape != src_rows.shape or count.shape != (heads,):
@@ -167,25 +170,35 @@ def recall_pages(slabs: Sequence[torch.Tensor], rows_per_slab: int, src_rows: to
                          f"count {list(count.shape)}; allowed: [heads, r], [heads, r] and [heads]")
     row_shape = tuple(out.shape[1:])
     _check_layout(slabs, rows_per_slab, row_shape, out.dtype, "recall_pages")
+    if pair is not None:
+        if len(pair[0]) != len(slabs) or pair[1].shape != out.shape or pair[1].device != out.device:
+            raise ValueError(f"recall_pages: a pair of {len(pair[0])} slabs into {list(pair[1].shape)} on "
+                             f"{pair[1].device}; allowed: {len(slabs)} slabs into {list(out.shape)} on {out.device}")
+        _check_layout(pair[0], rows_per_slab, row_shape, out.dtype, "recall_pages pair")
     if heads * r == 0 or not slabs:
         return out
     src_rows, dst_rows, count = (t.to(torch.int64).contiguous() for t in (src_rows, dst_rows, count))
-    why = _why_not(out.device, [out, *slabs])
+    why = _why_not(out.device, [out, *slabs] if pair is None else [out, *slabs, pair[1], *pair[0]])
     if why is None and not (src_rows.device == dst_rows.device == count.device == out.device):
         why = "the plan is not on the output's device"
     if why is None:
         k = loader.kernel("recall_pages", "kvtier_recall_pages", out.device)
         base = _addresses(slabs, out.device, addresses) if k is not None else None
-        if base is not None:
+        base2 = _addresses(pair[0], out.device, pair[2]) if k is not None and pair is not None else None
+        if base is not None and (pair is None or base2 is not None):
             row_bytes = out[0].numel() * out.element_size()
-            loader.launch(k, out.device, _grid(heads * r), (_THREADS,),
+            loader.launch(k, out.device, _grid(heads * r * (1 if pair is None else 2)), (_THREADS,),
                           (_u64(base.data_ptr()), _i64(rows_per_slab), _i64(len(slabs) * rows_per_slab),
                            _u64(src_rows.data_ptr()), _u64(dst_rows.data_ptr()), _u64(count.data_ptr()),
-                           _i64(heads), _i64(r), _u64(out.data_ptr()), _i64(out.shape[0]), _i64(row_bytes)))
+                           _i64(heads), _i64(r), _u64(out.data_ptr()), _i64(out.shape[0]), _i64(row_bytes),
+                           _u64(0 if base2 is None else base2.data_ptr()),
+                           _u64(0 if pair is None else pair[1].data_ptr())))
             loader.record("recall_pages", "kernel")
             return out
         why = loader.build_error("recall_pages", out.device) or "a slab is not reachable from the device"
     loader.record("recall_pages", "twin", why)
+    if pair is not None:
+        twins.recall_pages(pair[0], rows_per_slab, src_rows, dst_rows, count, pair[1])
     return twins.recall_pages(slabs, rows_per_slab, src_rows, dst_rows, count, out)
 
 

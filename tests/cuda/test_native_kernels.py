@@ -329,6 +329,17 @@ def test_recall_pages_kernel_is_the_twin(kernels, dtype, pinned):
     launches.check(1)
     want = twins.recall_pages([t.cpu() for t in s.slabs], 5, src, dst, count, before.cpu())
     assert torch.equal(_bits(out.cpu()), _bits(want))
+    # keys and values in one launch: a second storage of the same layout, the same plan
+    s2 = _storage(5, 4, (16, 64), dtype, where, pin=pinned, seed=5)
+    out, out2 = before.clone(), before.clone()
+    launches = _Launches("recall_pages")
+    native.recall_pages(s.slabs, 5, src.to(kernels), dst.to(kernels), count.to(kernels), out, s.addresses(kernels),
+                        pair=(s2.slabs, out2, s2.addresses(kernels)))
+    torch.cuda.synchronize()
+    launches.check(1)
+    assert torch.equal(_bits(out.cpu()), _bits(want))
+    want2 = twins.recall_pages([t.cpu() for t in s2.slabs], 5, src, dst, count, before.cpu())
+    assert torch.equal(_bits(out2.cpu()), _bits(want2))
 
 
 @pytest.mark.parametrize("heads,w,R,pages", [(8, 64, 96, 6000), (3, 5, 8, 20), (1, 96, 96, 200), (8, 1, 400, 900)])

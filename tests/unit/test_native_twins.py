@@ -441,14 +441,15 @@ def _run_as_the_kernel(name: str, grid: tuple, args: tuple, block: tuple = (128,
             page = _mem(int(flat) + i * int(row_bytes), row_bytes)
             (page if name == "kvtier_gather_pages" else row)[:] = row if name == "kvtier_gather_pages" else page
     elif name == "kvtier_recall_pages":
-        slabs, per, total, src, dst, count, heads, r, out, out_rows, row_bytes = (int(a) for a in args)
-        for b in range(heads * r):
-            h, j = divmod(b, r)
-            s_row, d_row = _i64(src, b), _i64(dst, b)
-            if j >= _i64(count, h) or not (0 <= s_row < total and 0 <= d_row < out_rows):
-                continue
-            row = _mem(_u64(slabs, s_row // per) + (s_row % per) * row_bytes, row_bytes)
-            _mem(out + d_row * row_bytes, row_bytes)[:] = row
+        slabs, per, total, src, dst, count, heads, r, out, out_rows, row_bytes, slabs2, out2 = (int(a) for a in args)
+        for storage, into in ((slabs, out), (slabs2, out2)) if slabs2 else ((slabs, out),):
+            for b in range(heads * r):
+                h, j = divmod(b, r)
+                s_row, d_row = _i64(src, b), _i64(dst, b)
+                if j >= _i64(count, h) or not (0 <= s_row < total and 0 <= d_row < out_rows):
+                    continue
+                row = _mem(_u64(storage, s_row // per) + (s_row % per) * row_bytes, row_bytes)
+                _mem(into + d_row * row_bytes, row_bytes)[:] = row
     elif name == "kvtier_plan_recall":   # the kernel's four steps, as written in plan_recall.cu
         (want_p, held_p, hs_p, pages, w, R, fetch_p, slots_p, count_p, after_p, where_p, src_p, dst_p, ahead_p,
          counts_p, prefetch) = (int(a) for a in args)
@@ -656,7 +657,13 @@ def test_recall_pages_launch_gives_the_twins_result(replayed_kernels, dtype):
     native.recall_pages(s.slabs, 5, src, dst, count, out)
     want = twins.recall_pages(s.slabs, 5, src, dst, count, torch.full_like(out, float("nan")))
     assert torch.equal(_bits(out), _bits(want))
-    assert [name for name, _, _ in replayed_kernels] == ["kvtier_recall_pages"]
+    s2 = _storage(5, 3, (16, 64), dtype, seed=12)   # a second storage (values beside keys) in the same launch
+    out, out2 = torch.full_like(out, float("nan")), torch.full_like(out, float("nan"))
+    native.recall_pages(s.slabs, 5, src, dst, count, out, pair=(s2.slabs, out2, None))
+    assert torch.equal(_bits(out), _bits(want))
+    assert torch.equal(_bits(out2), _bits(twins.recall_pages(s2.slabs, 5, src, dst, count,
+                                                             torch.full_like(out, float("nan")))))
+    assert [name for name, _, _ in replayed_kernels] == ["kvtier_recall_pages"] * 2
 
 
 def test_plan_recall_launch_gives_the_twins_plan(replayed_kernels):
