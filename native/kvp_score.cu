@@ -9,7 +9,7 @@
 //   score = sum_j h2[j] w3[a, j] + b3[a]
 // each sum over i (or j) = 0, 1, ... in order from +0, then the bias added; silu(v) = v / (1 + e^-v) with
 // kvtier_native.cuh's kv_exp. Every operation rounds on its own; the twin (twins.kvp_score) follows step by
-// step. The keys and values are read in the cache's dtype through their head and token strides.
+// step. The keys and values are read in the cache's dtype, each through its own head and token strides.
 #include "kvtier_native.cuh"
 
 __host__ __device__ __forceinline__ float kv_silu(float v) {
@@ -53,8 +53,9 @@ __host__ __device__ inline float kv_kvp_out(const float* __restrict__ h2, int hi
 }
 
 template <typename T>
-__device__ __forceinline__ void kv_kvp_score(const T* __restrict__ keys, const T* __restrict__ values,
-                                             kv_i64 head_stride, kv_i64 token_stride, const float* __restrict__ pos,
+__device__ __forceinline__ void kv_kvp_score(const T* __restrict__ keys, kv_i64 k_head, kv_i64 k_token,
+                                             const T* __restrict__ values, kv_i64 v_head, kv_i64 v_token,
+                                             const float* __restrict__ pos,
                                              int dim, int pos_features, int hidden, kv_i64 first,
                                              const float* __restrict__ mean, const float* __restrict__ std,
                                              const float* __restrict__ w1, const float* __restrict__ b1,
@@ -69,9 +70,8 @@ __device__ __forceinline__ void kv_kvp_score(const T* __restrict__ keys, const T
     float* z = kv_kvp_shared;
     float* h1 = z + d_in;
     float* h2 = h1 + hidden;
-    const kv_i64 at = h * head_stride + t * token_stride;
-    kv_kvp_features<T>(keys + at, values + at, pos + t * pos_features, dim, pos_features, mean + a * d_in,
-                       std + a * d_in, z, lane, width);
+    kv_kvp_features<T>(keys + h * k_head + t * k_token, values + h * v_head + t * v_token, pos + t * pos_features,
+                       dim, pos_features, mean + a * d_in, std + a * d_in, z, lane, width);
     __syncthreads();
     kv_kvp_hidden(z, d_in, w1 + a * d_in * hidden, b1 + a * hidden, hidden, h1, lane, width);
     __syncthreads();
@@ -83,15 +83,16 @@ __device__ __forceinline__ void kv_kvp_score(const T* __restrict__ keys, const T
 }
 
 #define KV_KVP_SCORE(NAME, T)                                                                                     \
-    extern "C" __global__ void NAME(const T* __restrict__ keys, const T* __restrict__ values, kv_i64 head_stride, \
-                                    kv_i64 token_stride, const float* __restrict__ pos, int dim, int pos_features, \
-                                    int hidden, kv_i64 first, const float* __restrict__ mean,                     \
-                                    const float* __restrict__ std, const float* __restrict__ w1,                  \
-                                    const float* __restrict__ b1, const float* __restrict__ w2,                   \
-                                    const float* __restrict__ b2, const float* __restrict__ w3,                   \
-                                    const float* __restrict__ b3, float* __restrict__ scores) {                   \
-        kv_kvp_score<T>(keys, values, head_stride, token_stride, pos, dim, pos_features, hidden, first, mean, std, \
-                        w1, b1, w2, b2, w3, b3, scores);                                                          \
+    extern "C" __global__ void NAME(const T* __restrict__ keys, kv_i64 k_head, kv_i64 k_token,                     \
+                                    const T* __restrict__ values, kv_i64 v_head, kv_i64 v_token,                   \
+                                    const float* __restrict__ pos, int dim, int pos_features, int hidden,          \
+                                    kv_i64 first, const float* __restrict__ mean, const float* __restrict__ std,   \
+                                    const float* __restrict__ w1, const float* __restrict__ b1,                   \
+                                    const float* __restrict__ w2, const float* __restrict__ b2,                   \
+                                    const float* __restrict__ w3, const float* __restrict__ b3,                   \
+                                    float* __restrict__ scores) {                                                 \
+        kv_kvp_score<T>(keys, k_head, k_token, values, v_head, v_token, pos, dim, pos_features, hidden, first,   \
+                        mean, std, w1, b1, w2, b2, w3, b3, scores);                                               \
     }
 KV_KVP_SCORE(kvtier_kvp_score_f32, float)
 KV_KVP_SCORE(kvtier_kvp_score_f16, kv_half)

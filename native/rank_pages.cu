@@ -76,13 +76,17 @@ __host__ __device__ inline void kv_rank_stage(const kv_i64* __restrict__ cand, k
         s.lo[i] = lo;
         s.step[i] = st;
     }
+    // the tile's codes, every thread taking 16-byte words (or single bytes, for rows of another length) of
+    // any candidate: the reads cross PCIe from pinned host memory, so all of them are in flight at once
     const kv_i64 bytes = (kv_i64)page * ((dim + 3) / 4);
-    for (int c = 0; c < n; ++c) {
-        const kv_i64 id = cand[c0 + c];
-        if (id >= 0 && id < pages) {
-            kv_copy(reinterpret_cast<char*>(s.codes) + c * bytes,
-                    kv_row(code_slabs, code_rows_per_slab, id * heads + h, bytes), bytes, lane, width);
+    const kv_i64 unit = bytes % 16 == 0 ? 16 : 1, units = bytes / unit;
+    for (kv_i64 i = lane; i < n * units; i += width) {
+        const kv_i64 c = i / units, at = (i % units) * unit, id = cand[c0 + c];
+        if (id < 0 || id >= pages) {
+            continue;
         }
+        kv_copy(reinterpret_cast<char*>(s.codes) + c * bytes + at,
+                kv_row(code_slabs, code_rows_per_slab, id * heads + h, bytes) + at, unit, 0, 1);
     }
 }
 

@@ -22,12 +22,12 @@ Each operation runs its kernel when it can (CUDA tensors, cupy importable, ``KVT
 its twin (`kvtier.native.twins`) otherwise, on whatever device the tensors are; `backend()` tells which ran.
 """
 
-from .loader import backend, reset_stats, sources
+from .loader import backend, build_failed, reset_stats, sources
 from .loader import status as kernel_status
 from .ops import (code_logits, gather_pages, kvp_score, merge_parts, pack_entries, page_upper_bounds, plan_recall,
                   rank_pages, rank_pages_tile, recall_pages, scatter_pages, slab_addresses)
 from .twins import MLPWeights, RecallPlan
 
-__all__ = ["MLPWeights", "RecallPlan", "backend", "code_logits", "gather_pages", "kernel_status", "kvp_score",
-           "merge_parts", "pack_entries", "page_upper_bounds", "plan_recall", "rank_pages", "rank_pages_tile",
-           "recall_pages", "reset_stats", "scatter_pages", "slab_addresses", "sources"]
+__all__ = ["MLPWeights", "RecallPlan", "backend", "build_failed", "code_logits", "gather_pages", "kernel_status",
+           "kvp_score", "merge_parts", "pack_entries", "page_upper_bounds", "plan_recall", "rank_pages",
+           "rank_pages_tile", "recall_pages", "reset_stats", "scatter_pages", "slab_addresses", "sources"]

@@ -116,6 +116,12 @@ def build_error(src: str, device: torch.device) -> str | None:
     return _ready.get((src, device.index))
 
 
+def build_failed(device: torch.device, *srcs: str) -> bool:
+    """Whether any of `srcs` failed to build on `device`: a caller with a torch path of its own then takes it,
+    rather than the twin (a long run of small ops on a GPU)."""
+    return device.type == "cuda" and any(_ready.get((src, device.index)) for src in srcs)
+
+
 def launch(k: Any, device: torch.device, grid: tuple[int, ...], block: tuple[int, ...], args: tuple,
            shared_mem: int = 0) -> None:
     """Launch `k` on torch's current stream of `device`, so it runs after the torch work queued before it

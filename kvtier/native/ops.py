@@ -171,9 +171,11 @@ def recall_pages(slabs: Sequence[torch.Tensor], rows_per_slab: int, src_rows: to
     row_shape = tuple(out.shape[1:])
     _check_layout(slabs, rows_per_slab, row_shape, out.dtype, "recall_pages")
     if pair is not None:
-        if len(pair[0]) != len(slabs) or pair[1].shape != out.shape or pair[1].device != out.device:
-            raise ValueError(f"recall_pages: a pair of {len(pair[0])} slabs into {list(pair[1].shape)} on "
-                             f"{pair[1].device}; allowed: {len(slabs)} slabs into {list(out.shape)} on {out.device}")
+        if (len(pair[0]) != len(slabs) or pair[1].shape != out.shape or pair[1].dtype != out.dtype
+                or pair[1].device != out.device):
+            raise ValueError(f"recall_pages: a pair of {len(pair[0])} slabs into {list(pair[1].shape)} "
+                             f"{pair[1].dtype} on {pair[1].device}; allowed: {len(slabs)} slabs into "
+                             f"{list(out.shape)} {out.dtype} on {out.device}")
         _check_layout(pair[0], rows_per_slab, row_shape, out.dtype, "recall_pages pair")
     if heads * r == 0 or not slabs:
         return out
@@ -618,15 +620,18 @@ def kvp_score(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                          f"allowed: [{T}, {d_in - 2 * D}] (keys and values of {D} channels take the rest)")
     if not 0 <= first <= agents - H:
         raise ValueError(f"kvp_score: first={first}; allowed: 0 to {agents - H} ({agents} agents, {H} heads)")
+    if values.device != keys.device or positions.device != keys.device:
+        raise ValueError(f"kvp_score: keys on {keys.device}, values on {values.device}, position features on "
+                         f"{positions.device}; allowed: all on one device")
     positions = positions.float().contiguous()
     why = _why_not(keys.device, [positions, *weights])
     suffix = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}.get(keys.dtype)
-    if why is None and (suffix is None or keys.stride() != values.stride() or keys.stride(2) != 1):
-        why = "keys and values of another dtype or layout (the kernel takes strides with contiguous channels)"
+    if why is None and (suffix is None or keys.stride(2) != 1 or values.stride(2) != 1):
+        why = "keys and values of another dtype, or channels not contiguous"
     if why is None and any(w.dtype != torch.float32 or w.device != keys.device for w in weights):
         why = "weights not float32 on the keys' device"
-    if why is None and hidden > _KVP_THREADS_MAX:
-        why = f"{hidden} hidden units, more than a block's threads"
+    if why is None and (hidden > _KVP_THREADS_MAX or 4 * (d_in + 2 * hidden) > RANK_SHARED_MAX):
+        why = f"networks of {d_in} inputs and {hidden} hidden units: more than a block's threads or shared memory"
     k = loader.kernel("kvp_score", f"kvtier_kvp_score_{suffix}", keys.device) if why is None and T else None
     if k is None:
         loader.record("kvp_score", "twin", why or loader.build_error("kvp_score", keys.device) or "no tokens")
@@ -634,8 +639,9 @@ def kvp_score(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
     scores = torch.empty(H, T, dtype=torch.float32, device=keys.device)
     threads = min(_KVP_THREADS_MAX, max(32, -(-hidden // 32) * 32))
     loader.launch(k, keys.device, (T, H), (threads,),
-                  (_u64(keys.data_ptr()), _u64(values.data_ptr()), _i64(keys.stride(0)), _i64(keys.stride(1)),
-                   _u64(positions.data_ptr()), np.int32(D), np.int32(f), np.int32(hidden), _i64(first),
+                  (_u64(keys.data_ptr()), _i64(keys.stride(0)), _i64(keys.stride(1)), _u64(values.data_ptr()),
+                   _i64(values.stride(0)), _i64(values.stride(1)), _u64(positions.data_ptr()), np.int32(D),
+                   np.int32(f), np.int32(hidden), _i64(first),
                    *(_u64(w.data_ptr()) for w in weights), _u64(scores.data_ptr())),
                   shared_mem=4 * (d_in + 2 * hidden))
     loader.record("kvp_score", "kernel")

@@ -178,7 +178,7 @@ def code_logits(q: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, codes: to
     """
     H, R, D = q.shape
     c, P = codes.shape[1], codes.shape[2]
-    s = torch.tensor(scaling, dtype=torch.float32, device=q.device)
+    s = float(np.float32(scaling))   # a float32 value: multiplying by it rounds as the kernel's product
     logits = torch.empty(H, c, R, P, dtype=torch.float32, device=q.device)
     base = torch.empty(H, c, R, dtype=torch.float32, device=q.device)
     chunk = max(1, _CHUNK_ELEMENTS // max(1, H * R * max(P, D)))
@@ -198,9 +198,12 @@ def code_logits(q: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, codes: to
 
 
 # ----------------------------------------------------------------------------- exp, log and log-sum-exp
-def _f32(*values: str, device: torch.device) -> list[torch.Tensor]:
-    """Float32 constants from the kernels' hexadecimal literals (exact)."""
-    return [torch.tensor(float.fromhex(v), dtype=torch.float32, device=device) for v in values]
+def _f32(*values: str) -> list[float]:
+    """The kernels' float32 constants from their hexadecimal literals, as Python floats: each is exact in
+    float32, so a float32 tensor times, plus or minus one of them rounds as with the constant in float32; and
+    no tensor is made, so a twin on a GPU copies nothing up. (Divisions take a device tensor instead: CUDA
+    divides by a host scalar as a multiply by its reciprocal.)"""
+    return [float.fromhex(v) for v in values]
 
 
 def _bits_float(bits: torch.Tensor) -> torch.Tensor:
@@ -212,13 +215,12 @@ def exp(x: torch.Tensor) -> torch.Tensor:
     gives the method); within 2 ulp of e^x, 0 below log(FLT_MIN)."""
     x = x.float()
     log2e, magic, ln2_hi, ln2_lo, top, bottom = _f32("0x1.715476p+0", "0x1.8p+23", "0x1.62e400p-1",
-                                                     "0x1.7f7d1cp-20", "0x1.62e430p+6", "-0x1.5d589ep+6",
-                                                     device=x.device)
+                                                     "0x1.7f7d1cp-20", "0x1.62e430p+6", "-0x1.5d589ep+6")
     k = ((x * log2e) + magic) - magic
     r = (x - k * ln2_hi) - k * ln2_lo
     p = torch.full_like(x, float.fromhex("0x1.a01a02p-13"))
     for c in ("0x1.6c16c2p-10", "0x1.111112p-7", "0x1.555556p-5", "0x1.555556p-3", "0x1p-1", "0x1p+0", "0x1p+0"):
-        p = p * r + _f32(c, device=x.device)[0]
+        p = p * r + float.fromhex(c)
     ki = torch.nan_to_num(k, nan=0.0).clamp(-126, 128).to(torch.int32)
     k1 = ki >> 1
     out = (p * _bits_float((k1 + 127) << 23)) * _bits_float((ki - k1 + 127) << 23)
@@ -230,10 +232,9 @@ def exp(x: torch.Tensor) -> torch.Tensor:
 def log(x: torch.Tensor) -> torch.Tensor:
     """log x of float32 `x` as ``kv_log`` in ``native/kvtier_native.cuh`` computes it, bit for bit."""
     x = x.float()
-    tiny, sqrt2, ln2_hi, ln2_lo = _f32("0x1p-126", "0x1.6a09e6p+0", "0x1.62e400p-1", "0x1.7f7d1cp-20",
-                                       device=x.device)
+    tiny, sqrt2, ln2_hi, ln2_lo = _f32("0x1p-126", "0x1.6a09e6p+0", "0x1.62e400p-1", "0x1.7f7d1cp-20")
     sub = x < tiny
-    xs = torch.where(sub, x * _f32("0x1p+23", device=x.device)[0], x)
+    xs = torch.where(sub, x * float.fromhex("0x1p+23"), x)
     b = xs.view(torch.int32)
     e = torch.where(sub, -23, 0) + ((b >> 23) & 0xFF) - 127
     m = _bits_float((b & 0x7FFFFF) | 0x3F800000)
@@ -245,7 +246,7 @@ def log(x: torch.Tensor) -> torch.Tensor:
     f2 = f * f
     p = torch.full_like(x, float.fromhex("0x1.3b13b2p-4"))
     for c in ("0x1.745d18p-4", "0x1.c71c72p-4", "0x1.24924ap-3", "0x1.99999ap-3", "0x1.555556p-2"):
-        p = p * f2 + _f32(c, device=x.device)[0]
+        p = p * f2 + float.fromhex(c)
     p = p * f2
     t = f + f
     ef = e.float()
@@ -311,10 +312,10 @@ def rank_pages(q: torch.Tensor, cand: torch.Tensor, pages: int, bounds: tuple[Se
         (H * m, 2 * D), dtype=b_slabs[0].dtype, device=b_slabs[0].device)).to(q.device).view(H, m, 2 * D).float()
     code = gather_pages(c_slabs, c_per, rows.to(c_slabs[0].device), torch.empty(
         (H * m, page, -(-D // 4)), dtype=torch.uint8, device=c_slabs[0].device)).to(q.device).view(H, m, page, -1)
-    nan = torch.tensor(float("nan"), device=q.device)
+    nan = float("nan")
     lo = torch.where(valid[..., None], b[..., D:], nan)
-    three, tiny = _f32("0x1.8p+1", "0x1p-126", device=q.device)
-    st = torch.where(valid[..., None], (b[..., :D] - lo) / three, nan)
+    tiny = float.fromhex("0x1p-126")
+    st = torch.where(valid[..., None], (b[..., :D] - lo) / torch.full_like(lo, 3.0), nan)
     st = torch.where(st < tiny, tiny, st)
     logits, base = code_logits(q, lo, st, code, scaling)                 # [H, m, R, page], [H, m, R]
     page_lse = logsumexp(logits) + base                                  # [H, m, R]

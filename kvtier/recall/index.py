@@ -46,7 +46,7 @@ class PageIndex:
             return self.native_select
         if self._kernels_here is None:
             self._kernels_here = self.device.type == "cuda" and native.kernel_status() is None
-        return self._kernels_here
+        return self._kernels_here and not native.build_failed(self.device, "page_select", "rank_pages", "merge_parts")
 
     def add(self, k_pages: torch.Tensor) -> None:
         """Index the next pages from their keys ``[heads, pages, page_size, dim]`` (all entries valid)."""

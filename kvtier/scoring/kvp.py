@@ -143,7 +143,7 @@ class KVPScorer:
     def _kernel_scores(self, device: torch.device) -> bool:
         if self.native_score is not None:
             return self.native_score
-        return device.type == "cuda" and native.kernel_status() is None
+        return device.type == "cuda" and native.kernel_status() is None and not native.build_failed(device, "kvp_score")
 
     @torch.no_grad()
     def score(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,

@@ -420,16 +420,17 @@ def test_exp_and_log_twins_give_the_same_bits_on_the_gpu_and_the_cpu(cuda_device
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [1, 5, 300])
 def test_kvp_score_kernel_is_the_twin(kernels, dtype, tokens):
-    """Keys and values laid out as a model hands them over ([1, tokens, heads, dim] transposed to head-major):
-    the kernel reads them through their strides and scores every head in one launch, bit for bit the twin."""
+    """Keys and values laid out as a model hands them over (keys made new by RoPE, values a head-major view of
+    token-major memory, so their strides differ): the kernel reads each through its own strides and scores
+    every head in one launch, bit for bit the twin."""
     from kvtier.scoring.features import position_features
     from kvtier.scoring.kvp import KVPScorer
 
     scorer = KVPScorer()
     layers, H, D = scorer.shape
     g = torch.Generator().manual_seed(tokens)
-    k = torch.randn(tokens, H, D, generator=g).to(dtype).to(kernels).transpose(0, 1)   # [H, tokens, D], strided
-    v = torch.randn(tokens, H, D, generator=g).to(dtype).to(kernels).transpose(0, 1)
+    k = torch.randn(H, tokens, D, generator=g).to(dtype).to(kernels)     # made new (as RoPE makes the keys)
+    v = torch.randn(tokens, H, D, generator=g).to(dtype).to(kernels).transpose(0, 1)   # a view, other strides
     pos = position_features(torch.arange(40, 40 + tokens)).to(kernels)
     layer = layers - 1
     launches = _Launches("kvp_score")

@@ -534,20 +534,22 @@ def _run_as_the_kernel(name: str, grid: tuple, args: tuple, block: tuple = (128,
         for ptr, value in ((chosen, got[0]), (ranked, got[1]), (shares, got[2])):
             _tensor(int(ptr), tuple(value.shape), value.dtype).copy_(value)
     elif name.startswith("kvtier_kvp_score_"):
-        (keys, values, head_stride, token_stride, pos, dim, f, hidden, first, *weights, scores) = (int(a) for a in args)
+        (keys, k_head, k_token, values, v_head, v_token, pos, dim, f, hidden, first, *weights,
+         scores) = (int(a) for a in args)
         T, H = int(grid[0]), int(grid[1])
         dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[name.rsplit("_", 1)[1]]
-        span = (H - 1) * head_stride + (T - 1) * token_stride + dim
 
-        def strided(addr):
-            return _tensor(addr, (span,), dtype).as_strided((H, T, dim), (head_stride, token_stride, 1))
+        def strided(addr, head, token):
+            span = (H - 1) * head + (T - 1) * token + dim
+            return _tensor(addr, (span,), dtype).as_strided((H, T, dim), (head, token, 1))
 
         d_in = 2 * dim + f
         agents = first + H   # the agents read: those up to the last head's
         shapes = [(agents, 1, d_in), (agents, 1, d_in), (agents, d_in, hidden), (agents, 1, hidden),
                   (agents, hidden, hidden), (agents, 1, hidden), (agents, hidden, 1), (agents, 1, 1)]
         w = twins.MLPWeights(*(_tensor(a, s, torch.float32) for a, s in zip(weights, shapes)))
-        got = twins.kvp_score(strided(keys), strided(values), _tensor(pos, (T, f), torch.float32), w, first)
+        got = twins.kvp_score(strided(keys, k_head, k_token), strided(values, v_head, v_token),
+                              _tensor(pos, (T, f), torch.float32), w, first)
         _tensor(scores, (H, T), torch.float32).copy_(got)
         assert block[0] >= hidden or block[0] == 1024
     elif name == "kvtier_merge_parts":
@@ -579,7 +581,7 @@ def replayed_kernels(monkeypatch):
         if k == "kvtier_plan_recall":   # a byte of marks per wanted page and per slot
             assert shared_mem == int(args[4]) + int(args[5])
         if k.startswith("kvtier_kvp_score_"):   # the features and both hidden layers
-            assert shared_mem == 4 * (2 * int(args[5]) + int(args[6]) + 2 * int(args[7]))
+            assert shared_mem == 4 * (2 * int(args[7]) + int(args[8]) + 2 * int(args[9]))
         if k.startswith("kvtier_rank_pages_"):   # the layout the kernel makes, within a block's default share
             m, rows, page, dim, tile = (int(args[i]) for i in (2, 11, 12, 13, 14))
             assert shared_mem == ops._rank_shared(m, tile, rows, page, dim) <= ops.RANK_SHARED_MAX
@@ -758,7 +760,7 @@ def test_kvp_score_launch_gives_the_twins_scores(replayed_kernels, dtype):
     layers, H, D = scorer.shape
     g = torch.Generator().manual_seed(14)
     k = torch.randn(4, H, D, generator=g).to(dtype).transpose(0, 1)    # head-major view of token-major memory
-    v = torch.randn(4, H, D, generator=g).to(dtype).transpose(0, 1)
+    v = torch.randn(H, 4, D, generator=g).to(dtype)                    # and contiguous values: other strides
     pos = position_features(torch.arange(9, 13))
     w = scorer.agents.weights()
     got = native.kvp_score(k, v, pos, w, 2 * H)
@@ -774,3 +776,21 @@ def test_merge_parts_launches_give_the_twins_merge(replayed_kernels):
     want = twins.merge_parts([first, *parts[4:]])
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert [name for name, _, _ in replayed_kernels] == ["kvtier_merge_parts"] * 2
+
+
+def test_a_source_that_failed_to_build_is_reported_to_the_callers_gates(monkeypatch):
+    """A caller with a torch path of its own (page choice, KVP) takes it when a kernel source failed to build,
+    rather than the twin, a long run of small ops on a GPU."""
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setitem(loader._ready, ("rank_pages", 0), "rank_pages.cu did not build on cuda:0: (injected)")
+    assert native.build_failed(gpu, "page_select", "rank_pages")
+    assert not native.build_failed(gpu, "page_select", "kvp_score")
+    assert not native.build_failed(torch.device("cpu"), "rank_pages")
+
+
+def test_recall_pages_refuses_a_pair_of_another_dtype():
+    s = _storage(5, 3, (16, 64), torch.float32, seed=16)
+    out = torch.zeros(6, 16, 64)
+    with pytest.raises(ValueError, match="torch.float16 on cpu; allowed: 3 slabs into .* torch.float32"):
+        native.recall_pages(s.slabs, 5, torch.zeros(1, 2, dtype=torch.int64), torch.zeros(1, 2, dtype=torch.int64),
+                            torch.ones(1, dtype=torch.int64), out, pair=(s.slabs, out.half(), None))
