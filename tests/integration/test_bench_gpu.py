@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 from kvtier.bench.gpu import TARGET_CONTEXT, evaluate_targets
 from kvtier.cli import main
+from kvtier.native import kernel_status as kvtier_native_status
 
 TINY = ["bench", "gpu", "--shape", "tiny", "--layers", "2", "--contexts", "1K,2K", "--million-context", "8K",
         "--steps", "2", "--warmup", "1", "--growth-steps", "24", "--copy-mib", "8", "--batch-mib", "1",
@@ -40,6 +41,10 @@ def test_table_and_json_are_written(cpu_run):
                              "dtype": "bfloat16", "batch": 1, "weights": "random"}
     assert set(data["seconds"]) >= {"bandwidth", "model_init", "context_1024", "context_2048", "million", "total"}
     assert "untrained" in data["scorer"]
+    # what one launch costs the host, and how long each step took to issue: whether steps are host-bound
+    cost = data["launch_cost"]
+    assert cost["torch_op_us"] > 0 and cost["native_op_us"] > 0 and cost["native_path"] == "twin"
+    assert "one launch costs the host" in text and "host time to issue a step" in text
 
 
 def test_bandwidth_rows(cpu_run):
@@ -60,6 +65,8 @@ def test_decode_rows_and_ratios(cpu_run):
     for r in rows:
         kv, dyn, off = (r["rows"][n] for n in ("kvtier", "dynamic", "offloading"))
         assert kv["steps"] == 2 and dyn["steps"] == 2 and kv["step_ms_median"] > 0
+        for r_ in (kv, dyn):   # issuing a step is part of it (all of it on a CPU, where nothing runs behind)
+            assert 0 < r_["issue_ms_median"] <= r_["step_ms_max"]
         assert r["ratios"]["dynamic_over_kvtier"] == pytest.approx(dyn["step_ms_median"] / kv["step_ms_median"],
                                                                   rel=1e-2)
         assert "skipped" in off and "cpu" in off["skipped"] and r["ratios"]["offloading_over_kvtier"] is None
@@ -145,3 +152,5 @@ def test_tiny_on_cuda_measures_every_row(tmp_path):
         assert r["ratios"]["offloading_over_kvtier"] is not None
     assert data["million"]["gpu_allocated_bytes"] > 0
     assert all(t["measured"] is not None for t in data["targets"]), data["targets"]
+    cost = data["launch_cost"]   # with cupy, a native op is one kernel launch
+    assert cost["torch_op_us"] > 0 and (cost["native_path"] == "kernel") == (kvtier_native_status() is None)

@@ -73,8 +73,9 @@ def run_context(cfg: GpuBenchConfig, model: Any, context: int, scorer: Any, cloc
         try:
             fill = clock.time(lambda: _fill_from(cache, kv, cfg.prefill_chunk, progress, "kvtier fill"))
             _, t = decode_steps(model, cache, token, cfg.warmup, clock)
-            times, t = decode_steps(model, cache, t, cfg.steps, clock, progress, "kvtier decode")
-            out = _step_row(times, fill_seconds=_r(fill, 3), tiers=_tier_summary(cache.stats()))
+            issued: list[float] = []
+            times, t = decode_steps(model, cache, t, cfg.steps, clock, progress, "kvtier decode", issued=issued)
+            out = _step_row(times, issued, fill_seconds=_r(fill, 3), tiers=_tier_summary(cache.stats()))
             if growth and cfg.growth_steps:
                 progress.say(f"memory growth: up to {cfg.growth_steps} kvtier decode steps at {context:,}")
                 out["growth"] = _growth(cfg, model, cache, t, layers, clock, progress)
@@ -95,14 +96,16 @@ def run_context(cfg: GpuBenchConfig, model: Any, context: int, scorer: Any, cloc
 
         fill = clock.time(fill_layers)
         _, t = decode_steps(model, cache, token, cfg.warmup, clock)
-        times, _ = decode_steps(model, cache, t, cfg.steps, clock, progress, "offloading decode")
+        issued: list[float] = []
+        times, _ = decode_steps(model, cache, t, cfg.steps, clock, progress, "offloading decode", issued=issued)
         del cache
-        return _step_row(times, fill_seconds=_r(fill, 3))
+        return _step_row(times, issued, fill_seconds=_r(fill, 3))
 
     def dynamic() -> dict[str, Any]:
         _, t = decode_steps(model, full, token, cfg.warmup, clock)
-        times, _ = decode_steps(model, full, t, cfg.steps, clock, progress, "DynamicCache decode")
-        return _step_row(times, where=device.type)
+        issued: list[float] = []
+        times, _ = decode_steps(model, full, t, cfg.steps, clock, progress, "DynamicCache decode", issued=issued)
+        return _step_row(times, issued, where=device.type)
 
     for name, fn in (("kvtier", tiered), ("offloading", offloaded), ("dynamic", dynamic)):  # dynamic last: it
         progress.say(f"{context:,} tokens: {ROW_NAMES[name]}")                           # grows the shared K/V

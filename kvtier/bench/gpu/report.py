@@ -70,6 +70,16 @@ def format_report(result: dict[str, Any]) -> str:
                      f"{_fmt(ra['offloading_over_kvtier'], '9.1f', 'x'):>10}  "
                      f"{_fmt(None if frac is None else frac * 100, '12.2f', '%'):>13}")
     lines += skipped
+    issue = [(row["context"], row["rows"][name].get("issue_ms_median"), ROW_NAMES[name])
+             for row in result["decode"] if not row.get("skipped")
+             for name in ("kvtier", "dynamic") if not row["rows"][name].get("skipped")]
+    if issue:
+        lines.append("  host time to issue a step, ms (median; near the step's own time, the host bounds it): " +
+                     ", ".join(f"{_tokens(c)} {name} {_fmt(ms, '.2f')}" for c, ms, name in issue))
+    cost = result.get("launch_cost", {})
+    if cost and not cost.get("skipped"):
+        lines.append(f"  one launch costs the host {cost['torch_op_us']:.1f} us (a torch op), "
+                     f"{cost['native_op_us']:.1f} us (a native op, {cost['native_path']})")
     growth = next((r["rows"]["kvtier"]["growth"] for r in result["decode"]
                    if "growth" in r.get("rows", {}).get("kvtier", {})), None)
     if growth:

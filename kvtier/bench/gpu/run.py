@@ -13,6 +13,7 @@ import torch
 
 from .bandwidth import measure_bandwidth
 from .context import run_context
+from .launch_cost import measure_launch_cost
 from .million import run_million
 from .model import ROPE, SHAPES, build_model, kv_bytes_per_token, kvp_for
 from .settings import GpuBenchConfig
@@ -55,6 +56,8 @@ def run_gpu_bench(cfg: GpuBenchConfig, progress: Progress | None = None) -> dict
     t = time.perf_counter()
     result["bandwidth"] = measure_bandwidth(cfg, device, progress)
     seconds["bandwidth"] = _r(time.perf_counter() - t, 2)
+
+    result["launch_cost"] = _attempt("launch cost", lambda: measure_launch_cost(device), device, progress)
 
     scorers: dict[int, tuple[Any, str]] = {}
 

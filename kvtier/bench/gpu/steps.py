@@ -34,10 +34,12 @@ def prefill(model: Any, ids: torch.Tensor, cache: Any, chunk: int, clock: Clock,
 @torch.no_grad()
 def decode_steps(model: Any, cache: Any, token: torch.Tensor, n: int, clock: Clock,
                  progress: Progress | None = None, desc: str = "decode",
-                 deadline: float | None = None,
-                 demoted: list[bool] | None = None) -> tuple[list[float], torch.Tensor]:
+                 deadline: float | None = None, demoted: list[bool] | None = None,
+                 issued: list[float] | None = None) -> tuple[list[float], torch.Tensor]:
     """`n` greedy decode steps, each timed alone (synchronised); stops early past `deadline` (perf_counter).
-    `demoted`, when given, gets whether each step moved entries down from the device (a kvtier cache)."""
+    `demoted`, when given, gets whether each step moved entries down from the device (a kvtier cache);
+    `issued` the seconds the host took to issue each step (until the forward returned, before the wait for the
+    device): a step whose issue takes about its whole time is bound by the host, not by the device."""
     from ...integrations.hf import cache_kwargs
 
     times = []
@@ -49,6 +51,8 @@ def decode_steps(model: Any, cache: Any, token: torch.Tensor, n: int, clock: Clo
         t0 = time.perf_counter()
         out = model(token, **cache_kwargs(cache), use_cache=True)
         token = out.logits[:, -1:].argmax(-1)
+        if issued is not None:
+            issued.append(time.perf_counter() - t0)
         clock.sync()
         times.append(time.perf_counter() - t0)
         if demoted is not None:
@@ -58,10 +62,13 @@ def decode_steps(model: Any, cache: Any, token: torch.Tensor, n: int, clock: Clo
     return times, token
 
 
-def _step_row(times: list[float], **extra: Any) -> dict[str, Any]:
-    return {"step_ms_median": _r(_median(times) * 1e3), "step_ms_min": _r(min(times) * 1e3),
-            "step_ms_max": _r(max(times) * 1e3), "steps": len(times),
-            "step_ms": [_r(t * 1e3) for t in times], **extra}
+def _step_row(times: list[float], issued: list[float] | None = None, **extra: Any) -> dict[str, Any]:
+    row = {"step_ms_median": _r(_median(times) * 1e3), "step_ms_min": _r(min(times) * 1e3),
+           "step_ms_max": _r(max(times) * 1e3), "steps": len(times),
+           "step_ms": [_r(t * 1e3) for t in times], **extra}
+    if issued:
+        row["issue_ms_median"] = _r(_median(issued) * 1e3)
+    return row
 
 
 def _tier_summary(stats: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,48 @@
+"""What one launch costs the host: a tensor operation through torch, and a native kernel through cupy.
+
+A decode step issues some sixty launches a layer (`kvtier bench launches` counts them); times the cost of one,
+that is how long the host takes to issue a step, whatever the device does. Both are timed on tiny tensors
+(the device's work is negligible), issue only: the wait for the device comes after the clock stops.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from ... import native
+from .timing import _r
+
+LAUNCHES = 2000
+
+
+def measure_launch_cost(device: torch.device, n: int = LAUNCHES) -> dict[str, Any]:
+    """Microseconds of host time per launch, median of three runs of `n` each: ``torch_op_us`` (an in-place
+    add on one element) and ``native_op_us`` (`kvtier.native.merge_parts` of two one-element parts, one kernel
+    where kernels run; where they do not, its torch twin, a few dozen ops, and ``native_path`` says so)."""
+    x = torch.zeros(1, device=device)
+    part = (torch.zeros(1, 1, 1, device=device), torch.zeros(1, 1, device=device))
+
+    def issue(fn) -> float:
+        runs = []
+        for _ in range(3):
+            fn()   # warm: a first call may compile or load
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            runs.append((time.perf_counter() - t0) / n)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        return sorted(runs)[1]
+
+    before = native.backend()["ops"].get("merge_parts", {}).get("kernel", 0)
+    native_s = issue(lambda: native.merge_parts([part, part]))
+    kernel = native.backend()["ops"].get("merge_parts", {}).get("kernel", 0) > before
+    return {"torch_op_us": _r(issue(lambda: x.add_(1.0)) * 1e6, 2), "native_op_us": _r(native_s * 1e6, 2),
+            "native_path": "kernel" if kernel else "twin", "launches_timed": n,
+            "method": "host time to issue n launches on tiny tensors, the device waited for before and after; "
+                      "median of three runs"}
