@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import subprocess
 
-import pytest
 import torch
 
 from kvtier.native import twins
 
-from test_native_compile import NVCC, host_harness, needs_nvcc
+from native_host import harness_fixture
+from test_native_compile import needs_nvcc
 
 HARNESS = r"""
 #include "plan_recall.cu"
@@ -65,11 +65,7 @@ int main() {
 """
 
 
-@pytest.fixture(scope="module")
-def harness(tmp_path_factory):
-    if NVCC is None:
-        pytest.skip("nvcc is not installed")
-    return host_harness(HARNESS, tmp_path_factory.mktemp("plan"))
+harness = harness_fixture(HARNESS, "plan")
 
 
 def _case(g: torch.Generator, heads: int, w: int, R: int, pages: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,7 +19,8 @@ from kvtier.native import twins
 from kvtier.scoring.features import position_features
 from kvtier.scoring.kvp import KVPScorer
 
-from test_native_compile import NVCC, host_harness, needs_nvcc
+from native_host import DTYPE_CODES, harness_fixture, hex_words
+from test_native_compile import needs_nvcc
 
 HARNESS = r"""
 #include "kvp_score.cu"
@@ -81,21 +82,7 @@ int main() {
     return 0;
 }
 """
-DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-
-
-@pytest.fixture(scope="module")
-def harness(tmp_path_factory):
-    if NVCC is None:
-        pytest.skip("nvcc is not installed")
-    return host_harness(HARNESS, tmp_path_factory.mktemp("kvp"))
-
-
-def _hex(t: torch.Tensor) -> str:
-    t = t.detach().contiguous()
-    bits = t.view(torch.int32).numpy().astype(np.uint32) if t.dtype == torch.float32 else \
-        t.view(torch.int16).numpy().astype(np.uint16)
-    return " ".join(f"{int(b):x}" for b in bits.reshape(-1))
+harness = harness_fixture(HARNESS, "kvp")
 
 
 def _entries(g: torch.Generator, H: int, T: int, D: int, dtype: torch.dtype, start: int):
@@ -116,8 +103,8 @@ def test_the_kvp_kernels_code_gives_the_twins_scores(harness):
                                                    (torch.float32, 2, 5, 1), (torch.bfloat16, 4, 11, 7)]):
         keys, values, pos = _entries(g, H, T, D, dtype, start=17 + 1000 * i)
         cases.append(twins.kvp_score(keys, values, pos, w, layer * H))
-        lines.append(" ".join([f"{T} {H} {D} {pos.shape[1]} {hidden} {agents} {layer * H} {lanes} {DTYPES[dtype]}",
-                               _hex(keys), _hex(values), _hex(pos), *(_hex(t) for t in w)]))
+        lines.append(" ".join([f"{T} {H} {D} {pos.shape[1]} {hidden} {agents} {layer * H} {lanes} {DTYPE_CODES[dtype]}",
+                               hex_words(keys), hex_words(values), hex_words(pos), *(hex_words(t) for t in w)]))
     done = subprocess.run([str(harness)], input="\n".join(lines) + "\n", capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     out = done.stdout.strip().split("\n")

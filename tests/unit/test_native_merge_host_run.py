@@ -18,7 +18,8 @@ from kvtier import native
 from kvtier.engine.attention import attend_with_lse, merge_with_lse
 from kvtier.native import twins
 
-from test_native_compile import NVCC, host_harness, needs_nvcc
+from native_host import harness_fixture, hex_words, same_bits
+from test_native_compile import needs_nvcc
 
 HARNESS = r"""
 #include "merge_parts.cu"
@@ -61,20 +62,7 @@ int main() {
 """
 
 
-@pytest.fixture(scope="module")
-def harness(tmp_path_factory):
-    if NVCC is None:
-        pytest.skip("nvcc is not installed")
-    return host_harness(HARNESS, tmp_path_factory.mktemp("merge"))
-
-
-def _hex(t: torch.Tensor) -> str:
-    return " ".join(f"{int(b):x}" for b in t.contiguous().view(torch.int32).numpy().astype(np.uint32).reshape(-1))
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return bool(torch.equal(a.isnan(), b.isnan())
-                and torch.equal(a.nan_to_num(0.0).view(torch.int32), b.nan_to_num(0.0).view(torch.int32)))
+harness = harness_fixture(HARNESS, "merge")
 
 
 def _parts(g: torch.Generator, K: int, H: int, R: int, D: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -93,15 +81,15 @@ def test_the_merge_kernels_code_gives_the_twins_bits(harness):
     cases = [_parts(g, K, H, R, D) for K, H, R, D in [(1, 2, 3, 8), (2, 3, 4, 16), (3, 1, 1, 64), (4, 8, 4, 128)]]
     cases.append([(torch.randn(2, 2, 4, generator=g), torch.full((2, 2), float("-inf"))) for _ in range(2)])
     lines = [f"{len(c)} {c[0][0].shape[0]} {c[0][0].shape[1]} {c[0][0].shape[2]} " +
-             " ".join(_hex(o) + " " + _hex(lse) for o, lse in c) for c in cases]
+             " ".join(hex_words(o) + " " + hex_words(lse) for o, lse in c) for c in cases]
     done = subprocess.run([str(harness)], input="\n".join(lines) + "\n", capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     for parts, line in zip(cases, done.stdout.strip().split("\n")):
         H, R, D = parts[0][0].shape
         bits = np.array([int(x, 16) for x in line.split()], dtype=np.uint32).view(np.float32)
         out, lse = twins.merge_parts(parts)
-        assert _same_bits(torch.from_numpy(bits[:H * R * D].copy()), out.reshape(-1))
-        assert _same_bits(torch.from_numpy(bits[H * R * D:].copy()), lse.reshape(-1))
+        assert same_bits(torch.from_numpy(bits[:H * R * D].copy()), out.reshape(-1))
+        assert same_bits(torch.from_numpy(bits[H * R * D:].copy()), lse.reshape(-1))
 
 
 @pytest.mark.parametrize("K", [2, 4, 5, 9])

@@ -12,12 +12,12 @@ from __future__ import annotations
 import subprocess
 
 import numpy as np
-import pytest
 import torch
 
 from kvtier.native import ops, twins
 
-from test_native_compile import NVCC, host_harness, needs_nvcc
+from native_host import DTYPE_CODES, floats, harness_fixture, hex_words, same_bits
+from test_native_compile import needs_nvcc
 
 HARNESS = r"""
 #include "rank_pages.cu"
@@ -118,37 +118,7 @@ int main() {
     return 0;
 }
 """
-DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-
-
-@pytest.fixture(scope="module")
-def harness(tmp_path_factory):
-    if NVCC is None:
-        pytest.skip("nvcc is not installed")
-    return host_harness(HARNESS, tmp_path_factory.mktemp("rank"))
-
-
-def _hex(t: torch.Tensor) -> str:
-    """Float bits as hex words (float32 by its int32 view, half and bf16 by their 16 bits)."""
-    t = t.contiguous()
-    if t.dtype == torch.float32:
-        bits = t.view(torch.int32).numpy().astype(np.uint32)
-    elif t.dtype in (torch.float16, torch.bfloat16):
-        bits = t.view(torch.int16).numpy().astype(np.uint16)
-    else:
-        bits = t.numpy().astype(np.uint32)
-    return " ".join(f"{int(b):x}" for b in bits.reshape(-1))
-
-
-def _floats(words: list[str]) -> torch.Tensor:
-    return torch.from_numpy(np.array([int(w, 16) for w in words], dtype=np.uint32).view(np.float32))
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal bit for bit, any NaN standing for any other (a NaN's payload is the hardware's choice)."""
-    a, b = a.float(), b.float()
-    return bool(torch.equal(torch.isnan(a), torch.isnan(b))
-                and torch.equal(a.nan_to_num(0.0).view(torch.int32), b.nan_to_num(0.0).view(torch.int32)))
+harness = harness_fixture(HARNESS, "rank")
 
 
 def _run(harness, lines: list[str]) -> list[str]:
@@ -170,13 +140,13 @@ def test_exp_log_and_logsumexp_compiled_for_the_host_give_the_twins_bits(harness
                torch.randn(16, generator=g) - 50, torch.tensor([float("-inf")] * 3), torch.tensor([2.0, float("inf")]),
                torch.tensor([float("nan"), float("inf")]), torch.exp(torch.randn(500, generator=g) * 40)]
     vectors = [v.float() for v in vectors]
-    out = _run(harness, [f"x {len(v)} {_hex(v)}" for v in vectors])
+    out = _run(harness, [f"x {len(v)} {hex_words(v)}" for v in vectors])
     for v, line in zip(vectors, out):
         words = line.split()
-        got_exp, got_log, got_lse = _floats(words[0:-1:2]), _floats(words[1:-1:2]), _floats(words[-1:])
-        assert _same_bits(got_exp, twins.exp(v)), v
-        assert _same_bits(got_log, twins.log(v)), v
-        assert _same_bits(got_lse, twins.logsumexp(v[None])), v
+        got_exp, got_log, got_lse = floats(words[0:-1:2]), floats(words[1:-1:2]), floats(words[-1:])
+        assert same_bits(got_exp, twins.exp(v)), v
+        assert same_bits(got_log, twins.log(v)), v
+        assert same_bits(got_lse, twins.logsumexp(v[None])), v
 
 
 def test_exp_and_log_are_within_two_ulp_of_the_exact_values():
@@ -213,7 +183,7 @@ def test_the_rank_kernels_code_gives_the_twins_shares_ranking_and_choice(harness
     g = torch.Generator().manual_seed(2)
     cases, lines = [], []
     for i in range(60):
-        dtype = list(DTYPES)[i % 3]
+        dtype = list(DTYPE_CODES)[i % 3]
         H, R, D, P = 1 + i % 3, [1, 3, 4, 9][i % 4], [8, 16, 64, 12][i % 4], [4, 16, 8][i % 3]
         pages = 3 + int(torch.randint(0, 40, (1,), generator=g))
         m = 1 + int(torch.randint(0, pages, (1,), generator=g))
@@ -225,17 +195,17 @@ def test_the_rank_kernels_code_gives_the_twins_shares_ranking_and_choice(harness
         scaling = D ** -0.5
         slabs = lambda t, per: (list(torch.cat([t, t.new_zeros(-len(t) % per, *t.shape[1:])]).split(per)), per)
         cases.append((c, resident, keep, scaling, slabs(c["bounds"], b_per), slabs(c["codes"], c_per), P))
-        lines.append(" ".join([f"r {DTYPES[dtype]} {H} {R} {D} {P} {m} {pages} {keep} {int(resident is not None)}",
-                               f"{tile} {lanes} {b_per} {c_per} {_hex(torch.tensor([scaling]).float())}",
-                               _hex(c["q"]), " ".join(map(str, c["cand"].flatten().tolist())), _hex(c["bounds"]),
-                               _hex(c["codes"].flatten()),
-                               _hex(resident if resident is not None else torch.zeros(H, R))]))
+        lines.append(" ".join([f"r {DTYPE_CODES[dtype]} {H} {R} {D} {P} {m} {pages} {keep} {int(resident is not None)}",
+                               f"{tile} {lanes} {b_per} {c_per} {hex_words(torch.tensor([scaling]).float())}",
+                               hex_words(c["q"]), " ".join(map(str, c["cand"].flatten().tolist())), hex_words(c["bounds"]),
+                               hex_words(c["codes"].flatten()),
+                               hex_words(resident if resident is not None else torch.zeros(H, R))]))
     for (c, resident, keep, scaling, bounds, codes, P), line in zip(cases, _run(harness, lines)):
         chosen, ranked, shares = (part.split() for part in line.split("|"))
         want = twins.rank_pages(c["q"], c["cand"], c["pages"], bounds, codes, P, scaling, keep, resident)
         assert [int(x) for x in chosen] == want[0].flatten().tolist()
         assert [int(x) for x in ranked] == want[1].flatten().tolist()
-        assert _same_bits(_floats(shares), want[2].flatten())
+        assert same_bits(floats(shares), want[2].flatten())
 
 
 @needs_nvcc
@@ -243,11 +213,11 @@ def test_a_candidate_outside_the_index_reads_nothing_and_poisons_only_its_head(h
     g = torch.Generator().manual_seed(3)
     c = _rank_case(g, torch.float32, 2, 2, 16, 4, 5, 8, ties=False)
     c["cand"][1, 2] = 8   # one past the last page
-    line = " ".join(["r 0 2 2 16 4 5 8 3 0 5 32 1000 1000", _hex(torch.tensor([0.25])), _hex(c["q"]),
-                     " ".join(map(str, c["cand"].flatten().tolist())), _hex(c["bounds"]), _hex(c["codes"].flatten()),
-                     _hex(torch.zeros(2, 2))])
+    line = " ".join(["r 0 2 2 16 4 5 8 3 0 5 32 1000 1000", hex_words(torch.tensor([0.25])), hex_words(c["q"]),
+                     " ".join(map(str, c["cand"].flatten().tolist())), hex_words(c["bounds"]), hex_words(c["codes"].flatten()),
+                     hex_words(torch.zeros(2, 2))])
     chosen, ranked, shares = (part.split() for part in _run(harness, [line])[0].split("|"))
     want = twins.rank_pages(c["q"], c["cand"], 8, ([c["bounds"]], 16), ([c["codes"]], 16), 4, 0.25, 3)
-    assert _same_bits(_floats(shares), want[2].flatten())
+    assert same_bits(floats(shares), want[2].flatten())
     assert not want[2][0].isnan().any() and want[2][1].isnan().all()
     assert [int(x) for x in ranked] == want[1].flatten().tolist()
