@@ -108,5 +108,10 @@ def test_bench_launches_json():
     assert plain["cache"] == "DynamicCache" and set(plain["by_part_per_layer_step"]) == {"model"}
     assert tiered["launches_per_layer_step"] > plain["launches_per_layer_step"] > 0
     assert {"page choice", "recall and prefetch", "scorer", "model"} <= set(tiered["by_part_per_layer_step"])
-    assert tiered["native_calls_per_layer_step"]["plan_recall"] >= 1
+    calls, parts = tiered["native_calls_per_layer_step"], tiered["by_part_per_layer_step"]
+    assert calls["plan_recall"] >= 1
+    # page ranking, KVP's networks and the attention merge are a launch each; keys and values recalled together
+    assert calls["rank_pages"] == calls["kvp_score"] == calls["merge_parts"] == 1
+    assert calls["recall_pages"] == calls["plan_recall"]
+    assert parts["page choice"] <= 3 and parts["attention over the parts"] == 2   # a top-k; two attention calls
     assert data["ratio"] > 1
