@@ -6,7 +6,7 @@
 // For KV head h, candidate c (page cand[h, c]) and query row r, with the page's bounds hi, lo (row
 // page * heads + h of the bounds storage: [hi | lo], the cache's dtype) and codes (the same row of the codes
 // storage: `page` keys of ceil(dim / 4) bytes, channel d in bits 2 (d % 4) of byte d / 4):
-//   step[d]        = (hi[d] - lo[d]) / 3, at least FLT_MIN (NaN kept)          as recall/codes.py's step
+//   step[d]        = (hi[d] - lo[d]) / 3, at least FLT_MIN (NaN kept)          recall/codes.py's step
 //   logit[c, r, p] = scaling * sum_d (q[r, d] * step[d]) * code[p, d]          as kvtier_code_logits
 //   base[c, r]     = scaling * sum_d q[r, d] * lo[d]
 //   page_lse[c, r] = kv_logsumexp(logit[c, r, 0 .. page - 1]) + base[c, r]

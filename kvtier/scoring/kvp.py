@@ -108,6 +108,7 @@ class KVPScorer:
         self._device_copies: dict[torch.device, tuple[KVPAgents, native.MLPWeights]] = {}
         self._last_positions: tuple[torch.Tensor, torch.Tensor] | None = None
         self.native_score: bool | None = None
+        self._kernels_here: dict[torch.device, bool] = {}
 
     @classmethod
     def from_agents(cls, agents: KVPAgents, meta: dict[str, Any], name: str = "kvp") -> KVPScorer:
@@ -143,7 +144,9 @@ class KVPScorer:
     def _kernel_scores(self, device: torch.device) -> bool:
         if self.native_score is not None:
             return self.native_score
-        return device.type == "cuda" and native.kernel_status() is None and not native.build_failed(device, "kvp_score")
+        if device not in self._kernels_here:   # kernels on and cupy importable: asked once per device
+            self._kernels_here[device] = device.type == "cuda" and native.kernel_status() is None
+        return self._kernels_here[device] and not native.build_failed(device, "kvp_score")
 
     @torch.no_grad()
     def score(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,

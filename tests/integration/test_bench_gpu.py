@@ -154,3 +154,17 @@ def test_tiny_on_cuda_measures_every_row(tmp_path):
     assert all(t["measured"] is not None for t in data["targets"]), data["targets"]
     cost = data["launch_cost"]   # with cupy, a native op is one kernel launch
     assert cost["torch_op_us"] > 0 and (cost["native_path"] == "kernel") == (kvtier_native_status() is None)
+
+
+def test_the_table_says_why_rows_were_skipped(cpu_run):
+    """A skipped context, a skipped kvtier row and a skipped launch cost each print their reason, and the rest of
+    the table still prints."""
+    from kvtier.bench.gpu.report import format_report
+
+    data = json.loads(json.dumps(cpu_run[1]))
+    data["decode"][0] = {"context": 1024, "skipped": "out of memory (injected)"}
+    data["decode"][1]["rows"]["kvtier"] = {"skipped": "a bug (injected)"}
+    data["launch_cost"] = {"skipped": "no device (injected)"}
+    text = format_report(data)
+    assert "skipped: out of memory (injected)" in text and "a bug (injected)" in text
+    assert "launch cost: skipped (no device (injected))" in text and "targets" in text

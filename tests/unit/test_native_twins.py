@@ -794,3 +794,19 @@ def test_recall_pages_refuses_a_pair_of_another_dtype():
     with pytest.raises(ValueError, match="torch.float16 on cpu; allowed: 3 slabs into .* torch.float32"):
         native.recall_pages(s.slabs, 5, torch.zeros(1, 2, dtype=torch.int64), torch.zeros(1, 2, dtype=torch.int64),
                             torch.ones(1, dtype=torch.int64), out, pair=(s.slabs, out.half(), None))
+
+
+def test_callers_gates_follow_build_failures(monkeypatch):
+    """Where kernels run, page choice and KVP take the kernels; once one of their sources failed to build, their
+    own torch paths (not the twins)."""
+    from kvtier.scoring.kvp import KVPScorer
+
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(native, "kernel_status", lambda: None)
+    scorer = KVPScorer()
+    index = PageIndex(2, 4, 8, torch.float32, torch.device("cpu"))
+    index.device = gpu   # the gate reads only the device: the storages stay on the CPU
+    assert scorer._kernel_scores(gpu) and index.uses_kernels
+    monkeypatch.setitem(loader._ready, ("kvp_score", 0), "kvp_score.cu did not build (injected)")
+    monkeypatch.setitem(loader._ready, ("merge_parts", 0), "merge_parts.cu did not build (injected)")
+    assert not scorer._kernel_scores(gpu) and not index.uses_kernels

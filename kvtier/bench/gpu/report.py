@@ -74,12 +74,14 @@ def format_report(result: dict[str, Any]) -> str:
              for row in result["decode"] if not row.get("skipped")
              for name in ("kvtier", "dynamic") if not row["rows"][name].get("skipped")]
     if issue:
-        lines.append("  host time to issue a step, ms (median; near the step's own time, the host bounds it): " +
+        lines.append("  host time to issue a step, ms (median; with any wait of the step's own): " +
                      ", ".join(f"{_tokens(c)} {name} {_fmt(ms, '.2f')}" for c, ms, name in issue))
-    cost = result.get("launch_cost", {})
-    if cost and not cost.get("skipped"):
+    cost = result.get("launch_cost")
+    if cost and cost.get("skipped"):
+        lines.append(f"  launch cost: skipped ({cost['skipped']})")
+    elif cost:
         lines.append(f"  one launch costs the host {cost['torch_op_us']:.1f} us (a torch op), "
-                     f"{cost['native_op_us']:.1f} us (a native op, {cost['native_path']})")
+                     f"{cost['native_op_us']:.1f} us (a native op's whole call, {cost['native_path']})")
     growth = next((r["rows"]["kvtier"]["growth"] for r in result["decode"]
                    if "growth" in r.get("rows", {}).get("kvtier", {})), None)
     if growth:

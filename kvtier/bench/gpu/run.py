@@ -57,7 +57,9 @@ def run_gpu_bench(cfg: GpuBenchConfig, progress: Progress | None = None) -> dict
     result["bandwidth"] = measure_bandwidth(cfg, device, progress)
     seconds["bandwidth"] = _r(time.perf_counter() - t, 2)
 
+    t = time.perf_counter()
     result["launch_cost"] = _attempt("launch cost", lambda: measure_launch_cost(device), device, progress)
+    seconds["launch_cost"] = _r(time.perf_counter() - t, 2)
 
     scorers: dict[int, tuple[Any, str]] = {}
 
