@@ -649,6 +649,7 @@ def kvp_score(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
 
 
 _MERGE_THREADS = 256
+_NO_PART = [np.uint64(0), np.int64(0), np.int64(0)] * 2   # a merge slot's null pointers and strides
 
 
 def merge_parts(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -695,10 +696,10 @@ def _merge_group(group: list[tuple[torch.Tensor, torch.Tensor]], H: int, R: int,
     out = torch.empty(H, R, D, dtype=torch.float32, device=device)
     lse = torch.empty(H, R, dtype=torch.float32, device=device)
     args: list = []
-    for i in range(twins.MERGE_MAX):
-        o, l_ = group[i] if i < len(group) else group[0]   # unused slots: any valid part, never read
+    for o, l_ in group:
         args += [_u64(o.data_ptr()), _i64(o.stride(0)), _i64(o.stride(1)),
                  _u64(l_.data_ptr()), _i64(l_.stride(0)), _i64(l_.stride(1))]
+    args += _NO_PART * (twins.MERGE_MAX - len(group))   # slots past `count`: never read
     loader.launch(k, device, _grid(-(-(H * R * D) // _MERGE_THREADS)), (_MERGE_THREADS,),
                   (*args, np.int32(len(group)), np.int32(H), np.int32(R), np.int32(D), _u64(out.data_ptr()),
                    _u64(lse.data_ptr())))
