@@ -17,6 +17,7 @@ from . import loader, twins
 
 _THREADS = 128
 _MAX_BLOCKS = 1 << 20   # grid-stride loops cover the rest
+SHARED_MAX = 48 * 1024  # bytes of shared memory a block gets without opting in to more
 
 
 def _host_rows(rows: np.ndarray | torch.Tensor) -> tuple[np.ndarray | None, torch.Tensor]:
@@ -205,7 +206,6 @@ def recall_pages(slabs: Sequence[torch.Tensor], rows_per_slab: int, src_rows: to
 
 
 PLAN_MARKS_MAX = 1 << 22       # wanted pages x slots per head past which the plan runs as the twin
-_PLAN_SHARED_MAX = 48 * 1024   # bytes of shared memory a block gets without asking
 
 
 def plan_recall(want: torch.Tensor, held: torch.Tensor, pages: int, host_slots: torch.Tensor | None = None,
@@ -234,7 +234,7 @@ def plan_recall(want: torch.Tensor, held: torch.Tensor, pages: int, host_slots: 
     why = _why_not(want.device, [want, held, *given])
     if why is None and any(t.device != want.device for t in (held, *given)):
         why = "tensors differ in device"
-    if why is None and (w * R > PLAN_MARKS_MAX or w + R > _PLAN_SHARED_MAX):
+    if why is None and (w * R > PLAN_MARKS_MAX or w + R > SHARED_MAX):
         why = f"{w} wanted pages x {R} slots is past the kernel's limit"
     k = loader.kernel("plan_recall", "kvtier_plan_recall", want.device) if why is None and heads and w else None
     if k is None:
@@ -481,7 +481,6 @@ def code_logits(q: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, codes: to
 
 
 _RANK_THREADS = 256
-RANK_SHARED_MAX = 48 * 1024   # bytes of shared memory a block gets without opting in to more
 _RANK_TILE_MAX = 64
 
 
@@ -497,8 +496,8 @@ def rank_pages_tile(m: int, rows: int, page: int, dim: int) -> int:
     64), or 0 when even one does not: then the twin runs, and a caller on a GPU should rank another way."""
     fixed = 4 * (m * rows + rows + 2 * m) + 15                      # every candidate's rows, and the padding
     per = 4 * (2 * dim + rows * page + rows) + page * (-(-dim // 4))  # one candidate of a tile
-    tile = max(0, min(m, _RANK_TILE_MAX, (RANK_SHARED_MAX - fixed) // per))
-    while tile and _rank_shared(m, tile, rows, page, dim) > RANK_SHARED_MAX:
+    tile = max(0, min(m, _RANK_TILE_MAX, (SHARED_MAX - fixed) // per))
+    while tile and _rank_shared(m, tile, rows, page, dim) > SHARED_MAX:
         tile -= 1
     return tile
 
@@ -630,7 +629,7 @@ def kvp_score(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
         why = "keys and values of another dtype, or channels not contiguous"
     if why is None and any(w.dtype != torch.float32 or w.device != keys.device for w in weights):
         why = "weights not float32 on the keys' device"
-    if why is None and (hidden > _KVP_THREADS_MAX or 4 * (d_in + 2 * hidden) > RANK_SHARED_MAX):
+    if why is None and (hidden > _KVP_THREADS_MAX or 4 * (d_in + 2 * hidden) > SHARED_MAX):
         why = f"networks of {d_in} inputs and {hidden} hidden units: more than a block's threads or shared memory"
     k = loader.kernel("kvp_score", f"kvtier_kvp_score_{suffix}", keys.device) if why is None and T else None
     if k is None:

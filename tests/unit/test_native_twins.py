@@ -584,7 +584,7 @@ def replayed_kernels(monkeypatch):
             assert shared_mem == 4 * (2 * int(args[7]) + int(args[8]) + 2 * int(args[9]))
         if k.startswith("kvtier_rank_pages_"):   # the layout the kernel makes, within a block's default share
             m, rows, page, dim, tile = (int(args[i]) for i in (2, 11, 12, 13, 14))
-            assert shared_mem == ops._rank_shared(m, tile, rows, page, dim) <= ops.RANK_SHARED_MAX
+            assert shared_mem == ops._rank_shared(m, tile, rows, page, dim) <= ops.SHARED_MAX
         assert [type(a) for a in args] == kinds, f"{k}: launched with {[type(a).__name__ for a in args]}"
         assert all(g >= 1 for g in grid) and len(grid) <= 3 and block[0] % 32 == 0
         launches.append((k, grid, block))
