@@ -8,6 +8,7 @@ every other case the torch twin runs, on whatever device the tensors are. Both g
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -18,6 +19,8 @@ from . import loader, twins
 _THREADS = 128
 _MAX_BLOCKS = 1 << 20   # grid-stride loops cover the rest
 SHARED_MAX = 48 * 1024  # bytes of shared memory a block gets without opting in to more
+# the kernel-name suffix of each cache dtype a templated kernel is built for
+DTYPE_SUFFIX = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 
 
 def _host_rows(rows: np.ndarray | torch.Tensor) -> tuple[np.ndarray | None, torch.Tensor]:
@@ -332,8 +335,7 @@ def pack_entries(slabs: Sequence[torch.Tensor], idx: torch.Tensor, addresses: to
 
 
 # -------------------------------------------------------------------------------------- page selection
-_BOUND_KERNELS = {torch.float32: "kvtier_page_upper_bounds_f32", torch.float16: "kvtier_page_upper_bounds_f16",
-                  torch.bfloat16: "kvtier_page_upper_bounds_bf16"}
+_BOUND_KERNELS = {dtype: f"kvtier_page_upper_bounds_{suffix}" for dtype, suffix in DTYPE_SUFFIX.items()}
 
 
 def page_upper_bounds(q: torch.Tensor, spans: Sequence[torch.Tensor], heads: int,
@@ -491,6 +493,7 @@ def _rank_shared(m: int, tile: int, rows: int, page: int, dim: int) -> int:
     return codes + 4 * floats + 4 * m
 
 
+@functools.lru_cache(maxsize=256)   # asked by the page choice and again by the op, every step of every layer
 def rank_pages_tile(m: int, rows: int, page: int, dim: int) -> int:
     """Candidates per tile that `rank_pages`' kernel works in (the most that fit its shared memory, at most
     64), or 0 when even one does not: then the twin runs, and a caller on a GPU should rank another way."""
@@ -553,7 +556,7 @@ def rank_pages(q: torch.Tensor, cand: torch.Tensor, pages: int, bounds: tuple[Se
     _check_layout(b_slabs, b_per, (2 * D,), b_slabs[0].dtype, "rank_pages bounds")
     _check_layout(c_slabs, c_per, (page, -(-D // 4)), torch.uint8, "rank_pages codes")
     s = float(np.float32(scaling))
-    suffix = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}.get(b_slabs[0].dtype)
+    suffix = DTYPE_SUFFIX.get(b_slabs[0].dtype)
     why = _why_not(q.device, [q, cand])
     if why is None and suffix is None:
         why = f"bounds of dtype {b_slabs[0].dtype}"
@@ -624,7 +627,7 @@ def kvp_score(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                          f"{positions.device}; allowed: all on one device")
     positions = positions.float().contiguous()
     why = _why_not(keys.device, [positions, *weights])
-    suffix = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}.get(keys.dtype)
+    suffix = DTYPE_SUFFIX.get(keys.dtype)
     if why is None and (suffix is None or keys.stride(2) != 1 or values.stride(2) != 1):
         why = "keys and values of another dtype, or channels not contiguous"
     if why is None and any(w.dtype != torch.float32 or w.device != keys.device for w in weights):

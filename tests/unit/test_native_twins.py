@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvtier import native
-from kvtier.native import loader, twins
+from kvtier.native import loader, ops, twins
 from kvtier.recall.bounds import page_bounds, round_outward, upper_bounds
 from kvtier.recall.buffer import RecallBuffer
 from kvtier.recall.codes import decode, encode, step, unpacked
@@ -26,7 +26,8 @@ from kvtier.tiers.host import HostPool
 from kvtier.tiers.slabs import SlabRows
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-_SUFFIX = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+_SUFFIX = ops.DTYPE_SUFFIX
+_OF_SUFFIX = {suffix: dtype for dtype, suffix in _SUFFIX.items()}   # a templated kernel's dtype, by its name
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -499,7 +500,7 @@ def _run_as_the_kernel(name: str, grid: tuple, args: tuple, block: tuple = (128,
             _mem(out + e * row_bytes, row_bytes)[:] = _mem(src, row_bytes)
     elif name.startswith("kvtier_page_upper_bounds_"):
         q, b, slabs, per_slab, pages, heads, rows, dim, out, stride, col0 = (int(a) for a in args)
-        dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[name.rsplit("_", 1)[1]]
+        dtype = _OF_SUFFIX[name.rsplit("_", 1)[1]]
         if slabs:   # the rows of each page through the slab address table
             bounds = torch.cat([_tensor(_u64(slabs, p // per_slab) + (p % per_slab) * heads * 2 * dim *
                                         torch.empty((), dtype=dtype).element_size(), (heads, 2 * dim), dtype)
@@ -521,7 +522,7 @@ def _run_as_the_kernel(name: str, grid: tuple, args: tuple, block: tuple = (128,
          keep, shares, ranked, chosen) = args
         H, R, D, P, m, keep = int(grid[0]), int(rows), int(dim), int(page), int(m), int(keep)
         assert H == int(heads) and 1 <= int(tile) <= m
-        dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[name.rsplit("_", 1)[1]]
+        dtype = _OF_SUFFIX[name.rsplit("_", 1)[1]]
 
         def storage(addr, per, row_shape, dt):   # the slabs holding the index's rows, through their addresses
             n = -(-int(pages) * H // int(per))
@@ -537,7 +538,7 @@ def _run_as_the_kernel(name: str, grid: tuple, args: tuple, block: tuple = (128,
         (keys, k_head, k_token, values, v_head, v_token, pos, dim, f, hidden, first, *weights,
          scores) = (int(a) for a in args)
         T, H = int(grid[0]), int(grid[1])
-        dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[name.rsplit("_", 1)[1]]
+        dtype = _OF_SUFFIX[name.rsplit("_", 1)[1]]
 
         def strided(addr, head, token):
             span = (H - 1) * head + (T - 1) * token + dim
@@ -571,7 +572,6 @@ def _run_as_the_kernel(name: str, grid: tuple, args: tuple, block: tuple = (128,
 def replayed_kernels(monkeypatch):
     """Send the ops down their kernel path on the CPU: each launch is checked against the kernel's signature
     and replayed on host memory; yields the launches as ``(kernel, grid, block)``."""
-    from kvtier.native import ops
 
     sigs = _signatures()
     launches = []
@@ -642,7 +642,7 @@ def test_ops_launch_each_kernel_with_arguments_that_give_the_twins_result(replay
     want = twins.code_logits(q, lo.float(), step(lo, hi), codes, 0.125)
     assert torch.equal(_bits(logits), _bits(want[0])) and torch.equal(_bits(base), _bits(want[1]))
     # the slab storages under the pool and the index took the kernel path too (their writes were replayed)
-    suffix = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}[dtype]
+    suffix = _SUFFIX[dtype]
     ran = [name for name, _, _ in replayed_kernels]
     assert set(ran) == {"kvtier_gather_pages", "kvtier_scatter_pages", "kvtier_pack_entries",
                         f"kvtier_page_upper_bounds_{suffix}", "kvtier_code_logits"}
@@ -707,7 +707,7 @@ def test_page_upper_bounds_over_every_index_slab_is_one_launch(replayed_kernels,
     q = torch.randn(H, 3, D, generator=torch.Generator().manual_seed(14))
     got = native.page_upper_bounds(q, spans, H, addresses=addresses, rows_per_slab=index.bounds.rows_per_slab)
     assert torch.equal(_bits(got), _bits(twins.page_upper_bounds(q, torch.cat(spans), H)))
-    suffix = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}[dtype]
+    suffix = _SUFFIX[dtype]
     bounds = [name for name, _, _ in replayed_kernels if name.startswith("kvtier_page_upper_bounds")]
     assert bounds == [f"kvtier_page_upper_bounds_{suffix}"] and len(spans) == 3
     # a storage may hold a slab more than the pages need (grown by a demotion that then failed)
