@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from kvtier.native import ops, twins
+from kvtier.recall.codes import encode
 
 from native_host import DTYPE_CODES, floats, harness_fixture, hex_words, same_bits
 from test_native_compile import needs_nvcc
@@ -168,10 +169,7 @@ def _rank_case(g: torch.Generator, dtype: torch.dtype, H: int, R: int, D: int, P
     if ties:   # identical pages: equal shares, ranked in short-list order
         keys[1::3] = keys[0]
     hi, lo = keys.amax(dim=2).to(dtype), keys.amin(dim=2).to(dtype)
-    step = ((hi.float() - lo.float()) / 3).clamp(min=torch.finfo(torch.float32).tiny)
-    levels = ((keys - lo.float()[:, :, None]) / step[:, :, None]).round().clamp(0, 3).to(torch.uint8)
-    levels = torch.cat([levels, levels.new_zeros(*levels.shape[:-1], -D % 4)], dim=-1).view(pages, H, P, -1, 4)
-    codes = levels[..., 0] | (levels[..., 1] << 2) | (levels[..., 2] << 4) | (levels[..., 3] << 6)
+    codes = encode(keys, lo, hi)   # as the recall index keeps them
     cand = torch.stack([torch.randperm(pages, generator=g)[:m] for _ in range(H)])
     return {"q": torch.randn(H, R, D, generator=g), "cand": cand, "pages": pages,
             "bounds": torch.cat([hi, lo], dim=-1).reshape(pages * H, 2 * D), "codes": codes.reshape(pages * H, P, -1),
