@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .. import native
 from ..config import TieredCacheConfig
 from ..errors import ScorerError, UnsupportedError
 from ..placement import page_rank, plan_device_demotion, plan_host_overflow, protected_count
@@ -26,7 +27,7 @@ from ..tiers.device import DevicePool
 from ..tiers.host import HostPool
 from ..tiers.readahead import DiskReadAhead
 from .fetch import PageFetching
-from .attention import attend_parts, attend_with_lse, finish_with_lse
+from .attention import attend_parts, attend_with_lse, finish_with_lse, sink_part
 from .parking import ParkedLayer, check_target
 from .resources import SharedResources
 from .weights import unpack_rows, weights_by_position
@@ -84,7 +85,7 @@ class LayerEngine(PageFetching):
         self.last_recall: torch.Tensor | None = None   # [heads, pages] ids recalled for the last query block
         self.recalled: RecallBuffer | None = None       # those pages, on the device
         self.device_recall: bool | None = None          # plan recall on the device (None: on CUDA, see fetch.py)
-        self.select_kernels: bool | None = None         # page choice and the attention merge by native kernels
+        self.select_kernels: bool | None = None         # page choice, pool attention and merge by native kernels
                                                         # (None: on CUDA, PageIndex; read when the index is made)
         self._slot_mirror: tuple[int, torch.Tensor] | None = None   # (table version, host slots on the device)
         # by device-planned recall: [pages moved on demand, pages reused, pages prefetched, prefetched pages chosen]
@@ -209,8 +210,7 @@ class LayerEngine(PageFetching):
             # what the block reads anyway first: its log-sum-exp is the rest of the softmax's total, which
             # the page choice needs
             if q_len == 1:   # a decode step: its own token sits right after the device entries
-                parts = attend_parts(block, self.pool.spans(self.pool.count + 1), None, None, 0, scale, softcap,
-                                     sinks)
+                parts = self._attend_pool(block, scale, softcap, sinks)
             else:
                 parts = attend_parts(block, self.pool.spans(self.pool.count), p.k[:, :, :b1], p.v[:, :, :b1],
                                      b0, scale, softcap, sinks)
@@ -230,6 +230,23 @@ class LayerEngine(PageFetching):
         if not weights:
             return out, None
         return out, torch.cat(maps, dim=2).to(query.dtype)
+
+    def _attend_pool(self, query: torch.Tensor, scale: float, softcap: float | None,
+                     sinks: torch.Tensor | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A decode step's attention over the device entries and its own token, as parts to merge: one part
+        from `native.attend_slabs` where the kernels choose pages (every slab in one launch, split to fill the
+        GPU), else one per slab."""
+        n = self.pool.count + 1
+        group = query.shape[1] // self.heads
+        if (not self.index.uses_kernels or softcap is not None or group > native.ATTEND_ROWS
+                or query.dtype != self.pool.dtype or native.build_failed(self.device, "attend_slabs")):
+            return attend_parts(query, self.pool.spans(n), None, None, 0, scale, softcap, sinks)
+        packed = query.reshape(self.heads, group, query.shape[3])
+        out, lse = native.attend_slabs(packed, self.pool.k, self.pool.v, n, scale, addresses=self.pool.addresses())
+        parts = [(out[None], lse[None])]
+        if sinks is not None:
+            parts.append(sink_part(sinks, self.heads, 1, query.shape[3]))
+        return parts
 
     def _weights(self, packed: torch.Tensor, lse: torch.Tensor, p: _Pending, b0: int, b1: int, q_len: int,
                  scale: float, softcap: float | None, q_heads: int, rk: torch.Tensor,

@@ -163,10 +163,11 @@ def device_address(t: torch.Tensor, device: torch.device) -> int | None:
     return _mapped[key] + (t.data_ptr() - base)
 
 
-def record(op: str, path: str, why: str | None = None) -> None:
-    """Count a call of `op` on `path` ("kernel" or "twin"), with the reason a twin ran."""
+def record(op: str, path: str, why: str | None = None, launches: int = 1) -> None:
+    """Count `launches` kernel launches of `op` on `path` ("kernel", or "twin" for what the twin stood in
+    for), with the reason a twin ran."""
     s = _stats.setdefault(op, {"kernel": 0, "twin": 0, "last": None, "why": None})
-    s[path] += 1
+    s[path] += launches
     s["last"] = path
     if path == "twin":
         s["why"] = why
@@ -174,7 +175,8 @@ def record(op: str, path: str, why: str | None = None) -> None:
 
 def backend() -> dict[str, Any]:
     """What ran: ``{"kernels": None or why kernels cannot run, "ops": {op: {"kernel": n, "twin": n,
-    "last": path, "why": why the last twin ran}}, "build_errors": {...}}``."""
+    "last": path, "why": why the last twin ran}}, "build_errors": {...}}``, n counting kernel launches (one
+    per call, but two for an `attend_slabs` over several chunks)."""
     return {"kernels": status(), "ops": {op: dict(s) for op, s in _stats.items()},
             "build_errors": {f"{src}@cuda:{dev}": why for (src, dev), why in _ready.items() if why}}
 

@@ -707,3 +707,128 @@ def _merge_group(group: list[tuple[torch.Tensor, torch.Tensor]], H: int, R: int,
                    _u64(lse.data_ptr())))
     loader.record("merge_parts", "kernel")
     return out, lse
+
+
+# ------------------------------------------------------------------------------ attention over the pool
+_ATTEND_THREADS = 128
+_ATTEND_CHUNK_MAX = 256    # entries per chunk: a chunk's logits stay in shared memory
+_ATTEND_CHUNK_MIN = 32
+_ATTEND_TILES = (128, 64, 32, 16, 8)   # keys staged at a time (divisors of the block's threads)
+_ATTEND_BLOCKS = 512       # blocks `attend_chunk` aims for where no device says better (about 4 per SM)
+
+
+@functools.lru_cache(maxsize=16)
+def _blocks_wanted(device: torch.device) -> int:
+    if device.type == "cuda":
+        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return _ATTEND_BLOCKS
+
+
+def attend_chunk(count: int, heads: int, blocks: int = _ATTEND_BLOCKS) -> int:
+    """Entries per chunk for `attend_slabs` over `count` entries of `heads` heads: the largest power of two
+    from 32 to 256 whose chunks still make `blocks` blocks (a long pool in long chunks, a short one split
+    finely enough to fill the GPU)."""
+    chunk = _ATTEND_CHUNK_MAX
+    while chunk > _ATTEND_CHUNK_MIN and heads * -(-count // chunk) < blocks:
+        chunk //= 2
+    return chunk
+
+
+def _attend_shared(rows: int, dim: int, chunk: int, tile: int, row_words: int) -> int:
+    return 4 * (rows * dim + rows * chunk + 2 * rows) + 4 * tile * (row_words + 1)
+
+
+def attend_slabs(q: torch.Tensor, k_slabs: Sequence[torch.Tensor], v_slabs: Sequence[torch.Tensor], count: int,
+                 scale: float, chunk: int | None = None,
+                 addresses: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of a decoding step's queries over the first `count` entries of a device pool, in one launch
+    (two where the pool spans several chunks): in place of an attention call per slab and the log-sum-exp
+    of their log-sum-exps.
+
+    Parameters
+    ----------
+    q
+        ``[heads, rows, dim]`` in the slabs' dtype, channels contiguous: each KV head's query rows (its query
+        heads packed as rows, as `kvtier.engine.attention.attend_parts` packs them).
+    k_slabs, v_slabs
+        The pool's slabs, ``[1, heads, slab_tokens, dim]`` (or without the 1), contiguous, all alike.
+    count
+        Entries to attend to, 1 to the slabs' capacity.
+    scale
+        The logit scale.
+    chunk
+        Entries per chunk (default `attend_chunk` for the device); the result's bits depend on it.
+    addresses
+        The slabs' ``(keys, values)`` addresses from `slab_addresses` (a pool keeps them until it grows).
+
+    Returns
+    -------
+    ``(out [heads, rows, dim], lse [heads, rows])`` float32: the attention and its log-sum-exp, summed in
+    the order ``native/attend_slabs.cu`` gives, so they differ from an attention call's by float rounding.
+    """
+    if q.dim() != 3:
+        raise ValueError(f"attend_slabs: q is {list(q.shape)}; allowed: [heads, rows, dim]")
+    H, R, D = q.shape
+    if not k_slabs or len(v_slabs) != len(k_slabs):
+        raise ValueError(f"attend_slabs: {len(k_slabs)} key slabs and {len(v_slabs)} value slabs; allowed: the "
+                         "same number, at least one")
+    first = k_slabs[0]
+    per = first.shape[-2]
+    shape = (H, per, D)
+    for s in (*k_slabs, *v_slabs):
+        if tuple(s.shape[-3:]) != shape or s.dim() not in (3, 4) or s.dtype != first.dtype or s.device != q.device:
+            raise ValueError(f"attend_slabs: a slab of {list(s.shape)} {s.dtype} on {s.device}; allowed: "
+                             f"[1, {H}, {per}, {D}] {first.dtype} on {q.device}, like the first")
+    if not 1 <= count <= per * len(k_slabs):
+        raise ValueError(f"attend_slabs: count={count}; allowed: 1 to {per * len(k_slabs)} (the slabs' entries)")
+    device = q.device
+    if chunk is None:
+        chunk = attend_chunk(count, H, _blocks_wanted(device))
+    if not 1 <= chunk <= _ATTEND_CHUNK_MAX:
+        raise ValueError(f"attend_slabs: chunk={chunk}; allowed: 1 to {_ATTEND_CHUNK_MAX} entries (a chunk's "
+                         "logits stay in a block's shared memory)")
+    row_words = D * first.element_size() // 4
+    why = _why_not(device, [*k_slabs, *v_slabs])
+    suffix = DTYPE_SUFFIX.get(first.dtype)
+    if why is None and (suffix is None or q.dtype != first.dtype or q.stride(2) != 1):
+        why = "a query of another dtype than the slabs', or channels not contiguous"
+    if why is None and ((D * first.element_size()) % 4 or R > twins.ATTEND_ROWS):
+        why = f"keys of {D * first.element_size()} bytes (not whole words) or {R} query rows (over " \
+              f"{twins.ATTEND_ROWS})"
+    tile = next((t for t in _ATTEND_TILES if _attend_shared(R, D, chunk, t, row_words) <= SHARED_MAX), 0)
+    chunks = -(-count // chunk)
+    if why is None and (not tile or 4 * (chunks + 2) > SHARED_MAX):
+        why = f"{R} rows of {D} channels in chunks of {chunk} ({chunks} chunks): more than a block's shared memory"
+    k = loader.kernel("attend_slabs", f"kvtier_attend_chunks_{suffix}", device) if why is None else None
+    c = loader.kernel("attend_slabs", "kvtier_attend_combine", device) if k is not None and chunks > 1 else None
+    if k is None or (chunks > 1 and c is None):
+        loader.record("attend_slabs", "twin", why or loader.build_error("attend_slabs", device),
+                      launches=1 + (chunks > 1))
+        return twins.attend_slabs(q, k_slabs, v_slabs, count, scale, chunk)
+    k_addr = _addresses(k_slabs, device, None if addresses is None else addresses[0])
+    v_addr = _addresses(v_slabs, device, None if addresses is None else addresses[1])
+    if k_addr is None or v_addr is None:
+        loader.record("attend_slabs", "twin", "a slab out of the kernel's reach", launches=1 + (chunks > 1))
+        return twins.attend_slabs(q, k_slabs, v_slabs, count, scale, chunk)
+    out = torch.empty(H, R, D, dtype=torch.float32, device=device)
+    lse = torch.empty(H, R, dtype=torch.float32, device=device)
+    if chunks > 1:
+        part_a = torch.empty(H, chunks, R, D, dtype=torch.float32, device=device)
+        part_m = torch.empty(H, chunks, R, dtype=torch.float32, device=device)
+        part_l = torch.empty_like(part_m)
+        sums = (_u64(part_a.data_ptr()), _u64(part_m.data_ptr()), _u64(part_l.data_ptr()))
+    else:
+        sums = (_u64(0),) * 3
+    loader.launch(k, device, (chunks, H), (_ATTEND_THREADS,),
+                  (_u64(q.data_ptr()), _i64(q.stride(0)), _i64(q.stride(1)), _u64(k_addr.data_ptr()),
+                   _u64(v_addr.data_ptr()), _i64(per), _i64(first.stride(-3)), _i64(first.stride(-2)),
+                   _i64(count), np.int32(R), np.int32(D), np.int32(chunk), np.int32(tile), np.float32(scale), *sums,
+                   _u64(out.data_ptr()), _u64(lse.data_ptr())),
+                  shared_mem=_attend_shared(R, D, chunk, tile, row_words))
+    if chunks > 1:
+        threads = min(256, -(-D // 32) * 32)
+        loader.launch(c, device, (R, H), (threads,),
+                      (*sums, _i64(chunks), np.int32(R), np.int32(D), _u64(out.data_ptr()), _u64(lse.data_ptr())),
+                      shared_mem=4 * (chunks + 2))
+    loader.record("attend_slabs", "kernel", launches=1 + (chunks > 1))
+    return out, lse

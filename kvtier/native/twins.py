@@ -348,6 +348,69 @@ def merge_parts(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[tor
     return out, total
 
 
+
+# ------------------------------------------------------------------------------ attention over the pool
+ATTEND_ROWS = 16   # query rows per KV head `kvtier_attend_chunks` holds (KV_ATTEND_ROWS)
+
+
+def pool_entries(slabs: Sequence[torch.Tensor], count: int) -> torch.Tensor:
+    """Entries ``[0, count)`` of a device pool's slabs (``[1, heads, slab_tokens, dim]`` or without the 1) as
+    ``[heads, count, dim]``, in order."""
+    per = slabs[0].shape[-2]
+    views = [(s[0] if s.dim() == 4 else s)[:, :min(per, count - i * per)] for i, s in enumerate(slabs)
+             if i * per < count]
+    return views[0] if len(views) == 1 else torch.cat(views, dim=1)
+
+
+def attend_chunks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                  chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The first step of ``kvtier_attend_chunks`` (``native/attend_slabs.cu`` states each): per chunk of
+    `chunk` entries, the sums ``a [heads, chunks, rows, dim]`` and the maxima and sums of e^(s - m)
+    ``m, l [heads, chunks, rows]``, bit for bit. `q` ``[heads, rows, dim]``, `keys`, `values`
+    ``[heads, n, dim]``."""
+    H, R, D = q.shape
+    n = keys.shape[1]
+    chunks = -(-n // chunk)
+    pad = chunks * chunk - n   # padding entries: logit -inf, so e^(s - m) = +0, which adds nothing to the sums
+    k = torch.nn.functional.pad(keys.float(), (0, 0, 0, pad)).reshape(H, chunks, chunk, D)
+    v = torch.nn.functional.pad(values.float(), (0, 0, 0, pad)).reshape(H, chunks, chunk, D)
+    qf = q.float()[:, None, :, None, :]                  # [H, 1, R, 1, D]
+    s = torch.zeros(H, chunks, R, chunk, device=q.device)
+    for d in range(D):
+        s = s + qf[..., d] * k[:, :, None, :, d]
+    s = s * scale
+    if pad:
+        s[:, -1, :, chunk - pad:] = float("-inf")
+    m = _running_max(s)                                  # [H, chunks, R]
+    p = exp(s - m[..., None])
+    l_ = torch.zeros_like(m)
+    a = torch.zeros(H, chunks, R, D, device=q.device)
+    for t in range(chunk):
+        l_ = l_ + p[..., t]
+        a = a + p[..., t, None] * v[:, :, None, t, :]
+    return a, m, l_
+
+
+def attend_combine(a: torch.Tensor, m: torch.Tensor, l_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kvtier_attend_combine``: the chunks' sums of `attend_chunks` into ``(out [heads, rows, dim],
+    lse [heads, rows])``, bit for bit."""
+    big = _running_max(m.transpose(1, 2))               # [H, R]
+    w = exp(m - big[:, None])                           # [H, chunks, R]
+    total = torch.zeros_like(big)
+    acc = torch.zeros(a.shape[0], a.shape[2], a.shape[3], device=a.device)
+    for c in range(m.shape[1]):
+        total = total + l_[:, c] * w[:, c]
+        acc = acc + a[:, c] * w[:, c, :, None]
+    return acc / total[..., None], big + log(total)
+
+
+def attend_slabs(q: torch.Tensor, k_slabs: Sequence[torch.Tensor], v_slabs: Sequence[torch.Tensor], count: int,
+                 scale: float, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of `q` ``[heads, rows, dim]`` over a device pool's first `count` entries, as the two kernels
+    of ``native/attend_slabs.cu`` compute it: ``(out [heads, rows, dim], lse [heads, rows])`` float32."""
+    return attend_combine(*attend_chunks(q, pool_entries(k_slabs, count), pool_entries(v_slabs, count), scale,
+                                         chunk))
+
 # ------------------------------------------------------------------------------------------- KVP scores
 class MLPWeights(NamedTuple):
     """The weights of a stack of KVP networks (`kvtier.scoring.kvp.KVPAgents`), float32, agent first."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import native
 from ..errors import CapacityError
 
 
@@ -32,6 +33,7 @@ class DevicePool:
         self.v: list[torch.Tensor] = []
         self.pos: list[torch.Tensor] = []
         self.score: list[torch.Tensor] = []
+        self._addresses: tuple[torch.Tensor, torch.Tensor] | None = None   # of the slabs, for the kernels
 
     @property
     def capacity(self) -> int:
@@ -45,6 +47,7 @@ class DevicePool:
                 self.v.append(torch.empty_like(self.k[-1]))
                 self.pos.append(torch.empty(H, S, dtype=torch.int64, device=self.device))
                 self.score.append(torch.empty(H, S, dtype=torch.float32, device=self.device))
+                self._addresses = None
             except RuntimeError as e:
                 raise CapacityError(f"could not allocate a device slab of {S} tokens x {H} heads on "
                                     f"{self.device}: {e}") from e
@@ -74,6 +77,14 @@ class DevicePool:
             self.score[s][:, off:off + n].copy_(score[:, done:done + n])
             done += n
         self.count += q
+
+    def addresses(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The key and value slabs' addresses for `kvtier.native.attend_slabs`, kept until a slab is added
+        (None where kernels cannot run)."""
+        if self._addresses is None and self.k:
+            k, v = native.slab_addresses(self.k, self.device), native.slab_addresses(self.v, self.device)
+            self._addresses = None if k is None or v is None else (k, v)
+        return self._addresses
 
     def spans(self, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Views ``(k, v)`` ``[1, heads, m, dim]`` of the slabs covering entries ``[0, n)``."""

@@ -467,3 +467,63 @@ def test_merge_parts_kernel_is_the_twin(kernels, parts):
     if parts > 4:
         want = twins.merge_parts([want, *cpu[4:]])
     assert _same_bits(got[0], want[0]) and _same_bits(got[1], want[1])
+
+
+def _blocks(device: torch.device) -> int:
+    """The blocks `attend_slabs` aims for on `device` (its default chunk follows from them)."""
+    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,rows,dim,count,chunk", [(8, 4, 128, 13_000, None), (8, 4, 128, 900, 256),
+                                                        (2, 7, 64, 300, 32), (3, 16, 40, 5000, 1),
+                                                        (8, 1, 256, 9000, None)])
+def test_attend_slabs_kernel_is_the_twin(kernels, dtype, heads, rows, dim, count, chunk):
+    """The pool as the engine keeps it (slabs of 4096 entries, the last one partly filled, poison past
+    `count`): bit for bit the twin's attention (on the CPU and on the GPU), and within float rounding of an
+    attention call over the same entries."""
+    g = torch.Generator().manual_seed(count)
+    pool = DevicePool(heads, dim, dtype, kernels, 4096)
+    k = torch.randn(1, heads, count, dim, generator=g).to(dtype).to(kernels)
+    v = torch.randn(1, heads, count, dim, generator=g).to(dtype).to(kernels)
+    pool._ensure(count + 4096)   # a slab past the entries, never read
+    for s in (*pool.k, *pool.v):
+        s.view(torch.uint8).fill_(0xFF)
+    pool._write(0, k, v, torch.zeros(heads, count, dtype=torch.int64, device=kernels))
+    q = (torch.randn(1, heads * rows, 1, dim, generator=g) * 2).to(dtype).to(kernels)
+    packed = q.reshape(heads, rows, dim)
+    used = chunk or native.attend_chunk(count, heads, _blocks(kernels))
+    launches = _Launches("attend_slabs")
+    out, lse = native.attend_slabs(packed, pool.k, pool.v, count, dim ** -0.5, chunk=chunk,
+                                   addresses=pool.addresses())
+    torch.cuda.synchronize()
+    launches.check(1 if count <= used else 2)
+    want = twins.attend_slabs(packed.cpu(), [s.cpu() for s in pool.k], [s.cpu() for s in pool.v], count,
+                              dim ** -0.5, used)
+    assert _same_bits(out, want[0]) and _same_bits(lse, want[1])
+    on_gpu = twins.attend_slabs(packed, pool.k, pool.v, count, dim ** -0.5, used)   # the twin on the GPU too
+    assert _same_bits(out, on_gpu[0]) and _same_bits(lse, on_gpu[1])
+    from kvtier.engine.attention import attend_with_lse
+    ref_out, ref_lse = attend_with_lse(packed[None].float(), k.float(), v.float(), dim ** -0.5)
+    torch.testing.assert_close(out, ref_out[0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(lse, ref_lse[0], rtol=0, atol=1e-5)
+
+
+def test_attend_slabs_waits_for_the_writes_before_it_on_its_stream(kernels):
+    """A pool written on a side stream, then attended on it after a long op: the kernel sees the new entries."""
+    pool = DevicePool(8, 128, torch.bfloat16, kernels, 4096)
+    pool._ensure(8192)
+    side = torch.cuda.Stream(kernels)
+    k = torch.randn(1, 8, 8000, 128, device=kernels).to(torch.bfloat16)
+    v = torch.randn_like(k)
+    q = torch.randn(8, 4, 128, device=kernels).to(torch.bfloat16)
+    addresses = pool.addresses()
+    side.wait_stream(torch.cuda.current_stream(kernels))
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)   # the writes land well after the launch was queued
+        pool._write(0, k, v, torch.zeros(8, 8000, dtype=torch.int64, device=kernels))
+        out, lse = native.attend_slabs(q, pool.k, pool.v, 8000, 128 ** -0.5, addresses=addresses)
+    torch.cuda.synchronize()
+    want = twins.attend_slabs(q.cpu(), [s.cpu() for s in pool.k], [s.cpu() for s in pool.v], 8000, 128 ** -0.5,
+                              native.attend_chunk(8000, 8, _blocks(kernels)))
+    assert _same_bits(out, want[0]) and _same_bits(lse, want[1])

@@ -33,8 +33,11 @@ KERNELS = {
     "rank_pages": ["kvtier_rank_pages_f32", "kvtier_rank_pages_f16", "kvtier_rank_pages_bf16"],
     "kvp_score": ["kvtier_kvp_score_f32", "kvtier_kvp_score_f16", "kvtier_kvp_score_bf16"],
     "merge_parts": ["kvtier_merge_parts"],
+    "attend_slabs": ["kvtier_attend_chunks_f32", "kvtier_attend_chunks_f16", "kvtier_attend_chunks_bf16",
+                     "kvtier_attend_combine"],
 }
-FLOAT_SOURCES = ("page_select", "rank_pages", "kvp_score", "merge_parts")   # float arithmetic the twins follow op by op
+# float arithmetic the twins follow op by op
+FLOAT_SOURCES = ("page_select", "rank_pages", "kvp_score", "merge_parts", "attend_slabs")
 
 
 def _nvcc() -> str | None:

@@ -350,7 +350,7 @@ def test_without_cuda_every_op_runs_its_twin_and_says_why(monkeypatch):
 def test_every_kernel_the_ops_launch_is_in_the_shipped_sources():
     names = {p.stem for p in native.sources()}
     assert names == {"gather_pages", "scatter_pages", "recall_pages", "plan_recall", "pack_entries", "page_select",
-                     "rank_pages", "kvp_score", "merge_parts"}
+                     "rank_pages", "kvp_score", "merge_parts", "attend_slabs"}
     ops_text = (loader.SOURCE_DIR.parent / "ops.py").read_text()
     for src, kernel in [("gather_pages", "kvtier_gather_pages"), ("scatter_pages", "kvtier_scatter_pages"),
                         ("recall_pages", "kvtier_recall_pages"), ("plan_recall", "kvtier_plan_recall"),
@@ -360,13 +360,16 @@ def test_every_kernel_the_ops_launch_is_in_the_shipped_sources():
                         ("page_select", "kvtier_page_upper_bounds_bf16"), ("rank_pages", "kvtier_rank_pages_f32"),
                         ("rank_pages", "kvtier_rank_pages_f16"), ("rank_pages", "kvtier_rank_pages_bf16"),
                         ("kvp_score", "kvtier_kvp_score_f32"), ("kvp_score", "kvtier_kvp_score_f16"),
-                        ("kvp_score", "kvtier_kvp_score_bf16"), ("merge_parts", "kvtier_merge_parts")]:
+                        ("kvp_score", "kvtier_kvp_score_bf16"), ("merge_parts", "kvtier_merge_parts"),
+                        ("attend_slabs", "kvtier_attend_chunks_f32"), ("attend_slabs", "kvtier_attend_chunks_bf16"),
+                        ("attend_slabs", "kvtier_attend_chunks_f16"), ("attend_slabs", "kvtier_attend_combine")]:
         text = loader.source(src)
         assert (f'extern "C" __global__ void {kernel}(' in text or f"KV_UPPER_BOUNDS({kernel}," in text
-                or f"KV_RANK_PAGES({kernel}," in text or f"KV_KVP_SCORE({kernel}," in text)
+                or f"KV_RANK_PAGES({kernel}," in text or f"KV_KVP_SCORE({kernel}," in text
+                or f"KV_ATTEND_CHUNKS({kernel}," in text)
         assert kernel in ops_text or kernel.rsplit("_", 1)[0] + "_{suffix}" in ops_text
         assert "#include" not in text   # headers inlined: NVRTC sees one self-contained text
-    with pytest.raises(FileNotFoundError, match="shipped: gather_pages"):
+    with pytest.raises(FileNotFoundError, match="shipped: attend_slabs, gather_pages"):
         loader.source("nope")
 
 
@@ -564,6 +567,40 @@ def _run_as_the_kernel(name: str, grid: tuple, args: tuple, block: tuple = (128,
         got = twins.merge_parts(parts)
         _tensor(out, (H, R, D), torch.float32).copy_(got[0])
         _tensor(lse, (H, R), torch.float32).copy_(got[1])
+    elif name.startswith("kvtier_attend_chunks_"):
+        (q, q_h, q_r, k_addr, v_addr, per, slab_head, slab_token, count, rows, dim, chunk, tile, scale, part_a,
+         part_m, part_l, out, lse) = args
+        chunks, H = int(grid[0]), int(grid[1])
+        R, D, count, chunk, per = int(rows), int(dim), int(count), int(chunk), int(per)
+        assert chunks == -(-count // chunk) and 1 <= int(tile) <= block[0] and block[0] % int(tile) == 0
+        dtype = _OF_SUFFIX[name.rsplit("_", 1)[1]]
+
+        def strided(addr, stride_h, stride_r, n):
+            span = (H - 1) * int(stride_h) + (n - 1) * int(stride_r) + D
+            return _tensor(int(addr), (span,), dtype).as_strided((H, n, D), (int(stride_h), int(stride_r), 1))
+
+        slabs = -(-count // per)
+        keys = [strided(_u64(k_addr, i), slab_head, slab_token, per) for i in range(slabs)]
+        values = [strided(_u64(v_addr, i), slab_head, slab_token, per) for i in range(slabs)]
+        a, m, l_ = twins.attend_chunks(strided(q, q_h, q_r, R), twins.pool_entries(keys, count),
+                                       twins.pool_entries(values, count), float(scale), chunk)
+        if chunks == 1:   # the block finishes a single chunk itself
+            o, lse_ = twins.attend_combine(a, m, l_)
+            _tensor(int(out), (H, R, D), torch.float32).copy_(o)
+            _tensor(int(lse), (H, R), torch.float32).copy_(lse_)
+        else:
+            _tensor(int(part_a), (H, chunks, R, D), torch.float32).copy_(a)
+            _tensor(int(part_m), (H, chunks, R), torch.float32).copy_(m)
+            _tensor(int(part_l), (H, chunks, R), torch.float32).copy_(l_)
+    elif name == "kvtier_attend_combine":
+        part_a, part_m, part_l, chunks, rows, dim, out, lse = (int(a) for a in args)
+        H = int(grid[1])
+        assert int(grid[0]) == rows
+        o, lse_ = twins.attend_combine(_tensor(part_a, (H, chunks, rows, dim), torch.float32),
+                                       _tensor(part_m, (H, chunks, rows), torch.float32),
+                                       _tensor(part_l, (H, chunks, rows), torch.float32))
+        _tensor(out, (H, rows, dim), torch.float32).copy_(o)
+        _tensor(lse, (H, rows), torch.float32).copy_(lse_)
     else:
         raise AssertionError(f"no replay for kernel {name}")
 
@@ -585,6 +622,12 @@ def replayed_kernels(monkeypatch):
         if k.startswith("kvtier_rank_pages_"):   # the layout the kernel makes, within a block's default share
             m, rows, page, dim, tile = (int(args[i]) for i in (2, 11, 12, 13, 14))
             assert shared_mem == ops._rank_shared(m, tile, rows, page, dim) <= ops.SHARED_MAX
+        if k.startswith("kvtier_attend_chunks_"):   # the query, the logits, the row sums and a tile of keys
+            rows, dim, chunk, tile = (int(args[i]) for i in (9, 10, 11, 12))
+            words = dim * _OF_SUFFIX[k.rsplit("_", 1)[1]].itemsize // 4
+            assert shared_mem == ops._attend_shared(rows, dim, chunk, tile, words) <= ops.SHARED_MAX
+        if k == "kvtier_attend_combine":   # a weight per chunk, M and L
+            assert shared_mem == 4 * (int(args[3]) + 2) <= ops.SHARED_MAX
         assert [type(a) for a in args] == kinds, f"{k}: launched with {[type(a).__name__ for a in args]}"
         assert all(g >= 1 for g in grid) and len(grid) <= 3 and block[0] % 32 == 0
         launches.append((k, grid, block))
@@ -606,7 +649,8 @@ def test_every_kernel_has_a_signature_to_check_launches_against():
                          "kvtier_page_upper_bounds_f32", "kvtier_page_upper_bounds_f16",
                          "kvtier_page_upper_bounds_bf16", "kvtier_rank_pages_f32", "kvtier_rank_pages_f16",
                          "kvtier_rank_pages_bf16", "kvtier_kvp_score_f32", "kvtier_kvp_score_f16",
-                         "kvtier_kvp_score_bf16", "kvtier_merge_parts"}
+                         "kvtier_kvp_score_bf16", "kvtier_merge_parts", "kvtier_attend_chunks_f32",
+                         "kvtier_attend_chunks_f16", "kvtier_attend_chunks_bf16", "kvtier_attend_combine"}
     assert sigs["kvtier_gather_pages"] == [np.uint64, np.int64, np.uint64, np.uint64, np.int64, np.int64]
 
 
@@ -776,6 +820,28 @@ def test_merge_parts_launches_give_the_twins_merge(replayed_kernels):
     want = twins.merge_parts([first, *parts[4:]])
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert [name for name, _, _ in replayed_kernels] == ["kvtier_merge_parts"] * 2
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("count,chunk", [(150, 32), (150, 256), (40, 64)])
+def test_attend_slabs_launches_give_the_twins_attention(replayed_kernels, dtype, count, chunk):
+    """Slabs of 64 entries, the last one partly used: two launches (the chunks, their combine) for a pool of
+    several chunks, one for a pool of one."""
+    from kvtier.tiers.device import DevicePool
+
+    g = torch.Generator().manual_seed(count + chunk)
+    pool = DevicePool(3, 16, dtype, torch.device("cpu"), 64)
+    pool._ensure(count)
+    pool._write(0, torch.randn(1, 3, count, 16, generator=g).to(dtype),
+                torch.randn(1, 3, count, 16, generator=g).to(dtype), torch.zeros(3, count, dtype=torch.int64))
+    q = torch.randn(12, 16, generator=g).to(dtype).reshape(3, 4, 16)
+    got = native.attend_slabs(q, pool.k, pool.v, count, 0.25, chunk=chunk)
+    want = twins.attend_slabs(q, pool.k, pool.v, count, 0.25, chunk)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    chunks = -(-count // chunk)
+    assert [name for name, _, _ in replayed_kernels] == \
+        [f"kvtier_attend_chunks_{_SUFFIX[dtype]}"] + ["kvtier_attend_combine"] * (chunks > 1)
+    assert native.backend()["ops"]["attend_slabs"]["last"] == "kernel"
 
 
 def test_a_source_that_failed_to_build_is_reported_to_the_callers_gates(monkeypatch):
