@@ -232,6 +232,37 @@ def launches(context: str, steps: int, device_budget: str, recall_pages: int, sc
     click.echo(f"  TieredCache / DynamicCache: x{out['ratio']:.2f}")
 
 
+@bench.command("wrappers")
+@click.option("--contexts", default="128K,1M", show_default=True,
+              help="Comma list of contexts whose decode-step shapes the calls are made at (e.g. 128K,1M).")
+@click.option("--device-budget", default=0.1, show_default=True, type=click.FloatRange(0.0, 1.0, min_open=True),
+              help="Fraction of the context on the device.")
+@click.option("--calls", default=2000, show_default=True, type=click.IntRange(min=10),
+              help="Calls timed per run (five runs, the median kept).")
+@click.option("--threads", default=1, show_default=True, type=THREADS, help="torch CPU threads.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@user_errors
+def wrappers(contexts: str, device_budget: float, calls: int, threads: int, as_json: bool) -> None:
+    """Host microseconds of kvtier's own code per native kernel call (checks, allocations, launch arguments;
+    the launch itself left out), at the decode shapes of the Llama-3.1-8B shape, next to a torch op's."""
+    from ..bench.wrappers import measure_wrapper_cost
+    from .common import parse_context, split_list
+
+    set_threads(threads)
+    ctx = [parse_context(c, "--contexts", 1024) for c in split_list(contexts, "--contexts")]
+    out = {"machine": _machine("cpu"), **measure_wrapper_cost(ctx, device_budget, calls)}
+    if as_json:
+        click.echo(json.dumps(out, indent=2))
+        return
+    ops = list(out["calls_per_layer_step"])
+    click.echo(f"\nhost us per call (launch left out); a torch op here: {out['torch_op_us']:.2f} us")
+    click.echo(f"  {'context':>9}  " + "  ".join(f"{op:>17}" for op in ops) + "  per layer-step  in torch ops")
+    for r in out["rows"]:
+        click.echo(f"  {r['context']:>9,}  " + "  ".join(f"{r['us_per_call'][op]:>17.2f}" for op in ops)
+                   + f"  {r['us_per_layer_step']:>14.1f}  {r['torch_ops_per_layer_step']:>12.1f}")
+    click.echo("  calls per layer-step: " + ", ".join(f"{op} x{n}" for op, n in out["calls_per_layer_step"].items()))
+
+
 @bench.command("gpu")
 @click.option("--contexts", default="32K,128K", show_default=True,
               help="Comma list of prefilled contexts whose decode step is timed (e.g. 32K,128K).")

@@ -7,15 +7,19 @@ source never reuses a stale binary) and this module keeps the loaded kernel for 
 torch's current stream of the tensors' device, so they are ordered with the torch work around them.
 
 ``KVTIER_NATIVE=0`` in the environment switches every kernel off (the torch twins run); without cupy, or
-without CUDA, the twins run as well. `backend()` tells which path each operation took.
+without CUDA, the twins run as well. `backend()` tells which path each operation took. Under `dry_run` the
+operations take their kernel paths on any device but nothing is built or launched: what their own code costs
+the host is then measurable anywhere (`kvtier bench wrappers`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +41,8 @@ _ready: dict[tuple[str, int], str | None] = {}     # (source, device) -> None wh
 _streams: dict[tuple[int, int], Any] = {}          # (device, torch stream handle) -> cupy.cuda.ExternalStream
 _mapped: dict[tuple[int, int], int] = {}           # (device, host allocation) -> its device address
 _stats: dict[str, dict[str, Any]] = {}
+_dry = False                                       # under `dry_run`
+_status: dict[str, str | None] = {}                # KVTIER_NATIVE's value -> `status()`
 
 
 def sources() -> list[Path]:
@@ -73,15 +79,36 @@ def cupy_module() -> Any:
         return _cupy
 
 
+@contextlib.contextmanager
+def dry_run() -> Iterator[None]:
+    """Within it, every operation takes its kernel path, on any device, and makes its launch's arguments, but
+    no kernel is built or launched and the outputs are left unwritten: for timing what kvtier's own code costs
+    the host per call (`kvtier bench wrappers`), never for results."""
+    global _dry
+    was, _dry = _dry, True
+    try:
+        yield
+    finally:
+        _dry = was
+
+
+def in_dry_run() -> bool:
+    return _dry
+
+
 def status() -> str | None:
     """None when kernels may run, else why they do not (switched off, no CUDA, no cupy)."""
-    if os.environ.get("KVTIER_NATIVE", "1").strip().lower() in ("0", "off", "false", "no"):
-        return "switched off by KVTIER_NATIVE"
-    if not torch.cuda.is_available():
-        return "no CUDA device"
-    if cupy_module() is None:
-        return _cupy_error
-    return None
+    if _dry:
+        return None
+    switch = os.environ.get("KVTIER_NATIVE", "1")
+    if switch not in _status:   # asked before every launch: the answer is kept per setting of the switch
+        if switch.strip().lower() in ("0", "off", "false", "no"):
+            _status[switch] = "switched off by KVTIER_NATIVE"
+        elif not torch.cuda.is_available():
+            _status[switch] = "no CUDA device"
+        else:
+            _status[switch] = None if cupy_module() is not None else _cupy_error
+    return _status[switch]
 
 
 def kernel(src: str, name: str, device: torch.device) -> Any:
@@ -90,6 +117,11 @@ def kernel(src: str, name: str, device: torch.device) -> Any:
     A source that fails to compile or load is reported once in the log and in `backend()`, and its
     operations fall back to the twins: a broken kernel never stops inference.
     """
+    if _dry:
+        return name
+    loaded = _kernels.get((src, name, device.index))   # the common case, without the lock
+    if loaded is not None:
+        return loaded
     cp = cupy_module()
     with _lock:
         if _ready.get((src, device.index)):
@@ -105,6 +137,8 @@ def kernel(src: str, name: str, device: torch.device) -> Any:
             except (cp.cuda.compiler.CompileException, cp.cuda.driver.CUDADriverError, RuntimeError, OSError) as e:
                 # a compile error, a module the driver refuses, or no NVRTC library for cupy to load
                 _ready[(src, device.index)] = f"{src}.cu did not build on {device}: {e}"
+                for other in [k for k in _kernels if k[0] == src and k[2] == device.index]:
+                    del _kernels[other]   # the source is off on this device, kernels loaded before it too
                 log.warning("native kernels of %s.cu are off on %s, the torch twins run: %s", src, device, e)
                 return None
             _ready[(src, device.index)] = None
@@ -126,6 +160,8 @@ def launch(k: Any, device: torch.device, grid: tuple[int, ...], block: tuple[int
            shared_mem: int = 0) -> None:
     """Launch `k` on torch's current stream of `device`, so it runs after the torch work queued before it
     (`shared_mem`: bytes of dynamic shared memory per block)."""
+    if _dry:
+        return
     cp = cupy_module()
     handle = torch.cuda.current_stream(device).cuda_stream
     with cp.cuda.Device(device.index):

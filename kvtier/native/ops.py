@@ -63,11 +63,14 @@ def _check_layout(slabs: Sequence[torch.Tensor], rows_per_slab: int, row_shape: 
 
 
 def _why_not(device: torch.device, tensors: Sequence[torch.Tensor]) -> str | None:
-    """Why the kernel cannot take these tensors on `device` (None if it can)."""
+    """Why the kernel cannot take these tensors on `device` (None if it can).
+
+    A slab storage is passed as its first slab: a storage makes all its slabs alike (`SlabRows`, `DevicePool`),
+    so one stands for them all and a call's checks do not grow with the context."""
     why = loader.status()
     if why is not None:
         return why
-    if device.type != "cuda":
+    if device.type != "cuda" and not loader.in_dry_run():
         return "tensors are not on a CUDA device"
     for t in tensors:
         if not t.is_contiguous():
@@ -100,12 +103,18 @@ def _addresses(slabs: Sequence[torch.Tensor], device: torch.device,
     return slab_addresses(slabs, device)
 
 
-def _u64(x: int) -> np.uint64:
-    return np.uint64(x)
+_u64 = np.uint64   # launch arguments: addresses
+_i64 = np.int64    # and 64-bit integers
 
 
-def _i64(x: int) -> np.int64:
-    return np.int64(x)
+def _ptr(t: torch.Tensor | None) -> np.uint64:
+    """A launch's address argument for an optional tensor (0 for none)."""
+    return _u64(0 if t is None else t.data_ptr())
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` as a contiguous tensor of `dtype` (itself when it is one: no dispatch on the hot path)."""
+    return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
 
 
 def _out(out: torch.Tensor | None, shape: tuple[int, ...], device: torch.device, what: str) -> torch.Tensor:
@@ -139,7 +148,7 @@ def gather_pages(slabs: Sequence[torch.Tensor], rows_per_slab: int, rows: np.nda
         raise ValueError(f"gather_pages: out has {out.shape[0]} rows for {r.shape[0]} requested; allowed: as many")
     if r.shape[0] == 0:
         return out
-    why = _why_not(out.device, [out, *slabs]) or (None if r_np is not None else "rows are on the device")
+    why = _why_not(out.device, [out, *slabs[:1]]) or (None if r_np is not None else "rows are on the device")
     if why is None:
         k = loader.kernel("gather_pages", "kvtier_gather_pages", out.device)
         base = _addresses(slabs, out.device, addresses) if k is not None else None
@@ -183,8 +192,8 @@ def recall_pages(slabs: Sequence[torch.Tensor], rows_per_slab: int, src_rows: to
         _check_layout(pair[0], rows_per_slab, row_shape, out.dtype, "recall_pages pair")
     if heads * r == 0 or not slabs:
         return out
-    src_rows, dst_rows, count = (t.to(torch.int64).contiguous() for t in (src_rows, dst_rows, count))
-    why = _why_not(out.device, [out, *slabs] if pair is None else [out, *slabs, pair[1], *pair[0]])
+    src_rows, dst_rows, count = _as(src_rows, torch.int64), _as(dst_rows, torch.int64), _as(count, torch.int64)
+    why = _why_not(out.device, [out, slabs[0]] if pair is None else [out, slabs[0], pair[1], *pair[0][:1]])
     if why is None and not (src_rows.device == dst_rows.device == count.device == out.device):
         why = "the plan is not on the output's device"
     if why is None:
@@ -232,7 +241,7 @@ def plan_recall(want: torch.Tensor, held: torch.Tensor, pages: int, host_slots: 
         raise ValueError(f"plan_recall: ahead {list(ahead.shape)} {ahead.dtype}; allowed: {list(held.shape)} bool")
     if counts is not None and (counts.shape != (4,) or counts.dtype != torch.int64):
         raise ValueError(f"plan_recall: counts {list(counts.shape)} {counts.dtype}; allowed: [4] int64")
-    want, held = (t.to(torch.int64).contiguous() for t in (want, held))
+    want, held = _as(want, torch.int64), _as(held, torch.int64)
     given = [t for t in (host_slots, ahead, counts) if t is not None]
     why = _why_not(want.device, [want, held, *given])
     if why is None and any(t.device != want.device for t in (held, *given)):
@@ -246,14 +255,11 @@ def plan_recall(want: torch.Tensor, held: torch.Tensor, pages: int, host_slots: 
     fetch, slots, where, src_rows, dst_rows = (torch.empty_like(want) for _ in range(5))
     count = torch.empty(heads, dtype=torch.int64, device=want.device)
     held_after = torch.empty_like(held)
-
-    def ptr(t: torch.Tensor | None) -> np.uint64:
-        return _u64(0 if t is None else t.data_ptr())
-
     loader.launch(k, want.device, (heads,), (_THREADS,),
-                  (ptr(want), ptr(held), ptr(host_slots), _i64(pages), _i64(w), _i64(R), ptr(fetch), ptr(slots),
-                   ptr(count), ptr(held_after), ptr(where), ptr(src_rows), ptr(dst_rows), ptr(ahead), ptr(counts),
-                   np.int32(prefetch)),
+                  (_u64(want.data_ptr()), _u64(held.data_ptr()), _ptr(host_slots), _i64(pages), _i64(w), _i64(R),
+                   _u64(fetch.data_ptr()), _u64(slots.data_ptr()), _u64(count.data_ptr()),
+                   _u64(held_after.data_ptr()), _u64(where.data_ptr()), _u64(src_rows.data_ptr()),
+                   _u64(dst_rows.data_ptr()), _ptr(ahead), _ptr(counts), np.int32(prefetch)),
                   shared_mem=w + R)
     loader.record("plan_recall", "kernel")
     return twins.RecallPlan(fetch, slots, count, held_after, where, src_rows, dst_rows)
@@ -274,11 +280,11 @@ def scatter_pages(slabs: Sequence[torch.Tensor], rows_per_slab: int, rows: np.nd
     if not slabs:   # only device-side rows get here unchecked
         raise IndexError(f"scatter_pages: {r.shape[0]} rows into a storage of none; allowed: rows it holds")
     device = slabs[0].device
-    why = _why_not(device, [values, *slabs])
+    why = _why_not(device, [values, slabs[0]])
     if why is None:
         if r_np is None:
             why = "rows are on the device"
-        elif values.device != device or values.dtype != slabs[0].dtype or any(s.device != device for s in slabs):
+        elif values.device != device or values.dtype != slabs[0].dtype:
             why = "values and slabs differ in device or dtype"
     if why is None:
         k = loader.kernel("scatter_pages", "kvtier_scatter_pages", device)
@@ -318,7 +324,7 @@ def pack_entries(slabs: Sequence[torch.Tensor], idx: torch.Tensor, addresses: to
     elif tuple(out.shape) != shape or out.dtype != slabs[0].dtype or out.device != device or not out.is_contiguous():
         raise ValueError(f"pack_entries: out is {list(out.shape)} {out.dtype} on {out.device}; allowed: "
                          f"{list(shape)} {slabs[0].dtype} on {device}, contiguous")
-    why = _why_not(device, [idx, *slabs])
+    why = _why_not(device, [idx, slabs[0]])
     if why is None and idx.numel():
         k = loader.kernel("pack_entries", "kvtier_pack_entries", device)
         base = _addresses(slabs, device, addresses) if k is not None else None
@@ -362,15 +368,20 @@ def page_upper_bounds(q: torch.Tensor, spans: Sequence[torch.Tensor], heads: int
     ``[heads, sum(pages_i)]`` float32, in the kernel's summation order (see `twins.page_upper_bounds`); equal
     to `kvtier.recall.bounds.upper_bounds` up to float rounding. No query rows give -inf.
     """
-    q = q.float().contiguous()
+    q = _as(q, torch.float32)
     H, R, D = q.shape
     if H != heads:
         raise ValueError(f"page_upper_bounds: q has {H} heads; allowed: {heads} (one per KV head)")
-    for i, b in enumerate(spans):
+    # the slabs of one storage are alike: its first and last spans stand for them all (checks in O(1))
+    one_storage = addresses is not None and len(spans) > 2
+    for i, b in ((0, spans[0]), (len(spans) - 1, spans[-1])) if one_storage else enumerate(spans):
         if b.dim() != 2 or b.shape[1] != 2 * D or b.shape[0] % heads or b.dtype not in _BOUND_KERNELS:
             raise ValueError(f"page_upper_bounds: span {i} is {list(b.shape)} {b.dtype}; allowed: "
                              f"[pages * {heads}, {2 * D}] in float32, float16 or bfloat16")
-    total = sum(b.shape[0] // heads for b in spans)
+    if one_storage:
+        total = ((len(spans) - 1) * spans[0].shape[0] + spans[-1].shape[0]) // heads
+    else:
+        total = sum(b.shape[0] // heads for b in spans)
     out = _out(out, (H, total), q.device, "page_upper_bounds")
     if R == 0:
         return out.fill_(float("-inf"))
@@ -394,16 +405,15 @@ def page_upper_bounds(q: torch.Tensor, spans: Sequence[torch.Tensor], heads: int
 def _one_launch(q: torch.Tensor, spans: Sequence[torch.Tensor], heads: int, out: torch.Tensor,
                 addresses: torch.Tensor, rows_per_slab: int | None, total: int) -> bool:
     """`page_upper_bounds` over every slab of one storage in one launch, if the kernel can take it."""
-    dtypes = {b.dtype for b in spans}
-    if rows_per_slab is None or rows_per_slab % heads or len(dtypes) != 1 or addresses.dim() != 1 \
+    if rows_per_slab is None or rows_per_slab % heads or spans[0].dtype != spans[-1].dtype or addresses.dim() != 1 \
             or addresses.shape[0] < len(spans) or addresses.dtype != torch.int64 \
-            or any(b.shape[0] != rows_per_slab for b in spans[:-1]) or spans[-1].shape[0] > rows_per_slab:
+            or (len(spans) > 1 and spans[0].shape[0] != rows_per_slab) or spans[-1].shape[0] > rows_per_slab:
         raise ValueError(f"page_upper_bounds: addresses {list(addresses.shape)} {addresses.dtype} with "
                          f"rows_per_slab={rows_per_slab} for spans of {[b.shape[0] for b in spans]} rows; allowed: "
                          "int64 addresses of at least every span's slab, every span but the last holding "
                          "rows_per_slab rows (a multiple of heads) and the last at most that, one dtype")
-    why = _why_not(q.device, [q, out, *spans]) or (None if addresses.device == q.device else "addresses elsewhere")
-    if why is not None or any(b.device != q.device for b in spans):
+    why = _why_not(q.device, [q, out, spans[0]]) or (None if addresses.device == q.device else "addresses elsewhere")
+    if why is not None or spans[0].device != q.device:
         return False
     k = loader.kernel("page_select", _BOUND_KERNELS[spans[0].dtype], q.device)
     if k is None:
@@ -538,7 +548,7 @@ def rank_pages(q: torch.Tensor, cand: torch.Tensor, pages: int, bounds: tuple[Se
     ascending id, all candidates best first (ties in short-list order), and the log shares (float32); see
     ``native/rank_pages.cu`` for every step, which the twin follows bit for bit.
     """
-    q = q.float().contiguous()
+    q = _as(q, torch.float32)
     H, R, D = q.shape
     if cand.dim() != 2 or cand.shape[0] != H or cand.dtype != torch.int64 or cand.device != q.device:
         raise ValueError(f"rank_pages: cand {list(cand.shape)} {cand.dtype} on {cand.device}; allowed: "
@@ -591,6 +601,20 @@ def rank_pages(q: torch.Tensor, cand: torch.Tensor, pages: int, bounds: tuple[Se
 _KVP_THREADS_MAX = 1024
 
 
+_fit_weights: list[tuple[twins.MLPWeights, torch.device]] = []   # the last networks found fit, per device
+
+
+def _weights_unfit(weights: twins.MLPWeights, device: torch.device) -> bool:
+    """Whether the networks' tensors are not all float32, contiguous, on `device` (checked once per set of
+    weights and device: a scorer hands the same ones every step)."""
+    if any(w is weights and d == device for w, d in _fit_weights):
+        return False
+    if any(w.dtype != torch.float32 or w.device != device or not w.is_contiguous() for w in weights):
+        return True
+    _fit_weights[:] = [*_fit_weights[-3:], (weights, device)]
+    return False
+
+
 def kvp_score(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, weights: twins.MLPWeights,
               first: int) -> torch.Tensor:
     """KVP's scores of new entries in one launch (`kvtier.scoring.kvp.KVPAgents` for inference).
@@ -625,13 +649,13 @@ def kvp_score(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
     if values.device != keys.device or positions.device != keys.device:
         raise ValueError(f"kvp_score: keys on {keys.device}, values on {values.device}, position features on "
                          f"{positions.device}; allowed: all on one device")
-    positions = positions.float().contiguous()
-    why = _why_not(keys.device, [positions, *weights])
+    positions = _as(positions, torch.float32)
+    why = _why_not(keys.device, [positions])
     suffix = DTYPE_SUFFIX.get(keys.dtype)
     if why is None and (suffix is None or keys.stride(2) != 1 or values.stride(2) != 1):
         why = "keys and values of another dtype, or channels not contiguous"
-    if why is None and any(w.dtype != torch.float32 or w.device != keys.device for w in weights):
-        why = "weights not float32 on the keys' device"
+    if why is None and _weights_unfit(weights, keys.device):
+        why = "weights not float32, contiguous, on the keys' device"
     if why is None and (hidden > _KVP_THREADS_MAX or 4 * (d_in + 2 * hidden) > SHARED_MAX):
         why = f"networks of {d_in} inputs and {hidden} hidden units: more than a block's threads or shared memory"
     k = loader.kernel("kvp_score", f"kvtier_kvp_score_{suffix}", keys.device) if why is None and T else None
@@ -775,10 +799,10 @@ def attend_slabs(q: torch.Tensor, k_slabs: Sequence[torch.Tensor], v_slabs: Sequ
     first = k_slabs[0]
     per = first.shape[-2]
     shape = (H, per, D)
-    for s in (*k_slabs, *v_slabs):
+    for s in (first, v_slabs[0]):   # a pool makes its slabs alike: the first of each stands for them all
         if tuple(s.shape[-3:]) != shape or s.dim() not in (3, 4) or s.dtype != first.dtype or s.device != q.device:
             raise ValueError(f"attend_slabs: a slab of {list(s.shape)} {s.dtype} on {s.device}; allowed: "
-                             f"[1, {H}, {per}, {D}] {first.dtype} on {q.device}, like the first")
+                             f"[1, {H}, {per}, {D}] {first.dtype} on {q.device}, like the first key slab")
     if not 1 <= count <= per * len(k_slabs):
         raise ValueError(f"attend_slabs: count={count}; allowed: 1 to {per * len(k_slabs)} (the slabs' entries)")
     device = q.device
@@ -788,7 +812,7 @@ def attend_slabs(q: torch.Tensor, k_slabs: Sequence[torch.Tensor], v_slabs: Sequ
         raise ValueError(f"attend_slabs: chunk={chunk}; allowed: 1 to {_ATTEND_CHUNK_MAX} entries (a chunk's "
                          "logits stay in a block's shared memory)")
     row_words = D * first.element_size() // 4
-    why = _why_not(device, [*k_slabs, *v_slabs])
+    why = _why_not(device, [first, v_slabs[0]])
     suffix = DTYPE_SUFFIX.get(first.dtype)
     if why is None and (suffix is None or q.dtype != first.dtype or q.stride(2) != 1):
         why = "a query of another dtype than the slabs', or channels not contiguous"

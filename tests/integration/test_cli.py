@@ -113,5 +113,17 @@ def test_bench_launches_json():
     # page ranking, KVP's networks and the attention merge are a launch each; keys and values recalled together
     assert calls["rank_pages"] == calls["kvp_score"] == calls["merge_parts"] == 1
     assert calls["recall_pages"] == calls["plan_recall"]
-    assert parts["page choice"] <= 3 and parts["attention over the parts"] == 2   # a top-k; two attention calls
+    assert calls["attend_slabs"] >= 1   # the device pool in one pass (its chunks, and their combine if several)
+    assert parts["page choice"] <= 3 and parts["attention over the parts"] == 1   # a top-k; the recalled pages
     assert data["ratio"] > 1
+
+
+def test_bench_wrappers_json():
+    """The host cost of kvtier's own code per native call, at two contexts, next to a torch op's."""
+    result = run("bench", "wrappers", "--contexts", "16K,64K", "--calls", "10", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output[result.output.index("{"):])
+    assert [r["context"] for r in data["rows"]] == [16_384, 65_536] and data["torch_op_us"] > 0
+    assert set(data["rows"][0]["us_per_call"]) == set(data["calls_per_layer_step"])
+    bad = run("bench", "wrappers", "--contexts", "12")
+    assert bad.exit_code != 0 and "--contexts" in bad.output

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvtier import native
@@ -37,3 +38,37 @@ def test_parts_follow_the_file_that_issued_the_op():
     assert part_of(_PACKAGE + "recall/device_plan.py") == "recall and prefetch"
     assert part_of(_PACKAGE + "engine/fetch.py") == "recall and prefetch"
     assert part_of(_PACKAGE + "engine/layer.py") == "placement and bookkeeping"
+
+
+def test_a_dry_run_takes_every_kernel_path_launches_nothing_and_ends_cleanly():
+    """`kvtier bench wrappers` times the ops' own code under `loader.dry_run`: each takes its kernel path on
+    the CPU's tensors (what it builds for the launch is what it would build on a GPU), no kernel is built or
+    launched, and outside it the twins run again."""
+    from kvtier.bench.wrappers import CALLS, _Step
+    from kvtier.native import loader
+
+    step = _Step(20_000, 0.1)
+    marker = float("nan")
+    step.part[0].fill_(marker)
+    native.reset_stats()
+    with loader.dry_run():
+        assert native.kernel_status() is None
+        for op, call in step.calls().items():
+            call()
+            assert native.backend()["ops"][op]["last"] == "kernel", op
+    assert set(native.backend()["ops"]) == set(CALLS)
+    assert native.kernel_status() is not None            # no CUDA here: the twins again
+    out, _ = native.merge_parts([step.part, step.part])
+    assert native.backend()["ops"]["merge_parts"]["last"] == "twin" and torch.isnan(out).all()
+
+
+def test_the_wrapper_bench_reports_every_call_at_every_context():
+    from kvtier.bench.wrappers import CALLS, measure_wrapper_cost
+
+    out = measure_wrapper_cost([16_384, 65_536], n=20)
+    assert [r["context"] for r in out["rows"]] == [16_384, 65_536]
+    for r in out["rows"]:
+        assert set(r["us_per_call"]) == set(CALLS) and all(v > 0 for v in r["us_per_call"].values())
+        assert r["us_per_layer_step"] == pytest.approx(sum(r["us_per_call"][k] * n for k, n in CALLS.items()),
+                                                       abs=0.5)
+    assert out["rows"][1]["host_slabs"] > out["rows"][0]["host_slabs"]
