@@ -748,10 +748,12 @@ def _blocks_wanted(device: torch.device) -> int:
     return _ATTEND_BLOCKS
 
 
-def attend_chunk(count: int, heads: int, blocks: int = _ATTEND_BLOCKS) -> int:
+def attend_chunk(count: int, heads: int, blocks: int | None = None, device: torch.device | None = None) -> int:
     """Entries per chunk for `attend_slabs` over `count` entries of `heads` heads: the largest power of two
     from 32 to 256 whose chunks still make `blocks` blocks (a long pool in long chunks, a short one split
-    finely enough to fill the GPU)."""
+    finely enough to fill the GPU); `blocks` defaults to four per SM of `device` (512 without a GPU)."""
+    if blocks is None:
+        blocks = _blocks_wanted(device or torch.device("cpu"))
     chunk = _ATTEND_CHUNK_MAX
     while chunk > _ATTEND_CHUNK_MIN and heads * -(-count // chunk) < blocks:
         chunk //= 2
@@ -807,7 +809,7 @@ def attend_slabs(q: torch.Tensor, k_slabs: Sequence[torch.Tensor], v_slabs: Sequ
         raise ValueError(f"attend_slabs: count={count}; allowed: 1 to {per * len(k_slabs)} (the slabs' entries)")
     device = q.device
     if chunk is None:
-        chunk = attend_chunk(count, H, _blocks_wanted(device))
+        chunk = attend_chunk(count, H, device=device)
     if not 1 <= chunk <= _ATTEND_CHUNK_MAX:
         raise ValueError(f"attend_slabs: chunk={chunk}; allowed: 1 to {_ATTEND_CHUNK_MAX} entries (a chunk's "
                          "logits stay in a block's shared memory)")

@@ -469,11 +469,6 @@ def test_merge_parts_kernel_is_the_twin(kernels, parts):
     assert _same_bits(got[0], want[0]) and _same_bits(got[1], want[1])
 
 
-def _blocks(device: torch.device) -> int:
-    """The blocks `attend_slabs` aims for on `device` (its default chunk follows from them)."""
-    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,rows,dim,count,chunk", [(8, 4, 128, 13_000, None), (8, 4, 128, 900, 256),
                                                         (2, 7, 64, 300, 32), (3, 16, 40, 5000, 1),
@@ -492,7 +487,7 @@ def test_attend_slabs_kernel_is_the_twin(kernels, dtype, heads, rows, dim, count
     pool._write(0, k, v, torch.zeros(heads, count, dtype=torch.int64, device=kernels))
     q = (torch.randn(1, heads * rows, 1, dim, generator=g) * 2).to(dtype).to(kernels)
     packed = q.reshape(heads, rows, dim)
-    used = chunk or native.attend_chunk(count, heads, _blocks(kernels))
+    used = chunk or native.attend_chunk(count, heads, device=kernels)
     launches = _Launches("attend_slabs")
     out, lse = native.attend_slabs(packed, pool.k, pool.v, count, dim ** -0.5, chunk=chunk,
                                    addresses=pool.addresses())
@@ -525,5 +520,5 @@ def test_attend_slabs_waits_for_the_writes_before_it_on_its_stream(kernels):
         out, lse = native.attend_slabs(q, pool.k, pool.v, 8000, 128 ** -0.5, addresses=addresses)
     torch.cuda.synchronize()
     want = twins.attend_slabs(q.cpu(), [s.cpu() for s in pool.k], [s.cpu() for s in pool.v], 8000, 128 ** -0.5,
-                              native.attend_chunk(8000, 8, _blocks(kernels)))
+                              native.attend_chunk(8000, 8, device=kernels))
     assert _same_bits(out, want[0]) and _same_bits(lse, want[1])

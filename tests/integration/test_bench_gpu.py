@@ -47,6 +47,18 @@ def test_table_and_json_are_written(cpu_run):
     assert "one launch costs the host" in text and "host time to issue a step" in text
 
 
+def test_pool_attention_rows(cpu_run):
+    """The device pool's attention both ways at every context's pool (the 1M row's too), the same attention."""
+    text, data = cpu_run
+    pool = data["pool_attention"]
+    assert [r["context"] for r in pool["rows"]] == [1024, 2048, 8192]
+    for r in pool["rows"]:
+        assert abs(r["entries"] - 0.1 * r["context"]) <= 2 and r["slabs"] == 1
+        assert r["one_pass_ms"] > 0 and r["per_slab_ms"] > 0 and r["one_pass_path"] == "twin"
+        assert r["max_abs_diff"] < 1e-2   # the attention calls of the per-slab path give bf16 outputs
+    assert "device pool attention, one layer" in text and "pool_attention" in data["seconds"]
+
+
 def test_bandwidth_rows(cpu_run):
     bw = cpu_run[1]["bandwidth"]
     assert "LayerEngine._to_host" in bw["method"] and "_bring_up" in bw["method"]

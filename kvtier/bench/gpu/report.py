@@ -82,6 +82,14 @@ def format_report(result: dict[str, Any]) -> str:
     elif cost:
         lines.append(f"  one launch costs the host {cost['torch_op_us']:.1f} us (a torch op), "
                      f"{cost['native_op_us']:.1f} us (a native op's whole call, {cost['native_path']})")
+    pool = result.get("pool_attention")
+    if pool and pool.get("skipped"):
+        lines.append(f"  device pool attention: skipped ({pool['skipped']})")
+    elif pool:
+        lines.append("  device pool attention, one layer, ms (one pass / per slab): " + ", ".join(
+            f"{_tokens(r['context'])} {r['one_pass_ms']:.3f} / {r['per_slab_ms']:.3f} "
+            f"({_fmt(r['per_slab_over_one_pass'], '.2f', 'x')}, {r['slabs']} slabs, {r['one_pass_path']})"
+            for r in pool["rows"]))
     growth = next((r["rows"]["kvtier"]["growth"] for r in result["decode"]
                    if "growth" in r.get("rows", {}).get("kvtier", {})), None)
     if growth:

@@ -15,6 +15,7 @@ from .bandwidth import measure_bandwidth
 from .context import run_context
 from .launch_cost import measure_launch_cost
 from .million import run_million
+from .pool_attention import measure_pool_attention
 from .model import ROPE, SHAPES, build_model, kv_bytes_per_token, kvp_for
 from .settings import GpuBenchConfig
 from .targets import evaluate_targets
@@ -60,6 +61,13 @@ def run_gpu_bench(cfg: GpuBenchConfig, progress: Progress | None = None) -> dict
     t = time.perf_counter()
     result["launch_cost"] = _attempt("launch cost", lambda: measure_launch_cost(device), device, progress)
     seconds["launch_cost"] = _r(time.perf_counter() - t, 2)
+
+    t = time.perf_counter()
+    pool_contexts = sorted(cfg.contexts) + ([cfg.million_context] if cfg.million else [])
+    progress.say(f"device pool attention, one pass against per slab, at {len(pool_contexts)} context(s)")
+    result["pool_attention"] = _attempt("pool attention", lambda: measure_pool_attention(
+        cfg, device, clock, pool_contexts), device, progress)
+    seconds["pool_attention"] = _r(time.perf_counter() - t, 2)
 
     scorers: dict[int, tuple[Any, str]] = {}
 

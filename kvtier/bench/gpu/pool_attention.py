@@ -1,0 +1,84 @@
+"""A decode step's attention over the device pool, one layer: the one-pass kernel (`kvtier.native.attend_slabs`,
+the pool in chunks that fill the GPU, then their combine) against the per-slab path it replaced (an attention
+call per slab of the pool, each only a block per KV head on a GPU, and their merge), side by side on the same
+pool at each context's device budget.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ... import native
+from ...engine.attention import attend_parts, merge_with_lse
+from ...engine.layer import SLAB_TOKENS
+from ...placement.budget import Budget
+from ...tiers.device import DevicePool
+from .model import SHAPES
+from .settings import GpuBenchConfig
+from .timing import Clock, _median, _r
+
+CALLS = 20   # calls a timing, several timings a row
+
+
+def _pool(H: int, D: int, entries: int, device: torch.device, seed: int) -> DevicePool:
+    """A pool of `entries` random bf16 keys and values in the engine's slabs, the last one part-filled."""
+    pool = DevicePool(H, D, torch.bfloat16, device, SLAB_TOKENS)
+    g = torch.Generator(device=device).manual_seed(seed)
+    pool._ensure(entries)
+    for start in range(0, entries, SLAB_TOKENS):
+        n = min(SLAB_TOKENS, entries - start)
+        k = torch.randn(1, H, n, D, generator=g, device=device).to(torch.bfloat16)
+        v = torch.randn(1, H, n, D, generator=g, device=device).to(torch.bfloat16)
+        pool._write(start, k, v, torch.zeros(H, n, dtype=torch.int64, device=device))
+    return pool
+
+
+def measure_pool_attention(cfg: GpuBenchConfig, device: torch.device, clock: Clock,
+                           contexts: list[int]) -> dict[str, Any]:
+    """Per context: milliseconds of one layer's pool attention each way (median of `cfg.repeats` timings of
+    `CALLS` calls), their ratio, and how far apart the two outputs are."""
+    shape = SHAPES[cfg.shape]
+    H, D = shape["num_key_value_heads"], shape["head_dim"]
+    group = shape["num_attention_heads"] // H
+    kernels = device.type == "cuda" and native.kernel_status() is None
+    rows = [_row(cfg, device, clock, context, H, D, group, kernels) for context in contexts]
+    return {"rows": rows, "kv_heads": H, "query_rows_per_head": group, "head_dim": D, "calls_per_timing": CALLS,
+            "method": "one layer's decode-step attention over a device pool of random bf16 entries (the context's "
+                      "device budget plus the step's token, in slabs of 4,096), timed on the device: "
+                      "native.attend_slabs (one_pass) against an attention call per slab and merge_with_lse "
+                      "(per_slab, the engine's path before attend_slabs); median of the repeats. max_abs_diff: between the two "
+                      "outputs, the per-slab one rounded to bf16 by its attention calls"}
+
+
+def _row(cfg: GpuBenchConfig, device: torch.device, clock: Clock, context: int, H: int, D: int, group: int,
+         kernels: bool) -> dict[str, Any]:
+    """One context's pool, timed both ways (the pool is freed on return)."""
+    scale = D ** -0.5
+    entries = Budget(cfg.device_budget, "device_budget").tokens(context) + 1   # with the step's own token
+    pool = _pool(H, D, entries, device, cfg.seed)
+    q = torch.randn(1, H * group, 1, D, device=device).to(torch.bfloat16)
+    packed = q.reshape(H, group, D)
+    addresses = pool.addresses()
+
+    def one_pass():
+        return native.attend_slabs(packed, pool.k, pool.v, entries, scale, addresses=addresses)
+
+    def per_slab():
+        return merge_with_lse(attend_parts(q, pool.spans(entries), None, None, 0, scale), kernels=kernels)
+
+    def timed(fn) -> float:
+        fn()
+        return _median([clock.time(lambda: [fn() for _ in range(CALLS)]) / CALLS for _ in range(cfg.repeats)]) * 1e3
+
+    before = native.backend()["ops"].get("attend_slabs", {}).get("kernel", 0)
+    one_ms, slab_ms = timed(one_pass), timed(per_slab)
+    ran_kernel = native.backend()["ops"].get("attend_slabs", {}).get("kernel", 0) > before
+    a, b = one_pass(), per_slab()
+    return {"context": context, "entries": entries, "slabs": len(pool.k),
+            "chunk": native.attend_chunk(entries, H, device=device),
+            "one_pass_ms": _r(one_ms, 4), "per_slab_ms": _r(slab_ms, 4),
+            "per_slab_over_one_pass": _r(slab_ms / one_ms, 2) if one_ms > 0 else None,
+            "one_pass_path": "kernel" if ran_kernel else "twin",
+            "max_abs_diff": _r(float((a[0] - b[0][0]).abs().max()), 8)}
