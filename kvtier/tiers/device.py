@@ -190,6 +190,8 @@ class DevicePool:
     def trim(self) -> None:
         """Release the slabs past the committed entries (those a long step's staging added)."""
         keep = max(1, -(-self.count // self.slab_tokens))
+        if len(self.k) > keep:
+            self._addresses = None
         for kind in (self.k, self.v, self.pos, self.score):
             del kind[keep:]
 
@@ -212,3 +214,4 @@ class DevicePool:
         """Forget every entry and release the slabs."""
         self.count = 0
         self.k, self.v, self.pos, self.score = [], [], [], []
+        self._addresses = None

@@ -70,3 +70,29 @@ def test_take_and_remove_follow_a_per_head_reference(heads, slab, start, seed, s
             assert torch.equal(keys[0, h, :, 1].float(), (torch.tensor(ids[h]) * 10 + h).to(dtype).float())
             assert torch.equal(values[0, h], -keys[0, h])
         pool.trim()
+
+
+def test_the_slab_addresses_follow_the_slabs_through_growth_trim_and_clear(monkeypatch):
+    """`addresses()` is kept for the kernels until the slabs change: adding, releasing (`trim`) or dropping
+    them all (`clear`) must never leave a table that names freed slabs."""
+    from kvtier import native
+
+    monkeypatch.setattr(native, "slab_addresses",
+                        lambda slabs, device: torch.tensor([s.data_ptr() for s in slabs], dtype=torch.int64))
+
+    def current(pool):
+        return [[s.data_ptr() for s in pool.k], [s.data_ptr() for s in pool.v]]
+
+    pool = DevicePool(2, 8, torch.float32, torch.device("cpu"), 4)
+    assert pool.addresses() is None                       # no slab yet
+    pool.stage(torch.zeros(1, 2, 10, 8), torch.zeros(1, 2, 10, 8), torch.zeros(2, 10, dtype=torch.int64))
+    first = pool.addresses()
+    assert [a.tolist() for a in first] == current(pool) and len(pool.k) == 3
+    assert pool.addresses() is first                      # kept while the slabs stay
+    pool.commit(5, torch.zeros(2, 5))
+    pool.trim()                                           # 5 committed entries: two slabs stay
+    assert len(pool.k) == 2 and [a.tolist() for a in pool.addresses()] == current(pool)
+    pool.clear()
+    assert pool.addresses() is None
+    pool.stage(torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8), torch.zeros(2, 3, dtype=torch.int64))
+    assert [a.tolist() for a in pool.addresses()] == current(pool)
