@@ -1,8 +1,10 @@
-// Decode attention over the device pool's slabs: every KV head's query rows against every entry the pool
-// holds, in place of one attention call per slab and the stack and log-sum-exp of their log-sum-exps
-// (attend_parts over the pool in kvtier/engine/layer.py). A long pool is cut into chunks of `chunk` entries,
-// one block per (chunk, KV head), so that it fills the GPU whatever the number of heads (split-KV decoding);
-// a second kernel combines the chunks.
+// Decode attention over a set of entries kept in pieces, in two launches at any length: the device pool's
+// slabs (in place of an attention call per slab and the log-sum-exp of their log-sum-exps), or the recalled
+// pages where the recall buffer holds them (read through a page table, in place of gathering them, an
+// attention call and the merge with the rest of the step's attention). The entries are cut into chunks of
+// `chunk`, one block per (chunk, KV head), so that a long set fills the GPU whatever the number of heads
+// (split-KV decoding); a second kernel combines the chunks, and with them one more part given whole (its
+// output and log-sum-exp: the attention over the device pool, when the recalled pages are attended).
 //
 // For KV head h, query row r (a query head's row, packed as attend_parts packs them) and entry t of chunk c:
 //   s[r, t]    = (sum_d q[r, d] k[t, d] over d = 0 .. dim - 1 in order from +0) * scale
@@ -13,15 +15,14 @@
 //   M = max_c m[c, r] in order (NaN wins);  w[c] = kv_exp(m[c, r] - M)
 //   L = sum_c l[c, r] w[c],  A[d] = sum_c a[c, r, d] w[c], each in order from +0
 //   out[r, d] = A[d] / L,  lse[r] = M + kv_log(L)
-// every product and sum rounding on its own; the twin (twins.attend_slabs) follows step by step. With a
-// single chunk the first kernel writes out and lse itself: the combine would give the same bits (w = e^0 = 1,
-// and +0 + x = x for the sums, which are never -0).
+// A part given whole, (o, lse_x), comes first, as a chunk with m = lse_x, l = 1 and a = o. Every product and
+// sum rounds on its own; the twin (twins.attend_chunks, twins.attend_combine) follows step by step. With a
+// single chunk and no whole part the first kernel writes out and lse itself (`finish`): the combine would
+// give the same bits (w = e^0 = 1, and +0 + x = x for the sums, which are never -0).
 //
 // The keys of a tile of entries are staged in shared memory as 32-bit words (rows padded by a word, so that
 // threads reading one word of different rows meet no bank conflict), read from the slabs in coalesced words;
-// the values are read from the slabs, a channel per thread. Entries are addressed through a table of slab
-// addresses: entry t is row t % slab_tokens of slab t / slab_tokens, at head stride `slab_head` and token
-// stride `slab_token` (elements).
+// the values are read where they are, a channel per thread (see kv_entry for the addressing).
 #include "kvtier_native.cuh"
 
 #define KV_ATTEND_ROWS 16   // query rows per KV head a block holds in registers
@@ -45,12 +46,36 @@ __host__ __device__ inline kv_attend_smem kv_attend_layout(unsigned char* smem, 
     return s;
 }
 
-// The address of entry t's first element in a slab storage (`slabs` the slabs' addresses).
+// Where a set's entries are. Slab mode (`pages` null): entry t of head h is row t % slab_tokens of slab
+// t / slab_tokens, the slabs' addresses in `slabs`. Paged mode: entry t is row
+// pages[h * n_pages + t / page] * page + t % page of the one storage at `base` (the recall buffer, a page per
+// slot, `pages` the slots in the order attention reads them). Head stride `slab_head`, token stride
+// `slab_token`, in elements.
+struct kv_attend_src {
+    const kv_u64* slabs;
+    const char* base;
+    kv_i64 slab_tokens, slab_head, slab_token;
+    const kv_i64* pages;
+    kv_i64 n_pages;
+    int page;
+};
+
+// The address of entry t of head h, and in `run` how many entries from t lie at consecutive token strides.
 template <typename T>
-__host__ __device__ __forceinline__ const T* kv_entry(const kv_u64* __restrict__ slabs, kv_i64 slab_tokens,
-                                                     kv_i64 slab_head, kv_i64 slab_token, int h, kv_i64 t) {
-    const kv_i64 slab = t / slab_tokens;
-    return reinterpret_cast<const T*>(slabs[slab]) + h * slab_head + (t - slab * slab_tokens) * slab_token;
+__host__ __device__ __forceinline__ const T* kv_entry(const kv_attend_src& src, int h, kv_i64 t, kv_i64* run) {
+    kv_i64 row = t, left = -1;
+    if (src.pages) {
+        const kv_i64 p = t / src.page, in = t - p * src.page;
+        row = src.pages[h * src.n_pages + p] * src.page + in;
+        left = src.page - in;
+    }
+    const kv_i64 slab = row / src.slab_tokens, at = row - slab * src.slab_tokens;
+    const kv_i64 in_slab = src.slab_tokens - at;
+    if (run) {
+        *run = left >= 0 && left < in_slab ? left : in_slab;
+    }
+    const T* start = src.slabs ? reinterpret_cast<const T*>(src.slabs[slab]) : reinterpret_cast<const T*>(src.base);
+    return start + h * src.slab_head + at * src.slab_token;
 }
 
 // Element d of a row of T kept as 32-bit words, as float (exact).
@@ -78,13 +103,12 @@ __host__ __device__ inline void kv_attend_stage_q(const T* __restrict__ q, kv_i6
 
 // Step 2: entries t0 .. t0 + n - 1's keys into shared memory, word by word (`row_words` words a key).
 template <typename T>
-__host__ __device__ inline void kv_attend_stage_keys(const kv_u64* __restrict__ k_slabs, kv_i64 slab_tokens,
-                                                     kv_i64 slab_head, kv_i64 slab_token, int h, kv_i64 t0, int n,
+__host__ __device__ inline void kv_attend_stage_keys(const kv_attend_src& k, int h, kv_i64 t0, int n,
                                                      int row_words, unsigned int* __restrict__ keys, int lane,
                                                      int width) {
     for (int i = lane; i < n * row_words; i += width) {
         const int j = i / row_words, w = i - j * row_words;
-        const T* row = kv_entry<T>(k_slabs, slab_tokens, slab_head, slab_token, h, t0 + j);
+        const T* row = kv_entry<T>(k, h, t0 + j, nullptr);
         keys[j * (row_words + 1) + w] = reinterpret_cast<const unsigned int*>(row)[w];
     }
 }
@@ -158,11 +182,10 @@ __host__ __device__ inline void kv_attend_sum(int n, int rows, int chunk, kv_att
 }
 
 // Step 7: the p-weighted values of the chunk's n entries from c0. Thread i takes channel i % dim for the rows
-// g, g + groups, ... with g = i / dim, groups = max(1, width / dim). With `single` (the head's only chunk) it
-// writes out = a / l and lse = m + log l; else its sums a, m and l for the combine.
+// g, g + groups, ... with g = i / dim, groups = max(1, width / dim). With `single` (`finish`: the head's only
+// chunk, no whole part) it writes out = a / l and lse = m + log l; else its sums a, m and l for the combine.
 template <typename T>
-__host__ __device__ inline void kv_attend_values(const kv_u64* __restrict__ v_slabs, kv_i64 slab_tokens,
-                                                 kv_i64 slab_head, kv_i64 slab_token, int h, kv_i64 c0, int n,
+__host__ __device__ inline void kv_attend_values(const kv_attend_src& v, int h, kv_i64 c0, int n,
                                                  int rows, int dim, int chunk, kv_attend_smem s, bool single,
                                                  float* __restrict__ a_out, float* __restrict__ m_out,
                                                  float* __restrict__ l_out, int lane, int width) {
@@ -175,12 +198,14 @@ __host__ __device__ inline void kv_attend_values(const kv_u64* __restrict__ v_sl
             acc[x] = 0.0f;
         }
         kv_i64 t = 0;
-        while (t < n) {   // the chunk slab by slab, so that an entry's address needs no division
-            const kv_i64 e = c0 + t, slab = e / slab_tokens, first = e - slab * slab_tokens;
-            const kv_i64 run = slab_tokens - first < n - t ? slab_tokens - first : n - t;
-            const T* v = reinterpret_cast<const T*>(v_slabs[slab]) + h * slab_head + first * slab_token + d;
+        while (t < n) {   // the chunk a run of consecutive entries at a time: no address worked out per entry
+            kv_i64 run;
+            const T* at = kv_entry<T>(v, h, c0 + t, &run) + d;
+            if (run > n - t) {
+                run = n - t;
+            }
             for (kv_i64 u = 0; u < run; ++u, ++t) {
-                const float x = kv_float(v[u * slab_token]);
+                const float x = kv_float(at[u * v.slab_token]);
 #pragma unroll
                 for (int y = 0; y < KV_ATTEND_ROWS; ++y) {
                     const int r = g + y * groups;
@@ -208,13 +233,15 @@ __host__ __device__ inline void kv_attend_values(const kv_u64* __restrict__ v_sl
     }
 }
 
-// The combine's steps share [chunks + 2] floats: the chunks' weights, then M and L.
-// Step C1, one thread: M, the largest of the chunks' maxima (NaN wins).
+// The combine's steps share [chunks + 3] floats: the chunks' weights, then M, L and the whole part's weight.
+// `x_lse` and `x_out` are the whole part's (null when there is none); it comes before the chunks.
+// Step C1, one thread: M, the largest of the whole part's lse and the chunks' maxima, in order (NaN wins).
 __host__ __device__ inline void kv_combine_max(const float* __restrict__ m, kv_i64 m_c, kv_i64 chunks,
-                                               float* __restrict__ shared, int lane) {
+                                               const float* __restrict__ x_lse, float* __restrict__ shared,
+                                               int lane) {
     if (lane == 0) {
-        float big = m[0];
-        for (kv_i64 c = 1; c < chunks; ++c) {
+        float big = x_lse ? *x_lse : m[0];
+        for (kv_i64 c = x_lse ? 0 : 1; c < chunks; ++c) {
             const float x = m[c * m_c];
             if (x != x || x > big) {
                 big = x;
@@ -224,19 +251,24 @@ __host__ __device__ inline void kv_combine_max(const float* __restrict__ m, kv_i
     }
 }
 
-// Step C2: each chunk's weight e^(m - M).
+// Step C2: each chunk's weight e^(m - M), and the whole part's e^(lse_x - M).
 __host__ __device__ inline void kv_combine_weights(const float* __restrict__ m, kv_i64 m_c, kv_i64 chunks,
-                                                   float* __restrict__ shared, int lane, int width) {
+                                                   const float* __restrict__ x_lse, float* __restrict__ shared,
+                                                   int lane, int width) {
     for (kv_i64 c = lane; c < chunks; c += width) {
         shared[c] = kv_exp(kv_sub(m[c * m_c], shared[chunks]));
     }
+    if (lane == 0 && x_lse) {
+        shared[chunks + 2] = kv_exp(kv_sub(*x_lse, shared[chunks]));
+    }
 }
 
-// Step C3, one thread: L and the log-sum-exp.
+// Step C3, one thread: L (the whole part's sum of 1 first) and the log-sum-exp.
 __host__ __device__ inline void kv_combine_total(const float* __restrict__ l, kv_i64 l_c, kv_i64 chunks,
-                                                 float* __restrict__ shared, float* __restrict__ lse, int lane) {
+                                                 bool whole, float* __restrict__ shared, float* __restrict__ lse,
+                                                 int lane) {
     if (lane == 0) {
-        float total = 0.0f;
+        float total = whole ? kv_add(0.0f, kv_mul(1.0f, shared[chunks + 2])) : 0.0f;
         for (kv_i64 c = 0; c < chunks; ++c) {
             total = kv_add(total, kv_mul(l[c * l_c], shared[c]));
         }
@@ -245,12 +277,12 @@ __host__ __device__ inline void kv_combine_total(const float* __restrict__ l, kv
     }
 }
 
-// Step C4: out[d] = A[d] / L for d = lane, lane + width, ...
+// Step C4: out[d] = A[d] / L for d = lane, lane + width, ... (the whole part's output first).
 __host__ __device__ inline void kv_combine_out(const float* __restrict__ a, kv_i64 a_c, kv_i64 chunks, int dim,
-                                               const float* __restrict__ shared, float* __restrict__ out, int lane,
-                                               int width) {
+                                               const float* __restrict__ x_out, const float* __restrict__ shared,
+                                               float* __restrict__ out, int lane, int width) {
     for (int d = lane; d < dim; d += width) {
-        float acc = 0.0f;
+        float acc = x_out ? kv_add(0.0f, kv_mul(x_out[d], shared[chunks + 2])) : 0.0f;
         for (kv_i64 c = 0; c < chunks; ++c) {
             acc = kv_add(acc, kv_mul(a[c * a_c + d], shared[c]));
         }
@@ -259,13 +291,11 @@ __host__ __device__ inline void kv_combine_out(const float* __restrict__ a, kv_i
 }
 
 // Block (c, h): chunk c of head h. Sums go to part_a [heads, chunks, rows, dim], part_m and part_l
-// [heads, chunks, rows]; a head with one chunk writes out [heads, rows, dim] and lse [heads, rows] instead.
+// [heads, chunks, rows]; with `finish` (one chunk, no whole part) out [heads, rows, dim] and lse [heads, rows].
 template <typename T>
 __device__ __forceinline__ void kv_attend_chunks(const T* __restrict__ q, kv_i64 q_h, kv_i64 q_r,
-                                                 const kv_u64* __restrict__ k_slabs,
-                                                 const kv_u64* __restrict__ v_slabs, kv_i64 slab_tokens,
-                                                 kv_i64 slab_head, kv_i64 slab_token, kv_i64 count, int rows,
-                                                 int dim, int chunk, int tile, float scale,
+                                                 const kv_attend_src& k, const kv_attend_src& v, kv_i64 count,
+                                                 int rows, int dim, int chunk, int tile, int finish, float scale,
                                                  float* __restrict__ part_a, float* __restrict__ part_m,
                                                  float* __restrict__ part_l, float* __restrict__ out,
                                                  float* __restrict__ lse) {
@@ -279,8 +309,7 @@ __device__ __forceinline__ void kv_attend_chunks(const T* __restrict__ q, kv_i64
     kv_attend_stage_q<T>(q + h * q_h, q_r, rows, dim, s.q, lane, width);
     for (int at = 0; at < n; at += tile) {
         const int m = n - at < tile ? n - at : tile;
-        kv_attend_stage_keys<T>(k_slabs, slab_tokens, slab_head, slab_token, h, c0 + at, m, row_words, s.keys,
-                                lane, width);
+        kv_attend_stage_keys<T>(k, h, c0 + at, m, row_words, s.keys, lane, width);
         __syncthreads();
         kv_attend_logits<T>(s.keys, row_words, m, tile, at, rows, dim, chunk, scale, s, lane, width);
         __syncthreads();   // the next tile's keys overwrite these
@@ -291,41 +320,53 @@ __device__ __forceinline__ void kv_attend_chunks(const T* __restrict__ q, kv_i64
     __syncthreads();
     kv_attend_sum(n, rows, chunk, s, lane, width);
     __syncthreads();
-    const bool single = chunks == 1;
+    const bool single = finish != 0;
     const kv_i64 part = ((kv_i64)h * chunks + c) * rows;
-    kv_attend_values<T>(v_slabs, slab_tokens, slab_head, slab_token, h, c0, n, rows, dim, chunk, s, single,
+    kv_attend_values<T>(v, h, c0, n, rows, dim, chunk, s, single,
                         single ? out + (kv_i64)h * rows * dim : part_a + part * dim,
-                        single ? lse + (kv_i64)h * rows : part_m + part, part_l + part, lane, width);
+                        single ? lse + (kv_i64)h * rows : part_m + part, single ? nullptr : part_l + part, lane,
+                        width);
 }
 
+// k_slabs, v_slabs (slab mode) or k_base, v_base with pages (paged mode): see kv_attend_src.
 #define KV_ATTEND_CHUNKS(NAME, T)                                                                                 \
     extern "C" __global__ void NAME(const T* __restrict__ q, kv_i64 q_h, kv_i64 q_r,                               \
                                     const kv_u64* __restrict__ k_slabs, const kv_u64* __restrict__ v_slabs,       \
-                                    kv_i64 slab_tokens, kv_i64 slab_head, kv_i64 slab_token, kv_i64 count,        \
-                                    int rows, int dim, int chunk, int tile, float scale,                          \
+                                    const char* __restrict__ k_base, const char* __restrict__ v_base,             \
+                                    kv_i64 slab_tokens, kv_i64 slab_head, kv_i64 slab_token,                      \
+                                    const kv_i64* __restrict__ pages, kv_i64 n_pages, int page, kv_i64 count,     \
+                                    int rows, int dim, int chunk, int tile, int finish, float scale,              \
                                     float* __restrict__ part_a, float* __restrict__ part_m,                       \
                                     float* __restrict__ part_l, float* __restrict__ out,                          \
                                     float* __restrict__ lse) {                                                    \
-        kv_attend_chunks<T>(q, q_h, q_r, k_slabs, v_slabs, slab_tokens, slab_head, slab_token, count, rows, dim,  \
-                            chunk, tile, scale, part_a, part_m, part_l, out, lse);                                \
+        const kv_attend_src k = {k_slabs, k_base, slab_tokens, slab_head, slab_token, pages, n_pages, page};      \
+        const kv_attend_src v = {v_slabs, v_base, slab_tokens, slab_head, slab_token, pages, n_pages, page};      \
+        kv_attend_chunks<T>(q, q_h, q_r, k, v, count, rows, dim, chunk, tile, finish, scale, part_a, part_m,      \
+                            part_l, out, lse);                                                                    \
     }
 KV_ATTEND_CHUNKS(kvtier_attend_chunks_f32, float)
 KV_ATTEND_CHUNKS(kvtier_attend_chunks_f16, kv_half)
 KV_ATTEND_CHUNKS(kvtier_attend_chunks_bf16, kv_bf16)
 
-// Block (r, h): query row r of head h over the head's chunks, a thread per channel.
+// Block (r, h): query row r of head h over the whole part (x_out [heads, rows, dim] and x_lse [heads, rows]
+// through their strides, when given) and the head's chunks, a thread per channel.
 extern "C" __global__ void kvtier_attend_combine(const float* __restrict__ part_a, const float* __restrict__ part_m,
                                                  const float* __restrict__ part_l, kv_i64 chunks, int rows,
-                                                 int dim, float* __restrict__ out, float* __restrict__ lse) {
-    extern __shared__ __align__(16) float kv_combine_shared[];   // [chunks + 2]
+                                                 int dim, const float* __restrict__ x_out, kv_i64 x_out_h,
+                                                 kv_i64 x_out_r, const float* __restrict__ x_lse, kv_i64 x_lse_h,
+                                                 kv_i64 x_lse_r, float* __restrict__ out, float* __restrict__ lse) {
+    extern __shared__ __align__(16) float kv_combine_shared[];   // [chunks + 3]
     const int r = blockIdx.x, h = blockIdx.y, lane = threadIdx.x, width = blockDim.x;
     const kv_i64 first = (kv_i64)h * chunks * rows + r;   // chunk c of (h, r) at first + c * rows
-    kv_combine_max(part_m + first, rows, chunks, kv_combine_shared, lane);
+    const float* xl = x_lse ? x_lse + h * x_lse_h + r * x_lse_r : nullptr;
+    const float* xo = x_out ? x_out + h * x_out_h + r * x_out_r : nullptr;
+    kv_combine_max(part_m + first, rows, chunks, xl, kv_combine_shared, lane);
     __syncthreads();
-    kv_combine_weights(part_m + first, rows, chunks, kv_combine_shared, lane, width);
+    kv_combine_weights(part_m + first, rows, chunks, xl, kv_combine_shared, lane, width);
     __syncthreads();
-    kv_combine_total(part_l + first, rows, chunks, kv_combine_shared, lse + (kv_i64)h * rows + r, lane);
+    kv_combine_total(part_l + first, rows, chunks, xl != nullptr, kv_combine_shared, lse + (kv_i64)h * rows + r,
+                     lane);
     __syncthreads();
-    kv_combine_out(part_a + first * dim, (kv_i64)rows * dim, chunks, dim, kv_combine_shared,
+    kv_combine_out(part_a + first * dim, (kv_i64)rows * dim, chunks, dim, xo, kv_combine_shared,
                    out + ((kv_i64)h * rows + r) * dim, lane, width);
 }

@@ -27,13 +27,16 @@ from ..recall.device_plan import plan_on_device
 class PageFetching:
     """The fetch half of a `LayerEngine` (uses its table, tiers, recall buffer, transfers and counters)."""
 
-    def _fetch(self, ids: torch.Tensor, shortlist: torch.Tensor,
-               ahead: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | np.ndarray]:
+    def _fetch(self, ids: torch.Tensor, shortlist: torch.Tensor, ahead: bool = False,
+               gather: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | np.ndarray]:
         """Pages ``ids`` ``[heads, r]`` on the device: ``[heads, r * page_size, dim]`` keys and values, and the
         page id of each of their pages ``[heads, r]`` (the order attention reads them in).
 
         Pages the recall buffer already holds stay; only the others are brought up. `shortlist` ranks the
         candidates, best first; with `ahead` (the step's last query block) the next-ranked ones are prefetched.
+        Without `gather` (recall planned on the device only), the pages stay where the buffer holds them: the
+        result is the buffer's keys and values and the slot of each page of `ids` ``[heads, r]`` (a page table
+        for `kvtier.native.attend_pages`); a prefetch never overwrites those slots.
         """
         H, r = ids.shape
         on_device = self.recalls_on_device()
@@ -44,7 +47,10 @@ class PageFetching:
             buf = self.recalled = RecallBuffer(H, width, self.cfg.page_size, self.head_dim, self.dtype, self.device,
                                                on_device=on_device)
         if on_device:
-            return self._fetch_on_device(buf, ids, shortlist if ahead else None)
+            return self._fetch_on_device(buf, ids, shortlist if ahead else None, gather)
+        if not gather:
+            raise ValueError("pages left in the recall buffer need recall planned on the device; allowed: "
+                             "gather=False only where recalls_on_device()")
         want = ids.cpu().numpy()
         heads, pids, slots = buf.plan(want)
         self.counters.pages_reused += H * r - len(pids)
@@ -75,10 +81,10 @@ class PageFetching:
         self._await_prefetch()
         self.recalled = None
 
-    def _fetch_on_device(self, buf: RecallBuffer, ids: torch.Tensor,
-                         ranked: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _fetch_on_device(self, buf: RecallBuffer, ids: torch.Tensor, ranked: torch.Tensor | None,
+                         gather: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Plan and copy the missing pages of ``ids`` ``[heads, r]`` into `buf` without leaving the device;
-        then, given the `ranked` candidates and spare slots, prefetch the next-ranked pages."""
+        then, given the `ranked` candidates and spare slots, prefetch the next-ranked pages (see `_fetch`)."""
         H, r = ids.shape
         R = buf.pages
         self._await_prefetch()
@@ -90,12 +96,15 @@ class PageFetching:
         self._copy_up(buf, sources, plan)
         buf.held = plan.held_after
         self.counters.recall_steps += 1
-        if not spare:   # the buffer holds exactly the chosen pages
+        if not gather:   # the chosen pages keep their slots: the prefetch's plan keeps them first
+            got = (buf.k, buf.v, plan.where)
+        elif not spare:   # the buffer holds exactly the chosen pages
             return buf.k, buf.v, plan.held_after
-        k, v = buf.chosen(plan.where)
-        if ranked is not None and ranked.shape[1] > r:   # else nothing is ranked after the choice
+        else:
+            got = (*buf.chosen(plan.where), ids)
+        if spare and ranked is not None and ranked.shape[1] > r:   # else nothing is ranked after the choice
             self._prefetch(buf, ranked[:, :R])
-        return k, v, ids
+        return got
 
     def _sources(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """What a device-side copy up reads besides the plan: the host slot of every page and the key and value

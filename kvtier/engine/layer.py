@@ -27,7 +27,7 @@ from ..tiers.device import DevicePool
 from ..tiers.host import HostPool
 from ..tiers.readahead import DiskReadAhead
 from .fetch import PageFetching
-from .attention import attend_parts, attend_with_lse, finish_with_lse, sink_part
+from .attention import attend_parts, attend_with_lse, finish_with_lse, merge_with_lse, sink_part
 from .parking import ParkedLayer, check_target
 from .resources import SharedResources
 from .weights import unpack_rows, weights_by_position
@@ -218,9 +218,17 @@ class LayerEngine(PageFetching):
                 torch.logsumexp(torch.stack([lse[0] for _, lse in parts]), dim=0)
             ids, shortlist = select_pages(grouped(block, self.heads), self.index, self.cfg.recall_pages, scale,
                                           resident_lse=resident)
-            rk, rv, order = self._fetch(ids, shortlist, ahead=b1 == q_len)
             self.last_recall = ids
             packed = block.reshape(1, self.heads, -1, block.shape[3])
+            if q_len == 1 and not weights and self.recalls_on_device() and self._pool_kernels(block, softcap):
+                # the recalled pages read where the buffer holds them, merged with the rest in the same pass
+                k_buf, v_buf, table = self._fetch(ids, shortlist, ahead=True, gather=False)
+                whole = parts[0] if len(parts) == 1 else merge_with_lse(parts, kernels=True)
+                out, lse = native.attend_pages(packed[0], k_buf, v_buf, table, self.cfg.page_size, scale,
+                                               whole=(whole[0][0], whole[1][0]))
+                outs.append(finish_with_lse([(out[None], lse[None])], block)[0])
+                continue
+            rk, rv, order = self._fetch(ids, shortlist, ahead=b1 == q_len)
             parts.append(attend_with_lse(packed, rk[None], rv[None], scale, softcap=softcap))
             out, lse = finish_with_lse(parts, block, kernels=self.index.uses_kernels)
             outs.append(out)
@@ -231,17 +239,22 @@ class LayerEngine(PageFetching):
             return out, None
         return out, torch.cat(maps, dim=2).to(query.dtype)
 
+    def _pool_kernels(self, query: torch.Tensor, softcap: float | None) -> bool:
+        """Whether a decode step's attention runs through `native.attend_slabs` (and, with recall planned on
+        the device, `native.attend_pages`): where the kernels choose pages, for logits without a soft-cap and
+        queries of the cache's dtype, at most `native.ATTEND_ROWS` query heads per KV head."""
+        return (self.index.uses_kernels and softcap is None and query.shape[1] // self.heads <= native.ATTEND_ROWS
+                and query.dtype == self.pool.dtype and not native.build_failed(self.device, "attend_slabs"))
+
     def _attend_pool(self, query: torch.Tensor, scale: float, softcap: float | None,
                      sinks: torch.Tensor | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """A decode step's attention over the device entries and its own token, as parts to merge: one part
         from `native.attend_slabs` where the kernels choose pages (every slab in one launch, split to fill the
         GPU), else one per slab."""
         n = self.pool.count + 1
-        group = query.shape[1] // self.heads
-        if (not self.index.uses_kernels or softcap is not None or group > native.ATTEND_ROWS
-                or query.dtype != self.pool.dtype or native.build_failed(self.device, "attend_slabs")):
+        if not self._pool_kernels(query, softcap):
             return attend_parts(query, self.pool.spans(n), None, None, 0, scale, softcap, sinks)
-        packed = query.reshape(self.heads, group, query.shape[3])
+        packed = query.reshape(self.heads, query.shape[1] // self.heads, query.shape[3])
         out, lse = native.attend_slabs(packed, self.pool.k, self.pool.v, n, scale, addresses=self.pool.addresses())
         parts = [(out[None], lse[None])]
         if sinks is not None:

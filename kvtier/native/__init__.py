@@ -18,7 +18,9 @@ neither cupy nor anything CUDA. The CUDA sources live in the repository's top-le
 - `kvp_score`: KVP's networks over a step's new entries, every head in one launch;
 - `merge_parts`: attention over the union of key sets from each set's output and log-sum-exp;
 - `attend_slabs`: a decoding step's attention over the device pool's slabs, split into chunks that fill the
-  GPU, with its log-sum-exp.
+  GPU, with its log-sum-exp;
+- `attend_pages`: the same over the recalled pages where the recall buffer holds them (a page table, no
+  gather), merged with the rest of the step's attention.
 
 Each operation runs its kernel when it can (CUDA tensors, cupy importable, ``KVTIER_NATIVE`` not ``0``) and
 its twin (`kvtier.native.twins`) otherwise, on whatever device the tensors are; `backend()` tells which ran.
@@ -26,11 +28,12 @@ its twin (`kvtier.native.twins`) otherwise, on whatever device the tensors are; 
 
 from .loader import backend, build_failed, reset_stats, sources
 from .loader import status as kernel_status
-from .ops import (attend_chunk, attend_slabs, code_logits, gather_pages, kvp_score, merge_parts, pack_entries,
-                  page_upper_bounds, plan_recall, rank_pages, rank_pages_tile, recall_pages, scatter_pages,
-                  slab_addresses)
+from .ops import (attend_chunk, attend_pages, attend_slabs, code_logits, gather_pages, kvp_score, merge_parts,
+                  pack_entries, page_upper_bounds, plan_recall, rank_pages, rank_pages_tile, recall_pages,
+                  scatter_pages, slab_addresses)
 from .twins import ATTEND_ROWS, MLPWeights, RecallPlan
 
-__all__ = ["ATTEND_ROWS", "MLPWeights", "RecallPlan", "attend_chunk", "attend_slabs", "backend", "build_failed", "code_logits",
-           "gather_pages", "kernel_status", "kvp_score", "merge_parts", "pack_entries", "page_upper_bounds", "plan_recall", "rank_pages",
-           "rank_pages_tile", "recall_pages", "reset_stats", "scatter_pages", "slab_addresses", "sources"]
+__all__ = ["ATTEND_ROWS", "MLPWeights", "RecallPlan", "attend_chunk", "attend_pages", "attend_slabs", "backend",
+           "build_failed", "code_logits", "gather_pages", "kernel_status", "kvp_score", "merge_parts", "pack_entries",
+           "page_upper_bounds", "plan_recall", "rank_pages", "rank_pages_tile", "recall_pages", "reset_stats",
+           "scatter_pages", "slab_addresses", "sources"]

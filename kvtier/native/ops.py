@@ -766,10 +766,11 @@ def _attend_shared(rows: int, dim: int, chunk: int, tile: int, row_words: int) -
 
 def attend_slabs(q: torch.Tensor, k_slabs: Sequence[torch.Tensor], v_slabs: Sequence[torch.Tensor], count: int,
                  scale: float, chunk: int | None = None,
-                 addresses: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 addresses: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 whole: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of a decoding step's queries over the first `count` entries of a device pool, in one launch
-    (two where the pool spans several chunks): in place of an attention call per slab and the log-sum-exp
-    of their log-sum-exps.
+    (two where the pool spans several chunks or a `whole` part is merged in): in place of an attention call
+    per slab and the log-sum-exp of their log-sum-exps.
 
     Parameters
     ----------
@@ -783,9 +784,11 @@ def attend_slabs(q: torch.Tensor, k_slabs: Sequence[torch.Tensor], v_slabs: Sequ
     scale
         The logit scale.
     chunk
-        Entries per chunk (default `attend_chunk` for the device); the result's bits depend on it.
+        Entries per chunk, 1 to 256 (default `attend_chunk` for the device); the result's bits depend on it.
     addresses
-        The slabs' ``(keys, values)`` addresses from `slab_addresses` (a pool keeps them until it grows).
+        The slabs' ``(keys, values)`` addresses from `slab_addresses` (a pool keeps them until it changes).
+    whole
+        ``(out [heads, rows, dim], lse [heads, rows])`` float32 of attention over other keys, merged in.
 
     Returns
     -------
@@ -807,54 +810,131 @@ def attend_slabs(q: torch.Tensor, k_slabs: Sequence[torch.Tensor], v_slabs: Sequ
                              f"[1, {H}, {per}, {D}] {first.dtype} on {q.device}, like the first key slab")
     if not 1 <= count <= per * len(k_slabs):
         raise ValueError(f"attend_slabs: count={count}; allowed: 1 to {per * len(k_slabs)} (the slabs' entries)")
-    device = q.device
+    chunk = _check_attend(q, whole, count, chunk, "attend_slabs")
+
+    def twin() -> tuple[torch.Tensor, torch.Tensor]:
+        return twins.attend_slabs(q, k_slabs, v_slabs, count, scale, chunk, whole)
+
+    why = _why_not(q.device, [first, v_slabs[0]])
+    k_addr = v_addr = None
+    if why is None:
+        k_addr = _addresses(k_slabs, q.device, None if addresses is None else addresses[0])
+        v_addr = _addresses(v_slabs, q.device, None if addresses is None else addresses[1])
+        if k_addr is None or v_addr is None:
+            why = "a slab out of the kernel's reach"
+    where = (_ptr(k_addr), _ptr(v_addr), _u64(0), _u64(0), _i64(per), _i64(first.stride(-3)),
+             _i64(first.stride(-2)), _u64(0), _i64(0), np.int32(0))
+    return _attend(q, first.dtype, where, count, scale, chunk, whole, why, twin, "attend_slabs")
+
+
+def attend_pages(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, pages: torch.Tensor,
+                 page_size: int, scale: float, chunk: int | None = None,
+                 whole: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attend_slabs` over pages where a recall buffer holds them, read through a page table (no gather).
+
+    `k_buffer`, `v_buffer` are ``[heads, slots * page_size, dim]`` (contiguous, the queries' dtype), `pages`
+    ``[heads, n]`` int64 on their device: the slot of each page to attend, in the order attention reads them
+    (which fixes the result's bits, not which slots hold the pages). Entries read: ``n * page_size``. Slots
+    are not checked on the device (that would need the host); the recall plan makes them. `whole`, `chunk`
+    and the result are as for `attend_slabs`.
+    """
+    if q.dim() != 3 or k_buffer.dim() != 3:
+        raise ValueError(f"attend_pages: q {list(q.shape)} and buffer {list(k_buffer.shape)}; allowed: "
+                         "[heads, rows, dim] and [heads, slots * page_size, dim]")
+    H, R, D = q.shape
+    if (tuple(k_buffer.shape) != tuple(v_buffer.shape) or k_buffer.shape[0] != H or k_buffer.shape[2] != D
+            or k_buffer.dtype != v_buffer.dtype or k_buffer.device != q.device or v_buffer.device != q.device
+            or page_size < 1 or k_buffer.shape[1] % page_size):
+        raise ValueError(f"attend_pages: buffers {list(k_buffer.shape)} {k_buffer.dtype} and "
+                         f"{list(v_buffer.shape)} {v_buffer.dtype} with page_size={page_size}; allowed: two "
+                         f"[{H}, slots * page_size, {D}] buffers of one dtype on {q.device}, page_size >= 1")
+    if pages.dim() != 2 or pages.shape[0] != H or pages.shape[1] < 1 or pages.dtype != torch.int64 \
+            or pages.device != q.device:
+        raise ValueError(f"attend_pages: pages {list(pages.shape)} {pages.dtype} on {pages.device}; allowed: "
+                         f"[{H}, n >= 1] torch.int64 on {q.device}")
+    count = pages.shape[1] * page_size
+    chunk = _check_attend(q, whole, count, chunk, "attend_pages")
+    pages = _as(pages, torch.int64)
+
+    def twin() -> tuple[torch.Tensor, torch.Tensor]:
+        return twins.attend_pages(q, k_buffer, v_buffer, pages, page_size, scale, chunk, whole)
+
+    why = _why_not(q.device, [k_buffer, v_buffer])
+    where = (_u64(0), _u64(0), _u64(k_buffer.data_ptr()), _u64(v_buffer.data_ptr()), _i64(k_buffer.shape[1]),
+             _i64(k_buffer.stride(0)), _i64(k_buffer.stride(1)), _u64(pages.data_ptr()), _i64(pages.shape[1]),
+             np.int32(page_size))
+    return _attend(q, k_buffer.dtype, where, count, scale, chunk, whole, why, twin, "attend_pages")
+
+
+def _check_attend(q: torch.Tensor, whole: tuple[torch.Tensor, torch.Tensor] | None, count: int,
+                  chunk: int | None, op: str) -> int:
+    """The chunk to use (checked), after checking the part given whole."""
+    H, R, D = q.shape
+    if whole is not None and (tuple(whole[0].shape) != (H, R, D) or tuple(whole[1].shape) != (H, R)
+                              or whole[0].dtype != torch.float32 or whole[1].dtype != torch.float32
+                              or whole[0].device != q.device or whole[1].device != q.device
+                              or whole[0].stride(2) != 1):
+        raise ValueError(f"{op}: a whole part of {list(whole[0].shape)} {whole[0].dtype} and "
+                         f"{list(whole[1].shape)} {whole[1].dtype}; allowed: [{H}, {R}, {D}] (channels contiguous) "
+                         f"and [{H}, {R}] torch.float32 on {q.device}")
     if chunk is None:
-        chunk = attend_chunk(count, H, device=device)
+        return attend_chunk(count, H, device=q.device)
     if not 1 <= chunk <= _ATTEND_CHUNK_MAX:
-        raise ValueError(f"attend_slabs: chunk={chunk}; allowed: 1 to {_ATTEND_CHUNK_MAX} entries (a chunk's "
-                         "logits stay in a block's shared memory)")
-    row_words = D * first.element_size() // 4
-    why = _why_not(device, [first, v_slabs[0]])
-    suffix = DTYPE_SUFFIX.get(first.dtype)
-    if why is None and (suffix is None or q.dtype != first.dtype or q.stride(2) != 1):
-        why = "a query of another dtype than the slabs', or channels not contiguous"
-    if why is None and ((D * first.element_size()) % 4 or R > twins.ATTEND_ROWS):
-        why = f"keys of {D * first.element_size()} bytes (not whole words) or {R} query rows (over " \
-              f"{twins.ATTEND_ROWS})"
-    tile = next((t for t in _ATTEND_TILES if _attend_shared(R, D, chunk, t, row_words) <= SHARED_MAX), 0)
+        raise ValueError(f"{op}: chunk={chunk}; allowed: 1 to {_ATTEND_CHUNK_MAX} entries (a chunk's logits stay "
+                         "in a block's shared memory)")
+    return chunk
+
+
+def _attend(q: torch.Tensor, dtype: torch.dtype, where: tuple, count: int, scale: float, chunk: int,
+            whole: tuple[torch.Tensor, torch.Tensor] | None, why: str | None, twin, op: str,
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two launches of `attend_slabs` and `attend_pages` (`where`: the kernel's arguments saying where the
+    entries are), or their twin."""
+    H, R, D = q.shape
+    device = q.device
     chunks = -(-count // chunk)
-    if why is None and (not tile or 4 * (chunks + 2) > SHARED_MAX):
+    finish = chunks == 1 and whole is None
+    launches = 1 if finish else 2
+    row_bytes = D * dtype.itemsize
+    row_words = row_bytes // 4
+    suffix = DTYPE_SUFFIX.get(dtype)
+    if why is None and (suffix is None or q.dtype != dtype or q.stride(2) != 1):
+        why = "a query of another dtype than the keys', or channels not contiguous"
+    if why is None and (row_bytes % 4 or R > twins.ATTEND_ROWS):
+        why = f"keys of {D} channels (not whole 4-byte words) or {R} query rows (over {twins.ATTEND_ROWS})"
+    tile = next((t for t in _ATTEND_TILES if _attend_shared(R, D, chunk, t, row_words) <= SHARED_MAX), 0)
+    if why is None and (not tile or 4 * (chunks + 3) > SHARED_MAX):
         why = f"{R} rows of {D} channels in chunks of {chunk} ({chunks} chunks): more than a block's shared memory"
     k = loader.kernel("attend_slabs", f"kvtier_attend_chunks_{suffix}", device) if why is None else None
-    c = loader.kernel("attend_slabs", "kvtier_attend_combine", device) if k is not None and chunks > 1 else None
-    if k is None or (chunks > 1 and c is None):
-        loader.record("attend_slabs", "twin", why or loader.build_error("attend_slabs", device),
-                      launches=1 + (chunks > 1))
-        return twins.attend_slabs(q, k_slabs, v_slabs, count, scale, chunk)
-    k_addr = _addresses(k_slabs, device, None if addresses is None else addresses[0])
-    v_addr = _addresses(v_slabs, device, None if addresses is None else addresses[1])
-    if k_addr is None or v_addr is None:
-        loader.record("attend_slabs", "twin", "a slab out of the kernel's reach", launches=1 + (chunks > 1))
-        return twins.attend_slabs(q, k_slabs, v_slabs, count, scale, chunk)
+    c = loader.kernel("attend_slabs", "kvtier_attend_combine", device) if k is not None and not finish else None
+    if k is None or (not finish and c is None):
+        loader.record(op, "twin", why or loader.build_error("attend_slabs", device), launches=launches)
+        return twin()
     out = torch.empty(H, R, D, dtype=torch.float32, device=device)
     lse = torch.empty(H, R, dtype=torch.float32, device=device)
-    if chunks > 1:
+    if finish:
+        sums = (_u64(0),) * 3
+    else:
         part_a = torch.empty(H, chunks, R, D, dtype=torch.float32, device=device)
         part_m = torch.empty(H, chunks, R, dtype=torch.float32, device=device)
         part_l = torch.empty_like(part_m)
         sums = (_u64(part_a.data_ptr()), _u64(part_m.data_ptr()), _u64(part_l.data_ptr()))
-    else:
-        sums = (_u64(0),) * 3
     loader.launch(k, device, (chunks, H), (_ATTEND_THREADS,),
-                  (_u64(q.data_ptr()), _i64(q.stride(0)), _i64(q.stride(1)), _u64(k_addr.data_ptr()),
-                   _u64(v_addr.data_ptr()), _i64(per), _i64(first.stride(-3)), _i64(first.stride(-2)),
-                   _i64(count), np.int32(R), np.int32(D), np.int32(chunk), np.int32(tile), np.float32(scale), *sums,
+                  (_u64(q.data_ptr()), _i64(q.stride(0)), _i64(q.stride(1)), *where, _i64(count), np.int32(R),
+                   np.int32(D), np.int32(chunk), np.int32(tile), np.int32(finish), np.float32(scale), *sums,
                    _u64(out.data_ptr()), _u64(lse.data_ptr())),
                   shared_mem=_attend_shared(R, D, chunk, tile, row_words))
-    if chunks > 1:
+    if not finish:
+        if whole is None:
+            parts = (_u64(0), _i64(0), _i64(0), _u64(0), _i64(0), _i64(0))
+        else:
+            o, w = whole
+            parts = (_u64(o.data_ptr()), _i64(o.stride(0)), _i64(o.stride(1)), _u64(w.data_ptr()),
+                     _i64(w.stride(0)), _i64(w.stride(1)))
         threads = min(256, -(-D // 32) * 32)
         loader.launch(c, device, (R, H), (threads,),
-                      (*sums, _i64(chunks), np.int32(R), np.int32(D), _u64(out.data_ptr()), _u64(lse.data_ptr())),
-                      shared_mem=4 * (chunks + 2))
-    loader.record("attend_slabs", "kernel", launches=1 + (chunks > 1))
+                      (*sums, _i64(chunks), np.int32(R), np.int32(D), *parts, _u64(out.data_ptr()),
+                       _u64(lse.data_ptr())),
+                      shared_mem=4 * (chunks + 3))
+    loader.record(op, "kernel", launches=launches)
     return out, lse

@@ -391,9 +391,22 @@ def attend_chunks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sca
     return a, m, l_
 
 
-def attend_combine(a: torch.Tensor, m: torch.Tensor, l_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``kvtier_attend_combine``: the chunks' sums of `attend_chunks` into ``(out [heads, rows, dim],
-    lse [heads, rows])``, bit for bit."""
+def paged_entries(buffer: torch.Tensor, pages: torch.Tensor, page_size: int) -> torch.Tensor:
+    """The entries of a recall buffer ``[heads, slots * page_size, dim]`` in the order the page table
+    ``pages`` ``[heads, n]`` (slots) lists their pages: ``[heads, n * page_size, dim]``."""
+    H, _, D = buffer.shape
+    rows = (pages.to(torch.int64)[..., None] * page_size + torch.arange(page_size, device=pages.device))
+    return buffer.gather(1, rows.reshape(H, -1, 1).expand(H, -1, D))
+
+
+def attend_combine(a: torch.Tensor, m: torch.Tensor, l_: torch.Tensor,
+                   whole: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kvtier_attend_combine``: the chunks' sums of `attend_chunks`, after a part given `whole`
+    (``(out [heads, rows, dim], lse [heads, rows])``, if any), into ``(out, lse)``, bit for bit."""
+    if whole is not None:   # first, as a chunk with m = lse, l = 1 and a = out
+        a = torch.cat([whole[0].float()[:, None], a], dim=1)
+        m = torch.cat([whole[1].float()[:, None], m], dim=1)
+        l_ = torch.cat([torch.ones_like(m[:, :1]), l_], dim=1)
     big = _running_max(m.transpose(1, 2))               # [H, R]
     w = exp(m - big[:, None])                           # [H, chunks, R]
     total = torch.zeros_like(big)
@@ -405,11 +418,21 @@ def attend_combine(a: torch.Tensor, m: torch.Tensor, l_: torch.Tensor) -> tuple[
 
 
 def attend_slabs(q: torch.Tensor, k_slabs: Sequence[torch.Tensor], v_slabs: Sequence[torch.Tensor], count: int,
-                 scale: float, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of `q` ``[heads, rows, dim]`` over a device pool's first `count` entries, as the two kernels
-    of ``native/attend_slabs.cu`` compute it: ``(out [heads, rows, dim], lse [heads, rows])`` float32."""
+                 scale: float, chunk: int,
+                 whole: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of `q` ``[heads, rows, dim]`` over a device pool's first `count` entries (and a part given
+    `whole`), as the two kernels of ``native/attend_slabs.cu`` compute it: ``(out [heads, rows, dim],
+    lse [heads, rows])`` float32."""
     return attend_combine(*attend_chunks(q, pool_entries(k_slabs, count), pool_entries(v_slabs, count), scale,
-                                         chunk))
+                                         chunk), whole)
+
+
+def attend_pages(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, pages: torch.Tensor,
+                 page_size: int, scale: float, chunk: int,
+                 whole: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attend_slabs` over the pages of a recall buffer that the page table `pages` ``[heads, n]`` lists."""
+    return attend_combine(*attend_chunks(q, paged_entries(k_buffer, pages, page_size),
+                                         paged_entries(v_buffer, pages, page_size), scale, chunk), whole)
 
 # ------------------------------------------------------------------------------------------- KVP scores
 class MLPWeights(NamedTuple):

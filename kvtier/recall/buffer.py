@@ -7,8 +7,8 @@ a buffered copy stays right until the layer is reset or parked.
 
 A buffer planned on the device may have more slots than a step chooses: the spare ones hold the pages ranked
 right after the choice, brought up ahead of the next step (`LayerEngine` prefetch). Attention then reads the
-chosen pages gathered in page-id order (`chosen`), so what it computes never depends on which slots they
-happen to sit in.
+chosen pages in page-id order, gathered (`chosen`) or where they sit through their slots
+(`kvtier.native.attend_pages`), so what it computes never depends on which slots they happen to sit in.
 """
 
 from __future__ import annotations

@@ -522,3 +522,37 @@ def test_attend_slabs_waits_for_the_writes_before_it_on_its_stream(kernels):
     want = twins.attend_slabs(q.cpu(), [s.cpu() for s in pool.k], [s.cpu() for s in pool.v], 8000, 128 ** -0.5,
                               native.attend_chunk(8000, 8, device=kernels))
     assert _same_bits(out, want[0]) and _same_bits(lse, want[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("whole", [True, False])
+def test_attend_pages_kernel_is_the_twin(kernels, dtype, whole):
+    """A recall buffer of 96 slots of 16 entries, 64 of them read through a slot table (poison in the rest),
+    merged with a part given whole: bit for bit the twin's, within rounding of attention over the pages."""
+    g = torch.Generator().manual_seed(7 + whole)
+    H, R, D, P, slots, n = 8, 4, 128, 16, 96, 64
+    kb = _poison((H, slots * P, D), dtype, kernels)
+    vb = _poison((H, slots * P, D), dtype, kernels)
+    pages = torch.stack([torch.randperm(slots, generator=g)[:n] for _ in range(H)]).to(kernels)
+    rows = (pages[..., None] * P + torch.arange(P, device=kernels)).reshape(H, -1)
+    for buf in (kb, vb):
+        buf.scatter_(1, rows[..., None].expand(H, n * P, D),
+                     torch.randn(H, n * P, D, generator=g).to(dtype).to(kernels))
+    q = torch.randn(H, R, D, generator=g).to(dtype).to(kernels)
+    part = (torch.randn(H, R, D, generator=g).to(kernels), torch.randn(H, R, generator=g).to(kernels) + 4) \
+        if whole else None
+    launches = _Launches("attend_pages")
+    out, lse = native.attend_pages(q, kb, vb, pages, P, D ** -0.5, whole=part)
+    torch.cuda.synchronize()
+    chunk = native.attend_chunk(n * P, H, device=kernels)
+    launches.check(1 if (n * P <= chunk and not whole) else 2)
+    cpu_part = None if part is None else (part[0].cpu(), part[1].cpu())
+    want = twins.attend_pages(q.cpu(), kb.cpu(), vb.cpu(), pages.cpu(), P, D ** -0.5, chunk, cpu_part)
+    assert _same_bits(out, want[0]) and _same_bits(lse, want[1])
+    from kvtier.engine.attention import attend_with_lse, merge_with_lse
+    ref = attend_with_lse(q[None].float(), twins.paged_entries(kb, pages, P)[None].float(),
+                          twins.paged_entries(vb, pages, P)[None].float(), D ** -0.5)
+    if part is not None:
+        ref = merge_with_lse([(part[0][None], part[1][None]), ref])
+    torch.testing.assert_close(out, ref[0][0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(lse, ref[1][0], rtol=0, atol=1e-5)

@@ -110,11 +110,13 @@ def test_bench_launches_json():
     assert {"page choice", "recall and prefetch", "scorer", "model"} <= set(tiered["by_part_per_layer_step"])
     calls, parts = tiered["native_calls_per_layer_step"], tiered["by_part_per_layer_step"]
     assert calls["plan_recall"] >= 1
-    # page ranking, KVP's networks and the attention merge are a launch each; keys and values recalled together
-    assert calls["rank_pages"] == calls["kvp_score"] == calls["merge_parts"] == 1
+    # page ranking and KVP's networks are a launch each; keys and values recalled together
+    assert calls["rank_pages"] == calls["kvp_score"] == 1
     assert calls["recall_pages"] == calls["plan_recall"]
-    assert calls["attend_slabs"] >= 1   # the device pool in one pass (its chunks, and their combine if several)
-    assert parts["page choice"] <= 3 and parts["attention over the parts"] == 1   # a top-k; the recalled pages
+    # the device pool in one pass (its chunks, and their combine if several), then the recalled pages where the
+    # buffer holds them, merged with it: no attention call, no gather, no separate merge
+    assert calls["attend_slabs"] >= 1 and calls["attend_pages"] == 2 and "merge_parts" not in calls
+    assert parts["page choice"] <= 3 and "attention over the parts" not in parts   # a top-k
     assert data["ratio"] > 1
 
 

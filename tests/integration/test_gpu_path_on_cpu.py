@@ -3,8 +3,8 @@ does on the default model.
 
 On a GPU: recall is planned on the device (`plan_recall`, `recall_pages`), pages are chosen by
 `page_upper_bounds` and `rank_pages`, KVP scores by `kvp_score`, the device entries are attended by
-`attend_slabs` and the attention parts merge through `merge_parts`. Forced here on the CPU, the twins give
-each kernel's bits. Their sums round in their own order, so logits agree to float rounding and the greedy
+`attend_slabs` and the recalled pages, where the recall buffer holds them, by `attend_pages`, which merges
+the two. Forced here on the CPU, the twins give each kernel's bits. Their sums round in their own order, so logits agree to float rounding and the greedy
 answer is the same.
 """
 
@@ -52,8 +52,8 @@ def test_the_gpu_decode_path_answers_as_the_cpu_path(default_model):
     (plain, plain_logits), plain_ops, _ = runs[0]
     (gpu, gpu_logits), gpu_ops, stats = runs[1]
     # the GPU path ran every kernel's stand-in, and recalled pages
-    assert {"plan_recall", "recall_pages", "rank_pages", "kvp_score", "merge_parts", "attend_slabs"} <= set(gpu_ops)
-    assert not {"rank_pages", "kvp_score", "merge_parts", "attend_slabs"} & set(plain_ops)
+    assert {"plan_recall", "recall_pages", "rank_pages", "kvp_score", "attend_slabs", "attend_pages"} <= set(gpu_ops)
+    assert not {"rank_pages", "kvp_score", "merge_parts", "attend_slabs", "attend_pages"} & set(plain_ops)
     assert stats["pages_recalled"] > 0
     assert gpu == plain
     for a, b in zip(gpu_logits, plain_logits):

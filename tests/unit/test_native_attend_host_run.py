@@ -24,10 +24,12 @@ HARNESS = r"""
 #include <cstdio>
 #include <vector>
 // stdin, until its end, one case a line (floats and cache elements as the hex of their bits):
-//   T H R D count S chunk tile width scale q[H R D] k[slabs H S D] v[slabs H S D]
-// with T the elements' type (0 float, 1 half, 2 bf16) and slabs = ceil(count / S); prints
-//   a | m | l | out | lse
-// (the chunks' sums empty for a single chunk, whose block writes out and lse itself).
+//   T H R D count S chunk tile width scale paged page n_pages whole q[H R D] k[...] v[...] pages[H n_pages]
+//     x_out[H R D] x_lse[H R]
+// T the elements' type (0 float, 1 half, 2 bf16). Slab mode (paged 0): ceil(count / S) slabs of [H S D] each
+// for k and for v; paged mode: one buffer of [H S D] each, count = n_pages * page, and the page table. The
+// whole part only with whole 1. Prints a | m | l | out | lse (the chunks' sums empty when the first kernel
+// finishes: one chunk, no whole part).
 static unsigned read_u() {
     unsigned v;
     if (scanf("%x", &v) != 1) throw 1;
@@ -47,25 +49,41 @@ static std::vector<T> read_elems(size_t n) {
     }
     return out;
 }
+static std::vector<float> read_floats(size_t n) {
+    std::vector<float> out(n);
+    for (auto& x : out) x = kv_bits_float(read_u());
+    return out;
+}
 static void print(const std::vector<float>& v) {
     for (auto x : v) printf("%x ", kv_float_bits(x));
 }
 template <typename T>
-static void attend(int H, int R, int D, long long count, long long S, int chunk, int tile, int width, float scale) {
-    const long long slabs = (count + S - 1) / S;
+static void attend(int H, int R, int D, long long count, long long S, int chunk, int tile, int width, float scale,
+                   bool paged, int page, long long n_pages, bool whole) {
+    const long long slabs = paged ? 1 : (count + S - 1) / S;
     std::vector<T> q = read_elems<T>((size_t)H * R * D);
     std::vector<std::vector<T>> ks, vs;
     for (long long i = 0; i < slabs; ++i) ks.push_back(read_elems<T>((size_t)H * S * D));
     for (long long i = 0; i < slabs; ++i) vs.push_back(read_elems<T>((size_t)H * S * D));
+    std::vector<kv_i64> pages((size_t)(paged ? H * n_pages : 0));
+    for (auto& x : pages) x = read_i();
+    std::vector<float> x_out = whole ? read_floats((size_t)H * R * D) : std::vector<float>();
+    std::vector<float> x_lse = whole ? read_floats((size_t)H * R) : std::vector<float>();
     std::vector<kv_u64> k_addr, v_addr;
     for (auto& s : ks) k_addr.push_back((kv_u64)s.data());
     for (auto& s : vs) v_addr.push_back((kv_u64)s.data());
+    kv_attend_src k_src = {k_addr.data(), nullptr, S, S * D, D, nullptr, 0, 0};
+    kv_attend_src v_src = {v_addr.data(), nullptr, S, S * D, D, nullptr, 0, 0};
+    if (paged) {
+        k_src = {nullptr, (const char*)ks[0].data(), S, S * D, D, pages.data(), n_pages, page};
+        v_src = {nullptr, (const char*)vs[0].data(), S, S * D, D, pages.data(), n_pages, page};
+    }
     const long long chunks = (count + chunk - 1) / chunk;
     const int row_words = D * (int)sizeof(T) / 4;
     std::vector<float> smem((size_t)R * D + (size_t)R * chunk + 2 * R + (size_t)tile * (row_words + 1));
     std::vector<float> a((size_t)H * chunks * R * D), m((size_t)H * chunks * R), l((size_t)H * chunks * R);
     std::vector<float> out((size_t)H * R * D), lse((size_t)H * R);
-    const bool single = chunks == 1;
+    const bool single = chunks == 1 && !whole;
     for (int h = 0; h < H; ++h) {
         for (long long c = 0; c < chunks; ++c) {   // block (c, h): its threads' share of each step as lanes
             kv_attend_smem s = kv_attend_layout(reinterpret_cast<unsigned char*>(smem.data()), R, D, chunk);
@@ -75,7 +93,7 @@ static void attend(int H, int R, int D, long long count, long long S, int chunk,
             for (int at = 0; at < n; at += tile) {
                 const int mm = n - at < tile ? n - at : tile;
                 for (int x = 0; x < width; ++x)
-                    kv_attend_stage_keys<T>(k_addr.data(), S, S * D, D, h, c0 + at, mm, row_words, s.keys, x, width);
+                    kv_attend_stage_keys<T>(k_src, h, c0 + at, mm, row_words, s.keys, x, width);
                 for (int x = 0; x < width; ++x)
                     kv_attend_logits<T>(s.keys, row_words, mm, tile, at, R, D, chunk, scale, s, x, width);
             }
@@ -84,23 +102,27 @@ static void attend(int H, int R, int D, long long count, long long S, int chunk,
             for (int x = 0; x < width; ++x) kv_attend_sum(n, R, chunk, s, x, width);
             const size_t part = ((size_t)h * chunks + c) * R;
             for (int x = 0; x < width; ++x)
-                kv_attend_values<T>(v_addr.data(), S, S * D, D, h, c0, n, R, D, chunk, s, single,
+                kv_attend_values<T>(v_src, h, c0, n, R, D, chunk, s, single,
                                     single ? &out[(size_t)h * R * D] : &a[part * D],
-                                    single ? &lse[(size_t)h * R] : &m[part], &l[part], x, width);
+                                    single ? &lse[(size_t)h * R] : &m[part], single ? nullptr : &l[part], x,
+                                    width);
         }
     }
     if (!single) {
-        std::vector<float> shared((size_t)chunks + 2);
+        std::vector<float> shared((size_t)chunks + 3);
         const int threads = 64;
         for (int h = 0; h < H; ++h) {
             for (int r = 0; r < R; ++r) {   // block (r, h)
                 const size_t first = (size_t)h * chunks * R + r;
-                for (int x = 0; x < threads; ++x) kv_combine_max(&m[first], R, chunks, shared.data(), x);
-                for (int x = 0; x < threads; ++x) kv_combine_weights(&m[first], R, chunks, shared.data(), x, threads);
+                const float* xl = whole ? &x_lse[(size_t)h * R + r] : nullptr;
+                const float* xo = whole ? &x_out[((size_t)h * R + r) * D] : nullptr;
+                for (int x = 0; x < threads; ++x) kv_combine_max(&m[first], R, chunks, xl, shared.data(), x);
                 for (int x = 0; x < threads; ++x)
-                    kv_combine_total(&l[first], R, chunks, shared.data(), &lse[(size_t)h * R + r], x);
+                    kv_combine_weights(&m[first], R, chunks, xl, shared.data(), x, threads);
                 for (int x = 0; x < threads; ++x)
-                    kv_combine_out(&a[first * D], (kv_i64)R * D, chunks, D, shared.data(),
+                    kv_combine_total(&l[first], R, chunks, whole, shared.data(), &lse[(size_t)h * R + r], x);
+                for (int x = 0; x < threads; ++x)
+                    kv_combine_out(&a[first * D], (kv_i64)R * D, chunks, D, xo, shared.data(),
                                    &out[((size_t)h * R + r) * D], x, threads);
             }
         }
@@ -126,9 +148,13 @@ int main() {
             const long long count = read_i(), S = read_i();
             const int chunk = (int)read_i(), tile = (int)read_i(), width = (int)read_i();
             const float scale = kv_bits_float(read_u());
-            if (T == 0) attend<float>(H, R, D, count, S, chunk, tile, width, scale);
-            if (T == 1) attend<kv_half>(H, R, D, count, S, chunk, tile, width, scale);
-            if (T == 2) attend<kv_bf16>(H, R, D, count, S, chunk, tile, width, scale);
+            const bool paged = read_i() != 0;
+            const int page = (int)read_i();
+            const long long n_pages = read_i();
+            const bool whole = read_i() != 0;
+            if (T == 0) attend<float>(H, R, D, count, S, chunk, tile, width, scale, paged, page, n_pages, whole);
+            if (T == 1) attend<kv_half>(H, R, D, count, S, chunk, tile, width, scale, paged, page, n_pages, whole);
+            if (T == 2) attend<kv_bf16>(H, R, D, count, S, chunk, tile, width, scale, paged, page, n_pages, whole);
         }
     } catch (int) {
         return 2;
@@ -149,43 +175,63 @@ def _case(g: torch.Generator, dtype: torch.dtype, H: int, R: int, D: int, count:
 
 @needs_nvcc
 def test_the_pool_attention_kernels_code_gives_the_twins_bits(harness):
+    """The device pool (slabs) and the recall buffer (a page table), with and without a part given whole."""
     g = torch.Generator().manual_seed(5)
     cases, lines = [], []
-    for i in range(48):
+    for i in range(60):
         dtype = list(DTYPE_CODES)[i % 3]
         H, R, D = 1 + i % 3, [1, 4, 7, 16][i % 4], [8, 64, 12, 128, 30][i % 5]
-        S = [16, 64, 100][i % 3]
-        count = 1 + int(torch.randint(0, 3 * S, (1,), generator=g))
+        paged, whole = i % 4 == 1, i % 5 in (2, 3)
         chunk = [32, 64, 256, 7, 1, 256][i % 6]          # some pools of one chunk, some of hundreds
         width = [128, 64, 256][i % 3]
         tiles = [t for t in (128, 64, 32, 16, 8) if width % t == 0]
         tile = tiles[i % len(tiles)]
         spread = [1.0, 4.0, 0.05][i % 3]                  # flat and sharp softmaxes, e^x underflowing to 0
         scale = D ** -0.5
-        q, ks, vs = _case(g, dtype, H, R, D, count, S, spread)
-        cases.append((q, ks, vs, count, scale, chunk))
+        q = (torch.randn(H, R, D, generator=g) * spread).to(dtype)
+        if paged:
+            page, slots = [1, 4, 16][i % 3], 3 + i % 7
+            n_pages = 1 + int(torch.randint(0, slots, (1,), generator=g))
+            S, count = slots * page, n_pages * page
+            pages = torch.stack([torch.randperm(slots, generator=g)[:n_pages] for _ in range(H)])
+            ks = [(torch.randn(1, H, S, D, generator=g) * spread).to(dtype)]
+            vs = [torch.randn(1, H, S, D, generator=g).to(dtype)]
+        else:
+            page, n_pages, pages = 0, 0, None
+            S = [16, 64, 100][i % 3]
+            count = 1 + int(torch.randint(0, 3 * S, (1,), generator=g))
+            _, ks, vs = _case(g, dtype, H, R, D, count, S, spread)
+        part = (torch.randn(H, R, D, generator=g), torch.randn(H, R, generator=g) * 3) if whole else None
+        cases.append((q, ks, vs, count, scale, chunk, pages, page, part))
         lines.append(" ".join([f"{DTYPE_CODES[dtype]} {H} {R} {D} {count} {S} {chunk} {tile} {width}",
-                               hex_words(torch.tensor([scale]).float()), hex_words(q),
-                               " ".join(hex_words(k) for k in ks), " ".join(hex_words(v) for v in vs)]))
+                               hex_words(torch.tensor([scale]).float()),
+                               f"{int(paged)} {page} {n_pages} {int(whole)}", hex_words(q),
+                               " ".join(hex_words(k) for k in ks), " ".join(hex_words(v) for v in vs),
+                               " ".join(map(str, pages.flatten().tolist())) if paged else "",
+                               hex_words(part[0]) + " " + hex_words(part[1]) if whole else ""]))
     done = subprocess.run([str(harness)], input="\n".join(lines) + "\n", capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr
     out = done.stdout.strip().split("\n")
     assert len(out) == len(lines)
-    singles = 0
-    for (q, ks, vs, count, scale, chunk), line in zip(cases, out):
-        a_w, m_w, l_w, o_w, lse_w = (part.split() for part in line.split("|"))
-        keys, values = twins.pool_entries(ks, count), twins.pool_entries(vs, count)
+    finished = 0
+    for (q, ks, vs, count, scale, chunk, pages, page, part), line in zip(cases, out):
+        a_w, m_w, l_w, o_w, lse_w = (words.split() for words in line.split("|"))
+        if pages is None:
+            keys, values = twins.pool_entries(ks, count), twins.pool_entries(vs, count)
+            want_out, want_lse = twins.attend_slabs(q, ks, vs, count, scale, chunk, part)
+        else:
+            keys, values = twins.paged_entries(ks[0][0], pages, page), twins.paged_entries(vs[0][0], pages, page)
+            want_out, want_lse = twins.attend_pages(q, ks[0][0], vs[0][0], pages, page, scale, chunk, part)
         a, m, l_ = twins.attend_chunks(q, keys, values, scale, chunk)
-        if m.shape[1] > 1:
+        if m.shape[1] > 1 or part is not None:
             assert same_bits(floats(a_w), a) and same_bits(floats(m_w), m) and same_bits(floats(l_w), l_)
         else:
-            singles += 1
+            finished += 1
             assert not a_w and not m_w
-        want_out, want_lse = twins.attend_slabs(q, ks, vs, count, scale, chunk)
-        assert same_bits(floats(o_w), want_out), (q.dtype, q.shape, count, chunk)
-        assert same_bits(floats(lse_w), want_lse), (q.dtype, q.shape, count, chunk)
-    assert 0 < singles < len(cases)
+        assert same_bits(floats(o_w), want_out), (q.dtype, q.shape, count, chunk, pages is not None)
+        assert same_bits(floats(lse_w), want_lse), (q.dtype, q.shape, count, chunk, pages is not None)
+    assert 0 < finished < len(cases)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPE_CODES))
@@ -226,3 +272,22 @@ def test_bad_arguments_are_refused_with_what_is_allowed():
         ops.attend_slabs(q, ks, [], 4, 1.0)
     with pytest.raises(ValueError, match=r"allowed: \[heads, rows, dim\]"):
         ops.attend_slabs(q[None], ks, vs, 4, 1.0)
+
+
+def test_attend_pages_refuses_bad_tables_buffers_and_parts():
+    q = torch.randn(2, 4, 8)
+    kb, vb = torch.randn(2, 12, 8), torch.randn(2, 12, 8)
+    pages = torch.tensor([[0, 2], [1, 0]])
+    with pytest.raises(ValueError, match=r"pages \[2\] torch.int64 on cpu; allowed: \[2, n >= 1\]"):
+        ops.attend_pages(q, kb, vb, pages[0], 4, 1.0)
+    with pytest.raises(ValueError, match="torch.int32"):
+        ops.attend_pages(q, kb, vb, pages.int(), 4, 1.0)
+    with pytest.raises(ValueError, match="page_size=5; allowed"):
+        ops.attend_pages(q, kb, vb, pages, 5, 1.0)
+    with pytest.raises(ValueError, match=r"allowed: \[2, 4, 8\] \(channels contiguous\)"):
+        ops.attend_pages(q, kb, vb, pages, 4, 1.0, whole=(torch.zeros(2, 4, 7), torch.zeros(2, 4)))
+    with pytest.raises(ValueError, match="chunk=0"):
+        ops.attend_pages(q, kb, vb, pages, 4, 1.0, chunk=0)
+    out, lse = ops.attend_pages(q, kb, vb, pages, 4, 1.0)
+    keys = twins.paged_entries(kb, pages, 4)
+    torch.testing.assert_close(lse, torch.logsumexp(q @ keys.transpose(1, 2), dim=-1), rtol=0, atol=2e-6)

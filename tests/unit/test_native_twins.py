@@ -568,10 +568,10 @@ def _run_as_the_kernel(name: str, grid: tuple, args: tuple, block: tuple = (128,
         _tensor(out, (H, R, D), torch.float32).copy_(got[0])
         _tensor(lse, (H, R), torch.float32).copy_(got[1])
     elif name.startswith("kvtier_attend_chunks_"):
-        (q, q_h, q_r, k_addr, v_addr, per, slab_head, slab_token, count, rows, dim, chunk, tile, scale, part_a,
-         part_m, part_l, out, lse) = args
+        (q, q_h, q_r, k_addr, v_addr, k_base, v_base, per, slab_head, slab_token, pages, n_pages, page, count, rows,
+         dim, chunk, tile, finish, scale, part_a, part_m, part_l, out, lse) = args
         chunks, H = int(grid[0]), int(grid[1])
-        R, D, count, chunk, per = int(rows), int(dim), int(count), int(chunk), int(per)
+        R, D, count, chunk, per, page, n_pages = (int(x) for x in (rows, dim, count, chunk, per, page, n_pages))
         assert chunks == -(-count // chunk) and 1 <= int(tile) <= block[0] and block[0] % int(tile) == 0
         dtype = _OF_SUFFIX[name.rsplit("_", 1)[1]]
 
@@ -579,12 +579,21 @@ def _run_as_the_kernel(name: str, grid: tuple, args: tuple, block: tuple = (128,
             span = (H - 1) * int(stride_h) + (n - 1) * int(stride_r) + D
             return _tensor(int(addr), (span,), dtype).as_strided((H, n, D), (int(stride_h), int(stride_r), 1))
 
-        slabs = -(-count // per)
-        keys = [strided(_u64(k_addr, i), slab_head, slab_token, per) for i in range(slabs)]
-        values = [strided(_u64(v_addr, i), slab_head, slab_token, per) for i in range(slabs)]
-        a, m, l_ = twins.attend_chunks(strided(q, q_h, q_r, R), twins.pool_entries(keys, count),
-                                       twins.pool_entries(values, count), float(scale), chunk)
-        if chunks == 1:   # the block finishes a single chunk itself
+        if int(pages):   # paged: one buffer, read through the page table
+            assert not int(k_addr) and not int(v_addr) and count == n_pages * page
+            table = _tensor(int(pages), (H, n_pages), torch.int64)
+            keys = twins.paged_entries(strided(k_base, slab_head, slab_token, per), table, page)
+            values = twins.paged_entries(strided(v_base, slab_head, slab_token, per), table, page)
+        else:
+            assert not int(k_base) and not int(v_base)
+            slabs = -(-count // per)
+            keys = twins.pool_entries([strided(_u64(k_addr, i), slab_head, slab_token, per) for i in range(slabs)],
+                                      count)
+            values = twins.pool_entries([strided(_u64(v_addr, i), slab_head, slab_token, per)
+                                         for i in range(slabs)], count)
+        a, m, l_ = twins.attend_chunks(strided(q, q_h, q_r, R), keys, values, float(scale), chunk)
+        if int(finish):   # the block finishes a single chunk itself
+            assert chunks == 1
             o, lse_ = twins.attend_combine(a, m, l_)
             _tensor(int(out), (H, R, D), torch.float32).copy_(o)
             _tensor(int(lse), (H, R), torch.float32).copy_(lse_)
@@ -593,12 +602,17 @@ def _run_as_the_kernel(name: str, grid: tuple, args: tuple, block: tuple = (128,
             _tensor(int(part_m), (H, chunks, R), torch.float32).copy_(m)
             _tensor(int(part_l), (H, chunks, R), torch.float32).copy_(l_)
     elif name == "kvtier_attend_combine":
-        part_a, part_m, part_l, chunks, rows, dim, out, lse = (int(a) for a in args)
+        part_a, part_m, part_l, chunks, rows, dim, xo, xo_h, xo_r, xl, xl_h, xl_r, out, lse = (int(a) for a in args)
         H = int(grid[1])
         assert int(grid[0]) == rows
+        whole = None
+        if xo:
+            o_span, l_span = (H - 1) * xo_h + (rows - 1) * xo_r + dim, (H - 1) * xl_h + (rows - 1) * xl_r + 1
+            whole = (_tensor(xo, (o_span,), torch.float32).as_strided((H, rows, dim), (xo_h, xo_r, 1)),
+                     _tensor(xl, (l_span,), torch.float32).as_strided((H, rows), (xl_h, xl_r)))
         o, lse_ = twins.attend_combine(_tensor(part_a, (H, chunks, rows, dim), torch.float32),
                                        _tensor(part_m, (H, chunks, rows), torch.float32),
-                                       _tensor(part_l, (H, chunks, rows), torch.float32))
+                                       _tensor(part_l, (H, chunks, rows), torch.float32), whole)
         _tensor(out, (H, rows, dim), torch.float32).copy_(o)
         _tensor(lse, (H, rows), torch.float32).copy_(lse_)
     else:
@@ -623,11 +637,11 @@ def replayed_kernels(monkeypatch):
             m, rows, page, dim, tile = (int(args[i]) for i in (2, 11, 12, 13, 14))
             assert shared_mem == ops._rank_shared(m, tile, rows, page, dim) <= ops.SHARED_MAX
         if k.startswith("kvtier_attend_chunks_"):   # the query, the logits, the row sums and a tile of keys
-            rows, dim, chunk, tile = (int(args[i]) for i in (9, 10, 11, 12))
+            rows, dim, chunk, tile = (int(args[i]) for i in (14, 15, 16, 17))
             words = dim * _OF_SUFFIX[k.rsplit("_", 1)[1]].itemsize // 4
             assert shared_mem == ops._attend_shared(rows, dim, chunk, tile, words) <= ops.SHARED_MAX
-        if k == "kvtier_attend_combine":   # a weight per chunk, M and L
-            assert shared_mem == 4 * (int(args[3]) + 2) <= ops.SHARED_MAX
+        if k == "kvtier_attend_combine":   # a weight per chunk, M, L and the whole part's weight
+            assert shared_mem == 4 * (int(args[3]) + 3) <= ops.SHARED_MAX
         assert [type(a) for a in args] == kinds, f"{k}: launched with {[type(a).__name__ for a in args]}"
         assert all(g >= 1 for g in grid) and len(grid) <= 3 and block[0] % 32 == 0
         launches.append((k, grid, block))
@@ -842,6 +856,26 @@ def test_attend_slabs_launches_give_the_twins_attention(replayed_kernels, dtype,
     assert [name for name, _, _ in replayed_kernels] == \
         [f"kvtier_attend_chunks_{_SUFFIX[dtype]}"] + ["kvtier_attend_combine"] * (chunks > 1)
     assert native.backend()["ops"]["attend_slabs"]["last"] == "kernel"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("chunk,whole", [(8, True), (64, False), (64, True)])
+def test_attend_pages_launches_give_the_twins_attention(replayed_kernels, dtype, chunk, whole):
+    """The recall buffer read through a page table, merged with a part given whole: always two launches
+    then; a single chunk and nothing to merge, one."""
+    g = torch.Generator().manual_seed(chunk + whole)
+    H, R, D, P, slots = 2, 4, 16, 4, 6
+    kb = torch.randn(H, slots * P, D, generator=g).to(dtype)
+    vb = torch.randn(H, slots * P, D, generator=g).to(dtype)
+    pages = torch.stack([torch.randperm(slots, generator=g)[:5] for _ in range(H)])
+    q = torch.randn(H, R, D, generator=g).to(dtype)
+    part = (torch.randn(H, R, 20, generator=g)[..., :D], torch.randn(H, R, generator=g)) if whole else None
+    got = native.attend_pages(q, kb, vb, pages, P, 0.25, chunk=chunk, whole=part)
+    want = twins.attend_pages(q, kb, vb, pages, P, 0.25, chunk, part)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    two = whole or chunk < 5 * P
+    assert [name for name, _, _ in replayed_kernels] == \
+        [f"kvtier_attend_chunks_{_SUFFIX[dtype]}"] + ["kvtier_attend_combine"] * two
 
 
 def test_a_source_that_failed_to_build_is_reported_to_the_callers_gates(monkeypatch):
