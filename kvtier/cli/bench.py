@@ -208,8 +208,8 @@ def launches(context: str, steps: int, device_budget: str, recall_pages: int, sc
     def tiered():
         cache = TieredCache(lm.config, device_budget=budget, recall_pages=recall_pages,
                             scorer=None if scorer == "auto" else scorer)
-        for engine in cache._engines:   # recall planned, pages chosen and entries scored as on a GPU
-            engine.device_recall = engine.select_kernels = True
+        for engine in cache._engines:   # recall planned, pages chosen, entries scored and checked as on a GPU
+            engine.device_recall = engine.select_kernels = engine.defer_nan = True
             if hasattr(engine.scorer, "native_score"):
                 engine.scorer.native_score = True
         return cache

@@ -90,7 +90,9 @@ class LayerEngine(PageFetching):
         self._slot_mirror: tuple[int, torch.Tensor] | None = None   # (table version, host slots on the device)
         # by device-planned recall: [pages moved on demand, pages reused, pages prefetched, prefetched pages chosen]
         self.device_counts: torch.Tensor | None = None
-        self._nan: torch.Tensor | None = None           # NaN seen in scores not yet checked (deferred on CUDA)
+        # the scores' running maximum per head since the last check, NaN once one was (deferred on CUDA)
+        self._nan: torch.Tensor | None = None
+        self.defer_nan: bool | None = None              # defer the NaN check (None: on CUDA)
         self._masked_positions = np.empty(0, dtype=np.int64)   # padding positions, never stored
         self._unordered: list[int] = []   # demotion copies no device read has been ordered after yet
 
@@ -313,16 +315,24 @@ class LayerEngine(PageFetching):
         self._demote()
 
     def _defer_nan(self) -> bool:
-        """On CUDA the scores' NaN flag goes down with the next demotion's copies and is read when they land, so
-        a step reads nothing back; elsewhere the check is immediate."""
-        return self.pool is not None and self.device.type == "cuda"
+        """On CUDA (or where `defer_nan` says so) whether the scores held a NaN goes down with the next
+        demotion's copies and is read when they land, so a step reads nothing back; elsewhere the check is
+        immediate."""
+        if self.pool is None:
+            return False
+        return self.defer_nan if self.defer_nan is not None else self.device.type == "cuda"
 
     def _checked(self, scores: torch.Tensor) -> torch.Tensor:
-        """``[heads, q]`` of checked scores, noting NaNs for later where the check is deferred."""
+        """``[heads, q]`` of checked scores, noting NaNs for later where the check is deferred: the running
+        maximum per head propagates a NaN (torch's maximum does), one op a decode step."""
         if self._defer_nan():
-            seen = torch.isnan(scores).any()
-            self._nan = seen if self._nan is None else self._nan | seen
+            peak = scores[0] if scores.shape[2] == 1 else scores[0].amax(dim=1, keepdim=True)
+            self._nan = peak if self._nan is None else torch.maximum(self._nan, peak)
         return scores[0]
+
+    def _nan_seen(self) -> torch.Tensor:
+        """Whether a NaN was among the scores noted since the last check: a bool ``[1]`` on the device."""
+        return torch.isnan(self._nan).any().reshape(1)
 
     def _demote(self) -> None:
         cfg, pool = self.cfg, self.pool
@@ -336,7 +346,7 @@ class LayerEngine(PageFetching):
         if idx is None:
             return
         if self._nan is not None and cfg.mode == "evict":   # deferred NaN check, before those scores place
-            bad, self._nan = bool(self._nan), None                # (tier mode reads it with its copies down)
+            bad, self._nan = bool(self._nan_seen()), None         # (tier mode reads it with its copies down)
             if bad:
                 raise nan_error(scorer_name(self.scorer), self.layer_idx)
         if cfg.mode == "tier":
@@ -389,7 +399,7 @@ class LayerEngine(PageFetching):
             nan = None
             if self._nan is not None:
                 nan = torch.empty(1, dtype=torch.bool, pin_memory=self.pin)
-                jobs.append(self.transfer.submit(nan, self._nan.reshape(1)))
+                jobs.append(self.transfer.submit(nan, self._nan_seen()))
         except BaseException:
             # copies already started may still write into the slots: they are free only once done (if that
             # wait fails too, the slots stay taken: leaked, never overwritten)

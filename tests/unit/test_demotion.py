@@ -102,6 +102,36 @@ def test_nan_scores_are_caught_when_the_demotions_copies_land(make_engine, monke
         engine.table.rank                             # and on every later read of the table
 
 
+def test_a_deferred_nan_check_in_evict_mode_raises_before_the_scores_place(make_engine, monkeypatch):
+    """Evict mode reads the deferred flag at its next demotion: one NaN step among clean ones is enough (the
+    running maximum keeps it), and the step that would place by those scores raises instead."""
+    engine = make_engine(heads=2, head_dim=8, device_budget=32, page_size=4, recall_pages=4, mode="evict")
+    engine.defer_nan = True
+    g = torch.Generator().manual_seed(2)
+    _fill(engine, g)
+    dropped = engine.counters.tokens_dropped
+    for _ in range(200):                              # to just after a demotion: the next ones are steps away
+        k = _next_token(g, engine)
+        engine.write(k, -k)
+        engine.commit()
+        if engine.counters.tokens_dropped > dropped:
+            break
+    real = engine.scorer.score
+    monkeypatch.setattr(engine.scorer, "score", lambda *a, **kw: real(*a, **kw) * float("nan"))
+    k = _next_token(g, engine)
+    engine.write(k, -k)                               # NaN noted, not read back
+    engine.commit()
+    monkeypatch.setattr(engine.scorer, "score", real)
+    assert engine._nan is not None
+    dropped, steps = engine.counters.tokens_dropped, 0
+    with pytest.raises(ScorerError, match="NaN"):
+        for steps in range(200):                      # clean steps until the next demotion reads the flag
+            k = _next_token(g, engine)
+            engine.write(k, -k)
+            engine.commit()
+    assert steps > 0 and engine.counters.tokens_dropped == dropped and engine._nan is None
+
+
 def test_a_demotions_copies_land_at_the_next_step(make_engine):
     engine = make_engine(heads=2, head_dim=8, device_budget=32, page_size=4, recall_pages=4)
     g = torch.Generator().manual_seed(3)
