@@ -103,13 +103,16 @@ __host__ __device__ inline void kv_attend_stage_q(const T* __restrict__ q, kv_i6
 
 // Step 2: entries t0 .. t0 + n - 1's keys into shared memory, word by word (`row_words` words a key).
 template <typename T>
+// A warp per entry (its address worked out once), its lanes reading consecutive words.
 __host__ __device__ inline void kv_attend_stage_keys(const kv_attend_src& k, int h, kv_i64 t0, int n,
                                                      int row_words, unsigned int* __restrict__ keys, int lane,
                                                      int width) {
-    for (int i = lane; i < n * row_words; i += width) {
-        const int j = i / row_words, w = i - j * row_words;
-        const T* row = kv_entry<T>(k, h, t0 + j, nullptr);
-        keys[j * (row_words + 1) + w] = reinterpret_cast<const unsigned int*>(row)[w];
+    const int lanes = width < 32 ? width : 32, warps = width / lanes, warp = lane / lanes, sub = lane % lanes;
+    for (int j = warp; j < n; j += warps) {
+        const unsigned int* row = reinterpret_cast<const unsigned int*>(kv_entry<T>(k, h, t0 + j, nullptr));
+        for (int w = sub; w < row_words; w += lanes) {
+            keys[j * (row_words + 1) + w] = row[w];
+        }
     }
 }
 
@@ -128,13 +131,18 @@ __host__ __device__ inline void kv_attend_logits(const unsigned int* __restrict_
         for (int x = 0; x < KV_ATTEND_ROWS; ++x) {
             acc[x] = 0.0f;
         }
-        for (int d = 0; d < dim; ++d) {
-            const float k = kv_word_elem(key, d, T());
+        const int per_word = 4 / (int)sizeof(T);   // channels a word holds, taken in order from one read
+        for (int w = 0; w < row_words; ++w) {
+            const unsigned int word = key[w];
+            for (int e = 0; e < per_word; ++e) {
+                const int d = w * per_word + e;
+                const float k = kv_word_elem(&word, e, T());
 #pragma unroll
-            for (int x = 0; x < KV_ATTEND_ROWS; ++x) {
-                const int r = g + x * groups;
-                if (r < rows) {
-                    acc[x] = kv_add(acc[x], kv_mul(s.q[r * dim + d], k));
+                for (int x = 0; x < KV_ATTEND_ROWS; ++x) {
+                    const int r = g + x * groups;
+                    if (r < rows) {
+                        acc[x] = kv_add(acc[x], kv_mul(s.q[r * dim + d], k));
+                    }
                 }
             }
         }
