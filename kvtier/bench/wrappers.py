@@ -27,7 +27,7 @@ INDEX_PAGES_PER_SLAB = 1024  # the recall index's slab (recall/index.py)
 RECALL_PAGES, BUFFER_PAGES, SHORTLIST = 64, 96, 96
 # calls per layer and decode step, as `kvtier bench launches` counts them on the GPU's path
 CALLS = {"plan_recall": 2, "recall_pages": 2, "page_upper_bounds": 1, "rank_pages": 1, "kvp_score": 1,
-         "attend_slabs": 1, "merge_parts": 1}
+         "attend_slabs": 1, "attend_pages": 1}
 
 
 @dataclass
@@ -52,7 +52,7 @@ class _Step:
         self.host_k = [torch.empty(self.host_per, PAGE, D, dtype=bf16) for _ in range(host_slabs)]
         self.host_v = [torch.empty(self.host_per, PAGE, D, dtype=bf16) for _ in range(host_slabs)]
         self.host_addr = torch.zeros(host_slabs, dtype=i64)
-        self.buf_k = torch.empty(BUFFER_PAGES * H, PAGE, D, dtype=bf16)
+        self.buf_k = torch.empty(H, BUFFER_PAGES * PAGE, D, dtype=bf16)   # the recall buffer
         self.buf_v = torch.empty_like(self.buf_k)
         index_slabs = -(-self.pages // INDEX_PAGES_PER_SLAB)
         self.index_per = INDEX_PAGES_PER_SLAB * H
@@ -69,6 +69,7 @@ class _Step:
         self.cand = torch.zeros(H, SHORTLIST, dtype=i64)
         self.resident = torch.zeros(H, ROWS)
         self.part = (torch.zeros(H, ROWS, D), torch.zeros(H, ROWS))
+        self.slots = torch.zeros(H, RECALL_PAGES, dtype=i64)
         hidden, f = 64, 8
         d_in = 2 * D + f
         self.weights = native.MLPWeights(torch.zeros(32 * H, 1, d_in), torch.ones(32 * H, 1, d_in),
@@ -83,13 +84,14 @@ class _Step:
 
     def calls(self) -> dict[str, Callable[[], Any]]:
         """One call of each native operation, as a decode step makes it."""
-        p = self.plan
+        p, H, R, D = self.plan, HEADS, BUFFER_PAGES, DIM
         return {
             "plan_recall": lambda: native.plan_recall(self.want, self.held, self.pages, self.host_slots, self.ahead,
                                                       self.counts),
             "recall_pages": lambda: native.recall_pages(self.host_k, self.host_per, p.src_rows, p.dst_rows, p.count,
-                                                        self.buf_k, self.host_addr,
-                                                        (self.host_v, self.buf_v, self.host_addr)),
+                                                        self.buf_k.view(H * R, PAGE, D), self.host_addr,
+                                                        (self.host_v, self.buf_v.view(H * R, PAGE, D),
+                                                         self.host_addr)),
             "page_upper_bounds": lambda: native.page_upper_bounds(self.qf, self.bounds, HEADS,
                                                                   addresses=self.index_addr,
                                                                   rows_per_slab=self.index_per),
@@ -99,7 +101,8 @@ class _Step:
             "kvp_score": lambda: native.kvp_score(self.new_k, self.new_k, self.positions, self.weights, 0),
             "attend_slabs": lambda: native.attend_slabs(self.q, self.pool_k, self.pool_v, self.entries + 1,
                                                         DIM ** -0.5, addresses=self.pool_addr),
-            "merge_parts": lambda: native.merge_parts([self.part, self.part]),
+            "attend_pages": lambda: native.attend_pages(self.q, self.buf_k, self.buf_v, self.slots, PAGE, DIM ** -0.5,
+                                                        whole=self.part),
         }
 
 

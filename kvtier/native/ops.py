@@ -764,6 +764,13 @@ def _attend_shared(rows: int, dim: int, chunk: int, tile: int, row_words: int) -
     return 4 * (rows * dim + rows * chunk + 2 * rows) + 4 * tile * (row_words + 1)
 
 
+@functools.lru_cache(maxsize=256)   # asked on every call, for a handful of shapes
+def _attend_tile(rows: int, dim: int, chunk: int, row_words: int) -> tuple[int, int]:
+    """The largest tile of keys a block stages within its shared memory (0 if none fits) and the bytes."""
+    tile = next((t for t in _ATTEND_TILES if _attend_shared(rows, dim, chunk, t, row_words) <= SHARED_MAX), 0)
+    return tile, _attend_shared(rows, dim, chunk, tile, row_words)
+
+
 def attend_slabs(q: torch.Tensor, k_slabs: Sequence[torch.Tensor], v_slabs: Sequence[torch.Tensor], count: int,
                  scale: float, chunk: int | None = None,
                  addresses: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -902,7 +909,7 @@ def _attend(q: torch.Tensor, dtype: torch.dtype, where: tuple, count: int, scale
         why = "a query of another dtype than the keys', or channels not contiguous"
     if why is None and (row_bytes % 4 or R > twins.ATTEND_ROWS):
         why = f"keys of {D} channels (not whole 4-byte words) or {R} query rows (over {twins.ATTEND_ROWS})"
-    tile = next((t for t in _ATTEND_TILES if _attend_shared(R, D, chunk, t, row_words) <= SHARED_MAX), 0)
+    tile, shared = _attend_tile(R, D, chunk, row_words)
     if why is None and (not tile or 4 * (chunks + 3) > SHARED_MAX):
         why = f"{R} rows of {D} channels in chunks of {chunk} ({chunks} chunks): more than a block's shared memory"
     k = loader.kernel("attend_slabs", f"kvtier_attend_chunks_{suffix}", device) if why is None else None
@@ -923,7 +930,7 @@ def _attend(q: torch.Tensor, dtype: torch.dtype, where: tuple, count: int, scale
                   (_u64(q.data_ptr()), _i64(q.stride(0)), _i64(q.stride(1)), *where, _i64(count), np.int32(R),
                    np.int32(D), np.int32(chunk), np.int32(tile), np.int32(finish), np.float32(scale), *sums,
                    _u64(out.data_ptr()), _u64(lse.data_ptr())),
-                  shared_mem=_attend_shared(R, D, chunk, tile, row_words))
+                  shared_mem=shared)
     if not finish:
         if whole is None:
             parts = (_u64(0), _i64(0), _i64(0), _u64(0), _i64(0), _i64(0))
