@@ -99,7 +99,7 @@ class PageFetching:
         if not gather:   # the chosen pages keep their slots: the prefetch's plan keeps them first
             got = (buf.k, buf.v, plan.where)
         elif not spare:   # the buffer holds exactly the chosen pages
-            return buf.k, buf.v, plan.held_after
+            got = (buf.k, buf.v, plan.held_after)
         else:
             got = (*buf.chosen(plan.where), ids)
         if spare and ranked is not None and ranked.shape[1] > r:   # else nothing is ranked after the choice

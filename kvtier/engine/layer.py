@@ -211,8 +211,9 @@ class LayerEngine(PageFetching):
             b1 = b0 + block.shape[2]
             # what the block reads anyway first: its log-sum-exp is the rest of the softmax's total, which
             # the page choice needs
+            pool_kernels = q_len == 1 and self._pool_kernels(block, softcap)
             if q_len == 1:   # a decode step: its own token sits right after the device entries
-                parts = self._attend_pool(block, scale, softcap, sinks)
+                parts = self._attend_pool(block, scale, softcap, sinks, pool_kernels)
             else:
                 parts = attend_parts(block, self.pool.spans(self.pool.count), p.k[:, :, :b1], p.v[:, :, :b1],
                                      b0, scale, softcap, sinks)
@@ -222,7 +223,7 @@ class LayerEngine(PageFetching):
                                           resident_lse=resident)
             self.last_recall = ids
             packed = block.reshape(1, self.heads, -1, block.shape[3])
-            if q_len == 1 and not weights and self.recalls_on_device() and self._pool_kernels(block, softcap):
+            if pool_kernels and not weights and self.recalls_on_device():
                 # the recalled pages read where the buffer holds them, merged with the rest in the same pass
                 k_buf, v_buf, table = self._fetch(ids, shortlist, ahead=True, gather=False)
                 whole = parts[0] if len(parts) == 1 else merge_with_lse(parts, kernels=True)
@@ -248,13 +249,13 @@ class LayerEngine(PageFetching):
         return (self.index.uses_kernels and softcap is None and query.shape[1] // self.heads <= native.ATTEND_ROWS
                 and query.dtype == self.pool.dtype and not native.build_failed(self.device, "attend_slabs"))
 
-    def _attend_pool(self, query: torch.Tensor, scale: float, softcap: float | None,
-                     sinks: torch.Tensor | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _attend_pool(self, query: torch.Tensor, scale: float, softcap: float | None, sinks: torch.Tensor | None,
+                     kernels: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """A decode step's attention over the device entries and its own token, as parts to merge: one part
-        from `native.attend_slabs` where the kernels choose pages (every slab in one launch, split to fill the
+        from `native.attend_slabs` with `kernels` (`_pool_kernels`: every slab in one launch, split to fill the
         GPU), else one per slab."""
         n = self.pool.count + 1
-        if not self._pool_kernels(query, softcap):
+        if not kernels:
             return attend_parts(query, self.pool.spans(n), None, None, 0, scale, softcap, sinks)
         packed = query.reshape(self.heads, query.shape[1] // self.heads, query.shape[3])
         out, lse = native.attend_slabs(packed, self.pool.k, self.pool.v, n, scale, addresses=self.pool.addresses())

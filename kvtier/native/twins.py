@@ -348,7 +348,6 @@ def merge_parts(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[tor
     return out, total
 
 
-
 # ------------------------------------------------------------------------------ attention over the pool
 ATTEND_ROWS = 16   # query rows per KV head `kvtier_attend_chunks` holds (KV_ATTEND_ROWS)
 
@@ -433,6 +432,7 @@ def attend_pages(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor
     """`attend_slabs` over the pages of a recall buffer that the page table `pages` ``[heads, n]`` lists."""
     return attend_combine(*attend_chunks(q, paged_entries(k_buffer, pages, page_size),
                                          paged_entries(v_buffer, pages, page_size), scale, chunk), whole)
+
 
 # ------------------------------------------------------------------------------------------- KVP scores
 class MLPWeights(NamedTuple):

@@ -11,6 +11,41 @@ from test_native_compile import NVCC, host_harness
 
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}   # how a harness is told a storage dtype
 
+# What every harness reads and prints with, after the kernel source it includes (which brings
+# kvtier_native.cuh): integers, hex words of float bits or of cache elements, read from stdin until its end
+# (a short read throws, and main returns 2).
+HOST_IO = r"""
+#include <cstdio>
+#include <vector>
+inline unsigned read_u() {
+    unsigned v;
+    if (scanf("%x", &v) != 1) throw 1;
+    return v;
+}
+inline long long read_i() {
+    long long v;
+    if (scanf("%lld", &v) != 1) throw 1;
+    return v;
+}
+template <typename T>
+inline std::vector<T> read_elems(size_t n) {
+    std::vector<T> out(n);
+    for (auto& x : out) {
+        unsigned v = read_u();
+        __builtin_memcpy(&x, &v, sizeof(T));
+    }
+    return out;
+}
+inline std::vector<float> read_floats(size_t n) {
+    std::vector<float> out(n);
+    for (auto& x : out) x = kv_bits_float(read_u());
+    return out;
+}
+inline void print_bits(const std::vector<float>& v) {
+    for (auto x : v) printf("%x ", kv_float_bits(x));
+}
+"""
+
 
 def harness_fixture(text: str, tag: str):
     """A module-scoped fixture giving the harness `text` built for the host (skipped without nvcc)."""

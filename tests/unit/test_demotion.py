@@ -26,6 +26,16 @@ def _next_token(g, engine):
     return torch.randn(1, engine.heads, 1, engine.head_dim, generator=g)
 
 
+def _nan_step(engine, g, monkeypatch):
+    """One step whose scores are all NaN (the check deferred: noted, not read back), then the real scorer."""
+    real = engine.scorer.score
+    monkeypatch.setattr(engine.scorer, "score", lambda *a, **kw: real(*a, **kw) * float("nan"))
+    k = _next_token(g, engine)
+    engine.write(k, -k)
+    engine.commit()
+    monkeypatch.setattr(engine.scorer, "score", real)
+
+
 def _until_demotion(engine, g):
     """Step one token at a time until the next commit demotes; returns the state just before it."""
     for _ in range(200):
@@ -78,17 +88,12 @@ def test_nan_scores_are_caught_when_the_demotions_copies_land(make_engine, monke
     """The GPU's deferred NaN check (forced here on the CPU): the flag goes down with the demotion's copies and
     is read when they land, at the layer's next step (which raises), or when the table is read."""
     engine = make_engine(heads=2, head_dim=8, device_budget=32, page_size=4, recall_pages=4)
-    monkeypatch.setattr(engine, "_defer_nan", lambda: True)
+    engine.defer_nan = True
     g = torch.Generator().manual_seed(1)
     _fill(engine, g)
     _until_demotion(engine, g)
     assert engine._nan is None and engine.table.unsettled > 0    # taken by that demotion's copies
-    real = engine.scorer.score
-    monkeypatch.setattr(engine.scorer, "score", lambda *a, **kw: real(*a, **kw) * float("nan"))
-    k = _next_token(g, engine)
-    engine.write(k, -k)                               # NaN noted, not read back
-    engine.commit()
-    monkeypatch.setattr(engine.scorer, "score", real)
+    _nan_step(engine, g, monkeypatch)
     for _ in range(200):
         k = _next_token(g, engine)
         engine.write(k, -k)                           # lands the earlier copies: clean
@@ -116,12 +121,7 @@ def test_a_deferred_nan_check_in_evict_mode_raises_before_the_scores_place(make_
         engine.commit()
         if engine.counters.tokens_dropped > dropped:
             break
-    real = engine.scorer.score
-    monkeypatch.setattr(engine.scorer, "score", lambda *a, **kw: real(*a, **kw) * float("nan"))
-    k = _next_token(g, engine)
-    engine.write(k, -k)                               # NaN noted, not read back
-    engine.commit()
-    monkeypatch.setattr(engine.scorer, "score", real)
+    _nan_step(engine, g, monkeypatch)
     assert engine._nan is not None
     dropped, steps = engine.counters.tokens_dropped, 0
     with pytest.raises(ScorerError, match="NaN"):

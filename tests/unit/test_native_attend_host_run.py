@@ -16,13 +16,10 @@ import torch
 
 from kvtier.native import ops, twins
 
-from native_host import DTYPE_CODES, floats, harness_fixture, hex_words, same_bits
+from native_host import DTYPE_CODES, HOST_IO, floats, harness_fixture, hex_words, same_bits
 from test_native_compile import needs_nvcc
 
-HARNESS = r"""
-#include "attend_slabs.cu"
-#include <cstdio>
-#include <vector>
+HARNESS = '#include "attend_slabs.cu"\n' + HOST_IO + r"""
 // stdin, until its end, one case a line (floats and cache elements as the hex of their bits):
 //   T H R D count S chunk tile width scale paged page n_pages whole q[H R D] k[...] v[...] pages[H n_pages]
 //     x_out[H R D] x_lse[H R]
@@ -30,33 +27,6 @@ HARNESS = r"""
 // for k and for v; paged mode: one buffer of [H S D] each, count = n_pages * page, and the page table. The
 // whole part only with whole 1. Prints a | m | l | out | lse (the chunks' sums empty when the first kernel
 // finishes: one chunk, no whole part).
-static unsigned read_u() {
-    unsigned v;
-    if (scanf("%x", &v) != 1) throw 1;
-    return v;
-}
-static long long read_i() {
-    long long v;
-    if (scanf("%lld", &v) != 1) throw 1;
-    return v;
-}
-template <typename T>
-static std::vector<T> read_elems(size_t n) {
-    std::vector<T> out(n);
-    for (auto& x : out) {
-        unsigned v = read_u();
-        __builtin_memcpy(&x, &v, sizeof(T));
-    }
-    return out;
-}
-static std::vector<float> read_floats(size_t n) {
-    std::vector<float> out(n);
-    for (auto& x : out) x = kv_bits_float(read_u());
-    return out;
-}
-static void print(const std::vector<float>& v) {
-    for (auto x : v) printf("%x ", kv_float_bits(x));
-}
 template <typename T>
 static void attend(int H, int R, int D, long long count, long long S, int chunk, int tile, int width, float scale,
                    bool paged, int page, long long n_pages, bool whole) {
@@ -126,18 +96,18 @@ static void attend(int H, int R, int D, long long count, long long S, int chunk,
                                    &out[((size_t)h * R + r) * D], x, threads);
             }
         }
-        print(a);
+        print_bits(a);
         printf("| ");
-        print(m);
+        print_bits(m);
         printf("| ");
-        print(l);
+        print_bits(l);
     } else {
         printf("| | ");
     }
     printf("| ");
-    print(out);
+    print_bits(out);
     printf("| ");
-    print(lse);
+    print_bits(lse);
     printf("\n");
 }
 int main() {

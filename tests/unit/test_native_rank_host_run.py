@@ -17,28 +17,15 @@ import torch
 from kvtier.native import ops, twins
 from kvtier.recall.codes import encode
 
-from native_host import DTYPE_CODES, floats, harness_fixture, hex_words, same_bits
+from native_host import DTYPE_CODES, HOST_IO, floats, harness_fixture, hex_words, same_bits
 from test_native_compile import needs_nvcc
 
-HARNESS = r"""
-#include "rank_pages.cu"
-#include <cstdio>
-#include <vector>
+HARNESS = '#include "rank_pages.cu"\n' + HOST_IO + r"""
 // stdin, until its end, cases of two kinds (floats as the hex of their bits):
 //   x n v[n]: prints the bits of kv_exp(v), kv_log(v) for each, then of kv_logsumexp(v), on one line;
 //   r T H R D P m pages keep resident tile lanes b_per c_per scaling q[H R D] cand[H m]
 //     bounds[pages H 2D] (elements of T: 0 float, 1 half, 2 bf16) codes[pages H P W] resident[H R]:
 //     prints chosen | ranked | share bits.
-static unsigned read_u() {
-    unsigned v;
-    if (scanf("%x", &v) != 1) throw 1;
-    return v;
-}
-static long long read_i() {
-    long long v;
-    if (scanf("%lld", &v) != 1) throw 1;
-    return v;
-}
 template <typename T>
 static void rank(int H, int R, int D, int P, long long m, long long pages, long long keep, int resident, int tile,
                  long long lanes, long long b_per, long long c_per, float scaling) {

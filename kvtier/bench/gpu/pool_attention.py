@@ -48,8 +48,8 @@ def measure_pool_attention(cfg: GpuBenchConfig, device: torch.device, clock: Clo
             "method": "one layer's decode-step attention over a device pool of random bf16 entries (the context's "
                       "device budget plus the step's token, in slabs of 4,096), timed on the device: "
                       "native.attend_slabs (one_pass) against an attention call per slab and merge_with_lse "
-                      "(per_slab, the engine's path before attend_slabs); median of the repeats. max_abs_diff: between the two "
-                      "outputs, the per-slab one rounded to bf16 by its attention calls"}
+                      "(per_slab, the engine's path before attend_slabs); median of the repeats. max_abs_diff: "
+                      "between the two outputs, the per-slab one rounded to bf16 by its attention calls"}
 
 
 def _row(cfg: GpuBenchConfig, device: torch.device, clock: Clock, context: int, H: int, D: int, group: int,

@@ -15,8 +15,8 @@ from .bandwidth import measure_bandwidth
 from .context import run_context
 from .launch_cost import measure_launch_cost
 from .million import run_million
-from .pool_attention import measure_pool_attention
 from .model import ROPE, SHAPES, build_model, kv_bytes_per_token, kvp_for
+from .pool_attention import measure_pool_attention
 from .settings import GpuBenchConfig
 from .targets import evaluate_targets
 from .timing import Clock, Progress, _attempt, _free, _r
