@@ -12,8 +12,11 @@ the path counted is the GPU's.
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -23,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import native
 from ..integrations.hf import cache_kwargs
+from ..native import twins
 
 _PACKAGE = str(Path(__file__).resolve().parents[1]) + "/"
 _OUTSIDE = tuple(_PACKAGE + d for d in ("bench/", "cli/", "__main__.py"))   # what drives the model
@@ -87,6 +91,7 @@ class LaunchCount:
     native_calls: dict[str, int]
     host_reads: int
     ops: dict[str, int] = field(default_factory=dict)
+    host_us: float | None = None    # `time_cache_host`, when measured
 
     @property
     def total(self) -> int:
@@ -102,6 +107,7 @@ class LaunchCount:
                 "by_part_per_layer_step": {k: round(v / per, 1) for k, v in sorted(parts.items(), key=lambda x: -x[1])},
                 "native_calls_per_layer_step": {k: round(v / per, 2) for k, v in self.native_calls.items()},
                 "host_reads_per_step": round(self.host_reads / self.steps, 1),
+                "cache_host_us_per_layer_step": None if self.host_us is None else round(self.host_us, 1),
                 "top_ops_per_layer_step": {k: round(v / per, 1) for k, v in Counter(self.ops).most_common(12)}}
 
 
@@ -130,6 +136,96 @@ def count_launches(model: Any, input_ids: torch.Tensor, make_cache: Callable[[],
     layers = model.config.get_text_config().num_hidden_layers
     return LaunchCount(name, layers, steps, dict(counter.parts), calls, counter.host_reads,
                        dict(counter.ops)), torch.cat(tokens, dim=1)
+
+
+class HostClock:
+    """Host time spent inside the cache's own methods during a step, less the time inside the native kernels'
+    torch twins (on a GPU each is a kernel launch instead; what that costs the host, cupy's launch, is what
+    `kvtier bench gpu` measures as `launch_cost`). On a CPU the rest is what the GPU's path costs the host
+    in kvtier's Python, its wrappers' checks and its torch ops' dispatch, plus the CPU's own work in those ops,
+    which at decode sizes is small next to their dispatch."""
+
+    def __init__(self) -> None:
+        self.inside = 0.0      # seconds inside the cache's methods
+        self.twins = 0.0       # of which inside the twins
+        self._depth = 0        # cache methods nest (update runs the engine's write): count the outermost
+        self._twin_depth = 0
+
+    def method(self, f: Callable) -> Callable:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            self._depth += 1
+            t0 = time.perf_counter()
+            try:
+                return f(*args, **kwargs)
+            finally:
+                self._depth -= 1
+                if not self._depth:
+                    self.inside += time.perf_counter() - t0
+        return timed
+
+    def twin(self, f: Callable) -> Callable:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            self._twin_depth += 1
+            t0 = time.perf_counter()
+            try:
+                return f(*args, **kwargs)
+            finally:
+                self._twin_depth -= 1
+                if not self._twin_depth and self._depth:
+                    self.twins += time.perf_counter() - t0
+        return timed
+
+    @property
+    def host(self) -> float:
+        return self.inside - self.twins
+
+
+# the methods a model calls on a cache's layers in a step (the attention function calls the last two)
+_LAYER_METHODS = ("update", "attend", "commit")
+
+
+@contextlib.contextmanager
+def _clocked(cache: Any, clock: HostClock) -> Iterator[None]:
+    """`clock` around the step methods of `cache`'s layers and around every twin, put back on leaving."""
+    layers = [layer for layer in getattr(cache, "layers", []) if layer is not None]
+    names = [n for n in dir(twins) if not n.startswith("__") and callable(getattr(twins, n))
+             and getattr(getattr(twins, n), "__module__", None) == twins.__name__]
+    saved = {n: getattr(twins, n) for n in names}
+    try:
+        for layer in layers:
+            for m in _LAYER_METHODS:
+                if hasattr(layer, m):
+                    setattr(layer, m, clock.method(getattr(layer, m)))
+        for n in names:
+            setattr(twins, n, clock.twin(saved[n]))
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(twins, n, f)
+        for layer in layers:
+            for m in _LAYER_METHODS:
+                layer.__dict__.pop(m, None)
+
+
+def time_cache_host(model: Any, input_ids: torch.Tensor, make_cache: Callable[[], Any], steps: int,
+                    warmup: int = 2) -> float:
+    """Prefill `input_ids`, decode `warmup` steps, then return the host microseconds per layer and decode step
+    spent in the cache's own code over `steps` greedy steps (`HostClock`)."""
+    cache = make_cache()
+    clock = HostClock()
+    try:
+        with torch.no_grad():
+            logits = model(input_ids, **cache_kwargs(cache)).logits[:, -1]
+            for _ in range(warmup):
+                logits = model(logits.argmax(-1, keepdim=True), **cache_kwargs(cache)).logits[:, -1]
+            with _clocked(cache, clock):
+                for _ in range(steps):
+                    logits = model(logits.argmax(-1, keepdim=True), **cache_kwargs(cache)).logits[:, -1]
+    finally:
+        if hasattr(cache, "close"):
+            cache.close()
+    layers = model.config.get_text_config().num_hidden_layers
+    return 1e6 * clock.host / (layers * steps)
 
 
 def _native_calls() -> dict[str, int]:

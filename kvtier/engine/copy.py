@@ -43,7 +43,7 @@ def copy_layer(src: LayerEngine, dst: LayerEngine) -> None:
             h, p = heads[i:i + _PAGES_PER_BATCH], pids[i:i + _PAGES_PER_BATCH]
             _copy_pages(src, dst, tier, h.astype(np.int64), p.astype(np.int64))
     if src._nan is not None:        # a NaN-score check still waiting (CUDA) waits in the copy too
-        dst._nan = src._nan.clone()
+        dst._nan = dst._nan_buf = src._nan.clone()
     if src.readahead is not None and dst.readahead is not None:
         for name in ("hits", "misses", "read_ahead"):
             setattr(dst.readahead, name, getattr(src.readahead, name))

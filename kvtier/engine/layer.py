@@ -90,8 +90,10 @@ class LayerEngine(PageFetching):
         self._slot_mirror: tuple[int, torch.Tensor] | None = None   # (table version, host slots on the device)
         # by device-planned recall: [pages moved on demand, pages reused, pages prefetched, prefetched pages chosen]
         self.device_counts: torch.Tensor | None = None
-        # the scores' running maximum per head since the last check, NaN once one was (deferred on CUDA)
+        # the scores' running maximum per head since the last check, NaN once one was (deferred on CUDA): None
+        # when nothing was noted since, else `_nan_buf`, which is kept (folded into in place, -inf after a check)
         self._nan: torch.Tensor | None = None
+        self._nan_buf: torch.Tensor | None = None
         self.defer_nan: bool | None = None              # defer the NaN check (None: on CUDA)
         self._masked_positions = np.empty(0, dtype=np.int64)   # padding positions, never stored
         self._unordered: list[int] = []   # demotion copies no device read has been ordered after yet
@@ -325,11 +327,20 @@ class LayerEngine(PageFetching):
 
     def _checked(self, scores: torch.Tensor) -> torch.Tensor:
         """``[heads, q]`` of checked scores, noting NaNs for later where the check is deferred: the running
-        maximum per head propagates a NaN (torch's maximum does), one op a decode step."""
+        maximum per head propagates a NaN (torch's maximum does), one op a decode step, into the same buffer
+        every step (so a decode step's launches stay the same from step to step)."""
         if self._defer_nan():
             peak = scores[0] if scores.shape[2] == 1 else scores[0].amax(dim=1, keepdim=True)
-            self._nan = peak if self._nan is None else torch.maximum(self._nan, peak)
+            if self._nan_buf is None:
+                self._nan_buf = torch.full_like(peak, float("-inf"))
+            self._nan = torch.maximum(self._nan_buf, peak, out=self._nan_buf)
         return scores[0]
+
+    def _nan_checked(self) -> None:
+        """The noted scores were checked (their flag is on its way): start the running maximum again."""
+        if self._nan is not None:
+            self._nan.fill_(float("-inf"))
+        self._nan = None
 
     def _nan_seen(self) -> torch.Tensor:
         """Whether a NaN was among the scores noted since the last check: a bool ``[1]`` on the device."""
@@ -347,7 +358,8 @@ class LayerEngine(PageFetching):
         if idx is None:
             return
         if self._nan is not None and cfg.mode == "evict":   # deferred NaN check, before those scores place
-            bad, self._nan = bool(self._nan_seen()), None         # (tier mode reads it with its copies down)
+            bad = bool(self._nan_seen())                          # (tier mode reads it with its copies down)
+            self._nan_checked()
             if bad:
                 raise nan_error(scorer_name(self.scorer), self.layer_idx)
         if cfg.mode == "tier":
@@ -407,7 +419,7 @@ class LayerEngine(PageFetching):
             self.transfer.wait(jobs)
             self.host.free(slots)
             raise
-        self._nan = None
+        self._nan_checked()
         self._unordered += jobs   # the layer's next recall waits for them on the device (see `attend`)
         self.index.commit(n)
         landing = _Landing(self, jobs, rank, where, nan)
@@ -558,7 +570,7 @@ class LayerEngine(PageFetching):
         self._unordered = []
         self.last_recall = None
         self._slot_mirror = None
-        self._nan = None
+        self._nan = self._nan_buf = None
         self.settle_counts()
         if self.parked is not None:
             self.parked.discard(self.disk)

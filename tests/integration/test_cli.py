@@ -113,6 +113,8 @@ def test_bench_launches_json():
     # page ranking and KVP's networks are a launch each; keys and values recalled together
     assert calls["rank_pages"] == calls["kvp_score"] == 1
     assert calls["recall_pages"] == calls["plan_recall"]
+    # the host time in each cache's own code was measured (kvtier's twins left out)
+    assert plain["cache_host_us_per_layer_step"] > 0 and tiered["cache_host_us_per_layer_step"] > 0
     # the device pool in one pass (its chunks, and their combine if several), then the recalled pages where the
     # buffer holds them, merged with it: no attention call, no gather, no separate merge
     assert calls["attend_slabs"] >= 1 and calls["attend_pages"] == 2 and "merge_parts" not in calls

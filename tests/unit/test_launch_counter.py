@@ -72,3 +72,24 @@ def test_the_wrapper_bench_reports_every_call_at_every_context():
         assert r["us_per_layer_step"] == pytest.approx(sum(r["us_per_call"][k] * n for k, n in CALLS.items()),
                                                        abs=0.5)
     assert out["rows"][1]["host_slabs"] > out["rows"][0]["host_slabs"]
+
+
+def test_the_host_clock_counts_the_cache_methods_less_the_twins_inside_them():
+    import time
+
+    from kvtier.bench.launches import HostClock, _clocked
+    from kvtier.native import twins
+
+    clock = HostClock()
+    twin = clock.twin(lambda: time.sleep(0.1))
+    inner = clock.method(lambda: (time.sleep(0.05), twin()))
+    outer = clock.method(lambda: (inner(), time.sleep(0.05)))   # a method calling another: counted once
+    outer()
+    twin()                                                      # a twin outside the cache's methods: not counted
+    assert 0.3 > clock.inside >= 0.2 and 0.2 > clock.twins >= 0.1
+    assert clock.host == clock.inside - clock.twins >= 0.1
+
+    real = twins.plan_recall
+    with _clocked(object(), clock):
+        assert twins.plan_recall is not real                    # every twin is timed within
+    assert twins.plan_recall is real                            # and put back after

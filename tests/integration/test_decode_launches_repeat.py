@@ -1,0 +1,212 @@
+"""Which launches of a decode step change from one step to the next: what stands between the step and a CUDA
+graph.
+
+A CUDA graph replays the launches it captured: the same kernels, shapes, addresses and scalar arguments. A
+decode step can be captured once and replayed on later steps only where its launches repeat, the step's own
+inputs (the model's query, keys and values, copied into fixed buffers before a replay) aside. This test records
+every launch of kvtier's part of a layer's decode step on the GPU's path (recall planned on the device, pages
+chosen, entries scored and the pool attended by the native kernels, whose launches are recorded as one call
+each), on the CPU through the twins, and compares consecutive steps of each layer in which nothing was
+demoted. A tensor an earlier launch of the same layer's step made is named by that launch's place in the step
+(a graph's own allocations repeat); any other tensor by its address.
+
+`DYNAMIC` is what still changes, each by the function that issues it: the launches a captured step would have
+to take as inputs or make repeat. It is exact both ways, so a change that adds one fails here, and so does
+one that removes one without saying so.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import kvtier
+from kvtier import TieredCache, native
+from kvtier.bench.launches import NO_KERNEL
+from kvtier.engine.layer import LayerEngine
+from kvtier.integrations.hf import cache_kwargs
+from kvtier.tasks import make_needle_task
+
+pytestmark = pytest.mark.slow
+
+_PACKAGE = str(Path(kvtier.__file__).resolve().parent) + "/"
+_LAYER = _PACKAGE + "engine/layer.py"
+_NATIVE_OPS = ("attend_pages", "attend_slabs", "code_logits", "gather_pages", "kvp_score", "merge_parts",
+               "pack_entries", "page_upper_bounds", "plan_recall", "rank_pages", "recall_pages", "scatter_pages")
+
+# (launch, the kvtier function issuing it): what differs between two decode steps without a demotion, and why
+DYNAMIC = {
+    ("arange", "resources.py:positions"): "the step's positions, a new tensor from the step's start each step",
+    ("copy_", "device.py:_write"): "the pool's new entry written at the pool's count (keys, values, positions)",
+    ("copy_", "device.py:commit"): "the new entry's score written at the pool's count",
+    ("attend_slabs", "layer.py:_attend_pool"): "the pool's count, a scalar argument",
+    ("plan_recall", "device_plan.py:plan_on_device"): "the recall buffer's page table: the plan's new one is "
+                                                     "kept in place of the old (two tensors in turn)",
+    ("kvp_score", "kvp.py:score"): "the step's position features, made from the step's new positions tensor",
+}
+
+
+def _layer_of(frame) -> int | None:
+    while frame is not None:
+        if frame.f_code.co_filename == _LAYER:
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, LayerEngine):
+                return owner.layer_idx
+        frame = frame.f_back
+    return None
+
+
+def _issuer(frame) -> str:
+    """``file:function`` of the innermost kvtier frame (the CLI and native wrappers are not issuers)."""
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if path.startswith(_PACKAGE) and not path.startswith(_PACKAGE + "native/"):
+            return f"{Path(path).name}:{frame.f_code.co_name}"
+        frame = frame.f_back
+    return "?"
+
+
+class StepRecorder(TorchDispatchMode):
+    """Every launch of kvtier's part of each layer's step, with its arguments named as in the module's
+    docstring; the native operations are recorded as one launch each (their twins' ops are not)."""
+
+    def __init__(self, inputs: dict[int, str]) -> None:
+        super().__init__()
+        self.inputs = inputs                       # storage address -> the step input's name
+        self.made: dict[int, tuple[int, int]] = {}  # storage address -> (layer, launch index in its step)
+        self.launches: dict[int, list[tuple]] = defaultdict(list)
+        self.inside_native = 0
+
+    def name(self, a: Any, layer: int) -> Any:
+        if isinstance(a, torch.Tensor):
+            base = a.untyped_storage().data_ptr()
+            offset = a.data_ptr() - base
+            if base in self.inputs:
+                where = ("input", self.inputs[base], offset)
+            elif self.made.get(base, (None,))[0] == layer:
+                where = ("made", self.made[base][1], offset)
+            else:
+                where = ("address", base, offset)
+            return tuple(a.shape), tuple(a.stride()), a.dtype, where
+        if isinstance(a, (list, tuple)):
+            return tuple(self.name(x, layer) for x in a)
+        if isinstance(a, dict):
+            return tuple((k, self.name(v, layer)) for k, v in a.items())
+        if isinstance(a, float) and a != a:
+            return "nan"
+        return a
+
+    def note(self, op: str, issuer: str, layer: int, args: Any, kwargs: Any, out: Any) -> None:
+        step = self.launches[layer]
+        step.append((op, issuer, self.name(args, layer), self.name(kwargs, layer)))
+        for o in out if isinstance(out, (list, tuple)) else (out,):
+            if isinstance(o, torch.Tensor):   # the latest to hold an address names it (memory is reused)
+                base = o.untyped_storage().data_ptr()
+                self.made[base] = (layer, len(step))
+                self.inputs.pop(base, None)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        op = func.overloadpacket.__name__
+        if self.inside_native or op in NO_KERNEL:
+            return out
+        layer = _layer_of(sys._getframe(1))
+        if layer is not None:
+            self.note(op, _issuer(sys._getframe(1)), layer, args, kwargs or {}, out)
+        return out
+
+
+def _recorded(recorder: list[StepRecorder | None], name: str):
+    real = getattr(native, name)
+
+    @functools.wraps(real)
+    def call(*args, **kwargs):
+        rec = recorder[0]
+        if rec is None or rec.inside_native:
+            return real(*args, **kwargs)
+        layer = _layer_of(sys._getframe(1))
+        rec.inside_native += 1
+        try:
+            out = real(*args, **kwargs)
+        finally:
+            rec.inside_native -= 1
+        if layer is not None:
+            rec.note(name, _issuer(sys._getframe(1)), layer, args, kwargs, out)
+        return out
+    return call
+
+
+def _watch_inputs(monkeypatch, recorder: list[StepRecorder | None], inputs: dict[int, str]) -> None:
+    """Name the step's inputs as the engine takes them: the keys and values `write` takes, the query `attend`
+    takes (a captured step would copy them into fixed buffers first)."""
+    write, attend = LayerEngine.write, LayerEngine.attend
+
+    def name(t: torch.Tensor, what: str) -> None:
+        base = t.untyped_storage().data_ptr()
+        inputs[base] = what
+        if recorder[0] is not None:
+            recorder[0].made.pop(base, None)
+
+    def watched_write(self, k, v):
+        name(k, "keys")
+        name(v, "values")
+        return write(self, k, v)
+
+    def watched_attend(self, query, *args, **kwargs):
+        name(query, "query")
+        return attend(self, query, *args, **kwargs)
+
+    monkeypatch.setattr(LayerEngine, "write", watched_write)
+    monkeypatch.setattr(LayerEngine, "attend", watched_attend)
+
+
+def test_what_changes_between_decode_steps_is_known(default_model, monkeypatch):
+    model, tok = default_model
+    task = make_needle_task(tok, 1500, depth=0.3, seed=4)
+    recorder: list[StepRecorder | None] = [None]
+    for name in _NATIVE_OPS:
+        monkeypatch.setattr(native, name, _recorded(recorder, name))
+    inputs: dict[int, str] = {}
+    _watch_inputs(monkeypatch, recorder, inputs)
+    cache = TieredCache(model.config, device_budget=0.1, recall_pages=8)
+    for engine in cache._engines:   # the GPU's path, as `kvtier bench launches` counts it
+        engine.device_recall = engine.select_kernels = engine.defer_nan = True
+        engine.scorer.native_score = True
+    steps, pages = [], [[True] * len(cache._engines)]   # the prefill demoted: its pages land in the next step
+    try:
+        with torch.no_grad():
+            logits = model(task.input_ids, **cache_kwargs(cache)).logits[:, -1]
+            for _ in range(6):
+                inputs.clear()
+                recorder[0] = StepRecorder(inputs)
+                before = [e.table.n for e in cache._engines]
+                with recorder[0]:
+                    logits = model(logits.argmax(-1, keepdim=True), **cache_kwargs(cache)).logits[:, -1]
+                steps.append(recorder[0].launches)
+                pages.append([a != b.table.n for a, b in zip(before, cache._engines)])   # a demotion
+                recorder[0] = None
+    finally:
+        cache.close()
+
+    compared, differ = 0, Counter()
+    for t in range(len(steps) - 1):
+        for layer, launches in steps[t].items():
+            if any(p[layer] for p in pages[t:t + 3]):
+                # a step that demotes, or the next, which notes where the demoted pages landed, runs launches
+                # of its own (a captured step would not be replayed on it)
+                continue
+            later = steps[t + 1][layer]
+            assert [x[:2] for x in launches] == [x[:2] for x in later], \
+                f"layer {layer}, steps {t} and {t + 1}: other launches"
+            compared += 1
+            differ.update({(op, issuer) for (op, issuer, *rest), other in zip(launches, later)
+                           if tuple(rest) != tuple(other[2:])})
+    assert compared >= len(cache._engines) * 3, compared   # most layer-steps demote nothing
+    assert set(differ) == set(DYNAMIC), {"new": set(differ) - set(DYNAMIC), "gone": set(DYNAMIC) - set(differ)}
