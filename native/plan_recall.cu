@@ -14,18 +14,21 @@
 //   counts[0] += fetched, counts[1] += found in the buffer, counts[3] += found thanks to a prefetch (a
 //   step's choice); counts[2] += fetched (a prefetch).
 //
+// `held_after` may be `held` itself (the plan made in place, so the buffer keeps one page table): step 1
+// reads `held` and writes each slot's own value back, and only after the barrier are slots given new pages
+// (neither pointer is __restrict__, so no load of `held` goes through the read-only cache).
+//
 // Exactness: integers only; the same rule gives the same ids and counts. Marking compares every wanted page
 // with every slot (w * R per head, R a few hundred at most in practice); the caller runs the twin past a
 // limit. The counters are shared by the heads' blocks, so they are added atomically.
 #include "kvtier_native.cuh"
 
 // Step 1, shared by `width` threads of which this is `lane`: missing[j] = want[j] is in no slot;
-// free_slot[i] = slot i holds no wanted page; held_after = held.
-__host__ __device__ inline void kv_plan_marks(const kv_i64* __restrict__ want, kv_i64 w,
-                                              const kv_i64* __restrict__ held, kv_i64 R,
-                                              unsigned char* __restrict__ missing,
-                                              unsigned char* __restrict__ free_slot,
-                                              kv_i64* __restrict__ held_after, kv_i64 lane, kv_i64 width) {
+// free_slot[i] = slot i holds no wanted page; held_after = held (a no-op in place).
+__host__ __device__ inline void kv_plan_marks(const kv_i64* __restrict__ want, kv_i64 w, const kv_i64* held,
+                                              kv_i64 R, unsigned char* __restrict__ missing,
+                                              unsigned char* __restrict__ free_slot, kv_i64* held_after,
+                                              kv_i64 lane, kv_i64 width) {
     for (kv_i64 j = lane; j < w; j += width) {
         unsigned char m = 1;
         for (kv_i64 i = 0; i < R; ++i) {
@@ -146,13 +149,14 @@ __host__ __device__ inline void kv_plan_flags(kv_i64 w, const kv_i64* slots, con
     }
 }
 
-// Block h plans head h. want [heads, w]; held and held_after [heads, R]; host_slots [heads, pages] or null;
+// Block h plans head h. want [heads, w]; held and held_after [heads, R] (the same memory for a plan in
+// place); host_slots [heads, pages] or null;
 // fetch, slots, where, src_rows, dst_rows [heads, w]; count [heads]; ahead [heads, R] bytes or null;
 // counts [4] or null. Dynamic shared memory: w + R bytes of marks.
-extern "C" __global__ void kvtier_plan_recall(const kv_i64* __restrict__ want, const kv_i64* __restrict__ held,
+extern "C" __global__ void kvtier_plan_recall(const kv_i64* __restrict__ want, const kv_i64* held,
                                               const kv_i64* __restrict__ host_slots, kv_i64 pages, kv_i64 w,
                                               kv_i64 R, kv_i64* __restrict__ fetch, kv_i64* __restrict__ slots,
-                                              kv_i64* __restrict__ count, kv_i64* __restrict__ held_after,
+                                              kv_i64* __restrict__ count, kv_i64* held_after,
                                               kv_i64* __restrict__ where, kv_i64* __restrict__ src_rows,
                                               kv_i64* __restrict__ dst_rows, unsigned char* __restrict__ ahead,
                                               kv_i64* __restrict__ counts, int prefetch) {

@@ -90,11 +90,15 @@ class PageFetching:
         self._await_prefetch()
         sources = self._sources()
         spare = R > r
-        # the plan also keeps the prefetch flags and the counters `stats()` reads (on the device)
-        plan = plan_on_device(ids, buf.held, self.table.n, sources[0], buf.ahead if spare else None,
-                              self.device_counts)
-        self._copy_up(buf, sources, plan)
-        buf.held = plan.held_after
+        # the plan also keeps the prefetch flags and the counters `stats()` reads (on the device), and writes
+        # the buffer's page table in place
+        try:
+            plan = plan_on_device(ids, buf.held, self.table.n, sources[0], buf.ahead if spare else None,
+                                  self.device_counts, in_place=True)
+            self._copy_up(buf, sources, plan)
+        except BaseException:   # the table may name pages whose copy never ran: the next step starts a new buffer
+            self.recalled = None
+            raise
         self.counters.recall_steps += 1
         if not gather:   # the chosen pages keep their slots: the prefetch's plan keeps them first
             got = (buf.k, buf.v, plan.where)
@@ -129,9 +133,8 @@ class PageFetching:
         n, counts, sources = self.table.n, self.device_counts, self._sources()
 
         def work() -> None:
-            plan = plan_on_device(target, buf.held, n, sources[0], buf.ahead, counts, prefetch=True)
+            plan = plan_on_device(target, buf.held, n, sources[0], buf.ahead, counts, prefetch=True, in_place=True)
             self._copy_up(buf, sources, plan)
-            buf.held.copy_(plan.held_after)
 
         uses = [target, buf.k, buf.v, buf.held, buf.ahead, counts, *(t for t in sources if t is not None)]
         try:

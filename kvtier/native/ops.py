@@ -222,9 +222,10 @@ PLAN_MARKS_MAX = 1 << 22       # wanted pages x slots per head past which the pl
 
 def plan_recall(want: torch.Tensor, held: torch.Tensor, pages: int, host_slots: torch.Tensor | None = None,
                 ahead: torch.Tensor | None = None, counts: torch.Tensor | None = None,
-                prefetch: bool = False) -> twins.RecallPlan:
+                prefetch: bool = False, in_place: bool = False) -> twins.RecallPlan:
     """A recall step's plan and bookkeeping, all on the device (`twins.plan_recall` says what each argument
-    and field is); one launch on CUDA instead of some forty tensor ops.
+    and field is); one launch on CUDA instead of some forty tensor ops. `in_place` writes the plan's page
+    table into `held` (then contiguous int64), which is the plan's ``held_after``.
 
     `want` holds distinct page ids below `pages` per head, `held` at least as many slots; neither is checked
     on the device (that would need the host).
@@ -241,6 +242,9 @@ def plan_recall(want: torch.Tensor, held: torch.Tensor, pages: int, host_slots: 
         raise ValueError(f"plan_recall: ahead {list(ahead.shape)} {ahead.dtype}; allowed: {list(held.shape)} bool")
     if counts is not None and (counts.shape != (4,) or counts.dtype != torch.int64):
         raise ValueError(f"plan_recall: counts {list(counts.shape)} {counts.dtype}; allowed: [4] int64")
+    if in_place and (held.dtype != torch.int64 or not held.is_contiguous()):
+        raise ValueError(f"plan_recall: held {held.dtype}, contiguous={held.is_contiguous()}, for a plan in place; "
+                         "allowed: a contiguous int64 held")
     want, held = _as(want, torch.int64), _as(held, torch.int64)
     given = [t for t in (host_slots, ahead, counts) if t is not None]
     why = _why_not(want.device, [want, held, *given])
@@ -251,10 +255,10 @@ def plan_recall(want: torch.Tensor, held: torch.Tensor, pages: int, host_slots: 
     k = loader.kernel("plan_recall", "kvtier_plan_recall", want.device) if why is None and heads and w else None
     if k is None:
         loader.record("plan_recall", "twin", why or loader.build_error("plan_recall", want.device) or "nothing to do")
-        return twins.plan_recall(want, held, pages, host_slots, ahead, counts, prefetch)
+        return twins.plan_recall(want, held, pages, host_slots, ahead, counts, prefetch, in_place)
     fetch, slots, where, src_rows, dst_rows = (torch.empty_like(want) for _ in range(5))
     count = torch.empty(heads, dtype=torch.int64, device=want.device)
-    held_after = torch.empty_like(held)
+    held_after = held if in_place else torch.empty_like(held)
     loader.launch(k, want.device, (heads,), (_THREADS,),
                   (_u64(want.data_ptr()), _u64(held.data_ptr()), _ptr(host_slots), _i64(pages), _i64(w), _i64(R),
                    _u64(fetch.data_ptr()), _u64(slots.data_ptr()), _u64(count.data_ptr()),

@@ -505,12 +505,13 @@ class RecallPlan(NamedTuple):
 
 def plan_recall(want: torch.Tensor, held: torch.Tensor, pages: int, host_slots: torch.Tensor | None = None,
                 ahead: torch.Tensor | None = None, counts: torch.Tensor | None = None,
-                prefetch: bool = False) -> RecallPlan:
+                prefetch: bool = False, in_place: bool = False) -> RecallPlan:
     """A recall step's plan and bookkeeping (twin of ``kvtier_plan_recall``, whose header states the rule).
 
     `want` ``[heads, w]`` holds distinct page ids below `pages`, `held` ``[heads, R]`` the page in each slot
     or ``-1``; `host_slots` ``[heads, pages]`` the host slot of each page; `ahead` ``[heads, R]`` bool, the
-    buffer's prefetch flags, and `counts` ``[4]`` int64, the recall counters, are updated in place. Bitmaps
+    buffer's prefetch flags, and `counts` ``[4]`` int64, the recall counters, are updated in place, and `held`
+    too with `in_place` (it is then ``held_after``). Bitmaps
     over the page ids stand for the kernel's comparisons.
     """
     heads, w = want.shape
@@ -532,7 +533,8 @@ def plan_recall(want: torch.Tensor, held: torch.Tensor, pages: int, host_slots: 
     slots = torch.argsort((~free).to(torch.uint8), dim=1, stable=True)[:, :w]
     count = missing.sum(dim=1)
     real = torch.arange(w, device=want.device)[None, :] < count[:, None]
-    held_after = held.scatter(1, slots, torch.where(real, fetch, held.gather(1, slots)))
+    given = torch.where(real, fetch, held.gather(1, slots))
+    held_after = held.scatter_(1, slots, given) if in_place else held.scatter(1, slots, given)
     slot_of = torch.zeros(heads, pages + 1, dtype=torch.int64, device=want.device)
     slot_of.scatter_(1, column(held_after), torch.arange(R, device=want.device).expand(heads, -1))
     where = slot_of.gather(1, want)

@@ -18,7 +18,7 @@ from ..native import RecallPlan
 
 def plan_on_device(want: torch.Tensor, held: torch.Tensor, pages: int, host_slots: torch.Tensor | None = None,
                    ahead: torch.Tensor | None = None, counts: torch.Tensor | None = None,
-                   prefetch: bool = False) -> RecallPlan:
+                   prefetch: bool = False, in_place: bool = False) -> RecallPlan:
     """Where the wanted pages go.
 
     Parameters
@@ -36,6 +36,9 @@ def plan_on_device(want: torch.Tensor, held: torch.Tensor, pages: int, host_slot
         The buffer's prefetch flags ``[heads, R]`` and the recall counters ``[4]`` (fetched on demand, found
         in the buffer, prefetched, found thanks to a prefetch), updated in place; `prefetch` says whether the
         plan is a step's choice or a prefetch.
+    in_place
+        Write the new page table into `held` (the plan's ``held_after`` is then `held`): the buffer keeps one
+        table, which every step's launches read at the same address.
 
     Returns
     -------
@@ -43,4 +46,4 @@ def plan_on_device(want: torch.Tensor, held: torch.Tensor, pages: int, host_slot
     (in the order `RecallBuffer.plan` gives); ``held_after`` is `held` once they are in; ``where`` the slot
     of each wanted page then. Shapes are checked there (a `ValueError` names them).
     """
-    return native.plan_recall(want, held, pages, host_slots, ahead, counts, prefetch)
+    return native.plan_recall(want, held, pages, host_slots, ahead, counts, prefetch, in_place)

@@ -47,8 +47,6 @@ DYNAMIC = {
     ("copy_", "device.py:_write"): "the pool's new entry written at the pool's count (keys, values, positions)",
     ("copy_", "device.py:commit"): "the new entry's score written at the pool's count",
     ("attend_slabs", "layer.py:_attend_pool"): "the pool's count, a scalar argument",
-    ("plan_recall", "device_plan.py:plan_on_device"): "the recall buffer's page table: the plan's new one is "
-                                                     "kept in place of the old (two tensors in turn)",
     ("kvp_score", "kvp.py:score"): "the step's position features, made from the step's new positions tensor",
 }
 

@@ -21,36 +21,39 @@ HARNESS = r"""
 #include "plan_recall.cu"
 #include <cstdio>
 #include <vector>
-// Cases from stdin until its end, each: heads w R pages lanes prefetch given, want [heads * w], held
+// Cases from stdin until its end, each: heads w R pages lanes prefetch given in_place, want [heads * w], held
 // [heads * R], host_slots [heads * pages], ahead [heads * R] (0/1), counts [4] (the last three passed to the
-// kernel's functions only if `given`, else null); for each, one line: fetch | slots | count | held_after |
-// where | src_rows | dst_rows | ahead | counts.
+// kernel's functions only if `given`, else null; with `in_place` held_after is held); for each, one line:
+// fetch | slots | count | held_after | where | src_rows | dst_rows | ahead | counts.
 static bool read(std::vector<kv_i64>& v) {
     for (auto& x : v) if (scanf("%lld", &x) != 1) return false;
     return true;
 }
 int main() {
-    long long heads, w, R, pages, lanes, prefetch, given;
-    while (scanf("%lld %lld %lld %lld %lld %lld %lld", &heads, &w, &R, &pages, &lanes, &prefetch, &given) == 7) {
+    long long heads, w, R, pages, lanes, prefetch, given, in_place;
+    while (scanf("%lld %lld %lld %lld %lld %lld %lld %lld", &heads, &w, &R, &pages, &lanes, &prefetch, &given,
+                 &in_place) == 8) {
         std::vector<kv_i64> want(heads * w), held(heads * R), host(heads * pages), flags(heads * R), counts(4),
             fetch(heads * w), slots(heads * w), count(heads), after(heads * R), where(heads * w), src(heads * w),
             dst(heads * w);
         if (!read(want) || !read(held) || !read(host) || !read(flags) || !read(counts)) return 2;
         std::vector<unsigned char> ahead(flags.begin(), flags.end()), marks(w + R + 1);
+        kv_i64* table = in_place ? held.data() : after.data();
         for (kv_i64 h = 0; h < heads; ++h) {   // a block: its threads' shares of a step as lanes in turn
             for (kv_i64 lane = 0; lane < lanes; ++lane) {
-                kv_plan_marks(&want[h * w], w, &held[h * R], R, marks.data(), marks.data() + w, &after[h * R],
+                kv_plan_marks(&want[h * w], w, &held[h * R], R, marks.data(), marks.data() + w, &table[h * R],
                               lane, lanes);
             }
             kv_plan_assign(&want[h * w], w, R, marks.data(), marks.data() + w, &fetch[h * w], &slots[h * w],
-                           &count[h], &after[h * R]);
+                           &count[h], &table[h * R]);
             for (kv_i64 lane = 0; lane < lanes; ++lane) {
                 kv_plan_rows(&want[h * w], w, R, h, given ? &host[h * pages] : nullptr, pages, &fetch[h * w],
-                             &slots[h * w], &after[h * R], &where[h * w], &src[h * w], &dst[h * w], lane, lanes);
+                             &slots[h * w], &table[h * R], &where[h * w], &src[h * w], &dst[h * w], lane, lanes);
             }
             kv_plan_flags(w, &slots[h * w], &count[h], &where[h * w], given ? &ahead[h * R] : nullptr,
                           given ? counts.data() : nullptr, (int)prefetch);
         }
+        if (in_place) after = held;
         for (auto v : {&fetch, &slots, &count, &after, &where, &src, &dst}) {
             for (auto x : *v) printf("%lld ", x);
             printf("| ");
@@ -92,11 +95,12 @@ def test_the_plan_kernels_code_gives_the_twins_plan(harness):
         host = torch.randperm(heads * pages, generator=g).view(heads, pages)
         ahead = torch.rand(heads, R, generator=g) < 0.4
         counts = torch.randint(0, 100, (4,), generator=g)
-        lanes, prefetch, given = [1, 3, 32, 128][i % 4], i % 3 == 0, i % 5 != 0
+        lanes, prefetch, given, in_place = [1, 3, 32, 128][i % 4], i % 3 == 0, i % 5 != 0, i % 7 < 3
         cases.append((want, held, pages, host, ahead, counts, prefetch, given))
         numbers = [*want.flatten().tolist(), *held.flatten().tolist(), *host.flatten().tolist(),
                    *ahead.long().flatten().tolist(), *counts.tolist()]
-        lines.append(f"{heads} {w} {R} {pages} {lanes} {int(prefetch)} {int(given)} " + " ".join(map(str, numbers)))
+        lines.append(f"{heads} {w} {R} {pages} {lanes} {int(prefetch)} {int(given)} {int(in_place)} "
+                     + " ".join(map(str, numbers)))
     done = subprocess.run([str(harness)], input="\n".join(lines) + "\n", capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     out = done.stdout.strip().split("\n")

@@ -745,7 +745,18 @@ def test_plan_recall_launch_gives_the_twins_plan(replayed_kernels):
         got = native.plan_recall(want, held, pages)          # no host slots, flags or counters
         for a, b in zip(got, twins.plan_recall(want, held, pages)):
             assert torch.equal(a, b)
-    assert [name for name, _, _ in replayed_kernels] == ["kvtier_plan_recall"] * 6   # w = 0: nothing to launch
+        # in place: the table the plan makes is written into `held` itself, by the kernel and by the twin
+        expect = twins.plan_recall(want, held, pages, host_slots)
+        for plan in (native.plan_recall, twins.plan_recall):
+            table = held.clone()
+            got = plan(want, table, pages, host_slots, in_place=True)
+            assert got.held_after is table
+            for a, b in zip(got, expect):
+                assert torch.equal(a, b)
+    # four launches a shape (the last, w = 0, has nothing to launch)
+    assert [name for name, _, _ in replayed_kernels] == ["kvtier_plan_recall"] * 8
+    with pytest.raises(ValueError, match="contiguous int64 held"):
+        native.plan_recall(want, held.int(), pages, in_place=True)
 
 
 def test_plan_recall_refuses_a_buffer_smaller_than_the_want():
