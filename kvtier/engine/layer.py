@@ -42,7 +42,7 @@ class _Pending:
 
     k: torch.Tensor          # [1, heads, q, dim]
     v: torch.Tensor
-    pos: torch.Tensor        # [q]
+    pos: torch.Tensor        # [q]; a decode step's is rewritten by the next step (`SharedResources.positions`)
     score: torch.Tensor | None  # [heads, q]; None until attention for scorers that need the query
     masked: torch.Tensor | None = None   # [q] bool: padding no query attends; dropped at commit
 

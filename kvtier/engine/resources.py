@@ -45,6 +45,7 @@ class SharedResources:
         self._disk: DiskStore | None = None
         self._pid = os.getpid()     # a forked child never closes (deletes) its parent's files
         self._positions: tuple[int, int, torch.device, torch.Tensor] | None = None
+        self._step_position: dict[torch.device, torch.Tensor] = {}   # a decode step's position, kept per device
         self.closed = False
 
     def _check_open(self) -> None:
@@ -59,11 +60,21 @@ class SharedResources:
         return self.transfers[device]
 
     def positions(self, start: int, n: int, device: torch.device) -> torch.Tensor:
-        """``arange(start, start + n)`` on `device`, one tensor for every layer of a step (never written to):
-        a scorer seeing the same tensor again may reuse what it computed from it (KVP's position features)."""
+        """``arange(start, start + n)`` on `device`, one tensor for every layer of a step: a scorer seeing the
+        same tensor again, unwritten since (`Tensor._version`), may reuse what it computed from it (KVP's
+        position features). A decode step's one position is written into a tensor kept for the purpose, so
+        every decode step's launches read it at one address (a step's input, like its keys and values); read
+        it within the step (a later step writes over it)."""
         last = self._positions
         if last is None or last[:3] != (start, n, device):
-            last = self._positions = (start, n, device, torch.arange(start, start + n, device=device))
+            if n == 1:
+                kept = self._step_position.get(device)
+                if kept is None:
+                    kept = self._step_position[device] = torch.empty(1, dtype=torch.int64, device=device)
+                pos = kept.fill_(start)
+            else:
+                pos = torch.arange(start, start + n, device=device)
+            last = self._positions = (start, n, device, pos)
         return last[3]
 
     def private_dir(self, *, validate: bool = False) -> str:
@@ -106,6 +117,7 @@ class SharedResources:
     def close(self) -> None:
         self.closed = True
         self._positions = None
+        self._step_position.clear()
         if os.getpid() != self._pid:   # a forked child: the files are its parent's
             self._disk, self._private = None, None
             self.transfers.clear()

@@ -11,8 +11,9 @@ POSITION_FEATURES = 8
 _SCALE = math.log(8192.0)
 
 
-def position_features(positions: torch.Tensor) -> torch.Tensor:
-    """``[tokens]`` int -> ``[tokens, 8]`` float32: log-position, its square, and sines/cosines of it.
+def position_features(positions: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``[tokens]`` int -> ``[tokens, 8]`` float32: log-position, its square, and sines/cosines of it (into
+    `out` when given).
 
     Log-scaled so that positions far past the training lengths still map to nearby, ordered features
     (a learned table would saturate, as KVP's 6,000-entry table does). Computed in a dozen tensor ops, one
@@ -22,7 +23,7 @@ def position_features(positions: torch.Tensor) -> torch.Tensor:
     a = lp * math.pi
     x = torch.stack([a, a * 2.0, a * 4.0], dim=-1)      # lp * w * pi for w = 1, 2, 4 (doubling is exact)
     waves = torch.stack([x.sin(), x.cos()], dim=-1).flatten(-2)   # sin, cos of each in turn
-    return torch.cat([lp[:, None], (lp * lp)[:, None], waves], dim=-1)
+    return torch.cat([lp[:, None], (lp * lp)[:, None], waves], dim=-1, out=out)
 
 
 def entry_features(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,

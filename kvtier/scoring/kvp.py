@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import weakref
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -106,7 +107,10 @@ class KVPScorer:
         step's position features; and whether it scores through the native kernel (`native_score`: None,
         where the kernel runs, CUDA with cupy; one launch where the networks take a dozen)."""
         self._device_copies: dict[torch.device, tuple[KVPAgents, native.MLPWeights]] = {}
-        self._last_positions: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._last_positions: tuple[torch.Tensor, int, torch.Tensor] | None = None   # (positions, version, feats)
+        # a decode step's features, kept per positions tensor (a cache keeps one for its decode steps; caches
+        # sharing this scorer each get their own)
+        self._step_features: weakref.WeakKeyDictionary[torch.Tensor, torch.Tensor] = weakref.WeakKeyDictionary()
         self.native_score: bool | None = None
         self._kernels_here: dict[torch.device, bool] = {}
 
@@ -161,14 +165,25 @@ class KVPScorer:
         return out.unsqueeze(0)
 
     def _position_features(self, positions: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """`position_features` of `positions`, computed once for the very tensor every layer of a decode step
-        passes (`SharedResources.positions`; never written to), not once per layer. Only short runs of
-        positions are kept (a prefill chunk computes its own: it is one of many launches there)."""
+        """`position_features` of `positions`, computed once for the very tensor every layer of a step passes
+        (`SharedResources.positions`), not once per layer, and again once it was written to. Only short runs
+        of positions are kept (a prefill chunk computes its own: it is one of many launches there). A decode
+        step's features go into a tensor kept for them, so every decode step's launches read them at one
+        address."""
         last = self._last_positions
-        if last is not None and last[0] is positions and last[1].device == device:
-            return last[1]
-        feats = position_features(positions.to(device))
-        self._last_positions = (positions, feats) if positions.numel() <= _KEPT_POSITIONS else None
+        if last is not None and last[0] is positions and last[1] == positions._version and last[2].device == device:
+            return last[2]
+        n = positions.numel()
+        if n > _KEPT_POSITIONS:
+            self._last_positions = None
+            return position_features(positions.to(device))
+        kept = self._step_features.get(positions) if n == 1 else None
+        if kept is not None and kept.device != device:
+            kept = None
+        feats = position_features(positions.to(device), out=kept)
+        if n == 1:
+            self._step_features[positions] = feats
+        self._last_positions = (positions, positions._version, feats)
         return feats
 
     @torch.no_grad()

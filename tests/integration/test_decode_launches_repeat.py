@@ -43,11 +43,11 @@ _NATIVE_OPS = ("attend_pages", "attend_slabs", "code_logits", "gather_pages", "k
 
 # (launch, the kvtier function issuing it): what differs between two decode steps without a demotion, and why
 DYNAMIC = {
-    ("arange", "resources.py:positions"): "the step's positions, a new tensor from the step's start each step",
+    ("fill_", "resources.py:positions"): "the step's position, written into the tensor kept for it: an input "
+                                         "of the step (once a step, at its first layer)",
     ("copy_", "device.py:_write"): "the pool's new entry written at the pool's count (keys, values, positions)",
     ("copy_", "device.py:commit"): "the new entry's score written at the pool's count",
     ("attend_slabs", "layer.py:_attend_pool"): "the pool's count, a scalar argument",
-    ("kvp_score", "kvp.py:score"): "the step's position features, made from the step's new positions tensor",
 }
 
 

@@ -128,23 +128,36 @@ def test_snapkv_settings_are_checked():
 
 def test_kvp_computes_a_steps_position_features_once_for_every_layer(monkeypatch):
     """Every layer of a decode step passes KVP the same positions tensor (`SharedResources.positions`), so the
-    position features are computed once a step, not once a layer; the scores are those computed afresh."""
+    position features are computed once a step, not once a layer; the scores are those computed afresh. A
+    decode step's position and its features are kept tensors, written each step (one address every step)."""
     from kvtier.engine.resources import SharedResources
     from kvtier.scoring import features, kvp
 
-    shared = SharedResources(None)
-    pos = shared.positions(40, 1, torch.device("cpu"))
     cpu = torch.device("cpu")
-    assert shared.positions(40, 1, cpu) is pos and shared.positions(41, 1, cpu) is not pos
+    shared = SharedResources(None)
     scorer = make_scorer("kvp")
     calls = []
     real = features.position_features
-    monkeypatch.setattr(kvp, "position_features", lambda p: calls.append(p) or real(p))
+    monkeypatch.setattr(kvp, "position_features", lambda p, out=None: calls.append(p) or real(p, out=out))
     g = torch.Generator().manual_seed(0)
     heads, dim = scorer.shape[1], scorer.shape[2]
     k, v = torch.randn(1, heads, 1, dim, generator=g), torch.randn(1, heads, 1, dim, generator=g)
-    step = [scorer.score(k, v, pos, layer) for layer in range(3)]
-    assert len(calls) == 1
-    fresh = [scorer.score(k, v, torch.tensor([40]), layer) for layer in range(3)]   # a new tensor each time
-    assert len(calls) == 4 and all(torch.equal(a, b) for a, b in zip(step, fresh))
+    kept = None
+    for step, start in enumerate((40, 41, 5000)):
+        pos = shared.positions(start, 1, cpu)
+        assert shared.positions(start, 1, cpu) is pos and pos.tolist() == [start]
+        assert step == 0 or pos is first                                 # the same tensor, rewritten
+        first = pos if step == 0 else first
+        calls.clear()
+        scores = [scorer.score(k, v, pos, layer) for layer in range(3)]
+        feats = scorer._position_features(pos, cpu)
+        assert len(calls) == 1                                           # once a step
+        assert kept is None or feats is kept                             # the features' tensor, rewritten
+        kept = feats
+        assert torch.equal(feats, real(torch.tensor([start])))
+        calls.clear()
+        fresh = [scorer.score(k, v, torch.tensor([start]), layer) for layer in range(3)]   # a new tensor each
+        assert len(calls) == 3 and all(torch.equal(a, b) for a, b in zip(scores, fresh))
+    longer = shared.positions(7, 3, cpu)                                  # a prefill chunk: its own tensor
+    assert longer.tolist() == [7, 8, 9] and shared.positions(8, 1, cpu) is first and first.tolist() == [8]
     shared.close()
