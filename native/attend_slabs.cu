@@ -336,6 +336,13 @@ __device__ __forceinline__ void kv_attend_chunks(const T* __restrict__ q, kv_i64
                         width);
 }
 
+// The entries attended: `count`, plus `*count_at` when given (a count the device keeps, so the launch is the
+// same whatever it is: the grid then covers every chunk the slabs could hold, and the blocks past the
+// entries return at once).
+__host__ __device__ inline kv_i64 kv_attend_count(kv_i64 count, const kv_i64* count_at) {
+    return count_at ? count + *count_at : count;
+}
+
 // k_slabs, v_slabs (slab mode) or k_base, v_base with pages (paged mode): see kv_attend_src.
 #define KV_ATTEND_CHUNKS(NAME, T)                                                                                 \
     extern "C" __global__ void NAME(const T* __restrict__ q, kv_i64 q_h, kv_i64 q_r,                               \
@@ -343,13 +350,17 @@ __device__ __forceinline__ void kv_attend_chunks(const T* __restrict__ q, kv_i64
                                     const char* __restrict__ k_base, const char* __restrict__ v_base,             \
                                     kv_i64 slab_tokens, kv_i64 slab_head, kv_i64 slab_token,                      \
                                     const kv_i64* __restrict__ pages, kv_i64 n_pages, int page, kv_i64 count,     \
-                                    int rows, int dim, int chunk, int tile, int finish, float scale,              \
-                                    float* __restrict__ part_a, float* __restrict__ part_m,                       \
-                                    float* __restrict__ part_l, float* __restrict__ out,                          \
-                                    float* __restrict__ lse) {                                                    \
+                                    const kv_i64* __restrict__ count_at, int rows, int dim, int chunk, int tile,  \
+                                    int finish, float scale, float* __restrict__ part_a,                          \
+                                    float* __restrict__ part_m, float* __restrict__ part_l,                       \
+                                    float* __restrict__ out, float* __restrict__ lse) {                           \
+        const kv_i64 total = kv_attend_count(count, count_at);                                                   \
+        if ((kv_i64)blockIdx.x * chunk >= total) {                                                                \
+            return;                                                                                               \
+        }                                                                                                         \
         const kv_attend_src k = {k_slabs, k_base, slab_tokens, slab_head, slab_token, pages, n_pages, page};      \
         const kv_attend_src v = {v_slabs, v_base, slab_tokens, slab_head, slab_token, pages, n_pages, page};      \
-        kv_attend_chunks<T>(q, q_h, q_r, k, v, count, rows, dim, chunk, tile, finish, scale, part_a, part_m,      \
+        kv_attend_chunks<T>(q, q_h, q_r, k, v, total, rows, dim, chunk, tile, finish, scale, part_a, part_m,      \
                             part_l, out, lse);                                                                    \
     }
 KV_ATTEND_CHUNKS(kvtier_attend_chunks_f32, float)
@@ -357,24 +368,28 @@ KV_ATTEND_CHUNKS(kvtier_attend_chunks_f16, kv_half)
 KV_ATTEND_CHUNKS(kvtier_attend_chunks_bf16, kv_bf16)
 
 // Block (r, h): query row r of head h over the whole part (x_out [heads, rows, dim] and x_lse [heads, rows]
-// through their strides, when given) and the head's chunks, a thread per channel.
+// through their strides, when given) and the head's chunks, a thread per channel. The parts hold `chunks`
+// chunks a head; with `count_at`, only those the entries fill (`kv_attend_count`, in chunks of `chunk`) are
+// merged, the rest were never written.
 extern "C" __global__ void kvtier_attend_combine(const float* __restrict__ part_a, const float* __restrict__ part_m,
-                                                 const float* __restrict__ part_l, kv_i64 chunks, int rows,
+                                                 const float* __restrict__ part_l, kv_i64 chunks, kv_i64 count,
+                                                 const kv_i64* __restrict__ count_at, int chunk, int rows,
                                                  int dim, const float* __restrict__ x_out, kv_i64 x_out_h,
                                                  kv_i64 x_out_r, const float* __restrict__ x_lse, kv_i64 x_lse_h,
                                                  kv_i64 x_lse_r, float* __restrict__ out, float* __restrict__ lse) {
     extern __shared__ __align__(16) float kv_combine_shared[];   // [chunks + 3]
     const int r = blockIdx.x, h = blockIdx.y, lane = threadIdx.x, width = blockDim.x;
     const kv_i64 first = (kv_i64)h * chunks * rows + r;   // chunk c of (h, r) at first + c * rows
+    const kv_i64 used = count_at ? (kv_attend_count(count, count_at) + chunk - 1) / chunk : chunks;
     const float* xl = x_lse ? x_lse + h * x_lse_h + r * x_lse_r : nullptr;
     const float* xo = x_out ? x_out + h * x_out_h + r * x_out_r : nullptr;
-    kv_combine_max(part_m + first, rows, chunks, xl, kv_combine_shared, lane);
+    kv_combine_max(part_m + first, rows, used, xl, kv_combine_shared, lane);
     __syncthreads();
-    kv_combine_weights(part_m + first, rows, chunks, xl, kv_combine_shared, lane, width);
+    kv_combine_weights(part_m + first, rows, used, xl, kv_combine_shared, lane, width);
     __syncthreads();
-    kv_combine_total(part_l + first, rows, chunks, xl != nullptr, kv_combine_shared, lse + (kv_i64)h * rows + r,
+    kv_combine_total(part_l + first, rows, used, xl != nullptr, kv_combine_shared, lse + (kv_i64)h * rows + r,
                      lane);
     __syncthreads();
-    kv_combine_out(part_a + first * dim, (kv_i64)rows * dim, chunks, dim, xo, kv_combine_shared,
+    kv_combine_out(part_a + first * dim, (kv_i64)rows * dim, used, dim, xo, kv_combine_shared,
                    out + ((kv_i64)h * rows + r) * dim, lane, width);
 }

@@ -60,6 +60,7 @@ class _Step:
         self.codes = [torch.empty(self.index_per, PAGE, D // 4, dtype=torch.uint8) for _ in range(index_slabs)]
         self.index_addr = torch.zeros(index_slabs, dtype=i64)
         self.q = torch.zeros(H, ROWS, D, dtype=bf16)
+        self.at = torch.zeros(1, dtype=i64)
         self.qf = torch.zeros(H, ROWS, D)
         self.want = torch.zeros(H, RECALL_PAGES, dtype=i64)
         self.held = torch.zeros(H, BUFFER_PAGES, dtype=i64)
@@ -87,7 +88,7 @@ class _Step:
         p, H, R, D = self.plan, HEADS, BUFFER_PAGES, DIM
         return {
             "plan_recall": lambda: native.plan_recall(self.want, self.held, self.pages, self.host_slots, self.ahead,
-                                                      self.counts),
+                                                      self.counts, in_place=True),
             "recall_pages": lambda: native.recall_pages(self.host_k, self.host_per, p.src_rows, p.dst_rows, p.count,
                                                         self.buf_k.view(H * R, PAGE, D), self.host_addr,
                                                         (self.host_v, self.buf_v.view(H * R, PAGE, D),
@@ -100,7 +101,8 @@ class _Step:
                                                     self.resident, (self.index_addr, self.index_addr)),
             "kvp_score": lambda: native.kvp_score(self.new_k, self.new_k, self.positions, self.weights, 0),
             "attend_slabs": lambda: native.attend_slabs(self.q, self.pool_k, self.pool_v, self.entries + 1,
-                                                        DIM ** -0.5, addresses=self.pool_addr),
+                                                        DIM ** -0.5, addresses=self.pool_addr,
+                                                        counted=(self.at, self.entries + 1)),
             "attend_pages": lambda: native.attend_pages(self.q, self.buf_k, self.buf_v, self.slots, PAGE, DIM ** -0.5,
                                                         whole=self.part),
         }

@@ -778,7 +778,8 @@ def _attend_tile(rows: int, dim: int, chunk: int, row_words: int) -> tuple[int, 
 def attend_slabs(q: torch.Tensor, k_slabs: Sequence[torch.Tensor], v_slabs: Sequence[torch.Tensor], count: int,
                  scale: float, chunk: int | None = None,
                  addresses: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 whole: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 whole: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 counted: tuple[torch.Tensor, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of a decoding step's queries over the first `count` entries of a device pool, in one launch
     (two where the pool spans several chunks or a `whole` part is merged in): in place of an attention call
     per slab and the log-sum-exp of their log-sum-exps.
@@ -800,6 +801,11 @@ def attend_slabs(q: torch.Tensor, k_slabs: Sequence[torch.Tensor], v_slabs: Sequ
         The slabs' ``(keys, values)`` addresses from `slab_addresses` (a pool keeps them until it changes).
     whole
         ``(out [heads, rows, dim], lse [heads, rows])`` float32 of attention over other keys, merged in.
+    counted
+        ``(at, base)``: `count` as the device keeps it, ``base + at[0]`` (`at` int64 ``[1]`` on the queries'
+        device; checked against `count` where the twin runs on host memory). The kernels read it there, and their grid covers every
+        entry the slabs hold (`chunk` defaults to what their capacity gives), so the launches are the same
+        whatever the count: what a captured decode step needs (`DevicePool.at`).
 
     Returns
     -------
@@ -819,11 +825,20 @@ def attend_slabs(q: torch.Tensor, k_slabs: Sequence[torch.Tensor], v_slabs: Sequ
         if tuple(s.shape[-3:]) != shape or s.dim() not in (3, 4) or s.dtype != first.dtype or s.device != q.device:
             raise ValueError(f"attend_slabs: a slab of {list(s.shape)} {s.dtype} on {s.device}; allowed: "
                              f"[1, {H}, {per}, {D}] {first.dtype} on {q.device}, like the first key slab")
-    if not 1 <= count <= per * len(k_slabs):
-        raise ValueError(f"attend_slabs: count={count}; allowed: 1 to {per * len(k_slabs)} (the slabs' entries)")
-    chunk = _check_attend(q, whole, count, chunk, "attend_slabs")
+    capacity = per * len(k_slabs)
+    if not 1 <= count <= capacity:
+        raise ValueError(f"attend_slabs: count={count}; allowed: 1 to {capacity} (the slabs' entries)")
+    if counted is not None:
+        at, base = counted
+        if at.shape != (1,) or at.dtype != torch.int64 or at.device != q.device:
+            raise ValueError(f"attend_slabs: counted at {list(at.shape)} {at.dtype} on {at.device}; allowed: [1] "
+                             f"torch.int64 on {q.device}")
+    chunk = _check_attend(q, whole, capacity if counted is not None else count, chunk, "attend_slabs")
 
-    def twin() -> tuple[torch.Tensor, torch.Tensor]:
+    def twin() -> tuple[torch.Tensor, torch.Tensor]:   # over the host's count, which must be the device's
+        if counted is not None and counted[0].device.type == "cpu" and counted[1] + int(counted[0]) != count:
+            raise ValueError(f"attend_slabs: counted {counted[1]} + {int(counted[0])} for count={count}; "
+                             "allowed: the same count")
         return twins.attend_slabs(q, k_slabs, v_slabs, count, scale, chunk, whole)
 
     why = _why_not(q.device, [first, v_slabs[0]])
@@ -835,7 +850,8 @@ def attend_slabs(q: torch.Tensor, k_slabs: Sequence[torch.Tensor], v_slabs: Sequ
             why = "a slab out of the kernel's reach"
     where = (_ptr(k_addr), _ptr(v_addr), _u64(0), _u64(0), _i64(per), _i64(first.stride(-3)),
              _i64(first.stride(-2)), _u64(0), _i64(0), np.int32(0))
-    return _attend(q, first.dtype, where, count, scale, chunk, whole, why, twin, "attend_slabs")
+    return _attend(q, first.dtype, where, count, scale, chunk, whole, why, twin, "attend_slabs",
+                   None if counted is None else (counted[0], counted[1], capacity))
 
 
 def attend_pages(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, pages: torch.Tensor,
@@ -898,12 +914,14 @@ def _check_attend(q: torch.Tensor, whole: tuple[torch.Tensor, torch.Tensor] | No
 
 def _attend(q: torch.Tensor, dtype: torch.dtype, where: tuple, count: int, scale: float, chunk: int,
             whole: tuple[torch.Tensor, torch.Tensor] | None, why: str | None, twin, op: str,
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+            counted: tuple[torch.Tensor, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The two launches of `attend_slabs` and `attend_pages` (`where`: the kernel's arguments saying where the
-    entries are), or their twin."""
+    entries are), or their twin; `counted` is ``(at, base, capacity)``: the count read on the device, the
+    grid made for `capacity` entries."""
     H, R, D = q.shape
     device = q.device
-    chunks = -(-count // chunk)
+    chunks = -(-(count if counted is None else counted[2]) // chunk)
+    count_arg, count_at = (_i64(count), _u64(0)) if counted is None else (_i64(counted[1]), _ptr(counted[0]))
     finish = chunks == 1 and whole is None
     launches = 1 if finish else 2
     row_bytes = D * dtype.itemsize
@@ -931,9 +949,9 @@ def _attend(q: torch.Tensor, dtype: torch.dtype, where: tuple, count: int, scale
         part_l = torch.empty_like(part_m)
         sums = (_u64(part_a.data_ptr()), _u64(part_m.data_ptr()), _u64(part_l.data_ptr()))
     loader.launch(k, device, (chunks, H), (_ATTEND_THREADS,),
-                  (_u64(q.data_ptr()), _i64(q.stride(0)), _i64(q.stride(1)), *where, _i64(count), np.int32(R),
-                   np.int32(D), np.int32(chunk), np.int32(tile), np.int32(finish), np.float32(scale), *sums,
-                   _u64(out.data_ptr()), _u64(lse.data_ptr())),
+                  (_u64(q.data_ptr()), _i64(q.stride(0)), _i64(q.stride(1)), *where, count_arg, count_at,
+                   np.int32(R), np.int32(D), np.int32(chunk), np.int32(tile), np.int32(finish), np.float32(scale),
+                   *sums, _u64(out.data_ptr()), _u64(lse.data_ptr())),
                   shared_mem=shared)
     if not finish:
         if whole is None:
@@ -944,8 +962,8 @@ def _attend(q: torch.Tensor, dtype: torch.dtype, where: tuple, count: int, scale
                      _i64(w.stride(0)), _i64(w.stride(1)))
         threads = min(256, -(-D // 32) * 32)
         loader.launch(c, device, (R, H), (threads,),
-                      (*sums, _i64(chunks), np.int32(R), np.int32(D), *parts, _u64(out.data_ptr()),
-                       _u64(lse.data_ptr())),
+                      (*sums, _i64(chunks), count_arg, count_at, np.int32(chunk), np.int32(R), np.int32(D), *parts,
+                       _u64(out.data_ptr()), _u64(lse.data_ptr())),
                       shared_mem=4 * (chunks + 3))
     loader.record(op, "kernel", launches=launches)
     return out, lse

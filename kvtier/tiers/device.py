@@ -9,6 +9,10 @@ tier). Slabs are added as the tier grows and are never copied.
 `take` and `remove` are tensor operations of fixed shape, a gather and a scatter per slab, with nothing read
 back to the host: a GPU step that demotes queues them behind the attention that came before.
 
+A decode step (one new token) writes its entry where a tensor on the device says (`at`: the count's place in
+its slab), which the step's commit moves on by one, so its launches are the same from one decode step to the
+next while the slab lasts (what a captured step needs); `attend_slabs` reads the count from there too.
+
 Shapes per slab: ``k``, ``v`` ``[1, heads, slab_tokens, head_dim]``; ``pos`` ``[heads, slab_tokens]`` int64;
 ``score`` ``[heads, slab_tokens]`` float32.
 """
@@ -34,6 +38,8 @@ class DevicePool:
         self.pos: list[torch.Tensor] = []
         self.score: list[torch.Tensor] = []
         self._addresses: tuple[torch.Tensor, torch.Tensor] | None = None   # of the slabs, for the kernels
+        self._at: torch.Tensor | None = None   # int64 [1] on the device: count % slab_tokens, for a decode step
+        self._at_holds: int | None = None      # what `_at` holds once the launches queued so far have run
 
     @property
     def capacity(self) -> int:
@@ -66,10 +72,34 @@ class DevicePool:
     def stage(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
         """Put a step's new tokens after the committed entries (not committed yet)."""
         self._ensure(self.count + k.shape[2])
-        self._write(self.count, k, v, pos)
+        if k.shape[2] != 1:
+            self._write(self.count, k, v, pos)
+            return
+        s, at = self.count // self.slab_tokens, self.at()
+        self.k[s].index_copy_(2, at, k)
+        self.v[s].index_copy_(2, at, v)
+        self.pos[s].index_copy_(1, at, pos)
+
+    def at(self) -> torch.Tensor:
+        """``count % slab_tokens`` as an int64 ``[1]`` on the device (where a decode step's entry goes), the
+        same tensor every step; written from the host only when it does not hold that already."""
+        want = self.count % self.slab_tokens
+        if self._at is None:
+            self._at = torch.empty(1, dtype=torch.int64, device=self.device)
+        if self._at_holds != want:
+            self._at.fill_(want)
+            self._at_holds = want
+        return self._at
 
     def commit(self, q: int, score: torch.Tensor) -> None:
         """Make the `q` staged tokens committed entries, with their scores ``[heads, q]``."""
+        if q == 1:   # a decode step: at its place, then the place moves on, on the device, within the slab
+            self.score[self.count // self.slab_tokens].index_copy_(1, self.at(), score)
+            self.count += 1
+            if self.count % self.slab_tokens:
+                self._at.add_(1)
+                self._at_holds += 1
+            return
         S, done = self.slab_tokens, 0
         while done < q:
             s, off = divmod(self.count + done, S)

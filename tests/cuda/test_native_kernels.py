@@ -361,11 +361,14 @@ def test_plan_recall_kernel_is_the_twin(kernels, heads, w, R, pages):
                 rest = want[h][~torch.isin(want[h], kept)][: w - len(kept)]
                 want[h] = torch.cat([kept, rest])
         prefetch = turn % 2 == 1
-        got = native.plan_recall(want.to(kernels), held.to(kernels), pages, dev_host, dev_ahead, dev_counts,
-                                 prefetch)
+        table = held.to(kernels)
+        in_place = turn % 4 >= 2   # the buffer's own table written in place, as the engine plans
+        got = native.plan_recall(want.to(kernels), table, pages, dev_host, dev_ahead, dev_counts, prefetch,
+                                 in_place=in_place)
         expect = twins.plan_recall(want, held, pages, host, ahead, counts, prefetch)
         for a, b in zip(got, expect):
             assert torch.equal(a.cpu(), b)
+        assert (got.held_after is table) == in_place
         assert torch.equal(dev_ahead.cpu(), ahead) and torch.equal(dev_counts.cpu(), counts)
         held = expect.held_after
     torch.cuda.synchronize()
@@ -502,6 +505,30 @@ def test_attend_slabs_kernel_is_the_twin(kernels, dtype, heads, rows, dim, count
     ref_out, ref_lse = attend_with_lse(packed[None].float(), k.float(), v.float(), dim ** -0.5)
     torch.testing.assert_close(out, ref_out[0], rtol=0, atol=1e-5)
     torch.testing.assert_close(lse, ref_lse[0], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attend_slabs_reading_its_count_on_the_device_is_the_twin(kernels, dtype):
+    """The count the pool keeps on the device (`DevicePool.at`), the grid over the slabs' capacity: the same
+    launch for every count in a slab, each time bit for bit the twin's over that count (poison past it)."""
+    g = torch.Generator().manual_seed(5)
+    H, R, D = 8, 4, 128
+    pool = DevicePool(H, D, dtype, kernels, 4096)
+    pool._ensure(3 * 4096)
+    for s in (*pool.k, *pool.v):
+        s.view(torch.uint8).fill_(0xFF)
+    k = torch.randn(1, H, 9000, D, generator=g).to(dtype).to(kernels)
+    pool._write(0, k, -k, torch.zeros(H, 9000, dtype=torch.int64, device=kernels))
+    q = torch.randn(H, R, D, generator=g).to(dtype).to(kernels)
+    chunk = native.attend_chunk(3 * 4096, H, device=kernels)
+    for count in (8193, 8700, 9000):
+        pool.count = count - 1
+        out, lse = native.attend_slabs(q, pool.k, pool.v, count, D ** -0.5, addresses=pool.addresses(),
+                                       counted=(pool.at(), 8192 + 1))
+        torch.cuda.synchronize()
+        want = twins.attend_slabs(q.cpu(), [s.cpu() for s in pool.k], [s.cpu() for s in pool.v], count, D ** -0.5,
+                                  chunk)
+        assert _same_bits(out, want[0]) and _same_bits(lse, want[1])
 
 
 def test_attend_slabs_waits_for_the_writes_before_it_on_its_stream(kernels):

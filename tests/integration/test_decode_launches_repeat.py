@@ -12,7 +12,8 @@ demoted. A tensor an earlier launch of the same layer's step made is named by th
 
 `DYNAMIC` is what still changes, each by the function that issues it: the launches a captured step would have
 to take as inputs or make repeat. It is exact both ways, so a change that adds one fails here, and so does
-one that removes one without saying so.
+one that removes one without saying so. A native operation's host-side arguments that never reach its launch
+(`attend_slabs`' count when the device keeps it) are left out.
 """
 
 from __future__ import annotations
@@ -45,9 +46,6 @@ _NATIVE_OPS = ("attend_pages", "attend_slabs", "code_logits", "gather_pages", "k
 DYNAMIC = {
     ("fill_", "resources.py:positions"): "the step's position, written into the tensor kept for it: an input "
                                          "of the step (once a step, at its first layer)",
-    ("copy_", "device.py:_write"): "the pool's new entry written at the pool's count (keys, values, positions)",
-    ("copy_", "device.py:commit"): "the new entry's score written at the pool's count",
-    ("attend_slabs", "layer.py:_attend_pool"): "the pool's count, a scalar argument",
 }
 
 
@@ -136,6 +134,8 @@ def _recorded(recorder: list[StepRecorder | None], name: str):
         finally:
             rec.inside_native -= 1
         if layer is not None:
+            if name == "attend_slabs" and kwargs.get("counted") is not None:
+                args = (*args[:3], "count on the device", *args[4:])   # the host's count: checks and twin only
             rec.note(name, _issuer(sys._getframe(1)), layer, args, kwargs, out)
         return out
     return call

@@ -27,7 +27,7 @@ def _reference_remove(rows: list[list[int]], gone: list[list[int]]) -> list[list
 
 @settings(max_examples=80, deadline=None, derandomize=True)
 @given(heads=st.integers(1, 3), slab=st.integers(1, 9), start=st.integers(1, 40), seed=st.integers(0, 2**16),
-       steps=st.lists(st.tuples(st.integers(0, 6), st.integers(0, 12)), min_size=1, max_size=6),
+       steps=st.lists(st.tuples(st.integers(0, 6), st.integers(0, 12), st.booleans()), min_size=1, max_size=6),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]))
 def test_take_and_remove_follow_a_per_head_reference(heads, slab, start, seed, steps, dtype):
     rng = np.random.default_rng(seed)
@@ -45,9 +45,11 @@ def test_take_and_remove_follow_a_per_head_reference(heads, slab, start, seed, s
         written += n
 
     write(start)
-    for add, drop in steps:
-        if add:
-            write(add)
+    for add, drop, singly in steps:
+        if add:   # at once (a prefill chunk), or a token at a time (decode steps: written where `at` says)
+            for n in [1] * add if singly else [add]:
+                write(n)
+                assert pool._at is None or int(pool._at) == pool._at_holds   # the host knows what it holds
             for h in range(heads):
                 ids[h] += list(range(written - add, written))
         n = pool.count
@@ -70,6 +72,7 @@ def test_take_and_remove_follow_a_per_head_reference(heads, slab, start, seed, s
             assert torch.equal(keys[0, h, :, 1].float(), (torch.tensor(ids[h]) * 10 + h).to(dtype).float())
             assert torch.equal(values[0, h], -keys[0, h])
         pool.trim()
+        assert int(pool.at()) == pool.count % slab and int(pool._at) == pool._at_holds
 
 
 def test_the_slab_addresses_follow_the_slabs_through_growth_trim_and_clear(monkeypatch):

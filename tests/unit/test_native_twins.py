@@ -568,11 +568,14 @@ def _run_as_the_kernel(name: str, grid: tuple, args: tuple, block: tuple = (128,
         _tensor(out, (H, R, D), torch.float32).copy_(got[0])
         _tensor(lse, (H, R), torch.float32).copy_(got[1])
     elif name.startswith("kvtier_attend_chunks_"):
-        (q, q_h, q_r, k_addr, v_addr, k_base, v_base, per, slab_head, slab_token, pages, n_pages, page, count, rows,
-         dim, chunk, tile, finish, scale, part_a, part_m, part_l, out, lse) = args
+        (q, q_h, q_r, k_addr, v_addr, k_base, v_base, per, slab_head, slab_token, pages, n_pages, page, count,
+         count_at, rows, dim, chunk, tile, finish, scale, part_a, part_m, part_l, out, lse) = args
         chunks, H = int(grid[0]), int(grid[1])
         R, D, count, chunk, per, page, n_pages = (int(x) for x in (rows, dim, count, chunk, per, page, n_pages))
-        assert chunks == -(-count // chunk) and 1 <= int(tile) <= block[0] and block[0] % int(tile) == 0
+        count += _i64(int(count_at), 0) if int(count_at) else 0   # the count the device keeps, when given
+        used = -(-count // chunk)   # the blocks past the entries return at once
+        assert (chunks >= used if int(count_at) else chunks == used) and 1 <= int(tile) <= block[0]
+        assert block[0] % int(tile) == 0
         dtype = _OF_SUFFIX[name.rsplit("_", 1)[1]]
 
         def strided(addr, stride_h, stride_r, n):
@@ -598,21 +601,23 @@ def _run_as_the_kernel(name: str, grid: tuple, args: tuple, block: tuple = (128,
             _tensor(int(out), (H, R, D), torch.float32).copy_(o)
             _tensor(int(lse), (H, R), torch.float32).copy_(lse_)
         else:
-            _tensor(int(part_a), (H, chunks, R, D), torch.float32).copy_(a)
-            _tensor(int(part_m), (H, chunks, R), torch.float32).copy_(m)
-            _tensor(int(part_l), (H, chunks, R), torch.float32).copy_(l_)
+            _tensor(int(part_a), (H, chunks, R, D), torch.float32)[:, :used].copy_(a)
+            _tensor(int(part_m), (H, chunks, R), torch.float32)[:, :used].copy_(m)
+            _tensor(int(part_l), (H, chunks, R), torch.float32)[:, :used].copy_(l_)
     elif name == "kvtier_attend_combine":
-        part_a, part_m, part_l, chunks, rows, dim, xo, xo_h, xo_r, xl, xl_h, xl_r, out, lse = (int(a) for a in args)
+        (part_a, part_m, part_l, chunks, count, count_at, chunk, rows, dim, xo, xo_h, xo_r, xl, xl_h, xl_r, out,
+         lse) = (int(a) for a in args)
         H = int(grid[1])
         assert int(grid[0]) == rows
+        used = -(-(count + _i64(count_at, 0)) // chunk) if count_at else chunks
         whole = None
         if xo:
             o_span, l_span = (H - 1) * xo_h + (rows - 1) * xo_r + dim, (H - 1) * xl_h + (rows - 1) * xl_r + 1
             whole = (_tensor(xo, (o_span,), torch.float32).as_strided((H, rows, dim), (xo_h, xo_r, 1)),
                      _tensor(xl, (l_span,), torch.float32).as_strided((H, rows), (xl_h, xl_r)))
-        o, lse_ = twins.attend_combine(_tensor(part_a, (H, chunks, rows, dim), torch.float32),
-                                       _tensor(part_m, (H, chunks, rows), torch.float32),
-                                       _tensor(part_l, (H, chunks, rows), torch.float32), whole)
+        o, lse_ = twins.attend_combine(_tensor(part_a, (H, chunks, rows, dim), torch.float32)[:, :used],
+                                       _tensor(part_m, (H, chunks, rows), torch.float32)[:, :used],
+                                       _tensor(part_l, (H, chunks, rows), torch.float32)[:, :used], whole)
         _tensor(out, (H, rows, dim), torch.float32).copy_(o)
         _tensor(lse, (H, rows), torch.float32).copy_(lse_)
     else:
@@ -637,7 +642,7 @@ def replayed_kernels(monkeypatch):
             m, rows, page, dim, tile = (int(args[i]) for i in (2, 11, 12, 13, 14))
             assert shared_mem == ops._rank_shared(m, tile, rows, page, dim) <= ops.SHARED_MAX
         if k.startswith("kvtier_attend_chunks_"):   # the query, the logits, the row sums and a tile of keys
-            rows, dim, chunk, tile = (int(args[i]) for i in (14, 15, 16, 17))
+            rows, dim, chunk, tile = (int(args[i]) for i in (15, 16, 17, 18))
             words = dim * _OF_SUFFIX[k.rsplit("_", 1)[1]].itemsize // 4
             assert shared_mem == ops._attend_shared(rows, dim, chunk, tile, words) <= ops.SHARED_MAX
         if k == "kvtier_attend_combine":   # a weight per chunk, M, L and the whole part's weight
@@ -867,6 +872,45 @@ def test_attend_slabs_launches_give_the_twins_attention(replayed_kernels, dtype,
     assert [name for name, _, _ in replayed_kernels] == \
         [f"kvtier_attend_chunks_{_SUFFIX[dtype]}"] + ["kvtier_attend_combine"] * (chunks > 1)
     assert native.backend()["ops"]["attend_slabs"]["last"] == "kernel"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attend_slabs_reading_the_count_on_the_device_launches_alike_for_every_count(replayed_kernels, dtype,
+                                                                                     monkeypatch):
+    """With the count the pool keeps on the device (`DevicePool.at`), the grid covers the slabs' capacity: the
+    launches are the same for every count in a slab (blocks past the entries return), and the result is the
+    twin's over the count, in the chunks the capacity gives."""
+    from kvtier.tiers.device import DevicePool
+
+    g = torch.Generator().manual_seed(21)
+    pool = DevicePool(3, 16, dtype, torch.device("cpu"), 64)
+    pool._ensure(150)   # three slabs
+    pool._write(0, torch.randn(1, 3, 150, 16, generator=g).to(dtype),
+                torch.randn(1, 3, 150, 16, generator=g).to(dtype), torch.zeros(3, 150, dtype=torch.int64))
+    q = torch.randn(3, 4, 16, generator=g).to(dtype)
+    chunk = native.attend_chunk(192, 3)
+    launches, counts = [], []
+    replay = loader.launch
+    monkeypatch.setattr(loader, "launch", lambda k, device, grid, block, args, shared_mem=0: (
+        counts.append((k, int(args[13]), int(args[14]))), replay(k, device, grid, block, args, shared_mem)))
+    for count in (129, 140, 150):
+        pool.count = count - 1      # the committed entries; the step's own is the next
+        at = pool.at()
+        got = native.attend_slabs(q, pool.k, pool.v, count, 0.25, counted=(at, 128 + 1))
+        want = twins.attend_slabs(q, pool.k, pool.v, count, 0.25, chunk)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        launches.append([(name, grid) for name, grid, _ in replayed_kernels])
+        replayed_kernels.clear()
+    assert launches[0] == launches[1] == launches[2] and len(launches[0]) == 2
+    # the chunks' count arguments: the same base and the same address for every count
+    chunk_counts = {c[1:] for c in counts if c[0].startswith("kvtier_attend_chunks_")}
+    assert chunk_counts == {(129, pool.at().data_ptr())}
+    assert launches[0][0][1][0] == -(-192 // chunk)   # the grid: the capacity's chunks
+    with pytest.raises(ValueError, match="counted at"):
+        native.attend_slabs(q, pool.k, pool.v, 150, 0.25, counted=(pool.at().int(), 129))
+    monkeypatch.undo()   # the twin: it checks the host's count against the device's
+    with pytest.raises(ValueError, match="the same count"):
+        native.attend_slabs(q, pool.k, pool.v, 150, 0.25, counted=(pool.at(), 100))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -142,12 +142,12 @@ def test_kvp_computes_a_steps_position_features_once_for_every_layer(monkeypatch
     g = torch.Generator().manual_seed(0)
     heads, dim = scorer.shape[1], scorer.shape[2]
     k, v = torch.randn(1, heads, 1, dim, generator=g), torch.randn(1, heads, 1, dim, generator=g)
-    kept = None
-    for step, start in enumerate((40, 41, 5000)):
+    kept = first = None
+    for start in (40, 41, 5000):
         pos = shared.positions(start, 1, cpu)
         assert shared.positions(start, 1, cpu) is pos and pos.tolist() == [start]
-        assert step == 0 or pos is first                                 # the same tensor, rewritten
-        first = pos if step == 0 else first
+        assert first is None or pos is first                             # the same tensor, rewritten
+        first = pos
         calls.clear()
         scores = [scorer.score(k, v, pos, layer) for layer in range(3)]
         feats = scorer._position_features(pos, cpu)
