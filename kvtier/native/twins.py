@@ -417,11 +417,14 @@ def attend_combine(a: torch.Tensor, m: torch.Tensor, l_: torch.Tensor,
 
 
 def attend_slabs(q: torch.Tensor, k_slabs: Sequence[torch.Tensor], v_slabs: Sequence[torch.Tensor], count: int,
-                 scale: float, chunk: int,
-                 whole: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 scale: float, chunk: int, whole: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 counted: tuple[torch.Tensor, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of `q` ``[heads, rows, dim]`` over a device pool's first `count` entries (and a part given
     `whole`), as the two kernels of ``native/attend_slabs.cu`` compute it: ``(out [heads, rows, dim],
-    lse [heads, rows])`` float32."""
+    lse [heads, rows])`` float32. With `counted` ``(at, base)`` the count is ``base + at[0]``, read where the
+    kernels read it (a host read where `at` is on a GPU)."""
+    if counted is not None:
+        count = counted[1] + int(counted[0])
     return attend_combine(*attend_chunks(q, pool_entries(k_slabs, count), pool_entries(v_slabs, count), scale,
                                          chunk), whole)
 

@@ -109,8 +109,9 @@ class KVPScorer:
         self._device_copies: dict[torch.device, tuple[KVPAgents, native.MLPWeights]] = {}
         self._last_positions: tuple[torch.Tensor, int, torch.Tensor] | None = None   # (positions, version, feats)
         # a decode step's features, kept per positions tensor (a cache keeps one for its decode steps; caches
-        # sharing this scorer each get their own)
-        self._step_features: weakref.WeakKeyDictionary[torch.Tensor, torch.Tensor] = weakref.WeakKeyDictionary()
+        # sharing this scorer each get their own): id -> (a weak reference to the tensor, its features). Not a
+        # WeakKeyDictionary: its lookups compare tensors with ==, which reads a device value back
+        self._step_features: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
         self.native_score: bool | None = None
         self._kernels_here: dict[torch.device, bool] = {}
 
@@ -177,12 +178,12 @@ class KVPScorer:
         if n > _KEPT_POSITIONS:
             self._last_positions = None
             return position_features(positions.to(device))
-        kept = self._step_features.get(positions) if n == 1 else None
-        if kept is not None and kept.device != device:
-            kept = None
+        entry = self._step_features.get(id(positions)) if n == 1 else None
+        kept = entry[1] if entry is not None and entry[0]() is positions and entry[1].device == device else None
         feats = position_features(positions.to(device), out=kept)
-        if n == 1:
-            self._step_features[positions] = feats
+        if n == 1 and kept is None:
+            self._step_features = {k: e for k, e in self._step_features.items() if e[0]() is not None}
+            self._step_features[id(positions)] = (weakref.ref(positions), feats)
         self._last_positions = (positions, positions._version, feats)
         return feats
 

@@ -130,6 +130,7 @@ def test_kvp_computes_a_steps_position_features_once_for_every_layer(monkeypatch
     """Every layer of a decode step passes KVP the same positions tensor (`SharedResources.positions`), so the
     position features are computed once a step, not once a layer; the scores are those computed afresh. A
     decode step's position and its features are kept tensors, written each step (one address every step)."""
+    from kvtier.bench.launches import LaunchCounter
     from kvtier.engine.resources import SharedResources
     from kvtier.scoring import features, kvp
 
@@ -149,9 +150,11 @@ def test_kvp_computes_a_steps_position_features_once_for_every_layer(monkeypatch
         assert first is None or pos is first                             # the same tensor, rewritten
         first = pos
         calls.clear()
-        scores = [scorer.score(k, v, pos, layer) for layer in range(3)]
-        feats = scorer._position_features(pos, cpu)
+        with LaunchCounter() as counter:
+            scores = [scorer.score(k, v, pos, layer) for layer in range(3)]
+            feats = scorer._position_features(pos, cpu)
         assert len(calls) == 1                                           # once a step
+        assert counter.host_reads == 0                                   # finding them reads nothing back
         assert kept is None or feats is kept                             # the features' tensor, rewritten
         kept = feats
         assert torch.equal(feats, real(torch.tensor([start])))
