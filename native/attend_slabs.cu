@@ -380,7 +380,8 @@ extern "C" __global__ void kvtier_attend_combine(const float* __restrict__ part_
     extern __shared__ __align__(16) float kv_combine_shared[];   // [chunks + 3]
     const int r = blockIdx.x, h = blockIdx.y, lane = threadIdx.x, width = blockDim.x;
     const kv_i64 first = (kv_i64)h * chunks * rows + r;   // chunk c of (h, r) at first + c * rows
-    const kv_i64 used = count_at ? (kv_attend_count(count, count_at) + chunk - 1) / chunk : chunks;
+    kv_i64 used = count_at ? (kv_attend_count(count, count_at) + chunk - 1) / chunk : chunks;
+    used = used < chunks ? used : chunks;   // never past the parts made (a count beyond the slabs' capacity)
     const float* xl = x_lse ? x_lse + h * x_lse_h + r * x_lse_r : nullptr;
     const float* xo = x_out ? x_out + h * x_out_h + r * x_out_r : nullptr;
     kv_combine_max(part_m + first, rows, used, xl, kv_combine_shared, lane);

@@ -13,6 +13,7 @@ the path counted is the GPU's.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
 import time
 from collections import Counter
@@ -188,8 +189,8 @@ _LAYER_METHODS = ("update", "attend", "commit")
 def _clocked(cache: Any, clock: HostClock) -> Iterator[None]:
     """`clock` around the step methods of `cache`'s layers and around every twin, put back on leaving."""
     layers = [layer for layer in getattr(cache, "layers", []) if layer is not None]
-    names = [n for n in dir(twins) if not n.startswith("__") and callable(getattr(twins, n))
-             and getattr(getattr(twins, n), "__module__", None) == twins.__name__]
+    names = [n for n in dir(twins) if inspect.isfunction(getattr(twins, n))
+             and getattr(twins, n).__module__ == twins.__name__]
     saved = {n: getattr(twins, n) for n in names}
     try:
         for layer in layers:

@@ -69,8 +69,9 @@ class SharedResources:
         if last is None or last[:3] != (start, n, device):
             if n == 1:
                 kept = self._step_position.get(device)
-                if kept is None:
-                    kept = self._step_position[device] = torch.empty(1, dtype=torch.int64, device=device)
+                if kept is None:   # made outside inference mode: its version tells a scorer it was rewritten
+                    with torch.inference_mode(False):
+                        kept = self._step_position[device] = torch.empty(1, dtype=torch.int64, device=device)
                 pos = kept.fill_(start)
             else:
                 pos = torch.arange(start, start + n, device=device)

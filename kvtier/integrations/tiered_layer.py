@@ -8,6 +8,7 @@ use, a step that fails once some layer took it marks the cache broken, and raw r
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from typing import Any, Callable
@@ -72,8 +73,11 @@ class CacheState:
     def guard(self, run: Callable[[], Any], where: str, capacity: str, before: int | None = None) -> Any:
         """`run()` without autograd; a failure breaks the cache if any layer's length moved (always, when
         `before` is None: the layer already took the step), and a resource failure becomes a `CapacityError`."""
+        # inference only: stored entries never carry an autograd graph; and what the cache keeps is made as plain
+        # tensors even under inference mode, so that it can be written later outside it (stats, reset, close)
+        plain = torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext()
         try:
-            with torch.no_grad():   # inference only: stored entries never carry an autograd graph
+            with torch.no_grad(), plain:
                 return run()
         except BaseException as e:
             if before is None or any(n != before for n in self.lengths()):

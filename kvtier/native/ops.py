@@ -835,8 +835,9 @@ def attend_slabs(q: torch.Tensor, k_slabs: Sequence[torch.Tensor], v_slabs: Sequ
                              f"torch.int64 on {q.device}")
     chunk = _check_attend(q, whole, capacity if counted is not None else count, chunk, "attend_slabs")
 
-    def twin() -> tuple[torch.Tensor, torch.Tensor]:
-        return twins.attend_slabs(q, k_slabs, v_slabs, count, scale, chunk, whole, counted)
+    def twin() -> tuple[torch.Tensor, torch.Tensor]:   # on a GPU, the host's count: reading the device's syncs
+        on_host = counted is not None and counted[0].device.type == "cpu"
+        return twins.attend_slabs(q, k_slabs, v_slabs, count, scale, chunk, whole, counted if on_host else None)
 
     why = _why_not(q.device, [first, v_slabs[0]])
     k_addr = v_addr = None

@@ -13,7 +13,9 @@ Shapes:
 - ``keys``, ``values``: ``[batch, kv_heads, tokens, head_dim]``, keys post-RoPE as cached, any float dtype
   (scorers compute in float32, so bfloat16 and float32 inputs rank alike);
 - ``positions``: ``[tokens]`` int64, the absolute positions of those entries; one tensor is passed to every
-  layer of a step, so a scorer reads it and never writes to it (it may key what it computed on it);
+  layer of a step, so a scorer reads it and never writes to it. A decode step's is the same tensor every step,
+  written anew each step: a scorer that keys what it computed on it keys on the tensor and its version
+  (``positions._version``, which every write moves on), as KVP does, not on the tensor alone;
 - ``layer_idx``: the layer they belong to (learned scorers keep one agent per layer and head);
 - ``query``: ``[batch, q_heads, tokens, head_dim]``, the step's queries (``q_heads`` a multiple of ``kv_heads``);
 - ``context_keys``: ``[batch, kv_heads, n, head_dim]``, the keys attention read, the ``tokens`` new ones last;

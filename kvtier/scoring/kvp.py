@@ -172,7 +172,10 @@ class KVPScorer:
         step's features go into a tensor kept for them, so every decode step's launches read them at one
         address."""
         last = self._last_positions
-        if last is not None and last[0] is positions and last[1] == positions._version and last[2].device == device:
+        # a tensor made in inference mode has no version; nothing writes such a one again (the kept one of
+        # `SharedResources.positions` is made outside it)
+        version = -1 if positions.is_inference() else positions._version
+        if last is not None and last[0] is positions and last[1] == version and last[2].device == device:
             return last[2]
         n = positions.numel()
         if n > _KEPT_POSITIONS:
@@ -180,11 +183,13 @@ class KVPScorer:
             return position_features(positions.to(device))
         entry = self._step_features.get(id(positions)) if n == 1 else None
         kept = entry[1] if entry is not None and entry[0]() is positions and entry[1].device == device else None
-        feats = position_features(positions.to(device), out=kept)
         if n == 1 and kept is None:
+            with torch.inference_mode(False):   # written in and out of inference mode alike
+                kept = torch.empty(1, POSITION_FEATURES, device=device)
             self._step_features = {k: e for k, e in self._step_features.items() if e[0]() is not None}
-            self._step_features[id(positions)] = (weakref.ref(positions), feats)
-        self._last_positions = (positions, positions._version, feats)
+            self._step_features[id(positions)] = (weakref.ref(positions), kept)
+        feats = position_features(positions.to(device), out=kept)
+        self._last_positions = (positions, version, feats)
         return feats
 
     @torch.no_grad()

@@ -76,8 +76,8 @@ class DevicePool:
             self._write(self.count, k, v, pos)
             return
         s, at = self.count // self.slab_tokens, self.at()
-        self.k[s].index_copy_(2, at, k)
-        self.v[s].index_copy_(2, at, v)
+        self.k[s].index_copy_(2, at, k if k.dtype == self.dtype else k.to(self.dtype))
+        self.v[s].index_copy_(2, at, v if v.dtype == self.dtype else v.to(self.dtype))
         self.pos[s].index_copy_(1, at, pos)
 
     def at(self) -> torch.Tensor:
@@ -94,7 +94,7 @@ class DevicePool:
     def commit(self, q: int, score: torch.Tensor) -> None:
         """Make the `q` staged tokens committed entries, with their scores ``[heads, q]``."""
         if q == 1:   # a decode step: at its place, then the place moves on, on the device, within the slab
-            self.score[self.count // self.slab_tokens].index_copy_(1, self.at(), score)
+            self.score[self.count // self.slab_tokens].index_copy_(1, self.at(), score.float())
             self.count += 1
             if self.count % self.slab_tokens:
                 self._at.add_(1)

@@ -58,3 +58,30 @@ def test_the_gpu_decode_path_answers_as_the_cpu_path(default_model):
     assert gpu == plain
     for a, b in zip(gpu_logits, plain_logits):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-4)   # about 3e-5 apart on logits of 10 to 30
+
+
+def test_the_gpu_decode_path_runs_under_inference_mode(default_model):
+    """Under `torch.inference_mode` (tensors without a version counter, read-only outside it) the GPU's decode
+    path, with its tensors kept from step to step (the step's position and KVP's features, the pool's count
+    on the device, the NaN check's running maximum), answers as it does under `torch.no_grad`."""
+    model, tok = default_model
+    task = make_needle_task(tok, 900, depth=0.5, seed=2)
+    runs = []
+    for mode in (torch.no_grad, torch.inference_mode):
+        cache = TieredCache(model.config, device_budget=0.1, recall_pages=4)
+        for engine in cache._engines:
+            engine.device_recall = engine.select_kernels = engine.defer_nan = True
+            engine.scorer.native_score = True
+        try:
+            with mode():
+                logits = model(task.input_ids, **cache_kwargs(cache)).logits[:, -1]
+                tokens = []
+                for _ in range(6):
+                    nxt = logits.argmax(-1, keepdim=True)
+                    tokens.append(int(nxt))
+                    logits = model(nxt, **cache_kwargs(cache)).logits[:, -1]
+            runs.append((tokens, logits, cache.stats()["pages_recalled"]))
+        finally:
+            cache.close()
+    assert runs[0][0] == runs[1][0] and runs[1][2] > 0
+    torch.testing.assert_close(runs[0][1], runs[1][1], rtol=0, atol=0)

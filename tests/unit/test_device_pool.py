@@ -75,6 +75,21 @@ def test_take_and_remove_follow_a_per_head_reference(heads, slab, start, seed, s
         assert int(pool.at()) == pool.count % slab and int(pool._at) == pool._at_holds
 
 
+def test_a_decode_step_of_another_dtype_is_stored_in_the_pools():
+    """A decode step's entry goes where the pool's count on the device says, cast to the pool's dtype as a
+    longer step's is (autocast may hand a step keys of another dtype than the first step's)."""
+    pool = DevicePool(2, 4, torch.bfloat16, torch.device("cpu"), 8)
+    pool.stage(torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4), torch.zeros(2, 3, dtype=torch.int64))
+    pool.commit(3, torch.zeros(2, 3))
+    k = torch.full((1, 2, 1, 4), 1.5, dtype=torch.float32)
+    pool.stage(k, -k, torch.full((2, 1), 3, dtype=torch.int64))
+    pool.commit(1, torch.full((2, 1), 0.25, dtype=torch.bfloat16))
+    keys, values = pool.contiguous(4)
+    assert keys.dtype == torch.bfloat16 and torch.equal(keys[0, :, 3], k[0, :, 0].bfloat16())
+    assert torch.equal(values[0, :, 3], -k[0, :, 0].bfloat16())
+    assert pool.meta()[0][:, 3].tolist() == [3, 3] and pool.meta()[1][:, 3].tolist() == [0.25, 0.25]
+
+
 def test_the_slab_addresses_follow_the_slabs_through_growth_trim_and_clear(monkeypatch):
     """`addresses()` is kept for the kernels until the slabs change: adding, releasing (`trim`) or dropping
     them all (`clear`) must never leave a table that names freed slabs."""

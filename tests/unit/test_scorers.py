@@ -161,6 +161,13 @@ def test_kvp_computes_a_steps_position_features_once_for_every_layer(monkeypatch
         calls.clear()
         fresh = [scorer.score(k, v, torch.tensor([start]), layer) for layer in range(3)]   # a new tensor each
         assert len(calls) == 3 and all(torch.equal(a, b) for a, b in zip(scores, fresh))
+    with torch.inference_mode():   # rewritten in inference mode, the kept tensor still says so by its version
+        for start in (70, 71):
+            pos = shared.positions(start, 1, cpu)
+            assert pos is first and not pos.is_inference()
+            assert torch.equal(scorer._position_features(pos, cpu), real(torch.tensor([start])))
+            fresh = torch.tensor([start])                                # made in inference mode: no version
+            assert torch.equal(scorer._position_features(fresh, cpu), real(torch.tensor([start])))
     longer = shared.positions(7, 3, cpu)                                  # a prefill chunk: its own tensor
     assert longer.tolist() == [7, 8, 9] and shared.positions(8, 1, cpu) is first and first.tolist() == [8]
     shared.close()
