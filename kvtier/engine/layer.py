@@ -260,10 +260,9 @@ class LayerEngine(PageFetching):
         if not kernels:
             return attend_parts(query, self.pool.spans(n), None, None, 0, scale, softcap, sinks)
         packed = query.reshape(self.heads, query.shape[1] // self.heads, query.shape[3])
-        pool = self.pool   # the count as the pool keeps it on the device: the same launch every step of a slab
-        base = pool.count - pool.count % pool.slab_tokens + 1
-        out, lse = native.attend_slabs(packed, pool.k, pool.v, n, scale, addresses=pool.addresses(),
-                                       counted=(pool.at(), base))
+        # the count as the pool keeps it on the device: the same launch every step of a slab
+        out, lse = native.attend_slabs(packed, self.pool.k, self.pool.v, n, scale, addresses=self.pool.addresses(),
+                                       counted=self.pool.counted(1))
         parts = [(out[None], lse[None])]
         if sinks is not None:
             parts.append(sink_part(sinks, self.heads, 1, query.shape[3]))

@@ -514,8 +514,8 @@ def plan_recall(want: torch.Tensor, held: torch.Tensor, pages: int, host_slots: 
     `want` ``[heads, w]`` holds distinct page ids below `pages`, `held` ``[heads, R]`` the page in each slot
     or ``-1``; `host_slots` ``[heads, pages]`` the host slot of each page; `ahead` ``[heads, R]`` bool, the
     buffer's prefetch flags, and `counts` ``[4]`` int64, the recall counters, are updated in place, and `held`
-    too with `in_place` (it is then ``held_after``). Bitmaps
-    over the page ids stand for the kernel's comparisons.
+    too with `in_place` (it is then ``held_after``). Bitmaps over the page ids stand for the kernel's
+    comparisons.
     """
     heads, w = want.shape
     R = held.shape[1]

@@ -91,6 +91,11 @@ class DevicePool:
             self._at_holds = want
         return self._at
 
+    def counted(self, extra: int) -> tuple[torch.Tensor, int]:
+        """``count + extra`` as the device reads it, ``(at(), base)`` with ``base + at()[0]`` that sum
+        (`kvtier.native.attend_slabs`' `counted`): `base` changes only with the slab the count is in."""
+        return self.at(), self.count - self.count % self.slab_tokens + extra
+
     def commit(self, q: int, score: torch.Tensor) -> None:
         """Make the `q` staged tokens committed entries, with their scores ``[heads, q]``."""
         if q == 1:   # a decode step: at its place, then the place moves on, on the device, within the slab

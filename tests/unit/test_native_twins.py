@@ -895,8 +895,8 @@ def test_attend_slabs_reading_the_count_on_the_device_launches_alike_for_every_c
         counts.append((k, int(args[13]), int(args[14]))), replay(k, device, grid, block, args, shared_mem)))
     for count in (129, 140, 150):
         pool.count = count - 1      # the committed entries; the step's own is the next
-        at = pool.at()
-        got = native.attend_slabs(q, pool.k, pool.v, count, 0.25, counted=(at, 128 + 1))
+        assert pool.counted(1) == (pool.at(), 128 + 1)
+        got = native.attend_slabs(q, pool.k, pool.v, count, 0.25, counted=pool.counted(1))
         want = twins.attend_slabs(q, pool.k, pool.v, count, 0.25, chunk)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
         launches.append([(name, grid) for name, grid, _ in replayed_kernels])
