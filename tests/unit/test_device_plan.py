@@ -214,3 +214,35 @@ def test_prefetch_settings_are_checked_and_follow_where_recall_is_planned():
     assert cfg(recall_pages=9).prefetch(on_device=False) == 0
     assert cfg(recall_pages=9, prefetch_pages=7).prefetch(on_device=True) == 7
     assert cfg(recall_pages=0, prefetch_pages=7).prefetch(on_device=True) == 0
+
+
+def test_a_recall_copy_that_fails_after_the_plan_drops_the_buffer(make_engine, monkeypatch):
+    """The plan writes the buffer's page table in place before the copy: a copy that fails leaves a table
+    naming pages that never came, so the buffer is dropped, and the next steps attend as the host path does."""
+    engines = [make_engine(heads=2, head_dim=16, device_budget=48, recall_pages=4, page_size=4,
+                           prefetch_pages=0) for _ in range(2)]
+    engines[1].device_recall = True
+    g = torch.Generator().manual_seed(3)
+    _step_all(engines, torch.randn(1, 2, 300, 16, generator=g))
+    for _ in range(3):
+        _step_all(engines, torch.randn(1, 2, 1, 16, generator=g), torch.randn(1, 4, 1, 16, generator=g))
+    assert engines[1].recalled is not None
+    real = native.recall_pages
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("copy failed")
+
+    k, q = torch.randn(1, 2, 1, 16, generator=g), torch.randn(1, 4, 1, 16, generator=g)
+    engines[0].write(k, k.flip(-1))
+    engines[0].attend(q)
+    engines[0].commit()
+    engines[1].write(k, k.flip(-1))
+    monkeypatch.setattr(native, "recall_pages", fail)
+    with pytest.raises(RuntimeError, match="copy failed"):
+        engines[1].attend(q)
+    monkeypatch.setattr(native, "recall_pages", real)
+    assert engines[1].recalled is None
+    engines[1].commit()
+    for step in range(20):
+        outs = _step_all(engines, torch.randn(1, 2, 1, 16, generator=g), torch.randn(1, 4, 1, 16, generator=g))
+        assert torch.equal(outs[0], outs[1]), f"step {step}"
