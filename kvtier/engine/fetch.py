@@ -27,30 +27,21 @@ from ..recall.device_plan import plan_on_device
 class PageFetching:
     """The fetch half of a `LayerEngine` (uses its table, tiers, recall buffer, transfers and counters)."""
 
-    def _fetch(self, ids: torch.Tensor, shortlist: torch.Tensor, ahead: bool = False,
-               gather: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | np.ndarray]:
+    def _fetch(self, ids: torch.Tensor, shortlist: torch.Tensor,
+               ahead: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | np.ndarray]:
         """Pages ``ids`` ``[heads, r]`` on the device: ``[heads, r * page_size, dim]`` keys and values, and the
         page id of each of their pages ``[heads, r]`` (the order attention reads them in).
 
         Pages the recall buffer already holds stay; only the others are brought up. `shortlist` ranks the
         candidates, best first; with `ahead` (the step's last query block) the next-ranked ones are prefetched.
-        Without `gather` (recall planned on the device only), the pages stay where the buffer holds them: the
-        result is the buffer's keys and values and the slot of each page of `ids` ``[heads, r]`` (a page table
-        for `kvtier.native.attend_pages`); a prefetch never overwrites those slots.
+        (A decode step whose attention reads the pages where the buffer holds them goes through
+        `kvtier.engine.device_step` instead.)
         """
         H, r = ids.shape
         on_device = self.recalls_on_device()
-        width = r + self.cfg.prefetch(on_device)
-        buf = self.recalled
-        if buf is None or buf.pages != width or buf.on_device != on_device:
-            self._drop_recalled()
-            buf = self.recalled = RecallBuffer(H, width, self.cfg.page_size, self.head_dim, self.dtype, self.device,
-                                               on_device=on_device)
+        buf = self._recall_buffer(r, on_device)
         if on_device:
-            return self._fetch_on_device(buf, ids, shortlist if ahead else None, gather)
-        if not gather:
-            raise ValueError("pages left in the recall buffer need recall planned on the device; allowed: "
-                             "gather=False only where recalls_on_device()")
+            return self._fetch_on_device(buf, ids, shortlist if ahead else None)
         want = ids.cpu().numpy()
         heads, pids, slots = buf.plan(want)
         self.counters.pages_reused += H * r - len(pids)
@@ -60,6 +51,17 @@ class PageFetching:
         self._read_ahead(ids, shortlist)
         self.counters.recall_steps += 1
         return buf.k, buf.v, buf.ids
+
+    def _recall_buffer(self, r: int, on_device: bool) -> RecallBuffer:
+        """The recall buffer for `r` chosen pages per KV head (and the prefetch's spare slots where recall is
+        planned `on_device`), made anew when its width or kind changes."""
+        width = r + self.cfg.prefetch(on_device)
+        buf = self.recalled
+        if buf is None or buf.pages != width or buf.on_device != on_device:
+            self._drop_recalled()
+            buf = self.recalled = RecallBuffer(self.heads, width, self.cfg.page_size, self.head_dim, self.dtype,
+                                               self.device, on_device=on_device)
+        return buf
 
     def recalls_on_device(self) -> bool:
         """Whether this layer's recall is planned and copied on the device, with no host round-trip: on CUDA
@@ -77,12 +79,15 @@ class PageFetching:
             buf.pending = None
 
     def _drop_recalled(self) -> None:
-        """Let the recall buffer go, once the device has done the prefetch into it (if one is queued)."""
+        """Let the recall buffer go, once the device has done the prefetch into it (if one is queued), and the
+        captured steps that read it."""
         self._await_prefetch()
         self.recalled = None
+        if self.graphs is not None:
+            self.graphs.clear()
 
-    def _fetch_on_device(self, buf: RecallBuffer, ids: torch.Tensor, ranked: torch.Tensor | None,
-                         gather: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _fetch_on_device(self, buf: RecallBuffer, ids: torch.Tensor,
+                         ranked: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Plan and copy the missing pages of ``ids`` ``[heads, r]`` into `buf` without leaving the device;
         then, given the `ranked` candidates and spare slots, prefetch the next-ranked pages (see `_fetch`)."""
         H, r = ids.shape
@@ -90,19 +95,13 @@ class PageFetching:
         self._await_prefetch()
         sources = self._sources()
         spare = R > r
-        # the plan also keeps the prefetch flags and the counters `stats()` reads (on the device), and writes
-        # the buffer's page table in place
         try:
-            plan = plan_on_device(ids, buf.held, self.table.n, sources[0], buf.ahead if spare else None,
-                                  self.device_counts, in_place=True)
-            self._copy_up(buf, sources, plan)
+            plan = self._plan_and_copy(buf, ids, sources, spare)
         except BaseException:   # the table may name pages whose copy never ran: the next step starts a new buffer
             self.recalled = None
             raise
         self.counters.recall_steps += 1
-        if not gather:   # the chosen pages keep their slots: the prefetch's plan keeps them first
-            got = (buf.k, buf.v, plan.where)
-        elif not spare:   # the buffer holds exactly the chosen pages
+        if not spare:   # the buffer holds exactly the chosen pages
             got = (buf.k, buf.v, plan.held_after)
         else:
             got = (*buf.chosen(plan.where), ids)
@@ -110,22 +109,35 @@ class PageFetching:
             self._prefetch(buf, ranked[:, :R])
         return got
 
+    def _plan_and_copy(self, buf: RecallBuffer, ids: torch.Tensor,
+                       sources: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None], spare: bool,
+                       note: bool = True) -> RecallPlan:
+        """A step's recall of ``ids`` on the device: the plan (which also keeps the prefetch flags and the
+        counters `stats()` reads, on the device, and writes the buffer's page table in place), then the copy
+        of the missing pages into their slots (`note`: as for `_copy_up`)."""
+        plan = plan_on_device(ids, buf.held, self.table.n, sources[0], buf.ahead if spare else None,
+                              self.device_counts, in_place=True)
+        self._copy_up(buf, sources, plan, note)
+        return plan
+
     def _sources(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """What a device-side copy up reads besides the plan: the host slot of every page and the key and value
         slabs' addresses (made on the current stream, before any side-stream work uses them)."""
         return self._host_slots(), self.host.k.addresses(self.device), self.host.v.addresses(self.device)
 
     def _copy_up(self, buf: RecallBuffer, sources: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],
-                 plan: RecallPlan) -> None:
+                 plan: RecallPlan, note: bool = True) -> None:
         """The plan's pages from the pinned host slabs into their buffer slots, on whichever stream is current
-        (the `recall_pages` kernel reading the slabs through their mapping)."""
+        (the `recall_pages` kernel reading the slabs through their mapping). Without `note` the caller notes
+        the read of the host slabs (`HostPool.read_on`) after the work is queued (a CUDA graph's replay)."""
         H, R = buf.held.shape
         P, D = self.cfg.page_size, self.head_dim
         _, k_addresses, v_addresses = sources
         k, v = self.host.k, self.host.v   # keys and values in one launch
         native.recall_pages(k.slabs, k.rows_per_slab, plan.src_rows, plan.dst_rows, plan.count,
                             buf.k.view(H * R, P, D), k_addresses, pair=(v.slabs, buf.v.view(H * R, P, D), v_addresses))
-        self.host.read_on(self.device)
+        if note:
+            self.host.read_on(self.device)
 
     def _prefetch(self, buf: RecallBuffer, target: torch.Tensor) -> None:
         """Bring the pages of `target` ``[heads, w]`` (this step's choice and the pages ranked after it) into

@@ -26,8 +26,10 @@ from ..scoring import QueryScorer, Scorer, checked_scores, nan_error, needs_quer
 from ..tiers.device import DevicePool
 from ..tiers.host import HostPool
 from ..tiers.readahead import DiskReadAhead
+from .device_step import DeviceDecoding
 from .fetch import PageFetching
-from .attention import attend_parts, attend_with_lse, finish_with_lse, merge_with_lse, sink_part
+from .graphs import StepGraphs
+from .attention import attend_parts, attend_with_lse, finish_with_lse, sink_part
 from .parking import ParkedLayer, check_target
 from .resources import SharedResources
 from .weights import unpack_rows, weights_by_position
@@ -66,7 +68,7 @@ class _Landing:
         return self.rank.numpy(), self.where.numpy()
 
 
-class LayerEngine(PageFetching):
+class LayerEngine(PageFetching, DeviceDecoding):
     """The tiers, the page table and the placement of one layer."""
 
     def __init__(self, layer_idx: int, config: TieredCacheConfig, scorer: Scorer | QueryScorer,
@@ -95,6 +97,10 @@ class LayerEngine(PageFetching):
         self._nan: torch.Tensor | None = None
         self._nan_buf: torch.Tensor | None = None
         self.defer_nan: bool | None = None              # defer the NaN check (None: on CUDA)
+        # capture decode steps' device work as CUDA graphs and replay them (`engine.graphs`; read when the layer
+        # takes its first step). Off unless asked: it awaits its measurement on a GPU
+        self.cuda_graphs = False
+        self.graphs: StepGraphs | None = None
         self._masked_positions = np.empty(0, dtype=np.int64)   # padding positions, never stored
         self._unordered: list[int] = []   # demotion copies no device read has been ordered after yet
 
@@ -108,6 +114,7 @@ class LayerEngine(PageFetching):
             max(SLAB_TOKENS, int(budget.value) + 2 * self.cfg.page_size)   # a huge budget grows slab by slab
         self.pool = DevicePool(self.heads, self.head_dim, dtype, device, slab)
         self.device_counts = torch.zeros(4, dtype=torch.int64, device=device)
+        self.graphs = StepGraphs(device, self.shared.graph_pool, self.cuda_graphs)
         if self.cfg.mode == "tier":
             self.index = PageIndex(self.heads, self.cfg.page_size, self.head_dim, dtype, device, self.pin)
             self.index.native_select = self.select_kernels
@@ -207,6 +214,9 @@ class LayerEngine(PageFetching):
         p = self.pending
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
         q_len = query.shape[2]
+        if q_len == 1 and not weights and self._pool_kernels(query, softcap) and self.recalls_on_device():
+            # a decode step whose attention and recall are launches only (a CUDA graph can replay them)
+            return self._decode_on_device(query, scale, sinks), None
         outs, maps = [], []
         for b0 in range(0, q_len, QUERY_BLOCK):
             block = query[:, :, b0:b0 + QUERY_BLOCK]
@@ -225,14 +235,6 @@ class LayerEngine(PageFetching):
                                           resident_lse=resident)
             self.last_recall = ids
             packed = block.reshape(1, self.heads, -1, block.shape[3])
-            if pool_kernels and not weights and self.recalls_on_device():
-                # the recalled pages read where the buffer holds them, merged with the rest in the same pass
-                k_buf, v_buf, table = self._fetch(ids, shortlist, ahead=True, gather=False)
-                whole = parts[0] if len(parts) == 1 else merge_with_lse(parts, kernels=True)
-                out, lse = native.attend_pages(packed[0], k_buf, v_buf, table, self.cfg.page_size, scale,
-                                               whole=(whole[0][0], whole[1][0]))
-                outs.append(finish_with_lse([(out[None], lse[None])], block)[0])
-                continue
             rk, rv, order = self._fetch(ids, shortlist, ahead=b1 == q_len)
             parts.append(attend_with_lse(packed, rk[None], rv[None], scale, softcap=softcap))
             out, lse = finish_with_lse(parts, block, kernels=self.index.uses_kernels)

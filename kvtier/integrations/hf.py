@@ -292,6 +292,7 @@ class TieredCache(OneSequence, Cache):
         wait = c.disk_wait_seconds + sum(t.counters.wait_seconds for t in self._shared.transfers.values())
         ahead = [e.readahead for e in self._engines if e.readahead is not None]
         hits, misses = sum(r.hits for r in ahead), sum(r.misses for r in ahead)
+        graphs = [e.graphs for e in self._engines if e.graphs is not None]
         windows = self._state.windows
         if self._engines:
             seen = self._engines[0].seen
@@ -317,6 +318,11 @@ class TieredCache(OneSequence, Cache):
             "reuse_rate": (c.pages_reused / (c.pages_reused + on_demand)) if c.pages_reused + on_demand else None,
             "prefetch": {"pages": c.pages_prefetched, "used": c.prefetch_used,
                          "hit_rate": c.prefetch_used / c.pages_prefetched if c.pages_prefetched else None},
+            # decode steps whose attention and recall ran as launches only: replayed from a captured CUDA graph,
+            # or run eagerly; and why capture is off in a layer, if it failed there
+            "cuda_graphs": {"captures": sum(g.captures for g in graphs), "replays": sum(g.replays for g in graphs),
+                            "eager_steps": sum(g.eager for g in graphs),
+                            "failed": next((g.failed for g in graphs if g.failed), None)},
             "tokens_dropped": c.tokens_dropped,
             "tokens_masked": c.tokens_masked,
             "transfer_wait_seconds": wait,

@@ -105,9 +105,9 @@ class PageIndex:
             return torch.empty(H, 0, device=q.device)
         return out[0] if len(out) == 1 else torch.cat(out, dim=1)
 
-    def pick(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def pick(self, ids: torch.Tensor, note: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Bounds ``[heads, m, dim]`` and codes ``[heads, m, page_size, dim/4]`` of pages ``ids`` ``[heads, m]``,
-        all on the device."""
+        all on the device (`note` as for `rank`)."""
         heads, m = ids.shape
         if self._head_rows is None or self._head_rows.device != ids.device:
             self._head_rows = torch.arange(heads, device=ids.device)[:, None]
@@ -115,8 +115,8 @@ class PageIndex:
         if self.device.type == "cuda":   # device ids read both storages in place: nothing comes back to the host
             bounds = _rows_by_device_ids(self.bounds, rows, self.device)
             codes = _rows_by_device_ids(self.codes, rows, self.device)
-            self._reads = torch.cuda.Event()       # `release` waits for it before the pinned codes go
-            self._reads.record(torch.cuda.current_stream(self.device))
+            if note:
+                self.note_reads()
         else:
             bounds = self.bounds.gather(rows.to(self.device))
             codes = self.codes.gather(rows.cpu())
@@ -125,18 +125,25 @@ class PageIndex:
                 codes.view(heads, m, self.page_size, -1).to(self.device, non_blocking=True))
 
     def rank(self, q: torch.Tensor, cand: torch.Tensor, keep: int, scaling: float,
-             resident_lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             resident_lse: torch.Tensor | None = None, note: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Pages ``cand`` ``[heads, m]`` ranked by their estimated share of the queries' attention, read from
         both storages where they are, in one launch (`kvtier.native.rank_pages`): ``(the best `keep` in
-        ascending id, all of them best first)``."""
+        ascending id, all of them best first)``. Without `note` the caller calls `note_reads` after it (work
+        captured in a CUDA graph records no event: the event is recorded after the graph's replay)."""
         chosen, ranked, _ = native.rank_pages(
             q, cand, self.n, (self.bounds.slabs, self.bounds.rows_per_slab),
             (self.codes.slabs, self.codes.rows_per_slab), self.page_size, scaling, keep, resident_lse,
             addresses=(self.bounds.addresses(self.device), self.codes.addresses(self.device)))
-        if self.device.type == "cuda":   # `release` waits for this read of the pinned codes too
+        if note:
+            self.note_reads()
+        return chosen, ranked
+
+    def note_reads(self) -> None:
+        """Note that work queued on the current stream reads the pinned codes: `release` waits for it before
+        they go."""
+        if self.device.type == "cuda":
             self._reads = torch.cuda.Event()
             self._reads.record(torch.cuda.current_stream(self.device))
-        return chosen, ranked
 
     def ranks_in_one_launch(self, candidates: int, rows: int) -> bool:
         """Whether `rank` takes `candidates` pages for `rows` query rows in one launch here: the kernels

@@ -109,8 +109,8 @@ def page_shares(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, codes: torc
 
 def select_pages(q: torch.Tensor, index: PageIndex, budget: int, scaling: float,
                  resident: list[torch.Tensor] | None = None, resident_lse: torch.Tensor | None = None,
-                 shortlist: int = SHORTLIST,
-                 shortlist_min: int = SHORTLIST_MIN) -> tuple[torch.Tensor, torch.Tensor]:
+                 shortlist: int = SHORTLIST, shortlist_min: int = SHORTLIST_MIN,
+                 note: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """The `budget` pages per KV head with the largest estimated share of the queries' attention.
 
     Parameters
@@ -118,7 +118,8 @@ def select_pages(q: torch.Tensor, index: PageIndex, budget: int, scaling: float,
     q
         ``[kv_heads, rows, dim]`` grouped queries (post-RoPE, as attention sees them; see `grouped`).
     index
-        The layer's recall index.
+        The layer's recall index. Without `note`, a read of its pinned codes is not noted (`PageIndex.rank`):
+        the caller notes it.
     budget
         Pages per KV head (capped by how many there are).
     scaling
@@ -144,8 +145,8 @@ def select_pages(q: torch.Tensor, index: PageIndex, budget: int, scaling: float,
     if index.ranks_in_one_launch(m, q.shape[1]):   # the rest of the choice in one kernel
         if resident_lse is None:
             resident_lse = _resident_lse(q, resident or [], scaling)
-        return index.rank(q, cand, n, scaling, resident_lse)
-    lo, hi, codes = index.pick(cand)
+        return index.rank(q, cand, n, scaling, resident_lse, note=note)
+    lo, hi, codes = index.pick(cand, note=note)
     shares = page_shares(q, lo, hi, codes, scaling, resident, resident_lse, kernels=index.uses_kernels)
     ranked = torch.gather(cand, 1, torch.sort(shares, dim=1, descending=True, stable=True).indices)
     return torch.sort(ranked[:, :n], dim=1).values, ranked

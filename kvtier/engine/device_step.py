@@ -1,0 +1,110 @@
+"""A decode step's attention with recall, all on the device: the part of a step a CUDA graph can stand for.
+
+Where recall is planned on the device and the native kernels choose pages and attend, a decode step's
+attention is a fixed run of launches: the device pool attended in one pass (`attend_slabs`, the count read on
+the device), the bounds of every demoted page, their top-k and ranking, the recall plan and its copy, and the
+recalled pages attended where the buffer holds them, merged with the pool's part (`attend_pages`). That run is
+split here from the host's bookkeeping around it:
+
+- before it, on the host: the recall buffer made or kept, the prefetch queued into it waited for on the device,
+  the host slots' mirror and the slabs' address tables made (so the run itself allocates nothing it must
+  read later, and reads nothing back);
+- the run itself, `_decode_launches`: launches only, no host state changed, so that a CUDA graph may replay
+  it (`kvtier.engine.graphs`);
+- after it, on the host: the step's choice noted, the counters, the events that say the pinned storages are
+  being read, and the prefetch of the next-ranked pages on the side stream (it overlaps the other layers'
+  compute, which a graph replayed on the step's stream could not).
+
+The key under which a run is captured holds every address and scalar the run's launches use: two steps with
+the same key issue the same launches (`tests/integration/test_decode_launches_repeat.py` holds them to it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import native
+from ..recall import grouped, select_pages
+from .attention import finish_with_lse, merge_with_lse, sink_part
+
+
+def _where(t: torch.Tensor | None) -> tuple | None:
+    """What a launch bakes in of a tensor it reads or writes: its address, shape, strides and dtype."""
+    if t is None:
+        return None
+    return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype
+
+
+class DeviceDecoding:
+    """The decode step on the device, a part of `LayerEngine` (uses its pool, index, table, recall buffer,
+    transfers, counters and `graphs`)."""
+
+    def _decode_on_device(self, query: torch.Tensor, scale: float, sinks: torch.Tensor | None) -> torch.Tensor:
+        """A decode step's attention over the device entries, its own token and the recalled pages:
+        ``[1, 1, q_heads, dim]`` in the query's dtype (the graph's own tensor where one was replayed: read it
+        within the step)."""
+        r = min(self.cfg.recall_pages, self.index.n)
+        buf = self._recall_buffer(r, on_device=True)
+        self._await_prefetch()
+        sources = self._sources()
+        spare = buf.pages > r
+        run = (scale, sinks, buf, sources, spare, self.pool.counted(1), self.pool.addresses(),
+               self.index.bounds.addresses(self.device), self.index.codes.addresses(self.device))
+        try:
+            out, ids, shortlist = self.graphs.run(lambda: self._decode_key(query, run), (query,),
+                                                  lambda q: self._decode_launches(q, *run))
+        except BaseException:   # the table may name pages whose copy never ran: the next step starts a new buffer
+            self.recalled = None
+            raise
+        self.last_recall = ids
+        self.counters.recall_steps += 1
+        self.index.note_reads()
+        self.host.read_on(self.device)
+        if spare and shortlist.shape[1] > r:   # else nothing is ranked after the choice
+            self._prefetch(buf, shortlist[:, :buf.pages])
+        return out
+
+    def _decode_launches(self, query: torch.Tensor, scale: float, sinks: torch.Tensor | None, buf: Any,
+                         sources: tuple, spare: bool, counted: tuple[torch.Tensor, int], pool_addresses: Any,
+                         *index_addresses: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step's launches: ``(attention out, chosen pages, short list)``. Reads the engine's storages, writes
+        the recall buffer and the device counters, and changes no host state (the addresses are made by the
+        caller; they are passed only to say what the run reads)."""
+        H = self.heads
+        packed = query.reshape(H, query.shape[1] // H, query.shape[3])
+        out, lse = native.attend_slabs(packed, self.pool.k, self.pool.v, self.pool.count + 1, scale,
+                                       addresses=pool_addresses, counted=counted)
+        parts = [(out[None], lse[None])]
+        if sinks is not None:
+            parts.append(sink_part(sinks, H, 1, query.shape[3]))
+        # what the step reads anyway: its log-sum-exp is the rest of the softmax's total, which the choice needs
+        resident = parts[0][1][0] if len(parts) == 1 else \
+            torch.logsumexp(torch.stack([lse[0] for _, lse in parts]), dim=0)
+        ids, shortlist = select_pages(grouped(query, H), self.index, self.cfg.recall_pages, scale,
+                                      resident_lse=resident, note=False)
+        plan = self._plan_and_copy(buf, ids, sources, spare, note=False)
+        whole = parts[0] if len(parts) == 1 else merge_with_lse(parts, kernels=True)
+        out, lse = native.attend_pages(packed, buf.k, buf.v, plan.where, self.cfg.page_size, scale,
+                                       whole=(whole[0][0], whole[1][0]))
+        return finish_with_lse([(out[None], lse[None])], query)[0], ids, shortlist
+
+    def _decode_key(self, query: torch.Tensor, run: tuple) -> tuple:
+        """Every address and scalar `_decode_launches` bakes into its launches, for `run` (its arguments): two
+        steps with the same key issue the same launches."""
+        scale, sinks, buf, sources, spare, (at, base), pool_addresses, bounds_at, codes_at = run
+        pool, index, host = self.pool, self.index, self.host
+        return (
+            _where(query), scale, _where(sinks), spare,
+            # the device pool: its slabs, their address tables, where the count is kept and the slab it is in
+            len(pool.k), _where(pool.k[0]), _where(pool.v[0]), *(_where(t) for t in pool_addresses or ()),
+            _where(at), base,
+            # the recall index: how many pages, its slabs and their address tables
+            index.n, index.uses_kernels, len(index.bounds.slabs), len(index.codes.slabs),
+            _where(index.bounds.slabs[0]), _where(index.codes.slabs[0]), _where(bounds_at), _where(codes_at),
+            # the recall: the pages asked, the buffer, the host slots' mirror, the host slabs, the counters
+            self.cfg.recall_pages, self.table.n, _where(buf.k), _where(buf.v), _where(buf.held), _where(buf.ahead),
+            *(_where(t) for t in sources), len(host.k.slabs), _where(host.k.slabs[0]), _where(host.v.slabs[0]),
+            _where(self.device_counts),
+        )
