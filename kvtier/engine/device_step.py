@@ -96,7 +96,7 @@ class DeviceDecoding:
         scale, sinks, buf, sources, spare, (at, base), pool_addresses, bounds_at, codes_at = run
         pool, index, host = self.pool, self.index, self.host
         return (
-            _where(query), scale, _where(sinks), spare,
+            tuple(query.shape), query.stride(), query.dtype, scale, _where(sinks), spare,   # copied in: no address
             # the device pool: its slabs, their address tables, where the count is kept and the slab it is in
             len(pool.k), _where(pool.k[0]), _where(pool.v[0]), *(_where(t) for t in pool_addresses or ()),
             _where(at), base,

@@ -208,3 +208,80 @@ def test_what_changes_between_decode_steps_is_known(default_model, monkeypatch):
                            if tuple(rest) != tuple(other[2:])})
     assert compared >= len(cache._engines) * 3, compared   # most layer-steps demote nothing
     assert set(differ) == set(DYNAMIC), {"new": set(differ) - set(DYNAMIC), "gone": set(DYNAMIC) - set(differ)}
+
+
+def _host_state(engine: LayerEngine) -> dict:
+    """What the host keeps of a layer: each attribute of the engine and of the parts a step touches, by value
+    for numbers and by identity otherwise, with the shared counters."""
+    def of(obj: Any) -> dict:
+        return {k: v if isinstance(v, (int, float, str, bool, type(None))) else id(v) for k, v in vars(obj).items()}
+    parts = {"engine": engine, "pool": engine.pool, "index": engine.index, "table": engine.table,
+             "buffer": engine.recalled, "host": engine.host, "graphs": engine.graphs}
+    state = {name: of(obj) for name, obj in parts.items() if obj is not None}
+    state["counters"] = {k: v if isinstance(v, (int, float)) else dict(v) for k, v in vars(engine.counters).items()}
+    return state
+
+
+def test_decode_steps_with_one_graph_key_issue_the_same_launches(default_model, monkeypatch):
+    """What a captured decode step stands for: every two steps of a layer whose keys (`_decode_key`: the
+    addresses and scalars the step's device work uses) are equal issue the same launches, with the same
+    arguments, at the same addresses; the work reads nothing back to the host and changes no host state (the
+    bookkeeping stays outside it, so a replay skips none). On the CPU the work runs eagerly, as it would on a
+    GPU where no graph is captured; every step is compared, demoting ones included."""
+    from kvtier.bench.launches import HOST_READS
+    from kvtier.engine.graphs import StepGraphs
+
+    model, tok = default_model
+    task = make_needle_task(tok, 1500, depth=0.3, seed=5)
+    recorder: list[StepRecorder | None] = [None]
+    for name in _NATIVE_OPS:
+        monkeypatch.setattr(native, name, _recorded(recorder, name))
+    by_key: dict[tuple, dict[tuple, tuple]] = defaultdict(dict)   # layer, key -> step -> its launches
+    reads: list[tuple] = []
+    run = StepGraphs.run
+
+    def watched(self, key, inputs, work):
+        engine = next(e for e in cache._engines if e.graphs is self)
+        k = key()
+
+        def recorded(*args):
+            before = _host_state(engine)
+            recorder[0] = StepRecorder({inputs[0].untyped_storage().data_ptr(): "query"})
+            try:
+                with recorder[0]:
+                    out = work(*args)
+            finally:
+                launches, recorder[0] = recorder[0].launches[engine.layer_idx], None
+            assert _host_state(engine) == before, f"layer {engine.layer_idx}: the device work changed host state"
+            reads.extend(x for x in launches if x[0] in HOST_READS)
+            by_key[engine.layer_idx, k][len(by_key[engine.layer_idx, k])] = tuple(launches)
+            return out
+
+        return run(self, lambda: k, inputs, recorded)
+
+    monkeypatch.setattr(StepGraphs, "run", watched)
+    cache = TieredCache(model.config, device_budget=0.1, recall_pages=8)
+    for engine in cache._engines:   # the GPU's path, as `kvtier bench launches` counts it
+        engine.device_recall = engine.select_kernels = engine.defer_nan = True
+        engine.scorer.native_score = True
+    try:
+        with torch.no_grad():
+            logits = model(task.input_ids, **cache_kwargs(cache)).logits[:, -1]
+            for _ in range(20):
+                logits = model(logits.argmax(-1, keepdim=True), **cache_kwargs(cache)).logits[:, -1]
+    finally:
+        cache.close()
+
+    assert not reads, reads
+    repeated = 0
+    for (layer, key), steps in by_key.items():
+        first = steps[0]
+        assert first, f"layer {layer}: a step without launches"
+        for n, launches in steps.items():
+            assert [x[:2] for x in launches] == [x[:2] for x in first], f"layer {layer}: other launches, one key"
+            assert launches == first, (f"layer {layer}, one key: launches differ",
+                                       [(a[:2], a, b) for a, b in zip(first, launches) if a != b][:2])
+        repeated += len(steps) - 1
+    layers = len(cache._engines)
+    assert repeated >= layers * 10, repeated   # most steps find their key again: a graph would be replayed
+    assert len(by_key) >= layers * 2, len(by_key)   # and demotions gave new keys
