@@ -298,6 +298,8 @@ def wrappers(contexts: str, device_budget: float, calls: int, threads: int, as_j
               help="Size of the raw pinned copy the batches are compared with.")
 @click.option("--batch-mib", default=64, show_default=True, type=click.IntRange(min=1),
               help="Size of the demotion and recall batches timed through the engine.")
+@click.option("--graphs/--no-graphs", default=True, show_default=True,
+              help="Also time kvtier with its decode steps' attention and recall replayed from CUDA graphs.")
 @click.option("--device", default="cuda", show_default=True,
               help="cuda, cuda:N, or cpu (the same code at the sizes asked, plain memory, wall-clock timing).")
 @click.option("--threads", default=None, type=THREADS, help="torch CPU threads (default: torch's own).")
@@ -307,8 +309,8 @@ def wrappers(contexts: str, device_budget: float, calls: int, threads: int, as_j
 @user_errors
 def gpu(contexts: str, million: bool, million_context: str, million_layers: str, device_budget: str,
         recall_pages: int, layers: int | None, shape: str, steps: int, warmup: int, growth_steps: int,
-        growth_seconds: float, prefill_chunk: int, copy_mib: int, batch_mib: int, device: str, threads: int | None,
-        seed: int, out_path: str, quiet: bool) -> None:
+        growth_seconds: float, prefill_chunk: int, copy_mib: int, batch_mib: int, graphs: bool, device: str,
+        threads: int | None, seed: int, out_path: str, quiet: bool) -> None:
     """Demotion/recall GB/s vs a raw pinned copy; decode step of the Llama-3.1-8B shape (random weights, bf16,
     batch 1) with kvtier vs DynamicCache on the GPU vs DynamicCache(offloading=True); a synthetic 1M row; KVP
     scoring as a fraction of prefill. Prints a table and writes JSON with each target's pass/fail."""
@@ -345,7 +347,7 @@ def gpu(contexts: str, million: bool, million_context: str, million_layers: str,
                          million_context=m_ctx, million_layers=m_layers, device_budget=budget,
                          recall_pages=recall_pages, steps=steps, warmup=warmup, growth_steps=growth_steps,
                          growth_seconds=growth_seconds, prefill_chunk=prefill_chunk, copy_mib=copy_mib,
-                         batch_mib=batch_mib, seed=seed)
+                         batch_mib=batch_mib, graphs=graphs, seed=seed)
     result = run_gpu_bench(cfg, Progress(not quiet))
     Path(out_path).expanduser().write_text(json.dumps(result, indent=2) + "\n")
     click.echo(format_report(result))

@@ -179,11 +179,74 @@ def test_decode_steps_that_demote_never_sync(cuda_device):
         assert s["prefetch"]["pages"] > 0 and s["pages_recalled"] > 0
 
 
+def _graphs(cache, on=True):
+    for engine in cache._engines:   # read when a layer takes its first step
+        engine.cuda_graphs = on
+    return cache
+
+
 @torch.no_grad()
-def test_prefetch_on_a_delayed_side_stream_into_poisoned_slots(cuda_device, monkeypatch):
+def _decode_logits(model, cache, ids, steps):
+    """The logits of `steps` greedy decode steps after the prompt, ``[steps, vocab]`` float32 on the host."""
+    logits = model(ids, **cache_kwargs(cache)).logits[:, -1:]
+    seen = []
+    for _ in range(steps):
+        logits = model(logits.argmax(-1), **cache_kwargs(cache)).logits[:, -1:]
+        seen.append(logits[0, 0].float().cpu())
+    return torch.stack(seen)
+
+
+def test_decode_steps_replayed_from_cuda_graphs_equal_eager_ones(cuda_device):
+    """Decode steps whose attention and recall are replayed from CUDA graphs (captured per layer and state,
+    again after each demotion) give the same logits, bit for bit, as the same steps run eagerly, over enough
+    steps for several demotions and recaptures; most steps are replays, and no capture failed."""
+    from kvtier import native
+
+    if native.kernel_status() is not None:
+        pytest.skip(f"native kernels are off ({native.kernel_status()}): no step runs as launches only")
+    model = _llama(cuda_device)
+    ids = _prompt(900, cuda_device)
+    runs = {}
+    for on in (False, True):
+        with _graphs(TieredCache(model.config, device_budget=96, recall_pages=6, prefetch_pages=6), on) as cache:
+            runs[on] = (_decode_logits(model, cache, ids, 64), cache.stats()["cuda_graphs"])
+    assert torch.equal(runs[True][0], runs[False][0])
+    eager, graphs = runs[False][1], runs[True][1]
+    assert eager["replays"] == eager["captures"] == 0 and eager["eager_steps"] > 0
+    assert graphs["failed"] is None, graphs["failed"]
+    assert graphs["captures"] >= 2 * len(model.model.layers), graphs   # recaptured after demotions
+    assert graphs["replays"] > graphs["eager_steps"], graphs
+
+
+@torch.no_grad()
+def test_decode_steps_with_cuda_graphs_never_sync(cuda_device):
+    """Capturing a step's work and replaying it read nothing back from the GPU either: steps that demote,
+    capture and replay run under `set_sync_debug_mode("error")`."""
+    from kvtier import native
+
+    if native.kernel_status() is not None:
+        pytest.skip(f"native kernels are off ({native.kernel_status()}); the twins read indices on the host")
+    model = _llama(cuda_device)
+    with _graphs(TieredCache(model.config, device_budget=64, recall_pages=8, scorer="keynorm")) as cache:
+        token = _greedy(model, cache, _prompt(600, cuda_device), 4)[:, -1:]
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(40):    # a page per head is demoted every 16 steps at a 64-token budget
+                token = model(token, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        g = cache.stats()["cuda_graphs"]
+        assert g["failed"] is None and g["replays"] > 0, g
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda-graphs"])
+def test_prefetch_on_a_delayed_side_stream_into_poisoned_slots(cuda_device, monkeypatch, graphs):
     """The prefetch runs on its own stream, here held back by a long sleep before each one, into recall
     buffers whose slots start as NaN: a step that read a slot before its prefetch landed would decode NaN or
-    other tokens. The tokens equal those of the same cache run with neither, and the prefetch is counted."""
+    other tokens. The tokens equal those of the same cache run with neither, and the prefetch is counted;
+    also where the steps are replayed from CUDA graphs (the prefetch stays eager, on its stream)."""
     from kvtier.recall.buffer import RecallBuffer
     from kvtier.transfer.cuda_streams import CudaTransferManager
 
@@ -206,11 +269,12 @@ def test_prefetch_on_a_delayed_side_stream_into_poisoned_slots(cuda_device, monk
 
     monkeypatch.setattr(RecallBuffer, "__init__", poisoned)
     monkeypatch.setattr(CudaTransferManager, "run_ahead", delayed)
-    with TieredCache(model.config, device_budget=96, recall_pages=6, prefetch_pages=6) as cache:
+    with _graphs(TieredCache(model.config, device_budget=96, recall_pages=6, prefetch_pages=6), graphs) as cache:
         got = _greedy(model, cache, ids, 48)
         s = cache.stats()
     assert torch.equal(got, want)
     assert s["prefetch"]["pages"] > 0 and s["prefetch"]["used"] > 0
+    assert (s["cuda_graphs"]["replays"] > 0) == graphs, s["cuda_graphs"]
 
 
 @pytest.mark.parametrize("impl", ["flash_attention_2", "flash_attention_3"])

@@ -13,7 +13,8 @@ from .settings import GpuBenchConfig
 from .steps import _layer_kv, _step_row, _tier_summary, decode_steps, prefill
 from .timing import Clock, Progress, Skip, _attempt, _free, _r
 
-ROW_NAMES = {"kvtier": "kvtier", "dynamic": "DynamicCache", "offloading": "DynamicCache(offloading=True)"}
+ROW_NAMES = {"kvtier": "kvtier", "kvtier_graphs": "kvtier, CUDA graphs", "dynamic": "DynamicCache",
+             "offloading": "DynamicCache(offloading=True)"}
 
 
 def kvp_scoring(scorer: Any, cache: Any, layers: int, chunk: int, clock: Clock, prefill_seconds: float) -> dict:
@@ -67,16 +68,22 @@ def run_context(cfg: GpuBenchConfig, model: Any, context: int, scorer: Any, cloc
     row["kvp_scoring"] = _attempt("KVP scoring", lambda: kvp_scoring(scorer, full, layers, cfg.prefill_chunk, clock,
                                                                       row["prefill_seconds"]), device, progress)
 
-    def tiered() -> dict[str, Any]:
+    def tiered(graphs: bool = False) -> dict[str, Any]:
+        if graphs and device.type != "cuda":
+            raise Skip("not run on cpu: CUDA graphs need a CUDA device")
         cache = TieredCache(model.config, device_budget=cfg.device_budget, host_budget=None, scorer=scorer,
                             recall_pages=cfg.recall_pages)
+        for engine in cache._engines:   # decode steps' attention and recall captured and replayed
+            engine.cuda_graphs = graphs
         try:
             fill = clock.time(lambda: _fill_from(cache, kv, cfg.prefill_chunk, progress, "kvtier fill"))
             _, t = decode_steps(model, cache, token, cfg.warmup, clock)
             issued: list[float] = []
             times, t = decode_steps(model, cache, t, cfg.steps, clock, progress, "kvtier decode", issued=issued)
-            out = _step_row(times, issued, fill_seconds=_r(fill, 3), tiers=_tier_summary(cache.stats()))
-            if growth and cfg.growth_steps:
+            stats = cache.stats()
+            out = _step_row(times, issued, fill_seconds=_r(fill, 3), tiers=_tier_summary(stats),
+                            cuda_graphs=stats["cuda_graphs"])
+            if growth and cfg.growth_steps and not graphs:
                 progress.say(f"memory growth: up to {cfg.growth_steps} kvtier decode steps at {context:,}")
                 out["growth"] = _growth(cfg, model, cache, t, layers, clock, progress)
             return out
@@ -107,8 +114,12 @@ def run_context(cfg: GpuBenchConfig, model: Any, context: int, scorer: Any, cloc
         times, _ = decode_steps(model, full, t, cfg.steps, clock, progress, "DynamicCache decode", issued=issued)
         return _step_row(times, issued, where=device.type)
 
-    for name, fn in (("kvtier", tiered), ("offloading", offloaded), ("dynamic", dynamic)):  # dynamic last: it
-        progress.say(f"{context:,} tokens: {ROW_NAMES[name]}")                           # grows the shared K/V
+    runs = (("kvtier", tiered), ("kvtier_graphs", lambda: tiered(graphs=True)), ("offloading", offloaded),
+            ("dynamic", dynamic))
+    for name, fn in runs:   # dynamic last: it grows the shared K/V
+        if name == "kvtier_graphs" and not cfg.graphs:
+            continue
+        progress.say(f"{context:,} tokens: {ROW_NAMES[name]}")
         row["rows"][name] = _attempt(f"{context:,} {ROW_NAMES[name]}", fn, device, progress)
         _free(device)
     del kv, full
@@ -118,4 +129,9 @@ def run_context(cfg: GpuBenchConfig, model: Any, context: int, scorer: Any, cloc
     row["ratios"] = {f"{name}_over_kvtier": (_r(rows[name]["step_ms_median"] / k_ms)
                                              if k_ms and rows[name].get("step_ms_median") else None)
                      for name in ("dynamic", "offloading")}
+    g_ms = rows.get("kvtier_graphs", {}).get("step_ms_median")
+    if "kvtier_graphs" in rows:   # the same step with its attention and recall replayed from CUDA graphs
+        row["ratios"]["dynamic_over_kvtier_graphs"] = \
+            _r(rows["dynamic"]["step_ms_median"] / g_ms) if g_ms and rows["dynamic"].get("step_ms_median") else None
+        row["ratios"]["kvtier_over_kvtier_graphs"] = _r(k_ms / g_ms) if g_ms and k_ms else None
     return row

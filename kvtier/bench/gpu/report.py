@@ -70,9 +70,23 @@ def format_report(result: dict[str, Any]) -> str:
                      f"{_fmt(ra['offloading_over_kvtier'], '9.1f', 'x'):>10}  "
                      f"{_fmt(None if frac is None else frac * 100, '12.2f', '%'):>13}")
     lines += skipped
+    for row in result["decode"]:
+        g = row.get("rows", {}).get("kvtier_graphs")
+        if g is None:
+            continue
+        if g.get("skipped"):
+            lines.append(f"  {_tokens(row['context'])} kvtier with CUDA graphs: skipped ({g['skipped']})")
+            continue
+        ra, counts = row["ratios"], g.get("cuda_graphs", {})
+        lines.append(f"  {_tokens(row['context'])} kvtier with CUDA graphs: {_fmt(g.get('step_ms_median'), '.2f')} ms, "
+                     f"Dyn/graphs {_fmt(ra.get('dynamic_over_kvtier_graphs'), '.2f', 'x')}, kvtier/graphs "
+                     f"{_fmt(ra.get('kvtier_over_kvtier_graphs'), '.2f', 'x')} ({counts.get('replays', 0)} replays, "
+                     f"{counts.get('captures', 0)} captures, {counts.get('eager_steps', 0)} eager"
+                     + (f"; capture failed: {counts['failed']}" if counts.get("failed") else "") + ")")
     issue = [(row["context"], row["rows"][name].get("issue_ms_median"), ROW_NAMES[name])
              for row in result["decode"] if not row.get("skipped")
-             for name in ("kvtier", "dynamic") if not row["rows"][name].get("skipped")]
+             for name in ("kvtier", "kvtier_graphs", "dynamic")
+             if name in row["rows"] and not row["rows"][name].get("skipped")]
     if issue:
         lines.append("  host time to issue a step, ms (median; with any wait of the step's own): " +
                      ", ".join(f"{_tokens(c)} {name} {_fmt(ms, '.2f')}" for c, ms, name in issue))
