@@ -121,6 +121,11 @@ class TieredCacheConfig:
     sink_tokens, recent_tokens
         The first and the latest tokens, always kept on the device. `recent_tokens` is a token count, or a
         float in (0, 1): that share of the device budget (the window grows with the budget).
+    cuda_graphs
+        Replay a decode step's attention and recall from a CUDA graph per layer, captured again when the layer's
+        state changes (`kvtier.engine.graphs`), where recall is planned on the device and the native kernels
+        run; elsewhere, and where a capture fails, the same launches run eagerly. The output is the same bits
+        either way. Off by default: its speed is still to be measured on a GPU.
     """
 
     shape: ModelShape
@@ -133,6 +138,7 @@ class TieredCacheConfig:
     page_size: int = DEFAULT_PAGE_SIZE
     sink_tokens: int = DEFAULT_SINK_TOKENS
     recent_tokens: int | float = DEFAULT_RECENT_TOKENS
+    cuda_graphs: bool = field(default=False, compare=False)   # how steps run, not what they hold
     scorer_name: str = field(default="keynorm", compare=False)
 
     def __post_init__(self) -> None:
@@ -143,6 +149,8 @@ class TieredCacheConfig:
             _whole("prefetch_pages", self.prefetch_pages, 0)
         _whole("page_size", self.page_size, 1)
         _whole("sink_tokens", self.sink_tokens, 0)
+        if not isinstance(self.cuda_graphs, bool):
+            raise ConfigError(f"cuda_graphs={self.cuda_graphs!r}; allowed: True or False")
         object.__setattr__(self, "recent_tokens", check_recent_tokens(self.recent_tokens))
         if not self.device_budget.is_fraction:
             budget = self.device_budget.value

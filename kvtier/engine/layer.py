@@ -98,8 +98,8 @@ class LayerEngine(PageFetching, DeviceDecoding):
         self._nan_buf: torch.Tensor | None = None
         self.defer_nan: bool | None = None              # defer the NaN check (None: on CUDA)
         # capture decode steps' device work as CUDA graphs and replay them (`engine.graphs`; read when the layer
-        # takes its first step). Off unless asked: it awaits its measurement on a GPU
-        self.cuda_graphs = False
+        # takes its first step)
+        self.cuda_graphs = config.cuda_graphs
         self.graphs: StepGraphs | None = None
         self._masked_positions = np.empty(0, dtype=np.int64)   # padding positions, never stored
         self._unordered: list[int] = []   # demotion copies no device read has been ordered after yet

@@ -77,13 +77,16 @@ class TieredCache(OneSequence, Cache):
         device budget.
     scorer_kwargs
         Settings for a scorer given by name (e.g. ``{"seed": 1}`` for ``"random"``).
+    cuda_graphs
+        Replay decode steps' attention and recall from CUDA graphs (see `TieredCacheConfig`; off by default).
     """
 
     def __init__(self, config: Any, device_budget: float | int = 0.25, host_budget: float | int | None = None,
                  disk_dir: str | os.PathLike | None = None, scorer: str | Scorer | QueryScorer | None = None,
                  mode: str = "tier", recall_pages: int = DEFAULT_RECALL_PAGES, *,
                  prefetch_pages: int | None = None, page_size: int = DEFAULT_PAGE_SIZE, sink_tokens: int = DEFAULT_SINK_TOKENS,
-                 recent_tokens: int | float = DEFAULT_RECENT_TOKENS, scorer_kwargs: dict[str, Any] | None = None) -> None:
+                 recent_tokens: int | float = DEFAULT_RECENT_TOKENS, scorer_kwargs: dict[str, Any] | None = None,
+                 cuda_graphs: bool = False) -> None:
         plan = layer_plan(config)
         shape = ModelShape.from_config(config)
         if scorer_kwargs is not None and not isinstance(scorer_kwargs, dict):
@@ -107,7 +110,7 @@ class TieredCache(OneSequence, Cache):
             disk_dir=None if disk_dir is None else os.fspath(disk_dir),
             mode=mode, recall_pages=recall_pages, prefetch_pages=prefetch_pages, page_size=page_size,
             sink_tokens=sink_tokens,
-            recent_tokens=recent_tokens,
+            recent_tokens=recent_tokens, cuda_graphs=cuda_graphs,
             scorer_name=scorer if isinstance(scorer, str) else scorer_name(scorer),
         )
         if isinstance(scorer, str):
@@ -350,7 +353,7 @@ class TieredCache(OneSequence, Cache):
                           host_budget=None if s.host_budget is None else s.host_budget.value, disk_dir=s.disk_dir,
                           scorer=scorer, mode=s.mode, recall_pages=s.recall_pages,
                           prefetch_pages=s.prefetch_pages, page_size=s.page_size,
-                          sink_tokens=s.sink_tokens, recent_tokens=s.recent_tokens)
+                          sink_tokens=s.sink_tokens, recent_tokens=s.recent_tokens, cuda_graphs=s.cuda_graphs)
         try:
             for mine, theirs in zip(self.layers, new.layers):
                 if isinstance(mine, TieredLayer):

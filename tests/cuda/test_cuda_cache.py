@@ -179,12 +179,6 @@ def test_decode_steps_that_demote_never_sync(cuda_device):
         assert s["prefetch"]["pages"] > 0 and s["pages_recalled"] > 0
 
 
-def _graphs(cache, on=True):
-    for engine in cache._engines:   # read when a layer takes its first step
-        engine.cuda_graphs = on
-    return cache
-
-
 @torch.no_grad()
 def _decode_logits(model, cache, ids, steps):
     """The logits of `steps` greedy decode steps after the prompt, ``[steps, vocab]`` float32 on the host."""
@@ -208,7 +202,7 @@ def test_decode_steps_replayed_from_cuda_graphs_equal_eager_ones(cuda_device):
     ids = _prompt(900, cuda_device)
     runs = {}
     for on in (False, True):
-        with _graphs(TieredCache(model.config, device_budget=96, recall_pages=6, prefetch_pages=6), on) as cache:
+        with TieredCache(model.config, device_budget=96, recall_pages=6, prefetch_pages=6, cuda_graphs=on) as cache:
             runs[on] = (_decode_logits(model, cache, ids, 64), cache.stats()["cuda_graphs"])
     assert torch.equal(runs[True][0], runs[False][0])
     eager, graphs = runs[False][1], runs[True][1]
@@ -227,7 +221,7 @@ def test_decode_steps_with_cuda_graphs_never_sync(cuda_device):
     if native.kernel_status() is not None:
         pytest.skip(f"native kernels are off ({native.kernel_status()}); the twins read indices on the host")
     model = _llama(cuda_device)
-    with _graphs(TieredCache(model.config, device_budget=64, recall_pages=8, scorer="keynorm")) as cache:
+    with TieredCache(model.config, device_budget=64, recall_pages=8, scorer="keynorm", cuda_graphs=True) as cache:
         token = _greedy(model, cache, _prompt(600, cuda_device), 4)[:, -1:]
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
@@ -269,7 +263,7 @@ def test_prefetch_on_a_delayed_side_stream_into_poisoned_slots(cuda_device, monk
 
     monkeypatch.setattr(RecallBuffer, "__init__", poisoned)
     monkeypatch.setattr(CudaTransferManager, "run_ahead", delayed)
-    with _graphs(TieredCache(model.config, device_budget=96, recall_pages=6, prefetch_pages=6), graphs) as cache:
+    with TieredCache(model.config, device_budget=96, recall_pages=6, prefetch_pages=6, cuda_graphs=graphs) as cache:
         got = _greedy(model, cache, ids, 48)
         s = cache.stats()
     assert torch.equal(got, want)

@@ -72,9 +72,7 @@ def run_context(cfg: GpuBenchConfig, model: Any, context: int, scorer: Any, cloc
         if graphs and device.type != "cuda":
             raise Skip("not run on cpu: CUDA graphs need a CUDA device")
         cache = TieredCache(model.config, device_budget=cfg.device_budget, host_budget=None, scorer=scorer,
-                            recall_pages=cfg.recall_pages)
-        for engine in cache._engines:   # decode steps' attention and recall captured and replayed
-            engine.cuda_graphs = graphs
+                            recall_pages=cfg.recall_pages, cuda_graphs=graphs)
         try:
             fill = clock.time(lambda: _fill_from(cache, kv, cfg.prefill_chunk, progress, "kvtier fill"))
             _, t = decode_steps(model, cache, token, cfg.warmup, clock)

@@ -1,0 +1,70 @@
+"""`cuda_graphs`: the setting, and what it does where no CUDA graph can be captured (the launches run eagerly).
+
+What a replay must equal is held on the GPU (`tests/cuda/test_cuda_cache.py`); that the launches a graph would
+replay repeat wherever its key does is held on the CPU (`tests/integration/test_decode_launches_repeat.py`).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from kvtier import TieredCache, cache_kwargs
+from kvtier.engine.graphs import GraphPool, StepGraphs
+from kvtier.errors import ConfigError
+
+from tiny_models import tiny_llama
+
+
+def _on_the_gpu_path(cache: TieredCache) -> TieredCache:
+    for engine in cache._engines:   # recall planned, pages chosen and the pool attended as on a GPU
+        engine.device_recall = engine.select_kernels = engine.defer_nan = True
+    return cache
+
+
+@torch.no_grad()
+def _decode(model, cache, steps=40):
+    ids = torch.randint(0, 128, (1, 200), generator=torch.Generator().manual_seed(3))
+    logits = model(ids, **cache_kwargs(cache)).logits[:, -1:]
+    out = []
+    for _ in range(steps):
+        logits = model(logits.argmax(-1), **cache_kwargs(cache)).logits[:, -1:]
+        out.append(logits)
+    return torch.cat(out)
+
+
+def test_cuda_graphs_must_be_a_bool():
+    model = tiny_llama()
+    with pytest.raises(ConfigError, match=r"cuda_graphs='yes'; allowed: True or False"):
+        TieredCache(model.config, cuda_graphs="yes")
+
+
+def test_without_cuda_the_steps_run_eagerly_with_the_same_output():
+    """Asked for graphs where there is no CUDA, a cache decodes exactly as without them, counts its device
+    steps as eager (none captured, none replayed, no failure), and a copy keeps the setting."""
+    model = tiny_llama()
+    runs = {}
+    for on in (False, True):
+        with _on_the_gpu_path(TieredCache(model.config, device_budget=48, recall_pages=2, cuda_graphs=on)) as cache:
+            runs[on] = (_decode(model, cache), cache.stats()["cuda_graphs"])
+            if on:
+                assert copy.deepcopy(cache).settings.cuda_graphs is True
+    assert torch.equal(runs[True][0], runs[False][0])
+    graphs = runs[True][1]
+    assert graphs["eager_steps"] > 0 and graphs["captures"] == graphs["replays"] == 0 and graphs["failed"] is None
+    assert runs[False][1]["eager_steps"] == graphs["eager_steps"]
+
+
+def test_step_graphs_on_a_cpu_never_ask_for_the_key():
+    """Off (or on a CPU), `StepGraphs.run` is the work itself: the key, which costs the host, is not made."""
+    graphs = StepGraphs(torch.device("cpu"), GraphPool(), enabled=True)
+    assert not graphs.enabled
+
+    def key():
+        raise AssertionError("the key was asked for")
+
+    x = torch.arange(3.0)
+    assert torch.equal(graphs.run(key, (x,), lambda t: (t * 2,))[0], x * 2)
+    assert graphs.eager == 1 and graphs.replays == graphs.captures == 0
