@@ -11,35 +11,24 @@ bookkeeping outside it), and everything it reads outside its inputs must stay al
 
 A state is captured the second step in a row it is seen (a state that lasts one step is not worth a
 capture), on a side stream, without the synchronisation and cache emptying `torch.cuda.graph` does (a layer
-captures again after each demotion). The graphs of a cache share one memory pool: they run one after another
-on one stream, and what one returns is held until it is replaced. A capture that fails turns the layer's
-graphs off for good (logged once, the reason kept): the work then runs eagerly, as it does wherever graphs
-are off, on a CPU, or without CUDA.
+captures again after each demotion), and replaces the layer's graph before it (a state does not come back: a
+layer's page count only grows). Each layer's graphs draw on a memory pool of their own. A pool shared by every
+layer would hold less, but a graph captured after another may place its outputs where the earlier one keeps
+its temporaries, and a layer's outputs are read after the next layer's replay (the prefetch on its side
+stream reads the short list, `last_recall` the choice): they would be overwritten. Within a layer, a replay
+comes only once the step before is done with its outputs (its prefetch is waited for first). A capture that
+fails turns the layer's graphs off for good (logged once, the reason kept): the work then runs eagerly, as it
+does wherever graphs are off, on a CPU, or without CUDA.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from typing import Any, Callable
 
 import torch
 
 log = logging.getLogger(__name__)
-
-KEEP = 2   # graphs kept per layer: the current state's and the one before (a state may come back)
-
-
-class GraphPool:
-    """The memory pool a cache's graphs share on each device (made with the first capture there)."""
-
-    def __init__(self) -> None:
-        self._handles: dict[torch.device, Any] = {}
-
-    def handle(self, device: torch.device) -> Any:
-        if device not in self._handles:
-            self._handles[device] = torch.cuda.graph_pool_handle()
-        return self._handles[device]
 
 
 class _Captured:
@@ -50,11 +39,12 @@ class _Captured:
 class StepGraphs:
     """One layer's captured decode steps, by key; counts what ran how (`captures`, `replays`, `eager`)."""
 
-    def __init__(self, device: torch.device, pool: GraphPool, enabled: bool) -> None:
-        self.device, self.pool = device, pool
+    def __init__(self, device: torch.device, enabled: bool) -> None:
+        self.device = device
+        self._pool: Any = None   # the layer's graphs' memory pool, made with the first capture
         self.enabled = bool(enabled) and device.type == "cuda"
         self.failed: str | None = None   # why capture is off for this layer, once one failed
-        self._graphs: OrderedDict[tuple, _Captured] = OrderedDict()
+        self._graph: tuple[tuple, _Captured] | None = None   # (key, the graph captured under it)
         self._last_key: tuple | None = None
         self._stream: torch.cuda.Stream | None = None
         self.captures = self.replays = self.eager = 0
@@ -68,18 +58,17 @@ class StepGraphs:
             self.eager += 1
             return work(*inputs)
         key = key()
-        captured = self._graphs.get(key)
-        if captured is None:
-            if key != self._last_key:   # first seen: run eagerly, capture if the next step is alike
-                self._last_key = key
-                self.eager += 1
-                return work(*inputs)
+        if self._graph is not None and self._graph[0] == key:
+            captured = self._graph[1]
+        elif key != self._last_key:   # first seen: run eagerly, capture if the next step is alike
+            self._last_key = key
+            self.eager += 1
+            return work(*inputs)
+        else:
             captured = self._capture(key, inputs, work)
             if captured is None:
                 self.eager += 1
                 return work(*inputs)
-        else:
-            self._graphs.move_to_end(key)
         for fixed, given in zip(captured.inputs, inputs):
             fixed.copy_(given)
         captured.graph.replay()
@@ -91,31 +80,31 @@ class StepGraphs:
         current = torch.cuda.current_stream(self.device)
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
+            self._pool = torch.cuda.graph_pool_handle()
         fixed = tuple(torch.empty_like(t) for t in inputs)
         graph = torch.cuda.CUDAGraph()
         self._stream.wait_stream(current)   # the capture reads what the step queued before it
         try:
             with torch.cuda.stream(self._stream):
-                graph.capture_begin(pool=self.pool.handle(self.device), capture_error_mode="thread_local")
+                graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
                 try:
                     outputs = tuple(work(*fixed))
                 finally:
                     graph.capture_end()
         except Exception as e:   # noqa: BLE001 - any failure to capture leaves the eager path, which is exact
             self.failed = f"{type(e).__name__}: {e}"
-            self._graphs.clear()
+            self._graph = None
             log.warning("CUDA graph capture of a decode step failed on %s; this layer's steps run eagerly: %s",
                         self.device, self.failed)
             return None
         finally:
             current.wait_stream(self._stream)
-        captured = self._graphs[key] = _Captured(graph, fixed, outputs)
-        while len(self._graphs) > KEEP:
-            self._graphs.popitem(last=False)
+        captured = _Captured(graph, fixed, outputs)
+        self._graph = (key, captured)   # the graph before goes (its replays are queued before this one's)
         self.captures += 1
         return captured
 
     def clear(self) -> None:
-        """Let every graph go (the state they read is going: a reset, a park, a close)."""
-        self._graphs.clear()
+        """Let the graph go (the state it reads is going: a new recall buffer, a reset, a park, a close)."""
+        self._graph = None
         self._last_key = None

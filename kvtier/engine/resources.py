@@ -22,7 +22,6 @@ import torch
 from ..errors import CapacityError, ClosedCacheError, ConfigError, os_reason
 from ..tiers.disk import DiskStore
 from ..transfer import TransferManager, make_transfer_manager
-from .graphs import GraphPool
 from .stats import MoveCounters
 
 PREFIX = "kvtier-"
@@ -40,7 +39,6 @@ class SharedResources:
                  transfer_factory: Callable[[torch.device], TransferManager] = make_transfer_manager) -> None:
         self.disk_dir, self.io_threads = disk_dir, io_threads
         self.counters = MoveCounters()
-        self.graph_pool = GraphPool()   # the memory the layers' captured decode steps share
         self._transfer_factory = transfer_factory
         self.transfers: dict[torch.device, TransferManager] = {}
         self._private: str | None = None

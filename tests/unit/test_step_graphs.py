@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvtier import TieredCache, cache_kwargs
-from kvtier.engine.graphs import GraphPool, StepGraphs
+from kvtier.engine.graphs import StepGraphs
 from kvtier.errors import ConfigError
 
 from tiny_models import tiny_llama
@@ -59,7 +59,7 @@ def test_without_cuda_the_steps_run_eagerly_with_the_same_output():
 
 def test_step_graphs_on_a_cpu_never_ask_for_the_key():
     """Off (or on a CPU), `StepGraphs.run` is the work itself: the key, which costs the host, is not made."""
-    graphs = StepGraphs(torch.device("cpu"), GraphPool(), enabled=True)
+    graphs = StepGraphs(torch.device("cpu"), enabled=True)
     assert not graphs.enabled
 
     def key():
