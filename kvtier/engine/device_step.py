@@ -57,6 +57,7 @@ class DeviceDecoding:
                                                   lambda q: self._decode_launches(q, *run))
         except BaseException:   # the table may name pages whose copy never ran: the next step starts a new buffer
             self.recalled = None
+            self.graphs.clear()
             raise
         self.last_recall = ids
         self.counters.recall_steps += 1

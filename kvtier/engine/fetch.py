@@ -153,6 +153,8 @@ class PageFetching:
             buf.pending = self.transfer.run_ahead(work, uses)
         except BaseException:   # slots may hold pages `held` does not say: the next step starts a new buffer
             self.recalled = None
+            if self.graphs is not None:
+                self.graphs.clear()
             raise
 
     def _host_slots(self) -> torch.Tensor:

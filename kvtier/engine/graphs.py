@@ -17,8 +17,8 @@ layer would hold less, but a graph captured after another may place its outputs 
 its temporaries, and a layer's outputs are read after the next layer's replay (the prefetch on its side
 stream reads the short list, `last_recall` the choice): they would be overwritten. Within a layer, a replay
 comes only once the step before is done with its outputs (its prefetch is waited for first). A capture that
-fails turns the layer's graphs off for good (logged once, the reason kept): the work then runs eagerly, as it
-does wherever graphs are off, on a CPU, or without CUDA.
+fails turns the cache's graphs off for good (logged, the reason kept): the work then runs eagerly, as it does
+wherever graphs are off, on a CPU, or without CUDA.
 """
 
 from __future__ import annotations
@@ -31,6 +31,14 @@ import torch
 log = logging.getLogger(__name__)
 
 
+class GraphSwitch:
+    """Whether a cache's layers may still capture: off for all of them once a capture failed in one (a failure
+    is rarely particular to a layer, and each failed capture costs a warning and a step)."""
+
+    def __init__(self) -> None:
+        self.failed: str | None = None
+
+
 class _Captured:
     def __init__(self, graph: Any, inputs: tuple[torch.Tensor, ...], outputs: tuple[torch.Tensor, ...]) -> None:
         self.graph, self.inputs, self.outputs = graph, inputs, outputs
@@ -39,11 +47,13 @@ class _Captured:
 class StepGraphs:
     """One layer's captured decode steps, by key; counts what ran how (`captures`, `replays`, `eager`)."""
 
-    def __init__(self, device: torch.device, enabled: bool) -> None:
+    def __init__(self, device: torch.device, enabled: bool, switch: GraphSwitch | None = None) -> None:
         self.device = device
-        self._pool: Any = None   # the layer's graphs' memory pool, made with the first capture
+        # the memory pool of the layer's graphs, made with a capture; let go with its last graph (a pool no graph
+        # holds is released by torch and cannot be captured into again)
+        self._pool: Any = None
         self.enabled = bool(enabled) and device.type == "cuda"
-        self.failed: str | None = None   # why capture is off for this layer, once one failed
+        self.switch = switch if switch is not None else GraphSwitch()
         self._graph: tuple[tuple, _Captured] | None = None   # (key, the graph captured under it)
         self._last_key: tuple | None = None
         self._stream: torch.cuda.Stream | None = None
@@ -54,7 +64,7 @@ class StepGraphs:
         """``work(*inputs)``, replayed from a graph captured under ``key()`` where there is one (its outputs are
         then the graph's own tensors, rewritten by its next replay: read them within the step). `key` is
         asked only where graphs are on."""
-        if not self.enabled or self.failed is not None:
+        if not self.enabled or self.switch.failed is not None:
             self.eager += 1
             return work(*inputs)
         key = key()
@@ -75,27 +85,37 @@ class StepGraphs:
         self.replays += 1
         return captured.outputs
 
+    @property
+    def failed(self) -> str | None:
+        """Why capture is off, once one failed (in this layer or another of the cache)."""
+        return self.switch.failed
+
     def _capture(self, key: tuple, inputs: tuple[torch.Tensor, ...],
                  work: Callable[..., tuple[torch.Tensor, ...]]) -> _Captured | None:
         current = torch.cuda.current_stream(self.device)
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
+        if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         fixed = tuple(torch.empty_like(t) for t in inputs)
         graph = torch.cuda.CUDAGraph()
         self._stream.wait_stream(current)   # the capture reads what the step queued before it
+        began = False
         try:
             with torch.cuda.stream(self._stream):
                 graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+                began = True
                 try:
                     outputs = tuple(work(*fixed))
                 finally:
                     graph.capture_end()
         except Exception as e:   # noqa: BLE001 - any failure to capture leaves the eager path, which is exact
-            self.failed = f"{type(e).__name__}: {e}"
+            self.switch.failed = f"{type(e).__name__}: {e}"
+            if began:
+                self._release_failed_pool()
             self._graph = None
-            log.warning("CUDA graph capture of a decode step failed on %s; this layer's steps run eagerly: %s",
-                        self.device, self.failed)
+            log.warning("CUDA graph capture of a decode step failed on %s; the cache's steps run eagerly: %s",
+                        self.device, self.switch.failed)
             return None
         finally:
             current.wait_stream(self._stream)
@@ -104,7 +124,21 @@ class StepGraphs:
         self.captures += 1
         return captured
 
+    def _release_failed_pool(self) -> None:
+        """After a capture that failed once begun: stop routing the capture stream's allocations to the pool and
+        give back the capture's hold on it, which torch's `capture_end` does only when the capture itself ended
+        (then the graph gives its hold back when it goes, and there is nothing to do here)."""
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        try:
+            torch._C._cuda_endAllocateToPool(index, self._pool)
+        except RuntimeError:   # capture_end got that far: the graph holds the pool, and lets it go
+            pass
+        else:
+            torch._C._cuda_releasePool(index, self._pool)
+        self._pool = None
+
     def clear(self) -> None:
         """Let the graph go (the state it reads is going: a new recall buffer, a reset, a park, a close)."""
         self._graph = None
+        self._pool = None
         self._last_key = None

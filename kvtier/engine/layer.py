@@ -114,7 +114,7 @@ class LayerEngine(PageFetching, DeviceDecoding):
             max(SLAB_TOKENS, int(budget.value) + 2 * self.cfg.page_size)   # a huge budget grows slab by slab
         self.pool = DevicePool(self.heads, self.head_dim, dtype, device, slab)
         self.device_counts = torch.zeros(4, dtype=torch.int64, device=device)
-        self.graphs = StepGraphs(device, self.cuda_graphs)
+        self.graphs = StepGraphs(device, self.cuda_graphs, self.shared.graphs)
         if self.cfg.mode == "tier":
             self.index = PageIndex(self.heads, self.cfg.page_size, self.head_dim, dtype, device, self.pin)
             self.index.native_select = self.select_kernels

@@ -22,6 +22,7 @@ import torch
 from ..errors import CapacityError, ClosedCacheError, ConfigError, os_reason
 from ..tiers.disk import DiskStore
 from ..transfer import TransferManager, make_transfer_manager
+from .graphs import GraphSwitch
 from .stats import MoveCounters
 
 PREFIX = "kvtier-"
@@ -39,6 +40,7 @@ class SharedResources:
                  transfer_factory: Callable[[torch.device], TransferManager] = make_transfer_manager) -> None:
         self.disk_dir, self.io_threads = disk_dir, io_threads
         self.counters = MoveCounters()
+        self.graphs = GraphSwitch()   # whether the layers may still capture decode steps as CUDA graphs
         self._transfer_factory = transfer_factory
         self.transfers: dict[torch.device, TransferManager] = {}
         self._private: str | None = None

@@ -86,6 +86,9 @@ def slab_addresses(slabs: Sequence[torch.Tensor], device: torch.device) -> torch
     """
     if device.type != "cuda" or loader.status() is not None or not slabs:
         return None
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("slab_addresses: a table made during a CUDA graph capture would be copied from a "
+                           "temporary the graph outlives; allowed: tables made before the capture")
     ptrs = [loader.device_address(s, device) for s in slabs]
     if any(p is None for p in ptrs):
         return None
@@ -837,6 +840,9 @@ def attend_slabs(q: torch.Tensor, k_slabs: Sequence[torch.Tensor], v_slabs: Sequ
 
     def twin() -> tuple[torch.Tensor, torch.Tensor]:   # on a GPU, the host's count: reading the device's syncs
         on_host = counted is not None and counted[0].device.type == "cpu"
+        if counted is not None and not on_host and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("attend_slabs: the twin takes the host's count, which a CUDA graph would replay "
+                               "unchanged; allowed under capture: the kernel's path only")
         return twins.attend_slabs(q, k_slabs, v_slabs, count, scale, chunk, whole, counted if on_host else None)
 
     why = _why_not(q.device, [first, v_slabs[0]])

@@ -212,6 +212,32 @@ def test_decode_steps_replayed_from_cuda_graphs_equal_eager_ones(cuda_device):
     assert graphs["replays"] > graphs["eager_steps"], graphs
 
 
+@pytest.mark.parametrize("case", ["reset", "narrow"])
+def test_cuda_graphs_capture_again_after_their_layer_lets_them_go(cuda_device, case):
+    """A layer lets its graph go when its recall buffer is remade (while it has fewer pages than it recalls,
+    the buffer widens) or the cache is reset; it captures again afterwards (a new memory pool: torch releases
+    one no graph holds), decoding as the eager steps do, and no capture fails."""
+    from kvtier import native
+
+    if native.kernel_status() is not None:
+        pytest.skip(f"native kernels are off ({native.kernel_status()}): no step runs as launches only")
+    model = _llama(cuda_device)
+    prompt, budget, steps = (900, 96, 40) if case == "reset" else (40, 32, 150)
+    ids = _prompt(prompt, cuda_device)
+    with TieredCache(model.config, device_budget=budget, recall_pages=8, prefetch_pages=6) as cache:
+        want = _decode_logits(model, cache, ids, steps)
+    with TieredCache(model.config, device_budget=budget, recall_pages=8, prefetch_pages=6, cuda_graphs=True) as cache:
+        if case == "reset":
+            _decode_logits(model, cache, ids, steps)
+            before = cache.stats()["cuda_graphs"]["captures"]
+            cache.reset()
+        got = _decode_logits(model, cache, ids, steps)
+        g = cache.stats()["cuda_graphs"]
+    assert torch.equal(got, want)
+    assert g["failed"] is None, g["failed"]
+    assert g["captures"] > (before if case == "reset" else 2 * len(model.model.layers)), g
+
+
 @torch.no_grad()
 def test_decode_steps_with_cuda_graphs_never_sync(cuda_device):
     """Capturing a step's work and replaying it read nothing back from the GPU either: steps that demote,

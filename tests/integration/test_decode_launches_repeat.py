@@ -226,10 +226,13 @@ def test_decode_steps_with_one_graph_key_issue_the_same_launches(default_model, 
     """What a captured decode step stands for: every two steps of a layer whose keys (`_decode_key`: the
     addresses and scalars the step's device work uses) are equal issue the same launches, with the same
     arguments, at the same addresses; the work reads nothing back to the host and changes no host state (the
-    bookkeeping stays outside it, so a replay skips none). On the CPU the work runs eagerly, as it would on a
+    bookkeeping stays outside it, so a replay skips none; the events that note reads of pinned memory are
+    recorded after it, never in it). On the CPU the work runs eagerly, as it would on a
     GPU where no graph is captured; every step is compared, demoting ones included."""
     from kvtier.bench.launches import HOST_READS
     from kvtier.engine.graphs import StepGraphs
+    from kvtier.recall.index import PageIndex
+    from kvtier.tiers.host import HostPool
 
     model, tok = default_model
     task = make_needle_task(tok, 1500, depth=0.3, seed=5)
@@ -239,6 +242,16 @@ def test_decode_steps_with_one_graph_key_issue_the_same_launches(default_model, 
     by_key: dict[tuple, dict[tuple, tuple]] = defaultdict(dict)   # layer, key -> step -> its launches
     reads: list[tuple] = []
     run = StepGraphs.run
+    inside: list[bool] = [False]
+
+    def outside_only(real):   # what notes a read of pinned memory with an event: after a replay, never in it
+        def noted(*args, **kwargs):
+            assert not inside[0], f"{real.__qualname__} inside the device work"
+            return real(*args, **kwargs)
+        return noted
+
+    for owner, name in ((PageIndex, "note_reads"), (HostPool, "read_on")):
+        monkeypatch.setattr(owner, name, outside_only(getattr(owner, name)))
 
     def watched(self, key, inputs, work):
         engine = next(e for e in cache._engines if e.graphs is self)
@@ -247,10 +260,12 @@ def test_decode_steps_with_one_graph_key_issue_the_same_launches(default_model, 
         def recorded(*args):
             before = _host_state(engine)
             recorder[0] = StepRecorder({inputs[0].untyped_storage().data_ptr(): "query"})
+            inside[0] = True
             try:
                 with recorder[0]:
                     out = work(*args)
             finally:
+                inside[0] = False
                 launches, recorder[0] = recorder[0].launches[engine.layer_idx], None
             assert _host_state(engine) == before, f"layer {engine.layer_idx}: the device work changed host state"
             reads.extend(x for x in launches if x[0] in HOST_READS)
