@@ -62,6 +62,8 @@ class LaunchCounter(TorchDispatchMode):
         self.parts: Counter[str] = Counter()
         self.ops: Counter[str] = Counter()
         self.host_reads = 0
+        self.in_work = False   # inside a decode step's launches-only work (what a CUDA graph replays)
+        self.captured = 0      # launches counted there (tensor ops; the native calls are counted apart)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
@@ -81,6 +83,7 @@ class LaunchCounter(TorchDispatchMode):
         self.parts[part or MODEL] += 1
         self.ops[name] += 1
         self.host_reads += name in HOST_READS
+        self.captured += self.in_work
 
 
 @dataclass
@@ -93,6 +96,8 @@ class LaunchCount:
     host_reads: int
     ops: dict[str, int] = field(default_factory=dict)
     host_us: float | None = None    # `time_cache_host`, when measured
+    captured: int | None = None     # launches in the steps' launches-only work (None: the cache has none)
+    captured_host_us: float | None = None   # `time_cache_host`'s share of it
 
     @property
     def total(self) -> int:
@@ -109,6 +114,10 @@ class LaunchCount:
                 "native_calls_per_layer_step": {k: round(v / per, 2) for k, v in self.native_calls.items()},
                 "host_reads_per_step": round(self.host_reads / self.steps, 1),
                 "cache_host_us_per_layer_step": None if self.host_us is None else round(self.host_us, 1),
+                # of which in the work a CUDA graph replays (`TieredCache(cuda_graphs=True)`)
+                "captured_launches_per_layer_step": None if self.captured is None else round(self.captured / per, 1),
+                "captured_host_us_per_layer_step": (None if self.captured_host_us is None
+                                                    else round(self.captured_host_us, 1)),
                 "top_ops_per_layer_step": {k: round(v / per, 1) for k, v in Counter(self.ops).most_common(12)}}
 
 
@@ -124,19 +133,52 @@ def count_launches(model: Any, input_ids: torch.Tensor, make_cache: Callable[[],
                 logits = model(logits.argmax(-1, keepdim=True), **cache_kwargs(cache)).logits[:, -1]
             before = _native_calls()
             counter, tokens = LaunchCounter(), []
-            for _ in range(steps):
-                nxt = logits.argmax(-1, keepdim=True)
-                tokens.append(nxt)
-                with counter:
-                    logits = model(nxt, **cache_kwargs(cache)).logits[:, -1]
+            native_in_work = [0]
+
+            def enter() -> None:
+                counter.in_work = True
+                native_in_work[0] -= sum(_native_calls().values())
+
+            def leave() -> None:
+                counter.in_work = False
+                native_in_work[0] += sum(_native_calls().values())
+
+            with _work_watched(cache, enter, leave) as watched:
+                for _ in range(steps):
+                    nxt = logits.argmax(-1, keepdim=True)
+                    tokens.append(nxt)
+                    with counter:
+                        logits = model(nxt, **cache_kwargs(cache)).logits[:, -1]
             after = _native_calls()
     finally:
         if hasattr(cache, "close"):
             cache.close()
     calls = {op: after[op] - before.get(op, 0) for op in after if after[op] - before.get(op, 0)}
     layers = model.config.get_text_config().num_hidden_layers
-    return LaunchCount(name, layers, steps, dict(counter.parts), calls, counter.host_reads,
-                       dict(counter.ops)), torch.cat(tokens, dim=1)
+    return LaunchCount(name, layers, steps, dict(counter.parts), calls, counter.host_reads, dict(counter.ops),
+                       captured=counter.captured + native_in_work[0] if watched else None), torch.cat(tokens, dim=1)
+
+
+@contextlib.contextmanager
+def _work_watched(cache: Any, enter: Callable[[], None], leave: Callable[[], None]) -> Iterator[bool]:
+    """`enter()` and `leave()` around each decode step's launches-only work (`kvtier.engine.graphs.StepGraphs`,
+    what a CUDA graph replays) of `cache`'s layers, put back on leaving; yields whether the cache has any."""
+    graphs = [e.graphs for e in getattr(cache, "_engines", []) if getattr(e, "graphs", None) is not None]
+    for g in graphs:
+        def run(key, inputs, work, _run=g.run):
+            def watched(*args):
+                enter()
+                try:
+                    return work(*args)
+                finally:
+                    leave()
+            return _run(key, inputs, watched)
+        g.run = run
+    try:
+        yield bool(graphs)
+    finally:
+        for g in graphs:
+            g.__dict__.pop("run", None)
 
 
 class HostClock:
@@ -149,6 +191,9 @@ class HostClock:
     def __init__(self) -> None:
         self.inside = 0.0      # seconds inside the cache's methods
         self.twins = 0.0       # of which inside the twins
+        self.work = 0.0        # of which inside the steps' launches-only work (what a CUDA graph replays)
+        self.work_twins = 0.0  # and of that inside the twins
+        self._work_since: float | None = None
         self._depth = 0        # cache methods nest (update runs the engine's write): count the outermost
         self._twin_depth = 0
 
@@ -174,11 +219,24 @@ class HostClock:
                 self._twin_depth -= 1
                 if not self._twin_depth and self._depth:
                     self.twins += time.perf_counter() - t0
+                    if self._work_since is not None:
+                        self.work_twins += time.perf_counter() - t0
         return timed
+
+    def enter_work(self) -> None:
+        self._work_since = time.perf_counter()
+
+    def leave_work(self) -> None:
+        self.work += time.perf_counter() - self._work_since
+        self._work_since = None
 
     @property
     def host(self) -> float:
         return self.inside - self.twins
+
+    @property
+    def work_host(self) -> float:
+        return self.work - self.work_twins
 
 
 # the methods a model calls on a cache's layers in a step (the attention function calls the last two)
@@ -209,9 +267,10 @@ def _clocked(cache: Any, clock: HostClock) -> Iterator[None]:
 
 
 def time_cache_host(model: Any, input_ids: torch.Tensor, make_cache: Callable[[], Any], steps: int,
-                    warmup: int = 2) -> float:
+                    warmup: int = 2) -> tuple[float, float | None]:
     """Prefill `input_ids`, decode `warmup` steps, then return the host microseconds per layer and decode step
-    spent in the cache's own code over `steps` greedy steps (`HostClock`)."""
+    spent in the cache's own code over `steps` greedy steps (`HostClock`), and of those the microseconds in the
+    steps' launches-only work (None for a cache without it)."""
     cache = make_cache()
     clock = HostClock()
     try:
@@ -219,14 +278,14 @@ def time_cache_host(model: Any, input_ids: torch.Tensor, make_cache: Callable[[]
             logits = model(input_ids, **cache_kwargs(cache)).logits[:, -1]
             for _ in range(warmup):
                 logits = model(logits.argmax(-1, keepdim=True), **cache_kwargs(cache)).logits[:, -1]
-            with _clocked(cache, clock):
+            with _clocked(cache, clock), _work_watched(cache, clock.enter_work, clock.leave_work) as watched:
                 for _ in range(steps):
                     logits = model(logits.argmax(-1, keepdim=True), **cache_kwargs(cache)).logits[:, -1]
     finally:
         if hasattr(cache, "close"):
             cache.close()
-    layers = model.config.get_text_config().num_hidden_layers
-    return 1e6 * clock.host / (layers * steps)
+    per = 1e6 / (model.config.get_text_config().num_hidden_layers * steps)
+    return per * clock.host, per * clock.work_host if watched else None
 
 
 def _native_calls() -> dict[str, int]:

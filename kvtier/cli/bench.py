@@ -217,7 +217,7 @@ def launches(context: str, steps: int, device_budget: str, recall_pages: int, sc
     makers = {"DynamicCache": lambda: DynamicCache(config=lm.config), "TieredCache": tiered}
     rows = [count_launches(lm, ids, make, name, steps)[0] for name, make in makers.items()]
     for row, make in zip(rows, makers.values()):   # timed apart: the counter's dispatch would weigh on the time
-        row.host_us = time_cache_host(lm, ids, make, steps)
+        row.host_us, row.captured_host_us = time_cache_host(lm, ids, make, steps)
     out = {"machine": _machine(device), "prompt_tokens": task.prompt_tokens, "steps": steps,
            "settings": {"device_budget": budget, "recall_pages": recall_pages, "scorer": scorer, "seed": seed},
            "rows": [r.as_dict() for r in rows],
@@ -232,6 +232,10 @@ def launches(context: str, steps: int, device_budget: str, recall_pages: int, sc
                    f"{r['cache_host_us_per_layer_step']:.1f} us of host time in the cache's code")
         for part, n in r["by_part_per_layer_step"].items():
             click.echo(f"      {part:<28}{n:>8.1f}")
+        if r["captured_launches_per_layer_step"] is not None:
+            click.echo(f"      of all: in the work a CUDA graph replays (cuda_graphs=True): "
+                       f"{r['captured_launches_per_layer_step']:.1f} launches, "
+                       f"{r['captured_host_us_per_layer_step']:.1f} us of host time")
     click.echo(f"  TieredCache / DynamicCache: x{out['ratio']:.2f} launches")
 
 

@@ -116,6 +116,12 @@ def test_bench_launches_json():
     assert calls["recall_pages"] == calls["plan_recall"]
     # the host time in each cache's own code was measured (kvtier's twins left out)
     assert plain["cache_host_us_per_layer_step"] > 0 and tiered["cache_host_us_per_layer_step"] > 0
+    # of which the launches-only work a CUDA graph replays: the pool's and the pages' attention, the choice and
+    # the recall (7 calls, 9 launches and the top-k's), not the write, the commit or the prefetch
+    assert plain["captured_launches_per_layer_step"] is None and plain["captured_host_us_per_layer_step"] is None
+    assert 9 <= tiered["captured_launches_per_layer_step"] <= 11, tiered["captured_launches_per_layer_step"]
+    assert tiered["captured_launches_per_layer_step"] < tiered["launches_per_layer_step"] - parts["model"]
+    assert 0 < tiered["captured_host_us_per_layer_step"] < tiered["cache_host_us_per_layer_step"]
     # the device pool in one pass (its chunks, and their combine if several), then the recalled pages where the
     # buffer holds them, merged with it: no attention call, no gather, no separate merge
     assert calls["attend_slabs"] >= 1 and calls["attend_pages"] == 2 and "merge_parts" not in calls

@@ -94,3 +94,22 @@ def test_the_host_clock_counts_the_cache_methods_less_the_twins_inside_them():
         assert twins.plan_recall is not real                    # every twin function is timed within
         assert twins.RecallPlan.__module__ == twins.__name__    # its classes are left alone
     assert twins.plan_recall is real                            # and put back after
+
+
+def test_the_host_clock_times_the_work_a_graph_replays_less_the_twins_in_it():
+    import time
+
+    from kvtier.bench.launches import HostClock
+
+    clock = HostClock()
+    twin = clock.twin(lambda: time.sleep(0.2))
+
+    def step():
+        time.sleep(0.05)          # bookkeeping around the work
+        clock.enter_work()
+        time.sleep(0.1)           # the work's own host time
+        twin()                    # a twin inside it: left out of both
+        clock.leave_work()
+
+    clock.method(step)()
+    assert 0.2 > clock.work_host >= 0.1 and 0.35 > clock.host >= 0.15 and clock.work_host < clock.host
