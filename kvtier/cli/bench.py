@@ -303,7 +303,8 @@ def wrappers(contexts: str, device_budget: float, calls: int, threads: int, as_j
 @click.option("--batch-mib", default=64, show_default=True, type=click.IntRange(min=1),
               help="Size of the demotion and recall batches timed through the engine.")
 @click.option("--graphs/--no-graphs", default=True, show_default=True,
-              help="Also time kvtier with its decode steps' attention and recall replayed from CUDA graphs.")
+              help="Also time kvtier with its decode steps' attention and recall replayed from CUDA graphs (at the "
+                   "largest context).")
 @click.option("--device", default="cuda", show_default=True,
               help="cuda, cuda:N, or cpu (the same code at the sizes asked, plain memory, wall-clock timing).")
 @click.option("--threads", default=None, type=THREADS, help="torch CPU threads (default: torch's own).")

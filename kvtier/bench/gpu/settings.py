@@ -29,7 +29,7 @@ class GpuBenchConfig:
     copy_mib: int = 1024                  # the raw pinned copy
     batch_mib: int = 64                   # demotion and recall batches
     repeats: int = 3
-    graphs: bool = True                   # also a kvtier row with decode steps replayed from CUDA graphs
+    graphs: bool = True                   # also a kvtier row with CUDA graphs, at the largest context
     seed: int = 0
 
     def __post_init__(self) -> None:
