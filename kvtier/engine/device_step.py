@@ -56,8 +56,7 @@ class DeviceDecoding:
             out, ids, shortlist = self.graphs.run(lambda: self._decode_key(query, run), (query,),
                                                   lambda q: self._decode_launches(q, *run))
         except BaseException:   # the table may name pages whose copy never ran: the next step starts a new buffer
-            self.recalled = None
-            self.graphs.clear()
+            self._forget_recalled()
             raise
         self.last_recall = ids
         self.counters.recall_steps += 1

@@ -79,9 +79,13 @@ class PageFetching:
             buf.pending = None
 
     def _drop_recalled(self) -> None:
-        """Let the recall buffer go, once the device has done the prefetch into it (if one is queued), and the
-        captured steps that read it."""
+        """Let the recall buffer go, once the device has done the prefetch into it (if one is queued)."""
         self._await_prefetch()
+        self._forget_recalled()
+
+    def _forget_recalled(self) -> None:
+        """Let the recall buffer go at once (a failed step: the next starts a new one), and the captured step
+        that reads it."""
         self.recalled = None
         if self.graphs is not None:
             self.graphs.clear()
@@ -98,7 +102,7 @@ class PageFetching:
         try:
             plan = self._plan_and_copy(buf, ids, sources, spare)
         except BaseException:   # the table may name pages whose copy never ran: the next step starts a new buffer
-            self.recalled = None
+            self._forget_recalled()
             raise
         self.counters.recall_steps += 1
         if not spare:   # the buffer holds exactly the chosen pages
@@ -152,9 +156,7 @@ class PageFetching:
         try:
             buf.pending = self.transfer.run_ahead(work, uses)
         except BaseException:   # slots may hold pages `held` does not say: the next step starts a new buffer
-            self.recalled = None
-            if self.graphs is not None:
-                self.graphs.clear()
+            self._forget_recalled()
             raise
 
     def _host_slots(self) -> torch.Tensor:

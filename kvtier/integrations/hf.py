@@ -322,10 +322,9 @@ class TieredCache(OneSequence, Cache):
             "prefetch": {"pages": c.pages_prefetched, "used": c.prefetch_used,
                          "hit_rate": c.prefetch_used / c.pages_prefetched if c.pages_prefetched else None},
             # decode steps whose attention and recall ran as launches only: replayed from a captured CUDA graph,
-            # or run eagerly; and why capture is off in a layer, if it failed there
+            # or run eagerly; and why capture is off in the cache, if one failed
             "cuda_graphs": {"captures": sum(g.captures for g in graphs), "replays": sum(g.replays for g in graphs),
-                            "eager_steps": sum(g.eager for g in graphs),
-                            "failed": next((g.failed for g in graphs if g.failed), None)},
+                            "eager_steps": sum(g.eager for g in graphs), "failed": self._shared.graphs.failed},
             "tokens_dropped": c.tokens_dropped,
             "tokens_masked": c.tokens_masked,
             "transfer_wait_seconds": wait,

@@ -127,8 +127,8 @@ def run_context(cfg: GpuBenchConfig, model: Any, context: int, scorer: Any, cloc
     row["ratios"] = {f"{name}_over_kvtier": (_r(rows[name]["step_ms_median"] / k_ms)
                                              if k_ms and rows[name].get("step_ms_median") else None)
                      for name in ("dynamic", "offloading")}
-    g_ms = rows.get("kvtier_graphs", {}).get("step_ms_median")
     if "kvtier_graphs" in rows:   # the same step with its attention and recall replayed from CUDA graphs
+        g_ms = rows["kvtier_graphs"].get("step_ms_median")
         row["ratios"]["dynamic_over_kvtier_graphs"] = \
             _r(rows["dynamic"]["step_ms_median"] / g_ms) if g_ms and rows["dynamic"].get("step_ms_median") else None
         row["ratios"]["kvtier_over_kvtier_graphs"] = _r(k_ms / g_ms) if g_ms and k_ms else None
