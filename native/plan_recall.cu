@@ -149,13 +149,14 @@ __host__ __device__ inline void kv_plan_flags(kv_i64 w, const kv_i64* slots, con
     }
 }
 
-// Block h plans head h. want [heads, w]; held and held_after [heads, R] (the same memory for a plan in
-// place); host_slots [heads, pages] or null;
+// Block h plans head h. want [heads, w], rows want_stride apart (a short list's first w columns are read
+// where they are); held and held_after [heads, R] (the same memory for a plan in place); host_slots
+// [heads, pages] or null;
 // fetch, slots, where, src_rows, dst_rows [heads, w]; count [heads]; ahead [heads, R] bytes or null;
 // counts [4] or null. Dynamic shared memory: w + R bytes of marks.
-extern "C" __global__ void kvtier_plan_recall(const kv_i64* __restrict__ want, const kv_i64* held,
-                                              const kv_i64* __restrict__ host_slots, kv_i64 pages, kv_i64 w,
-                                              kv_i64 R, kv_i64* __restrict__ fetch, kv_i64* __restrict__ slots,
+extern "C" __global__ void kvtier_plan_recall(const kv_i64* __restrict__ want, kv_i64 want_stride,
+                                              const kv_i64* held, const kv_i64* __restrict__ host_slots,
+                                              kv_i64 pages, kv_i64 w, kv_i64 R, kv_i64* __restrict__ fetch, kv_i64* __restrict__ slots,
                                               kv_i64* __restrict__ count, kv_i64* held_after,
                                               kv_i64* __restrict__ where, kv_i64* __restrict__ src_rows,
                                               kv_i64* __restrict__ dst_rows, unsigned char* __restrict__ ahead,
@@ -163,13 +164,13 @@ extern "C" __global__ void kvtier_plan_recall(const kv_i64* __restrict__ want, c
     extern __shared__ unsigned char marks[];
     const kv_i64 h = blockIdx.x;
     kv_i64* after = held_after + h * R;
-    kv_plan_marks(want + h * w, w, held + h * R, R, marks, marks + w, after, threadIdx.x, blockDim.x);
+    kv_plan_marks(want + h * want_stride, w, held + h * R, R, marks, marks + w, after, threadIdx.x, blockDim.x);
     __syncthreads();
     if (threadIdx.x == 0) {
-        kv_plan_assign(want + h * w, w, R, marks, marks + w, fetch + h * w, slots + h * w, count + h, after);
+        kv_plan_assign(want + h * want_stride, w, R, marks, marks + w, fetch + h * w, slots + h * w, count + h, after);
     }
     __syncthreads();
-    kv_plan_rows(want + h * w, w, R, h, host_slots ? host_slots + h * pages : nullptr, pages, fetch + h * w,
+    kv_plan_rows(want + h * want_stride, w, R, h, host_slots ? host_slots + h * pages : nullptr, pages, fetch + h * w,
                  slots + h * w, after, where + h * w, src_rows + h * w, dst_rows + h * w, threadIdx.x, blockDim.x);
     __syncthreads();
     if (threadIdx.x == 0) {

@@ -53,9 +53,48 @@ def part_of(path: str) -> str:
     return next(name for prefix, name in PARTS if rel.startswith(prefix))
 
 
+try:   # leaves the dispatch modes for a while: the twins' own ops then skip the counter (and its cost)
+    from torch.utils._python_dispatch import _disable_current_modes as _outside_modes
+except ImportError:   # pragma: no cover - older torch: the twins' ops are dispatched to it, and skipped there
+    _outside_modes = contextlib.nullcontext
+
+
+def _twin_names() -> list[str]:
+    return [n for n in dir(twins) if inspect.isfunction(getattr(twins, n))
+            and getattr(twins, n).__module__ == twins.__name__]
+
+
+def _uncounted(f: Callable) -> Callable:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with _outside_modes():
+            return f(*args, **kwargs)
+    return run
+
+
 class LaunchCounter(TorchDispatchMode):
     """Counts the launches dispatched under it by part (the innermost kvtier file on the Python stack, else
-    the model), and the host reads of device values."""
+    the model), and the host reads of device values. A native operation's twin runs outside it (its ops are
+    not the launch, the native call is), which also spares the count the twins' many small ops."""
+
+    def __enter__(self) -> LaunchCounter:
+        self._twins = {n: getattr(twins, n) for n in _twin_names()}
+        for n, f in self._twins.items():
+            setattr(twins, n, _uncounted(f))
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._put_twins_back()
+            raise
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._put_twins_back()
+
+    def _put_twins_back(self) -> None:
+        for n, f in self._twins.items():
+            setattr(twins, n, f)
 
     def __init__(self) -> None:
         super().__init__()
@@ -247,8 +286,7 @@ _LAYER_METHODS = ("update", "attend", "commit")
 def _clocked(cache: Any, clock: HostClock) -> Iterator[None]:
     """`clock` around the step methods of `cache`'s layers and around every twin, put back on leaving."""
     layers = [layer for layer in getattr(cache, "layers", []) if layer is not None]
-    names = [n for n in dir(twins) if inspect.isfunction(getattr(twins, n))
-             and getattr(twins, n).__module__ == twins.__name__]
+    names = _twin_names()
     saved = {n: getattr(twins, n) for n in names}
     try:
         for layer in layers:

@@ -147,7 +147,8 @@ class LayerEngine(PageFetching, DeviceDecoding):
         return min(self.cfg.recall_pages // 2, host // (4 * self.cfg.page_size))
 
     def write(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Take a step's new K/V ``[1, heads, q, dim]``; return what attention reads (device entries, new last)."""
+        """Take a step's new K/V ``[1, heads, q, dim]``; return what the model's own attention reads (device
+        entries, new last; where `recalls`, `attend` reads the slabs instead and this has only their shape)."""
         if k.dim() != 4 or k.shape[0] != 1:
             raise UnsupportedError(f"batch size {k.shape[0] if k.dim() == 4 else '?'} (key shape "
                                    f"{list(k.shape)}) is not supported yet; allowed: batch size 1")
@@ -169,6 +170,10 @@ class LayerEngine(PageFetching, DeviceDecoding):
         self.pool.stage(k, v, positions.expand(self.heads, q))
         self.pending = _Pending(k, v, positions, score)
         self.seen += q
+        if self.recalls() and self.pool.count + q > self.pool.slab_tokens:
+            # the split attention reads the slabs where they are: what this returns is only claimed by it, so
+            # no copy of the whole device tier is made every step (views of the right shape, not the entries)
+            return self.pool.placeholder(self.pool.count + q)
         return self.pool.contiguous(self.pool.count + q)
 
     @property
@@ -352,10 +357,10 @@ class LayerEngine(PageFetching, DeviceDecoding):
 
     def _demote(self) -> None:
         cfg, pool = self.cfg, self.pool
-        pos, score = pool.meta()
         budget = cfg.device_tokens(self.seen)
-        if score.shape[1] <= budget:   # within budget: no ranking (and no age term) to compute this step
+        if pool.count <= budget:   # within budget: no ranking (and no age term) to compute this step
             return
+        pos, score = pool.meta()
         rank = ranking_scores(self.scorer, score, pos, self.seen, self.layer_idx)
         idx = plan_device_demotion(rank, pos, self.seen, budget, cfg.sink_tokens,
                                    cfg.recent_tokens, cfg.page_size, kept=self._kept_on_device())

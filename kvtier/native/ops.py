@@ -231,7 +231,8 @@ def plan_recall(want: torch.Tensor, held: torch.Tensor, pages: int, host_slots: 
     table into `held` (then contiguous int64), which is the plan's ``held_after``.
 
     `want` holds distinct page ids below `pages` per head, `held` at least as many slots; neither is checked
-    on the device (that would need the host).
+    on the device (that would need the host). `want`'s rows may be a wider tensor's (a short list's first
+    columns): the kernel reads them where they are.
     """
     heads, w = want.shape
     R = held.shape[1]
@@ -248,9 +249,11 @@ def plan_recall(want: torch.Tensor, held: torch.Tensor, pages: int, host_slots: 
     if in_place and (held.dtype != torch.int64 or not held.is_contiguous()):
         raise ValueError(f"plan_recall: held {held.dtype}, contiguous={held.is_contiguous()}, for a plan in place; "
                          "allowed: a contiguous int64 held")
-    want, held = _as(want, torch.int64), _as(held, torch.int64)
+    if want.dtype != torch.int64 or (want.stride(1) != 1 and w > 1):   # else rows are read where they are
+        want = _as(want, torch.int64)
+    held = _as(held, torch.int64)
     given = [t for t in (host_slots, ahead, counts) if t is not None]
-    why = _why_not(want.device, [want, held, *given])
+    why = _why_not(want.device, [held, *given])
     if why is None and any(t.device != want.device for t in (held, *given)):
         why = "tensors differ in device"
     if why is None and (w * R > PLAN_MARKS_MAX or w + R > SHARED_MAX):
@@ -259,11 +262,12 @@ def plan_recall(want: torch.Tensor, held: torch.Tensor, pages: int, host_slots: 
     if k is None:
         loader.record("plan_recall", "twin", why or loader.build_error("plan_recall", want.device) or "nothing to do")
         return twins.plan_recall(want, held, pages, host_slots, ahead, counts, prefetch, in_place)
-    fetch, slots, where, src_rows, dst_rows = (torch.empty_like(want) for _ in range(5))
+    fetch, slots, where, src_rows, dst_rows = (torch.empty(heads, w, dtype=torch.int64, device=want.device)
+                                               for _ in range(5))
     count = torch.empty(heads, dtype=torch.int64, device=want.device)
     held_after = held if in_place else torch.empty_like(held)
     loader.launch(k, want.device, (heads,), (_THREADS,),
-                  (_u64(want.data_ptr()), _u64(held.data_ptr()), _ptr(host_slots), _i64(pages), _i64(w), _i64(R),
+                  (_u64(want.data_ptr()), _i64(want.stride(0)), _u64(held.data_ptr()), _ptr(host_slots), _i64(pages), _i64(w), _i64(R),
                    _u64(fetch.data_ptr()), _u64(slots.data_ptr()), _u64(count.data_ptr()),
                    _u64(held_after.data_ptr()), _u64(where.data_ptr()), _u64(src_rows.data_ptr()),
                    _u64(dst_rows.data_ptr()), _ptr(ahead), _ptr(counts), np.int32(prefetch)),
@@ -309,22 +313,43 @@ def scatter_pages(slabs: Sequence[torch.Tensor], rows_per_slab: int, rows: np.nd
     twins.scatter_pages(slabs, rows_per_slab, r, values)
 
 
+def _entry_layout(slabs: Sequence[torch.Tensor], what: str) -> tuple[int, int, int]:
+    """``(heads, slab_tokens, row bytes)`` of a device pool's slabs: ``[1, heads, slab_tokens, dim]`` (keys,
+    values) or ``[heads, slab_tokens]`` (positions, scores)."""
+    if not slabs:
+        raise ValueError(f"{what}: the pool has no slab; allowed: a pool holding the entries")
+    slab = slabs[0]
+    if slab.dim() == 4 and slab.shape[0] == 1:
+        return slab.shape[1], slab.shape[2], slab.shape[3] * slab.element_size()
+    if slab.dim() == 2:
+        return slab.shape[0], slab.shape[1], slab.element_size()
+    raise ValueError(f"{what}: slabs of {list(slab.shape)}; allowed: [1, heads, slab_tokens, dim] or "
+                     "[heads, slab_tokens]")
+
+
+def _entry_ids(idx: torch.Tensor, heads: int, capacity: int, device: torch.device, checked: bool,
+               what: str) -> torch.Tensor:
+    if idx.dim() != 2 or idx.shape[0] != heads:
+        raise ValueError(f"{what}: idx is {list(idx.shape)}; allowed: [{heads}, m] (one row per head)")
+    idx = idx.to(device=device, dtype=torch.int64)
+    if checked and idx.numel() and bool(((idx < 0) | (idx >= capacity)).any()):
+        bad = int(idx.min()) if int(idx.min()) < 0 else int(idx.max())
+        raise IndexError(f"{what}: entry {bad} is out of range; allowed: 0 to {capacity - 1}")
+    return idx if idx.is_contiguous() else idx.contiguous()
+
+
 def pack_entries(slabs: Sequence[torch.Tensor], idx: torch.Tensor, addresses: torch.Tensor | None = None,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, checked: bool = True) -> torch.Tensor:
     """Entries ``idx`` ``[heads, m]`` of a device pool's slabs ``[1, heads, slab_tokens, dim]`` packed as
     ``[heads, m, dim]`` (demotion staging: whole pages, contiguous, ready for one large copy down), into
-    `out` when given (a reused staging buffer). `addresses`: as for `gather_pages`."""
-    if not slabs:
-        raise ValueError("pack_entries: the pool has no slab; allowed: a pool holding the entries")
-    _, heads, S, dim = slabs[0].shape
-    if idx.dim() != 2 or idx.shape[0] != heads:
-        raise ValueError(f"pack_entries: idx is {list(idx.shape)}; allowed: [{heads}, m] (one row per head)")
-    idx = idx.to(device=slabs[0].device, dtype=torch.int64)
-    capacity = len(slabs) * S
-    if idx.numel() and bool(((idx < 0) | (idx >= capacity)).any()):
-        bad = int(idx.min()) if int(idx.min()) < 0 else int(idx.max())
-        raise IndexError(f"pack_entries: entry {bad} is out of range; allowed: 0 to {capacity - 1}")
+    `out` when given (a reused staging buffer). `addresses`: as for `gather_pages`. `checked=False` skips the
+    range check of `idx`, which reads the device back: for indices the pool made itself."""
+    heads, S, _ = _entry_layout(slabs, "pack_entries")
+    if slabs[0].dim() != 4:
+        raise ValueError(f"pack_entries: slabs of {list(slabs[0].shape)}; allowed: [1, heads, slab_tokens, dim]")
+    dim = slabs[0].shape[3]
     device = slabs[0].device
+    idx = _entry_ids(idx, heads, len(slabs) * S, device, checked, "pack_entries")
     shape = (heads, idx.shape[1], dim)
     if out is None:
         out = torch.empty(shape, dtype=slabs[0].dtype, device=device)
@@ -345,6 +370,40 @@ def pack_entries(slabs: Sequence[torch.Tensor], idx: torch.Tensor, addresses: to
         why = loader.build_error("pack_entries", device) or "a slab is not reachable from the device"
     loader.record("pack_entries", "twin", why or "nothing to copy")
     return out.copy_(twins.pack_entries(slabs, idx))
+
+
+def move_entries(slabs: Sequence[torch.Tensor], src: torch.Tensor, dst: torch.Tensor,
+                 addresses: torch.Tensor | None = None) -> None:
+    """Entry ``src[h, j]`` of each head ``h`` of a device pool's slabs copied onto its entry ``dst[h, j]``
+    (``[heads, m]`` each; slabs ``[1, heads, slab_tokens, dim]`` or ``[heads, slab_tokens]``), in one launch
+    over every slab: the entries that fill the holes a demotion leaves (`DevicePool.remove`).
+
+    Every ``dst[h, j]`` must be in range and either no entry of ``src[h]`` or ``src[h, j]`` itself (nothing is
+    read that another lane writes). That is not checked, as it would read the device back: the pool makes
+    them so. `addresses`: as for `gather_pages`."""
+    heads, S, row_bytes = _entry_layout(slabs, "move_entries")
+    if src.shape != dst.shape or src.dim() != 2 or src.shape[0] != heads:
+        raise ValueError(f"move_entries: src {list(src.shape)} and dst {list(dst.shape)}; allowed: both "
+                         f"[{heads}, m]")
+    device = slabs[0].device
+    src = _entry_ids(src, heads, 0, device, False, "move_entries")
+    dst = _entry_ids(dst, heads, 0, device, False, "move_entries")
+    if not src.numel():
+        return
+    why = _why_not(device, [src, dst, slabs[0]])
+    if why is None:
+        k = loader.kernel("pack_entries", "kvtier_move_entries", device)
+        base = _addresses(slabs, device, addresses) if k is not None else None
+        if base is not None:
+            warps_per_block = _THREADS // 32
+            loader.launch(k, device, _grid(-(-src.numel() // warps_per_block)), (_THREADS,),
+                          (_u64(base.data_ptr()), _i64(S), _i64(heads), _u64(src.data_ptr()),
+                           _u64(dst.data_ptr()), _i64(src.shape[1]), _i64(row_bytes)))
+            loader.record("move_entries", "kernel")
+            return
+        why = loader.build_error("pack_entries", device) or "a slab is not reachable from the device"
+    loader.record("move_entries", "twin", why)
+    twins.move_entries(slabs, src, dst)
 
 
 # -------------------------------------------------------------------------------------- page selection

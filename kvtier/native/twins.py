@@ -85,19 +85,61 @@ def scatter_pages(slabs: Sequence[torch.Tensor], rows_per_slab: int, rows: torch
         slabs[s].index_copy_(0, off, torch.index_select(values, 0, pos))
 
 
+def _entry_rows(slab: torch.Tensor) -> torch.Tensor:
+    """A device pool's slab as ``[heads, slab_tokens, ...]``."""
+    return slab[0] if slab.dim() == 4 else slab
+
+
 def pack_entries(slabs: Sequence[torch.Tensor], idx: torch.Tensor) -> torch.Tensor:
-    """Entries ``idx`` ``[heads, m]`` of a device pool's slabs ``[1, heads, slab_tokens, dim]`` as
-    ``[heads, m, dim]`` (twin of ``kvtier_pack_entries``)."""
-    heads, S, dim = slabs[0].shape[1], slabs[0].shape[2], slabs[0].shape[3]
-    if len(slabs) == 1:
-        return torch.gather(slabs[0][0], 1, idx[..., None].expand(-1, -1, dim))
+    """Entries ``idx`` ``[heads, m]`` of a device pool's slabs (``[1, heads, slab_tokens, dim]`` or ``[heads,
+    slab_tokens]``) as ``[heads, m, ...]`` (twin of ``kvtier_pack_entries``): a gather per slab, nothing read
+    back to the host."""
+    rows = [_entry_rows(t) for t in slabs]
+    S = rows[0].shape[1]
+    shape = (*idx.shape, *rows[0].shape[2:])
+    tail = [1] * (len(shape) - 2)
+    if len(rows) == 1:
+        return torch.gather(rows[0], 1, idx.view(*idx.shape, *tail).expand(shape))
     slab, off = torch.div(idx, S, rounding_mode="floor"), idx % S
-    head = torch.arange(heads, device=idx.device)[:, None].expand_as(idx)
-    out = torch.empty(*idx.shape, dim, dtype=slabs[0].dtype, device=slabs[0].device)
-    for s in torch.unique(slab).tolist():
-        sel = slab == s
-        out[sel] = slabs[s][0][head[sel], off[sel]]
+    at = off.view(*idx.shape, *tail).expand(shape)
+    out = torch.gather(rows[0], 1, at)
+    for s in range(1, len(rows)):
+        sel = (slab == s).view(*idx.shape, *tail)
+        out = torch.where(sel, torch.gather(rows[s], 1, at), out)
     return out
+
+
+def unpack_entries(slabs: Sequence[torch.Tensor], idx: torch.Tensor, values: torch.Tensor) -> None:
+    """Write ``values`` ``[heads, m, ...]`` onto entries ``idx`` ``[heads, m]`` (distinct per head) of a device
+    pool's slabs: a scatter per slab, nothing read back to the host.
+
+    Over several slabs, each slab gets a scatter of all `m` lanes: a lane meant for another slab repeats the
+    first lane of its head that is meant for this one (same place, same bytes), or, with none, writes back
+    what the slab holds at its first entry.
+    """
+    rows = [_entry_rows(t) for t in slabs]
+    S = rows[0].shape[1]
+    extra = [1] * (values.dim() - 2)
+    if len(rows) == 1:
+        rows[0].scatter_(1, idx.view(*idx.shape, *extra).expand(values.shape), values)
+        return
+    slab, off = torch.div(idx, S, rounding_mode="floor"), idx % S
+    for s, r in enumerate(rows):
+        mine = slab == s
+        first = mine.to(torch.uint8).argmax(dim=1, keepdim=True)        # 0 when the head has none here
+        has = mine.any(dim=1, keepdim=True)
+        at = torch.where(mine, off, torch.where(has, off.gather(1, first), 0))
+        at_v = at.view(*idx.shape, *extra).expand(values.shape)
+        ref = torch.where(has.view(-1, 1, *extra),
+                          values.gather(1, first.view(-1, 1, *extra).expand(-1, 1, *values.shape[2:])),
+                          r[:, :1])
+        r.scatter_(1, at_v, torch.where(mine.view(*idx.shape, *extra), values, ref))
+
+
+def move_entries(slabs: Sequence[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Entry ``src[h, j]`` of each head copied onto its entry ``dst[h, j]`` (twin of ``kvtier_move_entries``):
+    every source read before anything is written."""
+    unpack_entries(slabs, dst, pack_entries(slabs, src))
 
 
 # ---------------------------------------------------------------------------------------- page selection

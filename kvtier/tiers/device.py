@@ -37,7 +37,8 @@ class DevicePool:
         self.v: list[torch.Tensor] = []
         self.pos: list[torch.Tensor] = []
         self.score: list[torch.Tensor] = []
-        self._addresses: tuple[torch.Tensor, torch.Tensor] | None = None   # of the slabs, for the kernels
+        self._addresses: tuple | None = None   # of the k, v, pos and score slabs, for the kernels
+        self._kv: tuple | None = None          # (those tables, the k and v ones as `addresses` gives them)
         self._at: torch.Tensor | None = None   # int64 [1] on the device: count % slab_tokens, for a decode step
         self._at_holds: int | None = None      # what `_at` holds once the launches queued so far have run
 
@@ -115,10 +116,19 @@ class DevicePool:
 
     def addresses(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The key and value slabs' addresses for `kvtier.native.attend_slabs`, kept until a slab is added
-        (None where kernels cannot run)."""
-        if self._addresses is None and self.k:
-            k, v = native.slab_addresses(self.k, self.device), native.slab_addresses(self.v, self.device)
-            self._addresses = None if k is None or v is None else (k, v)
+        or released (None where kernels cannot run)."""
+        tables = self.tables()
+        if self._kv is None or self._kv[0] is not tables:   # the same pair while the tables stand
+            k, v = tables[:2]
+            self._kv = (tables, None if k is None or v is None else (k, v))
+        return self._kv[1]
+
+    def tables(self) -> tuple[torch.Tensor | None, ...]:
+        """The key, value, position and score slabs' address tables for the kernels (`native.slab_addresses`;
+        None where kernels cannot run), kept until a slab is added or released."""
+        if self._addresses is None:
+            self._addresses = tuple(native.slab_addresses(kind, self.device) if kind else None
+                                    for kind in (self.k, self.v, self.pos, self.score))
         return self._addresses
 
     def spans(self, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -139,6 +149,12 @@ class DevicePool:
             return empty, empty
         return torch.cat([p[0] for p in parts], dim=2), torch.cat([p[1] for p in parts], dim=2)
 
+    def placeholder(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(k, v)`` of the shape `contiguous(n)` has, ``[1, heads, n, dim]``, made of views of the first entry
+        (no copy, no launch): for a caller that only needs the shape (a step whose attention reads the slabs)."""
+        return (self.k[0][:, :, :1].expand(1, self.heads, n, self.head_dim),
+                self.v[0][:, :, :1].expand(1, self.heads, n, self.head_dim))
+
     def meta(self, n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions and scores ``[heads, n]`` of entries ``[0, n)`` (default: the committed ones)."""
         n = self.count if n is None else n
@@ -153,15 +169,19 @@ class DevicePool:
                 torch.cat([p[:, :c] for p, c in zip(self.score, cut)], dim=1))
 
     def take(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of entries ``idx`` ``[heads, m]``: ``[heads, m, dim]`` each."""
-        return self._gather(self.k, idx), self._gather(self.v, idx)
+        """Keys and values of entries ``idx`` ``[heads, m]``: ``[heads, m, dim]`` each (one launch each over
+        every slab, `native.pack_entries`)."""
+        k_at, v_at, _, _ = self.tables()
+        return (native.pack_entries(self.k, idx, addresses=k_at, checked=False),
+                native.pack_entries(self.v, idx, addresses=v_at, checked=False))
 
     def remove(self, idx: torch.Tensor) -> None:
         """Drop committed entries ``idx`` ``[heads, m]`` (distinct per head); the last entries fill the holes.
 
         Head by head, the tail entries that stay (the last `m`, less those dropped) move, in order, into the
         dropped entries below the tail, in the order `idx` gives them. Written with one fixed shape for every
-        head: lane ``j`` of a head with fewer holes than `m` copies a dropped tail entry onto itself.
+        head: lane ``j`` of a head with fewer holes than `m` copies a tail entry onto itself, so no lane writes
+        what another reads (one `native.move_entries` launch per kind of slab, whatever their number).
         """
         m = idx.shape[1]
         if m == 0:
@@ -175,52 +195,9 @@ class DevicePool:
         moves = (~gone).sum(dim=1, keepdim=True)                             # as many as holes below the tail
         holes = idx.gather(1, torch.argsort(in_tail.to(torch.uint8), dim=1, stable=True))   # below the tail first
         dst = torch.where(torch.arange(m, device=self.device)[None, :] < moves, holes, movers)
-        for kind in (self.k, self.v, self.pos, self.score):
-            self._scatter(kind, dst, self._gather(kind, movers))
+        for kind, at in zip((self.k, self.v, self.pos, self.score), self.tables()):
+            native.move_entries(kind, movers, dst, addresses=at)
         self.count = new
-
-    @staticmethod
-    def _rows(t: torch.Tensor) -> torch.Tensor:
-        """A slab as ``[heads, slab_tokens, ...]``."""
-        return t[0] if t.dim() == 4 else t
-
-    def _gather(self, kind: list[torch.Tensor], idx: torch.Tensor) -> torch.Tensor:
-        """Entries ``idx`` ``[heads, m]`` of one kind of slab: ``[heads, m, ...]``."""
-        rows = [self._rows(t) for t in kind]
-        shape = (*idx.shape, *rows[0].shape[2:])
-        if len(rows) == 1:
-            return torch.gather(rows[0], 1, idx.view(*idx.shape, *[1] * (len(shape) - 2)).expand(shape))
-        slab, off = torch.div(idx, self.slab_tokens, rounding_mode="floor"), idx % self.slab_tokens
-        at = off.view(*idx.shape, *[1] * (len(shape) - 2)).expand(shape)
-        out = torch.gather(rows[0], 1, at)
-        for s in range(1, len(rows)):
-            sel = (slab == s).view(*idx.shape, *[1] * (len(shape) - 2))
-            out = torch.where(sel, torch.gather(rows[s], 1, at), out)
-        return out
-
-    def _scatter(self, kind: list[torch.Tensor], idx: torch.Tensor, values: torch.Tensor) -> None:
-        """Write ``values`` ``[heads, m, ...]`` at entries ``idx`` ``[heads, m]`` (distinct per head).
-
-        Over several slabs, each slab gets a scatter of all `m` lanes: a lane meant for another slab repeats
-        the first lane of its head that is meant for this one (same place, same bytes), or, with none, writes
-        back what the slab holds at its first entry.
-        """
-        rows = [self._rows(t) for t in kind]
-        extra = [1] * (values.dim() - 2)
-        if len(rows) == 1:
-            rows[0].scatter_(1, idx.view(*idx.shape, *extra).expand(values.shape), values)
-            return
-        slab, off = torch.div(idx, self.slab_tokens, rounding_mode="floor"), idx % self.slab_tokens
-        for s, r in enumerate(rows):
-            mine = slab == s
-            first = mine.to(torch.uint8).argmax(dim=1, keepdim=True)        # 0 when the head has none here
-            has = mine.any(dim=1, keepdim=True)
-            at = torch.where(mine, off, torch.where(has, off.gather(1, first), 0))
-            at_v = at.view(*idx.shape, *extra).expand(values.shape)
-            ref = torch.where(has.view(-1, 1, *extra),
-                              values.gather(1, first.view(-1, 1, *extra).expand(-1, 1, *values.shape[2:])),
-                              r[:, :1])
-            r.scatter_(1, at_v, torch.where(mine.view(*idx.shape, *extra), values, ref))
 
     def trim(self) -> None:
         """Release the slabs past the committed entries (those a long step's staging added)."""

@@ -184,7 +184,7 @@ def test_recall_buffer_fill_runs_the_kernel_and_matches_indexing(kernels):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("slab_tokens", [256, 40])
-def test_pack_entries_kernel_is_the_pools_take(kernels, dtype, slab_tokens):
+def test_pack_entries_kernel_is_the_entries_in_order(kernels, dtype, slab_tokens):
     heads, dim, n = 8, 128, 200
     pool = DevicePool(heads, dim, dtype, kernels, slab_tokens)
     k = torch.randn(1, heads, n, dim, device=kernels).to(dtype)
@@ -197,10 +197,40 @@ def test_pack_entries_kernel_is_the_pools_take(kernels, dtype, slab_tokens):
     native.pack_entries(pool.k, idx, out=out)
     got_v = native.pack_entries(pool.v, idx)
     launches.check(2)
-    want_k, want_v = pool.take(idx)
-    assert torch.equal(_bits(out), _bits(want_k)) and torch.equal(_bits(got_v), _bits(want_v))
+    want_k = torch.stack([k[0, h, idx[h]] for h in range(heads)])
+    assert torch.equal(_bits(out), _bits(want_k)) and torch.equal(_bits(got_v), _bits(-want_k))
     cpu = twins.pack_entries([t.cpu() for t in pool.k], idx.cpu())
     assert torch.equal(_bits(out), _bits(cpu))
+    launches = _Launches("pack_entries")
+    take_k, take_v = pool.take(idx)   # the pool's own take: the kernel, once a kind, nothing read back
+    launches.check(2)
+    assert torch.equal(_bits(take_k), _bits(want_k)) and torch.equal(_bits(take_v), _bits(-want_k))
+
+
+@pytest.mark.parametrize("slab_tokens", [256, 40])
+def test_move_entries_kernel_is_the_twin_on_every_kind_of_slab(kernels, slab_tokens):
+    """A demotion's moves (`DevicePool.remove`) by the kernel, one launch a kind: the same bytes as the twin's
+    on a copy of the pool on the CPU, for keys, values, positions and scores."""
+    heads, dim, n = 8, 128, 200
+    pools = [DevicePool(heads, dim, torch.bfloat16, d, slab_tokens) for d in (kernels, torch.device("cpu"))]
+    g = torch.Generator().manual_seed(slab_tokens)
+    k = torch.randn(1, heads, n, dim, generator=g).to(torch.bfloat16)
+    score = torch.randn(heads, n, generator=g)
+    for pool in pools:
+        d = pool.device
+        pool.stage(k.to(d), (-k).to(d), (torch.arange(n) * 5).expand(heads, n).to(d))
+        pool.commit(n, score.to(d))
+    idx = torch.stack([torch.randperm(n, generator=g)[:48] for _ in range(heads)])
+    launches = _Launches("move_entries")
+    pools[0].remove(idx.to(kernels))
+    torch.cuda.synchronize()
+    launches.check(4)
+    pools[1].remove(idx)
+    every = torch.arange(pools[0].count).expand(heads, -1)
+    for a, b in zip((pools[0].k, pools[0].v, pools[0].pos, pools[0].score),
+                    (pools[1].k, pools[1].v, pools[1].pos, pools[1].score)):
+        got = twins.pack_entries([t.cpu() for t in a], every)
+        assert torch.equal(_bits(got), _bits(twins.pack_entries(b, every)))
 
 
 # ---------------------------------------------------------------------------------------- page selection

@@ -27,7 +27,7 @@ KERNELS = {
     "scatter_pages": ["kvtier_scatter_pages"],
     "recall_pages": ["kvtier_recall_pages"],
     "plan_recall": ["kvtier_plan_recall"],
-    "pack_entries": ["kvtier_pack_entries"],
+    "pack_entries": ["kvtier_pack_entries", "kvtier_move_entries"],
     "page_select": ["kvtier_page_upper_bounds_f32", "kvtier_page_upper_bounds_f16",
                     "kvtier_page_upper_bounds_bf16", "kvtier_code_logits"],
     "rank_pages": ["kvtier_rank_pages_f32", "kvtier_rank_pages_f16", "kvtier_rank_pages_bf16"],

@@ -110,21 +110,48 @@ def test_copies_refuse_bad_rows_naming_them():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("slab_tokens", [64, 16])
-def test_pack_entries_equals_the_device_pools_take(dtype, slab_tokens):
-    """One slab (a gather) and several (entries spread over slabs): same as `DevicePool.take`."""
+def test_pack_entries_equals_indexing_the_entries(dtype, slab_tokens):
+    """One slab (a gather) and several (entries spread over slabs): the entries as written, in `idx`'s order."""
     heads, dim, n = 3, 64, 60
     pool = DevicePool(heads, dim, dtype, torch.device("cpu"), slab_tokens)
     g = torch.Generator().manual_seed(4)
     k = torch.randn(1, heads, n, dim, generator=g).to(dtype)
     pool.stage(k, k.neg(), torch.arange(n).expand(heads, n))
     pool.commit(n, torch.zeros(heads, n))
-    idx = torch.stack([torch.randperm(n, generator=g)[:32].sort().values for _ in range(heads)])
-    want_k, want_v = pool.take(idx)
+    idx = torch.stack([torch.randperm(n, generator=g)[:32] for _ in range(heads)])
+    want_k = torch.stack([k[0, h, idx[h]] for h in range(heads)])
     assert torch.equal(_bits(native.pack_entries(pool.k, idx)), _bits(want_k))
-    assert torch.equal(_bits(native.pack_entries(pool.v, idx)), _bits(want_v))
+    assert torch.equal(_bits(native.pack_entries(pool.v, idx, checked=False)), _bits(want_k.neg()))
+    assert torch.equal(_bits(pool.take(idx)[0]), _bits(want_k))
     assert native.pack_entries(pool.k, idx[:, :0]).shape == (heads, 0, dim)
     with pytest.raises(IndexError, match=f"entry {pool.capacity} is out of range"):
         native.pack_entries(pool.k, torch.full((heads, 1), pool.capacity))
+
+
+@pytest.mark.parametrize("slab_tokens", [64, 16, 7])
+def test_move_entries_copies_each_source_onto_its_destination(slab_tokens):
+    """Every kind of pool slab (keys and values ``[1, heads, S, dim]``, positions and scores ``[heads, S]``):
+    the destinations get the sources' bytes as they were, lanes that copy an entry onto itself included, and
+    nothing else changes."""
+    heads, n = 3, 60
+    pool = DevicePool(heads, 8, torch.bfloat16, torch.device("cpu"), slab_tokens)
+    g = torch.Generator().manual_seed(5)
+    k = torch.randn(1, heads, n, 8, generator=g).to(torch.bfloat16)
+    pool.stage(k, k.neg(), torch.arange(n).expand(heads, n) * 3)
+    pool.commit(n, torch.randn(heads, n, generator=g))
+    src = torch.stack([torch.randperm(30, generator=g)[:10] + 30 for _ in range(heads)])   # from the upper half
+    dst = torch.stack([torch.randperm(30, generator=g)[:10] for _ in range(heads)])        # into the lower
+    dst[:, 7:] = src[:, 7:]                                                                # or onto themselves
+    for kind in (pool.k, pool.v, pool.pos, pool.score):
+        before = native.pack_entries(kind, torch.arange(n).expand(heads, n)) if kind[0].dim() == 4 else \
+            twins.pack_entries(kind, torch.arange(n).expand(heads, n))
+        want = before.clone()
+        for h in range(heads):
+            want[h, dst[h]] = before[h, src[h]]
+        native.move_entries(kind, src, dst)
+        assert torch.equal(_bits(twins.pack_entries(kind, torch.arange(n).expand(heads, n))), _bits(want))
+    with pytest.raises(ValueError, match=r"src \[3, 2\] and dst \[3, 3\]"):
+        native.move_entries(pool.k, src[:, :2], dst[:, :3])
 
 
 def test_recall_buffer_fill_puts_pages_where_indexing_would():
@@ -354,7 +381,8 @@ def test_every_kernel_the_ops_launch_is_in_the_shipped_sources():
     ops_text = (loader.SOURCE_DIR.parent / "ops.py").read_text()
     for src, kernel in [("gather_pages", "kvtier_gather_pages"), ("scatter_pages", "kvtier_scatter_pages"),
                         ("recall_pages", "kvtier_recall_pages"), ("plan_recall", "kvtier_plan_recall"),
-                        ("pack_entries", "kvtier_pack_entries"), ("page_select", "kvtier_code_logits"),
+                        ("pack_entries", "kvtier_pack_entries"), ("pack_entries", "kvtier_move_entries"),
+                        ("page_select", "kvtier_code_logits"),
                         ("page_select", "kvtier_page_upper_bounds_f32"),
                         ("page_select", "kvtier_page_upper_bounds_f16"),
                         ("page_select", "kvtier_page_upper_bounds_bf16"), ("rank_pages", "kvtier_rank_pages_f32"),
@@ -455,15 +483,15 @@ def _run_as_the_kernel(name: str, grid: tuple, args: tuple, block: tuple = (128,
                 row = _mem(_u64(storage, s_row // per) + (s_row % per) * row_bytes, row_bytes)
                 _mem(into + d_row * row_bytes, row_bytes)[:] = row
     elif name == "kvtier_plan_recall":   # the kernel's four steps, as written in plan_recall.cu
-        (want_p, held_p, hs_p, pages, w, R, fetch_p, slots_p, count_p, after_p, where_p, src_p, dst_p, ahead_p,
-         counts_p, prefetch) = (int(a) for a in args)
+        (want_p, want_stride, held_p, hs_p, pages, w, R, fetch_p, slots_p, count_p, after_p, where_p, src_p, dst_p,
+         ahead_p, counts_p, prefetch) = (int(a) for a in args)
 
         def put(ptr, values):
             if values:
                 _mem(ptr, 8 * len(values))[:] = np.array(values, dtype=np.int64).view(np.uint8)
 
         for h in range(int(grid[0])):
-            want = [_i64(want_p, h * w + j) for j in range(w)]
+            want = [_i64(want_p, h * want_stride + j) for j in range(w)]
             held = [_i64(held_p, h * R + i) for i in range(R)]
             missing = [x not in held for x in want]
             free = [x < 0 or x not in want for x in held]
@@ -501,6 +529,15 @@ def _run_as_the_kernel(name: str, grid: tuple, args: tuple, block: tuple = (128,
             t = _i64(idx, e)
             src = _u64(slabs, t // S) + ((e // m) * S + t % S) * row_bytes
             _mem(out + e * row_bytes, row_bytes)[:] = _mem(src, row_bytes)
+    elif name == "kvtier_move_entries":
+        slabs, S, heads, src, dst, m, row_bytes = (int(a) for a in args)
+        for e in range(heads * m):   # the lanes in any order: reversed, so an order the kernel relied on shows
+            e = heads * m - 1 - e
+            h = e // m
+            t_from, t_to = _i64(src, e), _i64(dst, e)
+            at_from = _u64(slabs, t_from // S) + (h * S + t_from % S) * row_bytes
+            at_to = _u64(slabs, t_to // S) + (h * S + t_to % S) * row_bytes
+            _mem(at_to, row_bytes)[:] = _mem(at_from, row_bytes).copy()
     elif name.startswith("kvtier_page_upper_bounds_"):
         q, b, slabs, per_slab, pages, heads, rows, dim, out, stride, col0 = (int(a) for a in args)
         dtype = _OF_SUFFIX[name.rsplit("_", 1)[1]]
@@ -635,7 +672,7 @@ def replayed_kernels(monkeypatch):
     def launch(k, device, grid, block, args, shared_mem=0):
         kinds = sigs[k]
         if k == "kvtier_plan_recall":   # a byte of marks per wanted page and per slot
-            assert shared_mem == int(args[4]) + int(args[5])
+            assert shared_mem == int(args[5]) + int(args[6])
         if k.startswith("kvtier_kvp_score_"):   # the features and both hidden layers
             assert shared_mem == 4 * (2 * int(args[7]) + int(args[8]) + 2 * int(args[9]))
         if k.startswith("kvtier_rank_pages_"):   # the layout the kernel makes, within a block's default share
@@ -663,6 +700,7 @@ def replayed_kernels(monkeypatch):
 def test_every_kernel_has_a_signature_to_check_launches_against():
     sigs = _signatures()
     assert set(sigs) == {"kvtier_gather_pages", "kvtier_scatter_pages", "kvtier_recall_pages", "kvtier_pack_entries",
+                         "kvtier_move_entries",
                          "kvtier_plan_recall",
                          "kvtier_code_logits",
                          "kvtier_page_upper_bounds_f32", "kvtier_page_upper_bounds_f16",
@@ -674,7 +712,7 @@ def test_every_kernel_has_a_signature_to_check_launches_against():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_ops_launch_each_kernel_with_arguments_that_give_the_twins_result(replayed_kernels, dtype):
+def test_ops_launch_each_kernel_with_arguments_that_give_the_twins_result(replayed_kernels, monkeypatch, dtype):
     s = _storage(5, 3, (16, 64), dtype, seed=10)
     rows = np.array([14, 2, 7, 7, 0, 11], dtype=np.int64)
     out = torch.full((6, 16, 64), float("nan"), dtype=dtype)
@@ -689,7 +727,17 @@ def test_ops_launch_each_kernel_with_arguments_that_give_the_twins_result(replay
     pool.stage(k, k, torch.arange(40).expand(2, 40))
     pool.commit(40, torch.zeros(2, 40))
     idx = torch.tensor([[0, 17, 33, 39], [5, 16, 20, 38]])
-    assert torch.equal(_bits(native.pack_entries(pool.k, idx)), _bits(pool.take(idx)[0]))
+    assert torch.equal(_bits(native.pack_entries(pool.k, idx)), _bits(twins.pack_entries(pool.k, idx)))
+    twin = DevicePool(2, 64, dtype, torch.device("cpu"), 16)
+    twin.stage(k, k, torch.arange(40).expand(2, 40))
+    twin.commit(40, torch.zeros(2, 40))
+    pool.remove(idx)                                   # the moves replayed as the kernel makes them
+    with monkeypatch.context() as m:
+        m.setattr(ops, "_why_not", lambda device, tensors: "twin")
+        twin.remove(idx)
+    every = torch.arange(pool.count).expand(2, -1)   # the entries left (the slabs past them hold nothing)
+    for a, b in zip((pool.k, pool.v, pool.pos, pool.score), (twin.k, twin.v, twin.pos, twin.score)):
+        assert torch.equal(_bits(twins.pack_entries(a, every)), _bits(twins.pack_entries(b, every)))
 
     H, D = 2, 64
     index = PageIndex(H, 16, D, dtype, torch.device("cpu"), pages_per_slab=4)
@@ -707,7 +755,7 @@ def test_ops_launch_each_kernel_with_arguments_that_give_the_twins_result(replay
     # the slab storages under the pool and the index took the kernel path too (their writes were replayed)
     suffix = _SUFFIX[dtype]
     ran = [name for name, _, _ in replayed_kernels]
-    assert set(ran) == {"kvtier_gather_pages", "kvtier_scatter_pages", "kvtier_pack_entries",
+    assert set(ran) == {"kvtier_gather_pages", "kvtier_scatter_pages", "kvtier_pack_entries", "kvtier_move_entries",
                         f"kvtier_page_upper_bounds_{suffix}", "kvtier_code_logits"}
     assert ran.count(f"kvtier_page_upper_bounds_{suffix}") == len(spans) == 3
 
@@ -758,8 +806,18 @@ def test_plan_recall_launch_gives_the_twins_plan(replayed_kernels):
             assert got.held_after is table
             for a, b in zip(got, expect):
                 assert torch.equal(a, b)
-    # four launches a shape (the last, w = 0, has nothing to launch)
-    assert [name for name, _, _ in replayed_kernels] == ["kvtier_plan_recall"] * 8
+    # the first columns of a wider short list, read where they are (no copy made of them)
+    wide = torch.stack([torch.randperm(20, generator=g)[:9] for _ in range(3)])
+    slots = torch.stack([torch.randperm(20, generator=g)[:8] for _ in range(3)])
+    copied = []
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(ops, "_as", lambda t, dtype, _as=ops._as: copied.append(t.data_ptr()) or _as(t, dtype))
+        got = native.plan_recall(wide[:, :5], slots, 20)
+    assert wide.data_ptr() not in copied
+    for a, b in zip(got, twins.plan_recall(wide[:, :5].contiguous(), slots, 20)):
+        assert torch.equal(a, b)
+    # four launches a shape (the second to last, w = 0, has nothing to launch), and the wide one
+    assert [name for name, _, _ in replayed_kernels] == ["kvtier_plan_recall"] * 9
     with pytest.raises(ValueError, match="contiguous int64 held"):
         native.plan_recall(want, held.int(), pages, in_place=True)
 
