@@ -3,15 +3,19 @@
 Where recall is planned on the device and the native kernels choose pages and attend, a decode step's
 attention is a fixed run of launches: the device pool attended in one pass (`attend_slabs`, the count read on
 the device), the bounds of every demoted page, their top-k and ranking, the recall plan and its copy, and the
-recalled pages attended where the buffer holds them, merged with the pool's part (`attend_pages`). That run is
-split here from the host's bookkeeping around it:
+recalled pages attended where the buffer holds them, merged with the pool's part (`attend_pages`). Where the
+scorer's work is launches only too (`scoring.capturable`), the step's write joins the run: `write` leaves the
+new entry's scoring and staging to it, so the run begins with them (the scores, the NaN check's running
+maximum, the three copies into the pool at the count it keeps on the device) and ends with the score's
+commit (its copy, and the count moved on on the device). That run is split here from the host's bookkeeping
+around it:
 
 - before it, on the host: the recall buffer made or kept, the prefetch queued into it waited for on the device,
   the host slots' mirror and the slabs' address tables made (so the run itself allocates nothing it must
   read later, and reads nothing back);
 - the run itself, `_decode_launches`: launches only, no host state changed, so that a CUDA graph may replay
   it (`kvtier.engine.graphs`);
-- after it, on the host: the step's choice noted, the counters, the events that say the pinned storages are
+- after it, on the host: the step's choice noted, the pool's count (in `commit`), the counters, the events that say the pinned storages are
   being read, and the prefetch of the next-ranked pages on the side stream (it overlaps the other layers'
   compute, which a graph replayed on the step's stream could not).
 
@@ -27,6 +31,7 @@ import torch
 
 from .. import native
 from ..recall import grouped, select_pages
+from ..scoring import checked_scores
 from .attention import finish_with_lse, merge_with_lse, sink_part
 
 
@@ -44,20 +49,30 @@ class DeviceDecoding:
     def _decode_on_device(self, query: torch.Tensor, scale: float, sinks: torch.Tensor | None) -> torch.Tensor:
         """A decode step's attention over the device entries, its own token and the recalled pages:
         ``[1, 1, q_heads, dim]`` in the query's dtype (the graph's own tensor where one was replayed: read it
-        within the step)."""
+        within the step). Where `write` left it the step's scoring and staging (`_writes_in_attention`), they
+        run here first, and the step's score is committed on the device after, in the same run of launches."""
+        p = self.pending
         r = min(self.cfg.recall_pages, self.index.n)
         buf = self._recall_buffer(r, on_device=True)
         self._await_prefetch()
         sources = self._sources()
         spare = buf.pages > r
+        writes = not p.staged
+        if writes and self._nan_buf is None:   # the NaN check's running maximum, kept from step to step
+            self._nan_buf = torch.full((self.heads, 1), float("-inf"), device=self.device)
         run = (scale, sinks, buf, sources, spare, self.pool.counted(1), self.pool.addresses(),
-               self.index.bounds.addresses(self.device), self.index.codes.addresses(self.device))
+               self.index.bounds.addresses(self.device), self.index.codes.addresses(self.device),
+               p.pos if writes else None)
+        inputs = (query, p.k, p.v) if writes else (query,)
         try:
-            out, ids, shortlist = self.graphs.run(lambda: self._decode_key(query, run), (query,),
-                                                  lambda q: self._decode_launches(q, *run))
+            out, ids, shortlist = self.graphs.run(lambda: self._decode_key(inputs, run), inputs,
+                                                  lambda *given: self._decode_launches(run, *given))
         except BaseException:   # the table may name pages whose copy never ran: the next step starts a new buffer
             self._forget_recalled()
             raise
+        if writes:   # the host's part of what the launches did: scored and staged, the score committed
+            self._nan = self._nan_buf
+            p.staged = p.placed = True
         self.last_recall = ids
         self.counters.recall_steps += 1
         self.index.note_reads()
@@ -66,13 +81,19 @@ class DeviceDecoding:
             self._prefetch(buf, shortlist[:, :buf.pages])
         return out
 
-    def _decode_launches(self, query: torch.Tensor, scale: float, sinks: torch.Tensor | None, buf: Any,
-                         sources: tuple, spare: bool, counted: tuple[torch.Tensor, int], pool_addresses: Any,
-                         *index_addresses: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The step's launches: ``(attention out, chosen pages, short list)``. Reads the engine's storages, writes
-        the recall buffer and the device counters, and changes no host state (the addresses are made by the
-        caller; they are passed only to say what the run reads)."""
+    def _decode_launches(self, run: tuple, query: torch.Tensor, k: torch.Tensor | None = None,
+                         v: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step's launches: ``(attention out, chosen pages, short list)``. With the step's keys and values,
+        first their scores, the NaN check's running maximum and their staging in the pool, and last the score's
+        commit. Reads the engine's storages, writes the pool, the recall buffer and the device counters, and
+        changes no host state (the addresses are made by the caller; they are passed only to say what the run
+        reads)."""
+        scale, sinks, buf, sources, spare, counted, pool_addresses, _, _, positions = run
         H = self.heads
+        if k is not None:
+            score = checked_scores(self.scorer, k, v, positions, self.layer_idx, check_nan=False)[0]
+            torch.maximum(self._nan_buf, score, out=self._nan_buf)
+            self.pool.stage(k, v, positions.expand(H, 1))
         packed = query.reshape(H, query.shape[1] // H, query.shape[3])
         out, lse = native.attend_slabs(packed, self.pool.k, self.pool.v, self.pool.count + 1, scale,
                                        addresses=pool_addresses, counted=counted)
@@ -88,18 +109,27 @@ class DeviceDecoding:
         whole = parts[0] if len(parts) == 1 else merge_with_lse(parts, kernels=True)
         out, lse = native.attend_pages(packed, buf.k, buf.v, plan.where, self.cfg.page_size, scale,
                                        whole=(whole[0][0], whole[1][0]))
+        if k is not None:
+            self.pool.commit_launches(score)
         return finish_with_lse([(out[None], lse[None])], query)[0], ids, shortlist
 
-    def _decode_key(self, query: torch.Tensor, run: tuple) -> tuple:
-        """Every address and scalar `_decode_launches` bakes into its launches, for `run` (its arguments): two
-        steps with the same key issue the same launches."""
-        scale, sinks, buf, sources, spare, (at, base), pool_addresses, bounds_at, codes_at = run
+    def _decode_key(self, inputs: tuple[torch.Tensor, ...], run: tuple) -> tuple:
+        """Every address and scalar `_decode_launches` bakes into its launches, for `run` (its arguments) and
+        `inputs` (copied into a graph's own buffers: their shapes only): two steps with the same key issue the
+        same launches."""
+        scale, sinks, buf, sources, spare, (at, base), pool_addresses, bounds_at, codes_at, positions = run
         pool, index, host = self.pool, self.index, self.host
+        writes = ()
+        if positions is not None:   # the step's entry: where it goes, its score, the scorer, the NaN check
+            s = pool.count // pool.slab_tokens
+            writes = (_where(positions), id(self.scorer), _where(self._nan_buf), s, _where(pool.k[s]),
+                      _where(pool.v[s]), _where(pool.pos[s]), _where(pool.score[s]),
+                      (pool.count + 1) % pool.slab_tokens != 0)
         return (
-            tuple(query.shape), query.stride(), query.dtype, scale, _where(sinks), spare,   # copied in: no address
+            *((tuple(t.shape), t.stride(), t.dtype) for t in inputs), scale, _where(sinks), spare,   # copied in
             # the device pool: its slabs, their address tables, where the count is kept and the slab it is in
             len(pool.k), _where(pool.k[0]), _where(pool.v[0]), *(_where(t) for t in pool_addresses or ()),
-            _where(at), base,
+            _where(at), base, writes,
             # the recall index: how many pages, its slabs and their address tables
             index.n, index.uses_kernels, len(index.bounds.slabs), len(index.codes.slabs),
             _where(index.bounds.slabs[0]), _where(index.codes.slabs[0]), _where(bounds_at), _where(codes_at),

@@ -22,7 +22,8 @@ from ..placement import page_rank, plan_device_demotion, plan_host_overflow, pro
 from ..placement.page_table import DISK, HOST, PageTable
 from ..recall import PageIndex, grouped, select_pages
 from ..recall.buffer import RecallBuffer
-from ..scoring import QueryScorer, Scorer, checked_scores, nan_error, needs_query, ranking_scores, scorer_name
+from ..scoring import (QueryScorer, Scorer, capturable, checked_scores, nan_error, needs_query, ranking_scores,
+                       scorer_name)
 from ..tiers.device import DevicePool
 from ..tiers.host import HostPool
 from ..tiers.readahead import DiskReadAhead
@@ -45,8 +46,12 @@ class _Pending:
     k: torch.Tensor          # [1, heads, q, dim]
     v: torch.Tensor
     pos: torch.Tensor        # [q]; a decode step's is rewritten by the next step (`SharedResources.positions`)
-    score: torch.Tensor | None  # [heads, q]; None until attention for scorers that need the query
+    start: int               # the first position
+    score: torch.Tensor | None = None   # [heads, q]; None until scored (after attention, for scorers that need
+                                        # the query)
     masked: torch.Tensor | None = None   # [q] bool: padding no query attends; dropped at commit
+    staged: bool = False     # scored (unless the scorer needs the query) and staged in the device pool
+    placed: bool = False     # a decode step's score committed on the device too (`_decode_on_device`)
 
 
 class _Landing:
@@ -97,6 +102,9 @@ class LayerEngine(PageFetching, DeviceDecoding):
         self._nan: torch.Tensor | None = None
         self._nan_buf: torch.Tensor | None = None
         self.defer_nan: bool | None = None              # defer the NaN check (None: on CUDA)
+        # a decode step's scoring and staging done by its attention, with the rest of its device work, so that a
+        # CUDA graph captures them too (None: wherever `_writes_in_attention` allows; False: never)
+        self.write_in_attention: bool | None = None
         # capture decode steps' device work as CUDA graphs and replay them (`engine.graphs`; read when the layer
         # takes its first step)
         self.cuda_graphs = config.cuda_graphs
@@ -163,18 +171,48 @@ class LayerEngine(PageFetching, DeviceDecoding):
             self.restore()
         q = k.shape[2]
         positions = self.shared.positions(self.seen, q, k.device)   # the same tensor for every layer
-        score = None  # scored after attention, with the query, by attention-based scorers
-        if not needs_query(self.scorer):
-            score = self._checked(checked_scores(self.scorer, k, v, positions, self.layer_idx,
-                                                 check_nan=not self._defer_nan()))
-        self.pool.stage(k, v, positions.expand(self.heads, q))
-        self.pending = _Pending(k, v, positions, score)
+        self.pending = p = _Pending(k, v, positions, self.seen)
+        if self._writes_in_attention(k):
+            # scored and staged by the step's attention (`_decode_on_device`), in the work a graph may replay;
+            # nothing reads the new entry before then (the step recalls, so the model's own attention does not run)
+            self.pool.ensure(self.pool.count + q)
+            self.seen += q
+            return self.pool.placeholder(self.pool.count + q)
+        try:
+            self._stage(p)
+        except BaseException:
+            self.pending = None
+            raise
         self.seen += q
         if self.recalls() and self.pool.count + q > self.pool.slab_tokens:
             # the split attention reads the slabs where they are: what this returns is only claimed by it, so
             # no copy of the whole device tier is made every step (views of the right shape, not the entries)
             return self.pool.placeholder(self.pool.count + q)
         return self.pool.contiguous(self.pool.count + q)
+
+    def _writes_in_attention(self, k: torch.Tensor) -> bool:
+        """Whether this decode step's scoring and staging wait for its attention (`_decode_on_device`): where that
+        attention runs on the device with recall (the pages chosen and recalled by the kernels), and the scorer
+        and the NaN check are launches only. The step's attention does them, or `_stage` at the latest."""
+        if self.write_in_attention is False or k.shape[2] != 1 or k.dtype != self.pool.dtype:
+            return False
+        return (self.table.n > 0 and self.cfg.recall_pages > 0 and self.cfg.mode == "tier"
+                and self.index.uses_kernels and self.recalls_on_device() and self._defer_nan()
+                and capturable(self.scorer))
+
+    def _stage(self, p: _Pending) -> None:
+        """Score the pending tokens (unless the scorer needs the query) and stage them in the device pool, once."""
+        if p.staged:
+            return
+        q = p.k.shape[2]
+        pos = p.pos
+        if q == 1 and not self.shared.holds_positions(p.start, q, self.device):
+            pos = torch.full((1,), p.start, dtype=torch.int64, device=self.device)   # a later step's was written
+        if not needs_query(self.scorer):
+            p.score = self._checked(checked_scores(self.scorer, p.k, p.v, pos, self.layer_idx,
+                                                   check_nan=not self._defer_nan()))
+        self.pool.stage(p.k, p.v, pos.expand(self.heads, q))
+        p.pos, p.staged = pos, True
 
     @property
     def stored(self) -> int:
@@ -222,6 +260,7 @@ class LayerEngine(PageFetching, DeviceDecoding):
         if q_len == 1 and not weights and self._pool_kernels(query, softcap) and self.recalls_on_device():
             # a decode step whose attention and recall are launches only (a CUDA graph can replay them)
             return self._decode_on_device(query, scale, sinks), None
+        self._stage(p)
         outs, maps = [], []
         for b0 in range(0, q_len, QUERY_BLOCK):
             block = query[:, :, b0:b0 + QUERY_BLOCK]
@@ -306,6 +345,12 @@ class LayerEngine(PageFetching, DeviceDecoding):
         if p is None:
             return
         q = p.k.shape[2]
+        if p.placed:   # a decode step whose attention committed its score on the device: the host's part
+            self.pending = None
+            self.pool.note_commit()
+            self._demote()
+            return
+        self._stage(p)   # a write left to an attention that did not run through kvtier
         if p.score is None:
             if query is None:  # the step stays pending: nothing is lost
                 raise ScorerError(f"scorer {scorer_name(self.scorer)!r} needs the attention "

@@ -80,6 +80,12 @@ class SharedResources:
             last = self._positions = (start, n, device, pos)
         return last[3]
 
+    def holds_positions(self, start: int, n: int, device: torch.device) -> bool:
+        """Whether the tensor `positions` last gave holds ``arange(start, start + n)`` on `device` still (a decode
+        step's is written over by the next step's)."""
+        last = self._positions
+        return last is not None and last[:3] == (start, n, device)
+
     def private_dir(self, *, validate: bool = False) -> str:
         """The cache's private folder (made on first use, removed on close).
 

@@ -138,6 +138,14 @@ def needs_query(scorer: object) -> bool:
     return marker
 
 
+def capturable(scorer: object) -> bool:
+    """Whether `scorer` may be scored inside a captured decode step (a CUDA graph replays its launches and skips
+    its Python): it scores from key, value and position, reads nothing back to the host, and keeps no host state
+    that a replay skipping its Python would leave wrong (a memo it checks before use is fine). Read from the
+    ``capturable`` marker, which a scorer sets to True only when all of that holds; absent, it is False."""
+    return getattr(scorer, "capturable", False) is True and not needs_query(scorer)
+
+
 def check_scorer_model(scorer: object, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
     """Let a `ModelBound` scorer refuse a model of another shape; every other scorer fits any model."""
     if isinstance(scorer, ModelBound):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,7 @@ class KeyDiffScorer:
     """
 
     name: str = "keydiff"
+    capturable: ClassVar[bool] = True   # the new keys against their mean: launches only (`scoring.capturable`)
 
     def score(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
               layer_idx: int) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -15,6 +16,7 @@ class KeyNormScorer:
     """
 
     name: str = "keynorm"
+    capturable: ClassVar[bool] = True   # one norm of the new keys: launches only (`scoring.capturable`)
 
     def score(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
               layer_idx: int) -> torch.Tensor:

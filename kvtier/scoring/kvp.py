@@ -13,7 +13,7 @@ import weakref
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -95,6 +95,10 @@ class KVPScorer:
     path: str | None = None
     model: str = "SmolLM2-135M-Instruct"
     name: str = "kvp"
+    # launches only (`scoring.capturable`): the position features it keeps are a memo, checked against the
+    # positions tensor's version before use and written in place, so a replay that skips its Python reads or
+    # rewrites the same tensor
+    capturable: ClassVar[bool] = True
     agents: KVPAgents = field(init=False, repr=False)
     meta: dict[str, Any] = field(init=False, repr=False)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -23,6 +24,7 @@ class RecencyScorer:
 
     sink_tokens: int = 4
     name: str = "recency"
+    capturable: ClassVar[bool] = True   # a function of the positions: launches only (`scoring.capturable`)
 
     def __post_init__(self) -> None:
         if isinstance(self.sink_tokens, bool) or not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:

@@ -46,7 +46,9 @@ class DevicePool:
     def capacity(self) -> int:
         return len(self.k) * self.slab_tokens
 
-    def _ensure(self, n: int) -> None:
+    def ensure(self, n: int) -> None:
+        """Room for `n` entries, slabs added as needed (a step whose staging is a captured launch makes its room
+        first)."""
         S, H = self.slab_tokens, self.heads
         while self.capacity < n:
             try:
@@ -72,7 +74,7 @@ class DevicePool:
 
     def stage(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
         """Put a step's new tokens after the committed entries (not committed yet)."""
-        self._ensure(self.count + k.shape[2])
+        self.ensure(self.count + k.shape[2])
         if k.shape[2] != 1:
             self._write(self.count, k, v, pos)
             return
@@ -100,11 +102,9 @@ class DevicePool:
     def commit(self, q: int, score: torch.Tensor) -> None:
         """Make the `q` staged tokens committed entries, with their scores ``[heads, q]``."""
         if q == 1:   # a decode step: at its place, then the place moves on, on the device, within the slab
-            self.score[self.count // self.slab_tokens].index_copy_(1, self.at(), score.float())
-            self.count += 1
-            if self.count % self.slab_tokens:
-                self._at.add_(1)
-                self._at_holds += 1
+            self.at()
+            self.commit_launches(score)
+            self.note_commit()
             return
         S, done = self.slab_tokens, 0
         while done < q:
@@ -113,6 +113,20 @@ class DevicePool:
             self.score[s][:, off:off + n].copy_(score[:, done:done + n])
             done += n
         self.count += q
+
+    def commit_launches(self, score: torch.Tensor) -> None:
+        """A decode step's commit on the device, launches only (a captured step replays them): its score
+        ``[heads, 1]`` at its place, and the place moved on unless the step fills the slab. `at()` must hold the
+        count already; `note_commit` then does the host's part."""
+        self.score[self.count // self.slab_tokens].index_copy_(1, self._at, score.float())
+        if (self.count + 1) % self.slab_tokens:
+            self._at.add_(1)
+
+    def note_commit(self) -> None:
+        """The host's part of a decode step's commit, after `commit_launches`: the count, and what `_at` holds."""
+        self.count += 1
+        if self.count % self.slab_tokens:
+            self._at_holds += 1
 
     def addresses(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The key and value slabs' addresses for `kvtier.native.attend_slabs`, kept until a slab is added
@@ -210,7 +224,7 @@ class DevicePool:
     def replace(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, score: torch.Tensor) -> None:
         """Make ``k, v`` ``[heads, n, dim]`` (with ``pos, score`` ``[heads, n]``) the committed entries."""
         n = k.shape[1]
-        self._ensure(n)
+        self.ensure(n)
         self._write(0, k[None], v[None], pos)
         self.count = 0
         self.commit(n, score)

@@ -514,7 +514,7 @@ def test_attend_slabs_kernel_is_the_twin(kernels, dtype, heads, rows, dim, count
     pool = DevicePool(heads, dim, dtype, kernels, 4096)
     k = torch.randn(1, heads, count, dim, generator=g).to(dtype).to(kernels)
     v = torch.randn(1, heads, count, dim, generator=g).to(dtype).to(kernels)
-    pool._ensure(count + 4096)   # a slab past the entries, never read
+    pool.ensure(count + 4096)   # a slab past the entries, never read
     for s in (*pool.k, *pool.v):
         s.view(torch.uint8).fill_(0xFF)
     pool._write(0, k, v, torch.zeros(heads, count, dtype=torch.int64, device=kernels))
@@ -544,7 +544,7 @@ def test_attend_slabs_reading_its_count_on_the_device_is_the_twin(kernels, dtype
     g = torch.Generator().manual_seed(5)
     H, R, D = 8, 4, 128
     pool = DevicePool(H, D, dtype, kernels, 4096)
-    pool._ensure(3 * 4096)
+    pool.ensure(3 * 4096)
     for s in (*pool.k, *pool.v):
         s.view(torch.uint8).fill_(0xFF)
     k = torch.randn(1, H, 9000, D, generator=g).to(dtype).to(kernels)
@@ -564,7 +564,7 @@ def test_attend_slabs_reading_its_count_on_the_device_is_the_twin(kernels, dtype
 def test_attend_slabs_waits_for_the_writes_before_it_on_its_stream(kernels):
     """A pool written on a side stream, then attended on it after a long op: the kernel sees the new entries."""
     pool = DevicePool(8, 128, torch.bfloat16, kernels, 4096)
-    pool._ensure(8192)
+    pool.ensure(8192)
     side = torch.cuda.Stream(kernels)
     k = torch.randn(1, 8, 8000, 128, device=kernels).to(torch.bfloat16)
     v = torch.randn_like(k)

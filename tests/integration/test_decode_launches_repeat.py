@@ -259,7 +259,10 @@ def test_decode_steps_with_one_graph_key_issue_the_same_launches(default_model, 
 
         def recorded(*args):
             before = _host_state(engine)
-            recorder[0] = StepRecorder({inputs[0].untyped_storage().data_ptr(): "query"})
+            # the step's inputs, copied into a graph's fixed buffers before a replay: the query, and the keys and
+            # values where the step's write is part of the work
+            recorder[0] = StepRecorder({t.untyped_storage().data_ptr(): name
+                                        for t, name in zip(inputs, ("query", "keys", "values"))})
             inside[0] = True
             try:
                 with recorder[0]:
@@ -292,6 +295,9 @@ def test_decode_steps_with_one_graph_key_issue_the_same_launches(default_model, 
     for (layer, key), steps in by_key.items():
         first = steps[0]
         assert first, f"layer {layer}: a step without launches"
+        # the step's write is in the work: its scores, and its entry's three copies into the pool and its score's
+        ops = Counter(x[0] for x in first)
+        assert ops["kvp_score"] == 1 and ops["index_copy_"] == 4, (layer, ops)
         for n, launches in steps.items():
             assert [x[:2] for x in launches] == [x[:2] for x in first], f"layer {layer}: other launches, one key"
             assert launches == first, (f"layer {layer}, one key: launches differ",

@@ -40,9 +40,9 @@ def test_the_gpu_decode_path_answers_as_the_cpu_path(default_model):
     runs = []
     for gpu_path in (False, True):
         cache = TieredCache(model.config, device_budget=0.1, recall_pages=8)
-        if gpu_path:
+        if gpu_path:   # the NaN check deferred too, as on CUDA: a decode step's write then joins its attention
             for engine in cache._engines:
-                engine.device_recall = engine.select_kernels = True
+                engine.device_recall = engine.select_kernels = engine.defer_nan = True
                 engine.scorer.native_score = True
         native.reset_stats()
         try:
@@ -85,3 +85,44 @@ def test_the_gpu_decode_path_runs_under_inference_mode(default_model):
             cache.close()
     assert runs[0][0] == runs[1][0] and runs[1][2] > 0
     torch.testing.assert_close(runs[0][1], runs[1][1], rtol=0, atol=0)
+
+
+def test_a_decode_step_written_by_its_attention_equals_one_written_before_it(default_model, monkeypatch):
+    """On the GPU's path a decode step's scoring and staging wait for its attention, so that the launches a CUDA
+    graph replays hold them too (`LayerEngine.write_in_attention`). Moved there, they give the same bits: the
+    same tokens, logits, scores and pool as a step written before its attention, over steps that demote."""
+    from kvtier.engine.layer import LayerEngine
+
+    model, tok = default_model
+    task = make_needle_task(tok, 900, depth=0.5, seed=7)
+    written_by_attention = []
+    launches = LayerEngine._decode_launches
+
+    def spy(self, run, query, k=None, v=None):
+        written_by_attention.append(k is not None)
+        return launches(self, run, query, k, v)
+
+    monkeypatch.setattr(LayerEngine, "_decode_launches", spy)
+    runs = []
+    for later in (None, False):
+        cache = TieredCache(model.config, device_budget=0.1, recall_pages=4)
+        for engine in cache._engines:
+            engine.device_recall = engine.select_kernels = engine.defer_nan = True
+            engine.scorer.native_score = True
+            engine.write_in_attention = later
+        written_by_attention.clear()
+        try:
+            tokens, logits = _decode(model, task.input_ids, cache)
+            pools = [(e.pool.count, *e.pool.meta()) for e in cache._engines]
+            runs.append((tokens, logits, pools, cache.stats(), list(written_by_attention)))
+        finally:
+            cache.close()
+    (tokens, logits, pools, stats, by_attention), (tokens0, logits0, pools0, stats0, by_attention0) = runs
+    assert all(by_attention) and len(by_attention) == STEPS * len(model.model.layers)
+    assert not any(by_attention0) and len(by_attention0) == len(by_attention)
+    assert tokens == tokens0 and stats["pages_recalled"] == stats0["pages_recalled"] > 0
+    assert stats["bytes_moved"] == stats0["bytes_moved"] and stats["bytes_moved"]["device_to_host"] > 0
+    for a, b in zip(logits, logits0):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for (n, pos, score), (n0, pos0, score0) in zip(pools, pools0):
+        assert n == n0 and torch.equal(pos, pos0) and torch.equal(score, score0)

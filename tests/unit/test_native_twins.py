@@ -919,7 +919,7 @@ def test_attend_slabs_launches_give_the_twins_attention(replayed_kernels, dtype,
 
     g = torch.Generator().manual_seed(count + chunk)
     pool = DevicePool(3, 16, dtype, torch.device("cpu"), 64)
-    pool._ensure(count)
+    pool.ensure(count)
     pool._write(0, torch.randn(1, 3, count, 16, generator=g).to(dtype),
                 torch.randn(1, 3, count, 16, generator=g).to(dtype), torch.zeros(3, count, dtype=torch.int64))
     q = torch.randn(12, 16, generator=g).to(dtype).reshape(3, 4, 16)
@@ -942,7 +942,7 @@ def test_attend_slabs_reading_the_count_on_the_device_launches_alike_for_every_c
 
     g = torch.Generator().manual_seed(21)
     pool = DevicePool(3, 16, dtype, torch.device("cpu"), 64)
-    pool._ensure(150)   # three slabs
+    pool.ensure(150)   # three slabs
     pool._write(0, torch.randn(1, 3, 150, 16, generator=g).to(dtype),
                 torch.randn(1, 3, 150, 16, generator=g).to(dtype), torch.zeros(3, 150, dtype=torch.int64))
     q = torch.randn(3, 4, 16, generator=g).to(dtype)

@@ -26,7 +26,7 @@ def _pool(H: int, D: int, entries: int, device: torch.device, seed: int) -> Devi
     """A pool of `entries` random bf16 keys and values in the engine's slabs, the last one part-filled."""
     pool = DevicePool(H, D, torch.bfloat16, device, SLAB_TOKENS)
     g = torch.Generator(device=device).manual_seed(seed)
-    pool._ensure(entries)
+    pool.ensure(entries)
     for start in range(0, entries, SLAB_TOKENS):
         n = min(SLAB_TOKENS, entries - start)
         k = torch.randn(1, H, n, D, generator=g, device=device).to(torch.bfloat16)
