@@ -25,8 +25,6 @@ the same key issue the same launches (`tests/integration/test_decode_launches_re
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from .. import native
