@@ -194,10 +194,26 @@ def _decode_logits(model, cache, ids, steps):
     return torch.stack(seen)
 
 
-def test_decode_steps_replayed_from_cuda_graphs_equal_eager_ones(cuda_device):
-    """Decode steps whose attention and recall are replayed from CUDA graphs (captured per layer and state,
-    again after each demotion) give the same logits, bit for bit, as the same steps run eagerly, over enough
-    steps for several demotions and recaptures; most steps are replays, and no capture failed."""
+def _random_kvp(model):
+    """A KVP scorer with random networks for `model`'s shape (the shipped weights fit the default model only)."""
+    from kvtier.scoring.kvp import KVPAgents, KVPScorer
+
+    cfg = model.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    torch.manual_seed(3)
+    agents = KVPAgents(cfg.num_hidden_layers * cfg.num_key_value_heads, head_dim, hidden=16)
+    meta = {"model": "random", "num_layers": cfg.num_hidden_layers, "num_kv_heads": cfg.num_key_value_heads,
+            "head_dim": head_dim}
+    return KVPScorer.from_agents(agents, meta)
+
+
+@pytest.mark.parametrize("scorer", ["keynorm", "kvp"])
+def test_decode_steps_replayed_from_cuda_graphs_equal_eager_ones(cuda_device, scorer):
+    """Decode steps whose work (the write, attention and recall) is replayed from CUDA graphs (captured per
+    layer and state, again after each demotion) give the same logits, bit for bit, as the same steps run
+    eagerly, and as eager steps written before their attention, over enough steps for several demotions and
+    recaptures; most steps are replays, and no capture failed. With KVP too, whose position features are
+    computed by a step's first layer and read by the others."""
     from kvtier import native
 
     if native.kernel_status() is not None:
@@ -205,11 +221,17 @@ def test_decode_steps_replayed_from_cuda_graphs_equal_eager_ones(cuda_device):
     model = _llama(cuda_device)
     ids = _prompt(900, cuda_device)
     runs = {}
-    for on in (False, True):
-        with TieredCache(model.config, device_budget=96, recall_pages=6, prefetch_pages=6, cuda_graphs=on) as cache:
-            runs[on] = (_decode_logits(model, cache, ids, 64), cache.stats()["cuda_graphs"])
-    assert torch.equal(runs[True][0], runs[False][0])
-    eager, graphs = runs[False][1], runs[True][1]
+    for name, graphs, in_attention in (("written before", False, False), ("eager", False, None),
+                                       ("graphs", True, None)):
+        kind = scorer if scorer == "keynorm" else _random_kvp(model)
+        with TieredCache(model.config, device_budget=96, recall_pages=6, prefetch_pages=6, scorer=kind,
+                         cuda_graphs=graphs) as cache:
+            for engine in cache._engines:
+                engine.write_in_attention = in_attention
+            runs[name] = (_decode_logits(model, cache, ids, 64), cache.stats()["cuda_graphs"])
+    assert torch.equal(runs["graphs"][0], runs["eager"][0])
+    assert torch.equal(runs["eager"][0], runs["written before"][0])
+    eager, graphs = runs["eager"][1], runs["graphs"][1]
     assert eager["replays"] == eager["captures"] == 0 and eager["eager_steps"] > 0
     assert graphs["failed"] is None, graphs["failed"]
     assert graphs["captures"] >= 2 * len(model.model.layers), graphs   # recaptured after demotions
