@@ -201,8 +201,11 @@ def count_launches(model: Any, input_ids: torch.Tensor, make_cache: Callable[[],
 @contextlib.contextmanager
 def _work_watched(cache: Any, enter: Callable[[], None], leave: Callable[[], None]) -> Iterator[bool]:
     """`enter()` and `leave()` around each decode step's launches-only work (`kvtier.engine.graphs.StepGraphs`,
-    what a CUDA graph replays) of `cache`'s layers, put back on leaving; yields whether the cache has any."""
-    graphs = [e.graphs for e in getattr(cache, "_engines", []) if getattr(e, "graphs", None) is not None]
+    what a CUDA graph replays: the step's, and its prefetch's on the side stream) of `cache`'s layers, put back
+    on leaving; yields whether the cache has any."""
+    graphs = [g for e in getattr(cache, "_engines", []) for g in (getattr(e, "graphs", None),
+                                                                   getattr(e, "prefetch_graphs", None))
+              if g is not None]
     for g in graphs:
         def run(key, inputs, work, _run=g.run):
             def watched(*args):

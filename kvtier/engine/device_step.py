@@ -31,13 +31,7 @@ from .. import native
 from ..recall import grouped, select_pages
 from ..scoring import checked_scores
 from .attention import finish_with_lse, merge_with_lse, sink_part
-
-
-def _where(t: torch.Tensor | None) -> tuple | None:
-    """What a launch bakes in of a tensor it reads or writes: its address, shape, strides and dtype."""
-    if t is None:
-        return None
-    return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype
+from .graphs import baked as _where
 
 
 class DeviceDecoding:

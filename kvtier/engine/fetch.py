@@ -22,6 +22,7 @@ from .. import native
 from ..recall.buffer import RecallBuffer
 from ..native import RecallPlan
 from ..recall.device_plan import plan_on_device
+from .graphs import baked
 
 
 class PageFetching:
@@ -87,8 +88,9 @@ class PageFetching:
         """Let the recall buffer go at once (a failed step: the next starts a new one), and the captured step
         that reads it."""
         self.recalled = None
-        if self.graphs is not None:
-            self.graphs.clear()
+        for graphs in (self.graphs, self.prefetch_graphs):
+            if graphs is not None:
+                graphs.clear()
 
     def _fetch_on_device(self, buf: RecallBuffer, ids: torch.Tensor,
                          ranked: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -148,9 +150,17 @@ class PageFetching:
         `buf` on the transfer manager's side stream; the next step's `_fetch_on_device` waits for it."""
         n, counts, sources = self.table.n, self.device_counts, self._sources()
 
+        def launches(want: torch.Tensor) -> tuple:
+            plan = plan_on_device(want, buf.held, n, sources[0], buf.ahead, counts, prefetch=True, in_place=True)
+            self._copy_up(buf, sources, plan, note=False)
+            return ()
+
         def work() -> None:
-            plan = plan_on_device(target, buf.held, n, sources[0], buf.ahead, counts, prefetch=True, in_place=True)
-            self._copy_up(buf, sources, plan)
+            # launches only, so that a CUDA graph may replay them on the side stream (`prefetch_graphs`, a pool of
+            # its own), `target` copied into the graph's input first: the replay then does not depend on where
+            # the step's short list lies
+            self.prefetch_graphs.run(lambda: self._prefetch_key(buf, target, sources, n), (target,), launches)
+            self.host.read_on(self.device)
 
         uses = [target, buf.k, buf.v, buf.held, buf.ahead, counts, *(t for t in sources if t is not None)]
         try:
@@ -158,6 +168,13 @@ class PageFetching:
         except BaseException:   # slots may hold pages `held` does not say: the next step starts a new buffer
             self._forget_recalled()
             raise
+
+    def _prefetch_key(self, buf: RecallBuffer, target: torch.Tensor, sources: tuple, pages: int) -> tuple:
+        """Every address and scalar the prefetch's launches bake in (see `_prefetch`; `target` is copied in)."""
+        host = self.host
+        return (tuple(target.shape), target.stride(), target.dtype, pages, baked(buf.k), baked(buf.v), baked(buf.held), baked(buf.ahead),
+                *(baked(t) for t in sources), len(host.k.slabs), baked(host.k.slabs[0]), baked(host.v.slabs[0]),
+                baked(self.device_counts))
 
     def _host_slots(self) -> torch.Tensor:
         """``[heads, n]`` host slot of every page on the device (-1 elsewhere), rebuilt when the table changed."""

@@ -109,6 +109,7 @@ class LayerEngine(PageFetching, DeviceDecoding):
         # takes its first step)
         self.cuda_graphs = config.cuda_graphs
         self.graphs: StepGraphs | None = None
+        self.prefetch_graphs: StepGraphs | None = None   # the prefetch's launches, replayed on its side stream
         self._masked_positions = np.empty(0, dtype=np.int64)   # padding positions, never stored
         self._unordered: list[int] = []   # demotion copies no device read has been ordered after yet
 
@@ -123,6 +124,7 @@ class LayerEngine(PageFetching, DeviceDecoding):
         self.pool = DevicePool(self.heads, self.head_dim, dtype, device, slab)
         self.device_counts = torch.zeros(4, dtype=torch.int64, device=device)
         self.graphs = StepGraphs(device, self.cuda_graphs, self.shared.graphs)
+        self.prefetch_graphs = StepGraphs(device, self.cuda_graphs, self.shared.graphs)
         if self.cfg.mode == "tier":
             self.index = PageIndex(self.heads, self.cfg.page_size, self.head_dim, dtype, device, self.pin)
             self.index.native_select = self.select_kernels

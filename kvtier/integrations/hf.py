@@ -296,6 +296,7 @@ class TieredCache(OneSequence, Cache):
         ahead = [e.readahead for e in self._engines if e.readahead is not None]
         hits, misses = sum(r.hits for r in ahead), sum(r.misses for r in ahead)
         graphs = [e.graphs for e in self._engines if e.graphs is not None]
+        fetching = [e.prefetch_graphs for e in self._engines if e.prefetch_graphs is not None]
         windows = self._state.windows
         if self._engines:
             seen = self._engines[0].seen
@@ -324,7 +325,11 @@ class TieredCache(OneSequence, Cache):
             # decode steps whose attention and recall ran as launches only: replayed from a captured CUDA graph,
             # or run eagerly; and why capture is off in the cache, if one failed
             "cuda_graphs": {"captures": sum(g.captures for g in graphs), "replays": sum(g.replays for g in graphs),
-                            "eager_steps": sum(g.eager for g in graphs), "failed": self._shared.graphs.failed},
+                            "eager_steps": sum(g.eager for g in graphs), "failed": self._shared.graphs.failed,
+                            # the prefetches' launches, replayed on their side stream likewise
+                            "prefetch": {"captures": sum(g.captures for g in fetching),
+                                         "replays": sum(g.replays for g in fetching),
+                                         "eager": sum(g.eager for g in fetching)}},
             "tokens_dropped": c.tokens_dropped,
             "tokens_masked": c.tokens_masked,
             "transfer_wait_seconds": wait,

@@ -236,6 +236,8 @@ def test_decode_steps_replayed_from_cuda_graphs_equal_eager_ones(cuda_device, sc
     assert graphs["failed"] is None, graphs["failed"]
     assert graphs["captures"] >= 2 * len(model.model.layers), graphs   # recaptured after demotions
     assert graphs["replays"] > graphs["eager_steps"], graphs
+    # the prefetches' launches are replayed on their side stream too
+    assert eager["prefetch"]["replays"] == 0 and graphs["prefetch"]["replays"] > graphs["prefetch"]["eager"], graphs
 
 
 @pytest.mark.parametrize("case", ["reset", "narrow"])
@@ -299,6 +301,7 @@ def test_prefetch_on_a_delayed_side_stream_into_poisoned_slots(cuda_device, monk
     assert torch.equal(got, want)
     assert s["prefetch"]["pages"] > 0 and s["prefetch"]["used"] > 0
     assert (s["cuda_graphs"]["replays"] > 0) == graphs, s["cuda_graphs"]
+    assert (s["cuda_graphs"]["prefetch"]["replays"] > 0) == graphs, s["cuda_graphs"]   # replayed behind the sleep
 
 
 @pytest.mark.parametrize("impl", ["flash_attention_2", "flash_attention_3"])

@@ -224,8 +224,8 @@ def _host_state(engine: LayerEngine) -> dict:
 
 def test_decode_steps_with_one_graph_key_issue_the_same_launches(default_model, monkeypatch):
     """What a captured decode step stands for: every two steps of a layer whose keys (`_decode_key`: the
-    addresses and scalars the step's device work uses) are equal issue the same launches, with the same
-    arguments, at the same addresses; the work reads nothing back to the host and changes no host state (the
+    addresses and scalars the step's device work uses; `_prefetch_key` for its prefetch) are equal issue the
+    same launches, with the same arguments, at the same addresses; the work reads nothing back to the host and changes no host state (the
     bookkeeping stays outside it, so a replay skips none; the events that note reads of pinned memory are
     recorded after it, never in it). On the CPU the work runs eagerly, as it would on a
     GPU where no graph is captured; every step is compared, demoting ones included."""
@@ -254,15 +254,15 @@ def test_decode_steps_with_one_graph_key_issue_the_same_launches(default_model, 
         monkeypatch.setattr(owner, name, outside_only(getattr(owner, name)))
 
     def watched(self, key, inputs, work):
-        engine = next(e for e in cache._engines if e.graphs is self)
-        k = key()
+        engine = next(e for e in cache._engines if self in (e.graphs, e.prefetch_graphs))
+        k = ("step" if self is engine.graphs else "prefetch", key())
 
         def recorded(*args):
             before = _host_state(engine)
-            # the step's inputs, copied into a graph's fixed buffers before a replay: the query, and the keys and
-            # values where the step's write is part of the work
-            recorder[0] = StepRecorder({t.untyped_storage().data_ptr(): name
-                                        for t, name in zip(inputs, ("query", "keys", "values"))})
+            # the inputs, copied into a graph's fixed buffers before a replay: the query, and the keys and values
+            # where the step's write is part of the work; the pages a prefetch brings up
+            names = ("query", "keys", "values") if k[0] == "step" else ("pages to prefetch",)
+            recorder[0] = StepRecorder({t.untyped_storage().data_ptr(): name for t, name in zip(inputs, names)})
             inside[0] = True
             try:
                 with recorder[0]:
@@ -291,18 +291,22 @@ def test_decode_steps_with_one_graph_key_issue_the_same_launches(default_model, 
         cache.close()
 
     assert not reads, reads
-    repeated = 0
+    repeated, keys = Counter(), Counter()
     for (layer, key), steps in by_key.items():
         first = steps[0]
         assert first, f"layer {layer}: a step without launches"
-        # the step's write is in the work: its scores, and its entry's three copies into the pool and its score's
         ops = Counter(x[0] for x in first)
-        assert ops["kvp_score"] == 1 and ops["index_copy_"] == 4, (layer, ops)
+        if key[0] == "step":   # the step's write is in it: its scores, its entry's three copies and its score's
+            assert ops["kvp_score"] == 1 and ops["index_copy_"] == 4, (layer, ops)
+        else:                  # the prefetch's: the plan and the copy, launches only
+            assert ops == Counter({"plan_recall": 1, "recall_pages": 1}), (layer, ops)
         for n, launches in steps.items():
             assert [x[:2] for x in launches] == [x[:2] for x in first], f"layer {layer}: other launches, one key"
             assert launches == first, (f"layer {layer}, one key: launches differ",
                                        [(a[:2], a, b) for a, b in zip(first, launches) if a != b][:2])
-        repeated += len(steps) - 1
+        repeated[key[0]] += len(steps) - 1
+        keys[key[0]] += 1
     layers = len(cache._engines)
-    assert repeated >= layers * 10, repeated   # most steps find their key again: a graph would be replayed
-    assert len(by_key) >= layers * 2, len(by_key)   # and demotions gave new keys
+    # most steps and prefetches find their key again (a graph would be replayed), and demotions gave new keys
+    assert repeated["step"] >= layers * 10 and repeated["prefetch"] >= layers * 10, (repeated, keys)
+    assert keys["step"] >= layers * 2 and keys["prefetch"] >= layers, (repeated, keys)

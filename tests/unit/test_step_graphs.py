@@ -54,6 +54,8 @@ def test_without_cuda_the_steps_run_eagerly_with_the_same_output():
     assert torch.equal(runs[True][0], runs[False][0])
     graphs = runs[True][1]
     assert graphs["eager_steps"] > 0 and graphs["captures"] == graphs["replays"] == 0 and graphs["failed"] is None
+    ahead = graphs["prefetch"]
+    assert ahead["eager"] > 0 and ahead["captures"] == ahead["replays"] == 0
     assert runs[False][1]["eager_steps"] == graphs["eager_steps"]
 
 
