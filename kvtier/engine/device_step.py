@@ -15,9 +15,10 @@ around it:
   read later, and reads nothing back);
 - the run itself, `_decode_launches`: launches only, no host state changed, so that a CUDA graph may replay
   it (`kvtier.engine.graphs`);
-- after it, on the host: the step's choice noted, the pool's count (in `commit`), the counters, the events that say the pinned storages are
-  being read, and the prefetch of the next-ranked pages on the side stream (it overlaps the other layers'
-  compute, which a graph replayed on the step's stream could not).
+- after it, on the host: the step's choice noted, the pool's count (in `commit`), the counters, the events that
+  say the pinned storages are being read, and the prefetch of the next-ranked pages on the side stream (its
+  launches replayed there from graphs of their own, `_prefetch`: it overlaps the other layers' compute, which
+  a graph replayed on the step's stream could not).
 
 The key under which a run is captured holds every address and scalar the run's launches use: two steps with
 the same key issue the same launches (`tests/integration/test_decode_launches_repeat.py` holds them to it).

@@ -172,9 +172,9 @@ class PageFetching:
     def _prefetch_key(self, buf: RecallBuffer, target: torch.Tensor, sources: tuple, pages: int) -> tuple:
         """Every address and scalar the prefetch's launches bake in (see `_prefetch`; `target` is copied in)."""
         host = self.host
-        return (tuple(target.shape), target.stride(), target.dtype, pages, baked(buf.k), baked(buf.v), baked(buf.held), baked(buf.ahead),
-                *(baked(t) for t in sources), len(host.k.slabs), baked(host.k.slabs[0]), baked(host.v.slabs[0]),
-                baked(self.device_counts))
+        return (tuple(target.shape), target.stride(), target.dtype, pages,
+                baked(buf.k), baked(buf.v), baked(buf.held), baked(buf.ahead), *(baked(t) for t in sources),
+                len(host.k.slabs), baked(host.k.slabs[0]), baked(host.v.slabs[0]), baked(self.device_counts))
 
     def _host_slots(self) -> torch.Tensor:
         """``[heads, n]`` host slot of every page on the device (-1 elsewhere), rebuilt when the table changed."""

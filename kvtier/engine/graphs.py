@@ -1,25 +1,25 @@
 """A layer's decode-step device work as CUDA graphs: captured once per state it depends on, then replayed.
 
-A decode step's device work in kvtier is some twenty launches a layer, each costing the host its Python,
-checks and dispatch, while the GPU work behind them is small: the step is bound by the host. A CUDA graph
-replays captured launches for the cost of one. It replays exactly what it captured: kernels, shapes,
-addresses and scalar arguments, reading and writing memory at those addresses at replay time. So a graph
-stands for a step wherever every address and scalar the step's launches would use is the one captured: the
-caller says which those are, as a key, and copies the step's inputs (the query, keys and values; the pages a
-prefetch brings up) into the graph's fixed input buffers. The work must read nothing back to the host and change no host state (the caller keeps its
+A decode step's device work in kvtier is some twenty launches a layer, each costing the host its Python, checks
+and dispatch, while the GPU work behind them is small: the step is bound by the host. A CUDA graph replays
+captured launches for the cost of one. It replays exactly what it captured: kernels, shapes, addresses and scalar
+arguments, reading and writing memory at those addresses at replay time. So a graph stands for a step wherever
+every address and scalar the step's launches would use is the one captured: the caller says which those are, as a
+key, and copies the step's inputs (the query, keys and values; the pages a prefetch brings up) into the graph's
+fixed input buffers. The work must read nothing back to the host and change no host state (the caller keeps its
 bookkeeping outside it), and everything it reads outside its inputs must stay allocated where the key says.
 
-A state is captured the second step in a row it is seen (a state that lasts one step is not worth a
-capture), on a side stream, without the synchronisation and cache emptying `torch.cuda.graph` does (a layer
-captures again after each demotion), and replaces the layer's graph before it (a state does not come back: a
-layer's page count only grows). Each layer's graphs draw on a memory pool of their own. A pool shared by every
-layer would hold less, but a graph captured after another may place its outputs where the earlier one keeps
-its temporaries, and a layer's outputs are read after the next layer's replay (the prefetch on its side
-stream copies the short list in, `last_recall` reads the choice): they would be overwritten. A layer's prefetch (its plan and copy, on the side stream) is replayed from graphs
-of its own likewise, with a pool of its own: it runs beside the next layers' work. Within a layer, a replay
-comes only once the step before is done with its outputs (its prefetch is waited for first). A capture that
-fails turns the cache's graphs off for good (logged, the reason kept): the work then runs eagerly, as it does
-wherever graphs are off, on a CPU, or without CUDA.
+A state is captured the second step in a row it is seen (a state that lasts one step is not worth a capture), on a
+side stream, without the synchronisation and cache emptying `torch.cuda.graph` does (a layer captures again after
+each demotion), and replaces the layer's graph before it (a state does not come back: a layer's page count only
+grows). Each layer's graphs draw on a memory pool of their own. A pool shared by every layer would hold less, but
+a graph captured after another may place its outputs where the earlier one keeps its temporaries, and a layer's
+outputs are read after the next layer's replay (the prefetch on its side stream copies the short list in,
+`last_recall` reads the choice): they would be overwritten. A layer's prefetch (its plan and copy, on the side
+stream) is replayed from graphs of its own likewise, with a pool of its own: it runs beside the next layers' work.
+Within a layer, a replay comes only once the step before is done with its outputs (its prefetch is waited for
+first). A capture that fails turns the cache's graphs off for good (logged, the reason kept): the work then runs
+eagerly, as it does wherever graphs are off, on a CPU, or without CUDA.
 """
 
 from __future__ import annotations
