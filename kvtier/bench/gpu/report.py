@@ -81,7 +81,8 @@ def format_report(result: dict[str, Any]) -> str:
         lines.append(f"  {_tokens(row['context'])} kvtier with CUDA graphs: {_fmt(g.get('step_ms_median'), '.2f')} ms, "
                      f"Dyn/graphs {_fmt(ra.get('dynamic_over_kvtier_graphs'), '.2f', 'x')}, kvtier/graphs "
                      f"{_fmt(ra.get('kvtier_over_kvtier_graphs'), '.2f', 'x')} ({counts.get('replays', 0)} replays, "
-                     f"{counts.get('captures', 0)} captures, {counts.get('eager_steps', 0)} eager"
+                     f"{counts.get('captures', 0)} captures, {counts.get('eager_steps', 0)} eager; prefetches: "
+                     f"{counts.get('prefetch', {}).get('replays', 0)} replays"
                      + (f"; capture failed: {counts['failed']}" if counts.get("failed") else "") + ")")
     issue = [(row["context"], row["rows"][name].get("issue_ms_median"), ROW_NAMES[name])
              for row in result["decode"] if not row.get("skipped")
