@@ -75,9 +75,11 @@ class CacheState:
         `before` is None: the layer already took the step), and a resource failure becomes a `CapacityError`."""
         # inference only: stored entries never carry an autograd graph; and what the cache keeps is made as plain
         # tensors even under inference mode, so that it can be written later outside it (stats, reset, close)
-        plain = torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext()
         try:
-            with torch.no_grad(), plain:
+            inference = torch.is_inference_mode_enabled()
+            if not inference and not torch.is_grad_enabled():   # as a model's step runs (`generate`, `no_grad`)
+                return run()
+            with torch.no_grad(), torch.inference_mode(False) if inference else contextlib.nullcontext():
                 return run()
         except BaseException as e:
             if before is None or any(n != before for n in self.lengths()):

@@ -41,6 +41,7 @@ class DevicePool:
         self._kv: tuple | None = None          # (those tables, the k and v ones as `addresses` gives them)
         self._at: torch.Tensor | None = None   # int64 [1] on the device: count % slab_tokens, for a decode step
         self._at_holds: int | None = None      # what `_at` holds once the launches queued so far have run
+        self._first: tuple | None = None       # (the first key slab, its first entry's key and value): `placeholder`
 
     @property
     def capacity(self) -> int:
@@ -166,8 +167,10 @@ class DevicePool:
     def placeholder(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(k, v)`` of the shape `contiguous(n)` has, ``[1, heads, n, dim]``, made of views of the first entry
         (no copy, no launch): for a caller that only needs the shape (a step whose attention reads the slabs)."""
-        return (self.k[0][:, :, :1].expand(1, self.heads, n, self.head_dim),
-                self.v[0][:, :, :1].expand(1, self.heads, n, self.head_dim))
+        first = self._first
+        if first is None or first[0] is not self.k[0]:   # the views kept while the first slab stands (two ops)
+            first = self._first = (self.k[0], self.k[0][:, :, :1], self.v[0][:, :, :1])
+        return (first[1].expand(1, self.heads, n, self.head_dim), first[2].expand(1, self.heads, n, self.head_dim))
 
     def meta(self, n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions and scores ``[heads, n]`` of entries ``[0, n)`` (default: the committed ones)."""
@@ -240,4 +243,4 @@ class DevicePool:
         """Forget every entry and release the slabs."""
         self.count = 0
         self.k, self.v, self.pos, self.score = [], [], [], []
-        self._addresses = None
+        self._addresses = self._first = None
