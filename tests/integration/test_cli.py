@@ -116,10 +116,11 @@ def test_bench_launches_json():
     assert calls["recall_pages"] == calls["plan_recall"]
     # the host time in each cache's own code was measured (kvtier's twins left out)
     assert plain["cache_host_us_per_layer_step"] > 0 and tiered["cache_host_us_per_layer_step"] > 0
-    # of which the launches-only work a CUDA graph replays: the pool's and the pages' attention, the choice and
-    # the recall (7 calls, 9 launches and the top-k's), not the write, the commit or the prefetch
+    # of which the launches-only work CUDA graphs replay: the write (KVP's scores, the NaN check's maximum, the
+    # pool's three copies), the pool's and the pages' attention, the choice and the recall (9 launches), the
+    # commit (the score's copy, the count's add_) and the prefetch's plan and copy; not the demotions
     assert plain["captured_launches_per_layer_step"] is None and plain["captured_host_us_per_layer_step"] is None
-    assert 9 <= tiered["captured_launches_per_layer_step"] <= 11, tiered["captured_launches_per_layer_step"]
+    assert 16 <= tiered["captured_launches_per_layer_step"] <= 20, tiered["captured_launches_per_layer_step"]
     assert tiered["captured_launches_per_layer_step"] < tiered["launches_per_layer_step"] - parts["model"]
     assert 0 < tiered["captured_host_us_per_layer_step"] < tiered["cache_host_us_per_layer_step"]
     # the device pool in one pass (its chunks, and their combine if several), then the recalled pages where the
