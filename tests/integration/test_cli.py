@@ -121,7 +121,8 @@ def test_bench_launches_json():
     # commit (the score's copy, the count's add_) and the prefetch's plan and copy; not the demotions
     assert plain["captured_launches_per_layer_step"] is None and plain["captured_host_us_per_layer_step"] is None
     assert 16 <= tiered["captured_launches_per_layer_step"] <= 20, tiered["captured_launches_per_layer_step"]
-    assert tiered["captured_launches_per_layer_step"] < tiered["launches_per_layer_step"] - parts["model"]
+    # at most all of kvtier's own (the demotions, where the counted steps hold one, and the step's position stay out)
+    assert tiered["captured_launches_per_layer_step"] <= tiered["launches_per_layer_step"] - parts["model"]
     assert 0 < tiered["captured_host_us_per_layer_step"] < tiered["cache_host_us_per_layer_step"]
     # the device pool in one pass (its chunks, and their combine if several), then the recalled pages where the
     # buffer holds them, merged with it: no attention call, no gather, no separate merge
