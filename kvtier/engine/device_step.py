@@ -32,7 +32,7 @@ from .. import native
 from ..recall import grouped, select_pages
 from ..scoring import checked_scores
 from .attention import finish_with_lse, merge_with_lse, sink_part
-from .graphs import baked as _where
+from .graphs import baked
 
 
 class DeviceDecoding:
@@ -51,8 +51,8 @@ class DeviceDecoding:
         sources = self._sources()
         spare = buf.pages > r
         writes = not p.staged
-        if writes and self._nan_buf is None:   # the NaN check's running maximum, kept from step to step
-            self._nan_buf = torch.full((self.heads, 1), float("-inf"), device=self.device)
+        if writes:
+            self._nan_max()   # made before the launches: kept from step to step
         run = (scale, sinks, buf, sources, spare, self.pool.counted(1), self.pool.addresses(),
                self.index.bounds.addresses(self.device), self.index.codes.addresses(self.device),
                p.pos if writes else None)
@@ -111,23 +111,21 @@ class DeviceDecoding:
         `inputs` (copied into a graph's own buffers: their shapes only): two steps with the same key issue the
         same launches."""
         scale, sinks, buf, sources, spare, (at, base), pool_addresses, bounds_at, codes_at, positions = run
-        pool, index, host = self.pool, self.index, self.host
+        pool, index = self.pool, self.index
         writes = ()
         if positions is not None:   # the step's entry: where it goes, its score, the scorer, the NaN check
             s = pool.count // pool.slab_tokens
-            writes = (_where(positions), id(self.scorer), _where(self._nan_buf), s, _where(pool.k[s]),
-                      _where(pool.v[s]), _where(pool.pos[s]), _where(pool.score[s]),
+            writes = (baked(positions), id(self.scorer), baked(self._nan_buf), s, baked(pool.k[s]),
+                      baked(pool.v[s]), baked(pool.pos[s]), baked(pool.score[s]),
                       (pool.count + 1) % pool.slab_tokens != 0)
         return (
-            *((tuple(t.shape), t.stride(), t.dtype) for t in inputs), scale, _where(sinks), spare,   # copied in
+            *((tuple(t.shape), t.stride(), t.dtype) for t in inputs), scale, baked(sinks), spare,   # copied in
             # the device pool: its slabs, their address tables, where the count is kept and the slab it is in
-            len(pool.k), _where(pool.k[0]), _where(pool.v[0]), *(_where(t) for t in pool_addresses or ()),
-            _where(at), base, writes,
+            len(pool.k), baked(pool.k[0]), baked(pool.v[0]), *(baked(t) for t in pool_addresses or ()),
+            baked(at), base, writes,
             # the recall index: how many pages, its slabs and their address tables
             index.n, index.uses_kernels, len(index.bounds.slabs), len(index.codes.slabs),
-            _where(index.bounds.slabs[0]), _where(index.codes.slabs[0]), _where(bounds_at), _where(codes_at),
-            # the recall: the pages asked, the buffer, the host slots' mirror, the host slabs, the counters
-            self.cfg.recall_pages, self.table.n, _where(buf.k), _where(buf.v), _where(buf.held), _where(buf.ahead),
-            *(_where(t) for t in sources), len(host.k.slabs), _where(host.k.slabs[0]), _where(host.v.slabs[0]),
-            _where(self.device_counts),
+            baked(index.bounds.slabs[0]), baked(index.codes.slabs[0]), baked(bounds_at), baked(codes_at),
+            # the recall: the pages asked and demoted, then the copy's buffer, sources and counters
+            self.cfg.recall_pages, self.table.n, *self._recall_key(buf, sources),
         )

@@ -171,9 +171,13 @@ class PageFetching:
 
     def _prefetch_key(self, buf: RecallBuffer, target: torch.Tensor, sources: tuple, pages: int) -> tuple:
         """Every address and scalar the prefetch's launches bake in (see `_prefetch`; `target` is copied in)."""
+        return (tuple(target.shape), target.stride(), target.dtype, pages, *self._recall_key(buf, sources))
+
+    def _recall_key(self, buf: RecallBuffer, sources: tuple) -> tuple:
+        """What a plan and copy into `buf` bake in (a step's and a prefetch's alike): the buffer, the host slots'
+        mirror and slabs' address tables (`sources`), the host slabs and the device counters."""
         host = self.host
-        return (tuple(target.shape), target.stride(), target.dtype, pages,
-                baked(buf.k), baked(buf.v), baked(buf.held), baked(buf.ahead), *(baked(t) for t in sources),
+        return (baked(buf.k), baked(buf.v), baked(buf.held), baked(buf.ahead), *(baked(t) for t in sources),
                 len(host.k.slabs), baked(host.k.slabs[0]), baked(host.v.slabs[0]), baked(self.device_counts))
 
     def _host_slots(self) -> torch.Tensor:

@@ -198,8 +198,7 @@ class LayerEngine(PageFetching, DeviceDecoding):
         and the NaN check are launches only. The step's attention does them, or `_stage` at the latest."""
         if self.write_in_attention is False or k.shape[2] != 1 or k.dtype != self.pool.dtype:
             return False
-        return (self.table.n > 0 and self.cfg.recall_pages > 0 and self.cfg.mode == "tier"
-                and self.index.uses_kernels and self.recalls_on_device() and self._defer_nan()
+        return (self.recalls() and self.index.uses_kernels and self.recalls_on_device() and self._defer_nan()
                 and capturable(self.scorer))
 
     def _stage(self, p: _Pending) -> None:
@@ -387,10 +386,14 @@ class LayerEngine(PageFetching, DeviceDecoding):
         every step (so a decode step's launches stay the same from step to step)."""
         if self._defer_nan():
             peak = scores[0] if scores.shape[2] == 1 else scores[0].amax(dim=1, keepdim=True)
-            if self._nan_buf is None:
-                self._nan_buf = torch.full_like(peak, float("-inf"))
-            self._nan = torch.maximum(self._nan_buf, peak, out=self._nan_buf)
+            self._nan = torch.maximum(self._nan_max(), peak, out=self._nan_buf)
         return scores[0]
+
+    def _nan_max(self) -> torch.Tensor:
+        """The kept buffer of the scores' running maximum per head, ``[heads, 1]`` float32 (made at first use)."""
+        if self._nan_buf is None:
+            self._nan_buf = torch.full((self.heads, 1), float("-inf"), device=self.device)
+        return self._nan_buf
 
     def _nan_checked(self) -> None:
         """The noted scores were checked (their flag is on its way): start the running maximum again."""
