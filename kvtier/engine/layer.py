@@ -174,18 +174,19 @@ class LayerEngine(PageFetching, DeviceDecoding):
         q = k.shape[2]
         positions = self.shared.positions(self.seen, q, k.device)   # the same tensor for every layer
         self.pending = p = _Pending(k, v, positions, self.seen)
-        if self._writes_in_attention(k):
-            # scored and staged by the step's attention (`_decode_on_device`), in the work a graph may replay;
-            # nothing reads the new entry before then (the step recalls, so the model's own attention does not run)
-            self.pool.ensure(self.pool.count + q)
-            self.seen += q
-            return self.pool.placeholder(self.pool.count + q)
-        try:
-            self._stage(p)
+        try:   # a step that fails here was not taken
+            if self._writes_in_attention(k):
+                # scored and staged by the step's attention (`_decode_on_device`), in the work a graph may replay;
+                # nothing reads the new entry before then (the step recalls: the model's own attention does not run)
+                self.pool.ensure(self.pool.count + q)
+            else:
+                self._stage(p)
         except BaseException:
             self.pending = None
             raise
         self.seen += q
+        if not p.staged:
+            return self.pool.placeholder(self.pool.count + q)
         if self.recalls() and self.pool.count + q > self.pool.slab_tokens:
             # the split attention reads the slabs where they are: what this returns is only claimed by it, so
             # no copy of the whole device tier is made every step (views of the right shape, not the entries)

@@ -70,3 +70,40 @@ def test_step_graphs_on_a_cpu_never_ask_for_the_key():
     x = torch.arange(3.0)
     assert torch.equal(graphs.run(key, (x,), lambda t: (t * 2,))[0], x * 2)
     assert graphs.eager == 1 and graphs.replays == graphs.captures == 0
+
+
+def test_a_decode_step_whose_write_fails_before_its_attention_is_not_taken(monkeypatch):
+    """On the GPU's path a decode step's write waits for its attention (`LayerEngine.write_in_attention`); a
+    failure in what it does first (making room in the pool) leaves the layer as it was: the step can be taken
+    again, and decoding goes on exactly as without the failure."""
+    from kvtier.errors import CapacityError
+    from kvtier.tiers.device import DevicePool
+
+    model = tiny_llama()
+    with _on_the_gpu_path(TieredCache(model.config, device_budget=48, recall_pages=2)) as cache:
+        want = _decode(model, cache, steps=12)
+    ensure, failed = DevicePool.ensure, []
+
+    def fails_once(self, n):
+        if not failed and cache._engines[0].pending is not None and cache._engines[0].pending.k.shape[2] == 1 \
+                and not cache._engines[0].pending.staged and cache._engines[0].pool is self:
+            failed.append(n)
+            raise CapacityError("no room (injected)")
+        return ensure(self, n)
+
+    with _on_the_gpu_path(TieredCache(model.config, device_budget=48, recall_pages=2)) as cache:
+        ids = torch.randint(0, 128, (1, 200), generator=torch.Generator().manual_seed(3))
+        got = []
+        with torch.no_grad():
+            logits = model(ids, **cache_kwargs(cache)).logits[:, -1:]
+            monkeypatch.setattr(DevicePool, "ensure", fails_once)
+            for _ in range(12):
+                token = logits.argmax(-1)
+                try:
+                    logits = model(token, **cache_kwargs(cache)).logits[:, -1:]
+                except CapacityError:
+                    assert cache._engines[0].pending is None and cache._engines[0].seen == ids.shape[1] + len(got)
+                    logits = model(token, **cache_kwargs(cache)).logits[:, -1:]
+                got.append(logits)
+    assert failed, "no decode step's write was left to its attention"
+    assert torch.equal(torch.cat(got), want)
