@@ -90,16 +90,36 @@ def _entry_rows(slab: torch.Tensor) -> torch.Tensor:
     return slab[0] if slab.dim() == 4 else slab
 
 
+def _reads_free(rows: Sequence[torch.Tensor]) -> bool:
+    """Whether the entry twins may read their indices on the host: on the CPU it costs nothing, and grouping
+    the lanes by slab copies each entry once, where the way that reads nothing back passes over every lane once
+    per slab (a prefill's demotion from a pool of many slabs: seconds). Slabs are whole, contiguous tensors."""
+    return rows[0].device.type == "cpu" and all(r.is_contiguous() for r in rows)
+
+
+def _entry_groups(idx: torch.Tensor, slab_tokens: int, slabs: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """``(slab, lanes of idx.view(-1), rows of the slab seen as [heads * slab_tokens, ...])`` for each slab that
+    the entries ``idx`` ``[heads, m]`` touch."""
+    m = idx.shape[1]
+    return [(s, lanes, off + torch.div(lanes, m, rounding_mode="floor") * slab_tokens)
+            for s, lanes, off in _groups(idx.reshape(-1), slab_tokens, slabs)]
+
+
 def pack_entries(slabs: Sequence[torch.Tensor], idx: torch.Tensor) -> torch.Tensor:
     """Entries ``idx`` ``[heads, m]`` of a device pool's slabs (``[1, heads, slab_tokens, dim]`` or ``[heads,
-    slab_tokens]``) as ``[heads, m, ...]`` (twin of ``kvtier_pack_entries``): a gather per slab, nothing read
-    back to the host."""
+    slab_tokens]``) as ``[heads, m, ...]`` (twin of ``kvtier_pack_entries``): on the CPU, each slab's entries
+    copied once (`_reads_free`); elsewhere a gather per slab, nothing read back to the host."""
     rows = [_entry_rows(t) for t in slabs]
     S = rows[0].shape[1]
     shape = (*idx.shape, *rows[0].shape[2:])
     tail = [1] * (len(shape) - 2)
     if len(rows) == 1:
         return torch.gather(rows[0], 1, idx.view(*idx.shape, *tail).expand(shape))
+    if _reads_free(rows):
+        out = torch.empty(idx.numel(), *shape[2:], dtype=rows[0].dtype)
+        for s, lanes, at in _entry_groups(idx, S, len(rows)):
+            out.index_copy_(0, lanes, rows[s].reshape(-1, *shape[2:]).index_select(0, at))
+        return out.view(shape)
     slab, off = torch.div(idx, S, rounding_mode="floor"), idx % S
     at = off.view(*idx.shape, *tail).expand(shape)
     out = torch.gather(rows[0], 1, at)
@@ -111,9 +131,10 @@ def pack_entries(slabs: Sequence[torch.Tensor], idx: torch.Tensor) -> torch.Tens
 
 def unpack_entries(slabs: Sequence[torch.Tensor], idx: torch.Tensor, values: torch.Tensor) -> None:
     """Write ``values`` ``[heads, m, ...]`` onto entries ``idx`` ``[heads, m]`` (distinct per head) of a device
-    pool's slabs: a scatter per slab, nothing read back to the host.
+    pool's slabs: on the CPU, each slab's entries copied once (`_reads_free`); elsewhere a scatter per slab,
+    nothing read back to the host.
 
-    Over several slabs, each slab gets a scatter of all `m` lanes: a lane meant for another slab repeats the
+    Without reading back, over several slabs, each slab gets a scatter of all `m` lanes: a lane meant for another slab repeats the
     first lane of its head that is meant for this one (same place, same bytes), or, with none, writes back
     what the slab holds at its first entry.
     """
@@ -122,6 +143,11 @@ def unpack_entries(slabs: Sequence[torch.Tensor], idx: torch.Tensor, values: tor
     extra = [1] * (values.dim() - 2)
     if len(rows) == 1:
         rows[0].scatter_(1, idx.view(*idx.shape, *extra).expand(values.shape), values)
+        return
+    if _reads_free(rows):
+        flat = values.reshape(-1, *values.shape[2:])
+        for s, lanes, at in _entry_groups(idx, S, len(rows)):
+            rows[s].view(-1, *values.shape[2:]).index_copy_(0, at, flat.index_select(0, lanes))
         return
     slab, off = torch.div(idx, S, rounding_mode="floor"), idx % S
     for s, r in enumerate(rows):

@@ -108,9 +108,18 @@ def test_copies_refuse_bad_rows_naming_them():
         native.gather_pages(s.slabs, 4, np.array([1]), torch.empty(3, 2, 3))
 
 
+@pytest.fixture(params=["grouped on the host", "read nothing back"])
+def entry_twin_way(request, monkeypatch):
+    """The entry twins both ways: on the CPU they group lanes by slab on the host (`_reads_free`); on a GPU
+    without kernels they read nothing back. Forced here so both are checked on the CPU."""
+    if request.param == "read nothing back":
+        monkeypatch.setattr(twins, "_reads_free", lambda rows: False)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("slab_tokens", [64, 16])
-def test_pack_entries_equals_indexing_the_entries(dtype, slab_tokens):
+def test_pack_entries_equals_indexing_the_entries(dtype, slab_tokens, entry_twin_way):
     """One slab (a gather) and several (entries spread over slabs): the entries as written, in `idx`'s order."""
     heads, dim, n = 3, 64, 60
     pool = DevicePool(heads, dim, dtype, torch.device("cpu"), slab_tokens)
@@ -129,7 +138,7 @@ def test_pack_entries_equals_indexing_the_entries(dtype, slab_tokens):
 
 
 @pytest.mark.parametrize("slab_tokens", [64, 16, 7])
-def test_move_entries_copies_each_source_onto_its_destination(slab_tokens):
+def test_move_entries_copies_each_source_onto_its_destination(slab_tokens, entry_twin_way):
     """Every kind of pool slab (keys and values ``[1, heads, S, dim]``, positions and scores ``[heads, S]``):
     the destinations get the sources' bytes as they were, lanes that copy an entry onto itself included, and
     nothing else changes."""
