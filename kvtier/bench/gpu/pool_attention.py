@@ -20,6 +20,8 @@ from .settings import GpuBenchConfig
 from .timing import Clock, _median, _r
 
 CALLS = 20   # calls a timing, several timings a row
+TWIN_CALLS = 1   # where the kernels do not run: the twin follows the kernel's float order op by op (seconds a call
+                 # at 1M on a CPU), and its time is no claim about the kernel's
 
 
 def _pool(H: int, D: int, entries: int, device: torch.device, seed: int) -> DevicePool:
@@ -44,7 +46,8 @@ def measure_pool_attention(cfg: GpuBenchConfig, device: torch.device, clock: Clo
     group = shape["num_attention_heads"] // H
     kernels = device.type == "cuda" and native.kernel_status() is None
     rows = [_row(cfg, device, clock, context, H, D, group, kernels) for context in contexts]
-    return {"rows": rows, "kv_heads": H, "query_rows_per_head": group, "head_dim": D, "calls_per_timing": CALLS,
+    return {"rows": rows, "kv_heads": H, "query_rows_per_head": group, "head_dim": D,
+            "calls_per_timing": CALLS if kernels else TWIN_CALLS,
             "method": "one layer's decode-step attention over a device pool of random bf16 entries (the context's "
                       "device budget plus the step's token, in slabs of 4,096), timed on the device: "
                       "native.attend_slabs (one_pass) against an attention call per slab and merge_with_lse "
@@ -70,7 +73,8 @@ def _row(cfg: GpuBenchConfig, device: torch.device, clock: Clock, context: int, 
 
     def timed(fn) -> float:
         fn()
-        return _median([clock.time(lambda: [fn() for _ in range(CALLS)]) / CALLS for _ in range(cfg.repeats)]) * 1e3
+        calls = CALLS if kernels else TWIN_CALLS
+        return _median([clock.time(lambda: [fn() for _ in range(calls)]) / calls for _ in range(cfg.repeats)]) * 1e3
 
     before = native.backend()["ops"].get("attend_slabs", {}).get("kernel", 0)
     one_ms, slab_ms = timed(one_pass), timed(per_slab)
