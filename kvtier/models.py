@@ -95,6 +95,15 @@ def _load(source: str, kwargs: dict[str, Any], dtype: Any, device: Any, attn: st
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    folder = None
+    if "gguf_file" in kwargs and dtype == torch.float32:   # a converted copy skips the GGUF parse (float32 only)
+        from .model_cache import copy_folder, load_copy
+
+        folder = copy_folder(Path(source) / kwargs["gguf_file"])
+        loaded = load_copy(folder, source, attn) if folder is not None else None
+        if loaded is not None:
+            loaded[0].to(device).eval()
+            return loaded
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # GGUF dequantisation logs every tensor otherwise
     try:
@@ -102,5 +111,9 @@ def _load(source: str, kwargs: dict[str, Any], dtype: Any, device: Any, attn: st
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attn, **kwargs)
     finally:
         hf_logging.set_verbosity(verbosity)
+    if folder is not None:
+        from .model_cache import store
+
+        store(folder, model, tokenizer)
     model.to(device).eval()
     return model, tokenizer

@@ -1,0 +1,109 @@
+"""The converted copy of the GGUF default model: the same model and tokenizer, bit for bit, from the copy; a
+damaged copy made again; no copy where copies are off or cannot be written."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from kvtier import load_default_model, model_cache
+from kvtier.models import default_model_path
+
+TEXT = [{"role": "user", "content": "Where is the lantern? ünïcödé, 42, tabs\tand  spaces"}]
+
+
+@pytest.fixture(scope="module")
+def from_gguf():
+    """The default model as the GGUF file gives it (no copy read or written)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(model_cache.ENV, "off")
+        return load_default_model()
+
+
+def _same(a, b) -> None:
+    (ma, ta), (mb, tb) = a, b
+    sa, sb = ma.state_dict(), mb.state_dict()
+    assert list(sa) == list(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert all(torch.equal(x, y) for (_, x), (_, y) in zip(ma.named_buffers(), mb.named_buffers()))
+    assert ma.lm_head.weight.data_ptr() == ma.model.embed_tokens.weight.data_ptr()
+    assert mb.lm_head.weight.data_ptr() == mb.model.embed_tokens.weight.data_ptr()   # still tied
+    assert ma.config.to_dict() == mb.config.to_dict() and ma.name_or_path == mb.name_or_path
+    assert ma.generation_config.to_dict() == mb.generation_config.to_dict()
+    assert not mb.training and mb.dtype == torch.float32
+    assert ta.chat_template == tb.chat_template and len(ta) == len(tb) and ta.name_or_path == tb.name_or_path
+    assert (ta.eos_token, ta.pad_token, ta.bos_token) == (tb.eos_token, tb.pad_token, tb.bos_token)
+    prompt = ta.apply_chat_template(TEXT, tokenize=False, add_generation_prompt=True)
+    assert prompt == tb.apply_chat_template(TEXT, tokenize=False, add_generation_prompt=True)
+    ids = ta(prompt).input_ids
+    assert ids == tb(prompt).input_ids and ta.decode(ids) == tb.decode(ids)
+    with torch.no_grad():
+        x = torch.tensor([ids])
+        assert torch.equal(ma(x).logits, mb(x).logits)
+
+
+def test_a_load_keeps_a_copy_that_later_loads_read_instead_of_the_gguf_file(from_gguf, tmp_path, monkeypatch,
+                                                                             caplog):
+    monkeypatch.setenv(model_cache.ENV, str(tmp_path))
+    first = load_default_model()                       # reads the GGUF file, keeps a copy
+    folder = model_cache.copy_folder(default_model_path())
+    assert folder.parent == tmp_path and (folder / model_cache.MANIFEST).is_file()
+    assert [p.name for p in tmp_path.iterdir()] == [folder.name]   # nothing left aside
+    _same(from_gguf, first)
+
+    from transformers import AutoModelForCausalLM
+
+    def no_gguf(*args, **kwargs):
+        raise AssertionError("the GGUF file was read although a copy is kept")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(AutoModelForCausalLM, "from_pretrained", no_gguf)
+        second = load_default_model()
+    _same(from_gguf, second)
+
+    # one flipped byte in the weights: the copy no longer matches its list, is removed and made again
+    weights = folder / model_cache.WEIGHTS
+    with open(weights, "r+b") as f:
+        f.seek(weights.stat().st_size // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x10]))
+    with caplog.at_level(logging.WARNING, logger="kvtier.model_cache"):
+        third = load_default_model()
+    assert "model.safetensors differ from the copy's list" in caplog.text and "made again" in caplog.text
+    _same(from_gguf, third)
+    listed = json.loads((folder / model_cache.MANIFEST).read_text())["files"]
+    assert listed == model_cache._listed(folder)           # the new copy matches its list
+
+
+def test_where_copies_are_kept(monkeypatch, tmp_path):
+    gguf = default_model_path()
+    for off in ("off", "OFF", "0", ""):
+        monkeypatch.setenv(model_cache.ENV, off)
+        assert model_cache.cache_root() is None and model_cache.copy_folder(gguf) is None
+    monkeypatch.delenv(model_cache.ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert model_cache.cache_root() == tmp_path / "kvtier" / "models"
+    monkeypatch.setenv(model_cache.ENV, str(tmp_path / "elsewhere"))
+    folder = model_cache.copy_folder(gguf)
+    assert folder.parent == tmp_path / "elsewhere" and folder.name.startswith(gguf.stem + "-")
+    assert model_cache.copy_folder(tmp_path / "missing.gguf") is None
+    assert model_cache.load_copy(folder, "x", "sdpa") is None   # no copy made yet
+
+
+def test_a_copy_that_cannot_be_written_leaves_no_trace_and_says_so(from_gguf, tmp_path, caplog):
+    model, tokenizer = from_gguf
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder")
+    with caplog.at_level(logging.WARNING, logger="kvtier.model_cache"):
+        assert model_cache.store(blocked / "copy", model, tokenizer) is False
+    assert "could not keep a converted copy" in caplog.text and model_cache.ENV in caplog.text
+    assert [p.name for p in tmp_path.iterdir()] == ["a-file"]
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    small = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, vocab_size=64))
+    with pytest.raises(ValueError, match="float32 weights; the model is torch.bfloat16"):
+        model_cache.store(tmp_path / "copy", small.to(torch.bfloat16), tokenizer)
