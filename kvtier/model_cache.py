@@ -94,6 +94,27 @@ def load_copy(folder: Path, source: str, attn: str) -> tuple[Any, Any] | None:
         return None
 
 
+def load_copy_config(folder: Path, source: str) -> Any | None:
+    """The model's config from the copy in `folder` as the GGUF file gives it (without the weights' dtype and
+    the GGUF loading note the model's load adds), or None when there is no copy or its config does not match
+    its list (the config alone is read: no copy is made for it)."""
+    from transformers import AutoConfig
+
+    try:
+        listed = json.loads((folder / MANIFEST).read_text())["files"]["config.json"]
+        path = folder / "config.json"
+        if {"bytes": path.stat().st_size, "crc32": _crc(path)} != listed:
+            return None
+        config = AutoConfig.from_pretrained(str(folder))
+    except Exception:   # noqa: BLE001 - no usable copy: the caller reads the GGUF file
+        return None
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = None
+    config._name_or_path = source
+    return config
+
+
 def _build(folder: Path, source: str, attn: str) -> tuple[Any, Any]:
     from safetensors.torch import load_model
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer

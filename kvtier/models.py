@@ -75,8 +75,12 @@ def load_config(name: str | None = None) -> Any:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     if name is None:
+        from .model_cache import copy_folder, load_copy_config
+
         path = default_model_path()
-        return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        folder = copy_folder(path)
+        config = load_copy_config(folder, str(path.parent)) if folder is not None else None
+        return config if config is not None else AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     if os.path.isfile(name) and name.endswith(".gguf"):
         return AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(name)), gguf_file=os.path.basename(name))
     if os.path.isdir(name):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvtier import load_default_model, model_cache
-from kvtier.models import default_model_path
+from kvtier.models import default_model_path, load_config
 
 TEXT = [{"role": "user", "content": "Where is the lantern? ünïcödé, 42, tabs\tand  spaces"}]
 
@@ -62,6 +62,22 @@ def test_a_load_keeps_a_copy_that_later_loads_read_instead_of_the_gguf_file(from
         mp.setattr(AutoModelForCausalLM, "from_pretrained", no_gguf)
         second = load_default_model()
     _same(from_gguf, second)
+
+    from transformers import AutoConfig
+
+    config_load = AutoConfig.from_pretrained.__func__
+
+    def config_not_from_gguf(cls, *args, **kwargs):
+        if "gguf_file" in kwargs:
+            raise AssertionError("the GGUF file was read for the config although a copy is kept")
+        return config_load(cls, *args, **kwargs)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(AutoConfig, "from_pretrained", classmethod(config_not_from_gguf))
+        config = load_config(None)
+    monkeypatch.setenv(model_cache.ENV, "off")
+    assert config.to_dict() == load_config(None).to_dict()   # the same as the GGUF file's
+    monkeypatch.setenv(model_cache.ENV, str(tmp_path))
 
     # one flipped byte in the weights: the copy no longer matches its list, is removed and made again
     weights = folder / model_cache.WEIGHTS
