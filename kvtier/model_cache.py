@@ -69,9 +69,26 @@ def _crc(path: Path) -> int:
     return crc
 
 
+def _entry(path: Path) -> dict[str, int] | None:
+    """A file's line in the copy's list (None where it is missing)."""
+    return {"bytes": path.stat().st_size, "crc32": _crc(path)} if path.is_file() else None
+
+
+def _files(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != MANIFEST)
+
+
 def _listed(folder: Path) -> dict[str, dict[str, int]]:
-    return {p.name: {"bytes": p.stat().st_size, "crc32": _crc(p)} for p in sorted(folder.iterdir())
-            if p.is_file() and p.name != MANIFEST}
+    return {name: _entry(folder / name) for name in _files(folder)}
+
+
+def _unlike_list(folder: Path, names: list[str] | None = None) -> list[str]:
+    """The files of the copy in `folder` (`names`, or all there and listed) whose size or CRC-32 is not what the
+    copy's list says (raises where the list cannot be read)."""
+    listed = json.loads((folder / MANIFEST).read_text())["files"]
+    if names is None:
+        names = sorted(set(listed) | set(_files(folder)))
+    return [n for n in names if _entry(folder / n) != listed.get(n)]
 
 
 def load_copy(folder: Path, source: str, attn: str) -> tuple[Any, Any] | None:
@@ -81,10 +98,8 @@ def load_copy(folder: Path, source: str, attn: str) -> tuple[Any, Any] | None:
     if not manifest.is_file():
         return None
     try:
-        listed = json.loads(manifest.read_text())["files"]
-        found = _listed(folder)
-        if found != listed:
-            bad = sorted(n for n in set(found) | set(listed) if found.get(n) != listed.get(n))
+        bad = _unlike_list(folder)
+        if bad:
             raise ValueError(f"{', '.join(bad)} differ from the copy's list (size or CRC-32)")
         return _build(folder, source, attn)
     except Exception as e:   # noqa: BLE001 - any damage: the GGUF file is the source, the copy is made again
@@ -101,9 +116,7 @@ def load_copy_config(folder: Path, source: str) -> Any | None:
     from transformers import AutoConfig
 
     try:
-        listed = json.loads((folder / MANIFEST).read_text())["files"]["config.json"]
-        path = folder / "config.json"
-        if {"bytes": path.stat().st_size, "crc32": _crc(path)} != listed:
+        if _unlike_list(folder, ["config.json"]):
             return None
         config = AutoConfig.from_pretrained(str(folder))
     except Exception:   # noqa: BLE001 - no usable copy: the caller reads the GGUF file

@@ -118,7 +118,7 @@ def pack_entries(slabs: Sequence[torch.Tensor], idx: torch.Tensor) -> torch.Tens
     if _reads_free(rows):
         out = torch.empty(idx.numel(), *shape[2:], dtype=rows[0].dtype)
         for s, lanes, at in _entry_groups(idx, S, len(rows)):
-            out.index_copy_(0, lanes, rows[s].reshape(-1, *shape[2:]).index_select(0, at))
+            out.index_copy_(0, lanes, rows[s].view(-1, *shape[2:]).index_select(0, at))
         return out.view(shape)
     slab, off = torch.div(idx, S, rounding_mode="floor"), idx % S
     at = off.view(*idx.shape, *tail).expand(shape)
@@ -134,9 +134,9 @@ def unpack_entries(slabs: Sequence[torch.Tensor], idx: torch.Tensor, values: tor
     pool's slabs: on the CPU, each slab's entries copied once (`_reads_free`); elsewhere a scatter per slab,
     nothing read back to the host.
 
-    Without reading back, over several slabs, each slab gets a scatter of all `m` lanes: a lane meant for another slab repeats the
-    first lane of its head that is meant for this one (same place, same bytes), or, with none, writes back
-    what the slab holds at its first entry.
+    Without reading back, over several slabs, each slab gets a scatter of all `m` lanes: a lane meant for
+    another slab repeats the first lane of its head that is meant for this one (same place, same bytes), or,
+    with none, writes back what the slab holds at its first entry.
     """
     rows = [_entry_rows(t) for t in slabs]
     S = rows[0].shape[1]
