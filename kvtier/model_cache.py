@@ -3,10 +3,15 @@
 Reading the packaged GGUF file through transformers takes 20-30 s on a small CPU machine, nearly all of it
 parsing the tokenizer's metadata and mapping tensor names, not the weights. The first float32 load keeps what
 it produced: the dequantized weights (safetensors), the config and the tokenizer, in a folder named after
-the file (its name, size and time) and the transformers version. Later loads build the model from that folder
-in about 2 s, the same bits. Each file of the copy is listed with its size and CRC-32. A copy that does not
-match, or that fails to load, is removed and made again from the GGUF file, which stays the source, with a
-warning. Where the folder cannot be written, loading goes on without a copy.
+the file's content (its SHA-256) and the transformers version, so that every install of the same file shares
+one copy. Later loads build the model from that folder in about 3 s, the same bits. Each file of the copy is
+listed with its size and CRC-32. A copy that does not match, or that fails to load, is removed and made again
+from the GGUF file, which stays the source, with a warning. Where the folder cannot be written, loading goes on
+without a copy.
+
+Each load from a copy marks it used. Making a new copy removes the copies unused for ``UNUSED_DAYS`` and, past
+``KEEP`` copies, the least recently used ones (never one used in the last ``BUSY_SECONDS``, which another
+process may be reading), so that copies made for other transformers versions do not pile up.
 
 ``KVTIER_MODEL_CACHE``: the folder to keep copies in (default ``$XDG_CACHE_HOME/kvtier/models``, else
 ``~/.cache/kvtier/models``), or ``off``. A copy of the default model takes about 540 MB.
@@ -14,12 +19,14 @@ warning. Where the folder cannot be written, loading goes on without a copy.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import os
 import shutil
 import tempfile
+import time
 import zlib
 from pathlib import Path
 from typing import Any
@@ -33,6 +40,10 @@ FORMAT = 1
 MANIFEST = "kvtier-copy.json"
 WEIGHTS = "model.safetensors"
 _OFF = {"off", "0", "no", "false", "none"}
+BUILDING = ".building-"
+KEEP = 3               # copies kept at most when a new one is made
+UNUSED_DAYS = 30       # a copy unused this long is removed when a new one is made
+BUSY_SECONDS = 600     # a copy used this recently is never removed
 
 
 def cache_root() -> Path | None:
@@ -57,8 +68,23 @@ def copy_folder(gguf: Path) -> Path | None:
         st = gguf.stat()
     except OSError:
         return None
-    key = f"{gguf.name}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}|{FORMAT}"
+    try:
+        digest = _digest(str(gguf.resolve()), st.st_size, st.st_mtime_ns)
+    except OSError:
+        return None
+    key = f"{digest}|{transformers.__version__}|{FORMAT}"
     return root / f"{gguf.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+@functools.lru_cache(maxsize=8)
+def _digest(path: str, size: int, mtime_ns: int) -> str:
+    """SHA-256 of a file's content (0.1-0.2 s for the default model), once per process for a given size and
+    time."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def _crc(path: Path) -> int:
@@ -101,12 +127,63 @@ def load_copy(folder: Path, source: str, attn: str) -> tuple[Any, Any] | None:
         bad = _unlike_list(folder)
         if bad:
             raise ValueError(f"{', '.join(bad)} differ from the copy's list (size or CRC-32)")
-        return _build(folder, source, attn)
+        loaded = _build(folder, source, attn)
     except Exception as e:   # noqa: BLE001 - any damage: the GGUF file is the source, the copy is made again
         log.warning("the converted copy of the model in %s is damaged (%s: %s); it is removed and made again from "
                     "the GGUF file", folder, type(e).__name__, e)
         shutil.rmtree(folder, ignore_errors=True)
         return None
+    _mark_used(folder)
+    return loaded
+
+
+def _mark_used(folder: Path) -> None:
+    """The copy's list's time says when the copy was last used (what pruning goes by)."""
+    try:
+        os.utime(folder / MANIFEST)
+    except OSError:   # a read-only cache folder: the copy still loads, it only looks older to pruning
+        pass
+
+
+def _last_used(folder: Path) -> float | None:
+    try:
+        return (folder / MANIFEST).stat().st_mtime
+    except OSError:
+        return None
+
+
+def prune(root: Path, keep: Path | None = None, *, now: float | None = None) -> list[Path]:
+    """Remove from `root` the copies unused for ``UNUSED_DAYS`` and, past ``KEEP`` (counting `keep`, which is
+    never removed), the least recently used ones, sparing any used in the last ``BUSY_SECONDS``; and what an
+    interrupted copy left aside a day ago or more. Returns what was removed."""
+    now = time.time() if now is None else now
+    removed = []
+    try:
+        entries = [p for p in root.iterdir() if p.is_dir()]
+    except OSError:
+        return removed
+    copies = []
+    for p in entries:
+        if p.name.startswith(BUILDING):
+            try:
+                stale = now - p.stat().st_mtime > 86400
+            except OSError:
+                continue
+            if stale:
+                removed.append(p)
+        elif p != keep and (used := _last_used(p)) is not None:
+            copies.append((used, p))
+    copies.sort(reverse=True)                                   # most recently used first
+    room = KEEP - (1 if keep is not None else 0)
+    for rank, (used, p) in enumerate(copies):
+        idle = now - used
+        if idle > BUSY_SECONDS and (idle > UNUSED_DAYS * 86400 or rank >= room):
+            removed.append(p)
+    for p in removed:
+        shutil.rmtree(p, ignore_errors=True)
+    if removed:
+        log.info("removed %d converted model copies unused lately from %s", len(removed), root)
+    return removed
 
 
 def load_copy_config(folder: Path, source: str) -> Any | None:
@@ -125,6 +202,7 @@ def load_copy_config(folder: Path, source: str) -> Any | None:
         del config.quantization_config
     config.dtype = None
     config._name_or_path = source
+    _mark_used(folder)
     return config
 
 
@@ -153,7 +231,7 @@ def store(folder: Path, model: Any, tokenizer: Any) -> bool:
     building = None
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
-        building = Path(tempfile.mkdtemp(prefix=".building-", dir=folder.parent))
+        building = Path(tempfile.mkdtemp(prefix=BUILDING, dir=folder.parent))
         save_model(model, str(building / WEIGHTS))
         model.config.save_pretrained(str(building))
         tokenizer.save_pretrained(str(building))
@@ -163,6 +241,7 @@ def store(folder: Path, model: Any, tokenizer: Any) -> bool:
         except OSError:
             if not (folder / MANIFEST).is_file():   # not another process's copy: a real failure
                 raise
+        prune(folder.parent, keep=folder)
         return True
     except Exception as e:   # noqa: BLE001 - no copy is kept; the model loaded from the GGUF file is returned
         log.warning("could not keep a converted copy of the model in %s (%s: %s); the next load reads the GGUF "

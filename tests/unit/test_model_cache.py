@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import shutil
+import time
 
 import pytest
 import torch
@@ -47,11 +50,18 @@ def _same(a, b) -> None:
 def test_a_load_keeps_a_copy_that_later_loads_read_instead_of_the_gguf_file(from_gguf, tmp_path, monkeypatch,
                                                                              caplog):
     monkeypatch.setenv(model_cache.ENV, str(tmp_path))
-    first = load_default_model()                       # reads the GGUF file, keeps a copy
+    old = time.time() - (model_cache.UNUSED_DAYS + 1) * 86400
+    stale = _fake_copy(tmp_path / "SmolLM2-old", old)           # a copy made for another version, long unused
+    left = tmp_path / f"{model_cache.BUILDING}x"               # what an interrupted copy left aside
+    left.mkdir()
+    os.utime(left, (old, old))
+    first = load_default_model()                       # reads the GGUF file, keeps a copy, prunes the rest
     folder = model_cache.copy_folder(default_model_path())
     assert folder.parent == tmp_path and (folder / model_cache.MANIFEST).is_file()
-    assert [p.name for p in tmp_path.iterdir()] == [folder.name]   # nothing left aside
+    assert [p.name for p in tmp_path.iterdir()] == [folder.name]   # nothing left aside, the stale copy gone
+    assert not stale.exists()
     _same(from_gguf, first)
+    os.utime(folder / model_cache.MANIFEST, (old, old))
 
     from transformers import AutoModelForCausalLM
 
@@ -62,6 +72,7 @@ def test_a_load_keeps_a_copy_that_later_loads_read_instead_of_the_gguf_file(from
         mp.setattr(AutoModelForCausalLM, "from_pretrained", no_gguf)
         second = load_default_model()
     _same(from_gguf, second)
+    assert time.time() - model_cache._last_used(folder) < 60      # the load marked the copy used
 
     from transformers import AutoConfig
 
@@ -123,3 +134,55 @@ def test_a_copy_that_cannot_be_written_leaves_no_trace_and_says_so(from_gguf, tm
                                          num_attention_heads=2, num_key_value_heads=1, vocab_size=64))
     with pytest.raises(ValueError, match="float32 weights; the model is torch.bfloat16"):
         model_cache.store(tmp_path / "copy", small.to(torch.bfloat16), tokenizer)
+
+
+def _fake_copy(folder, used):
+    folder.mkdir()
+    (folder / model_cache.MANIFEST).write_text(json.dumps({"format": model_cache.FORMAT, "files": {}}))
+    os.utime(folder / model_cache.MANIFEST, (used, used))
+    return folder
+
+
+def test_every_install_of_the_same_file_shares_one_copy(monkeypatch, tmp_path):
+    monkeypatch.setenv(model_cache.ENV, str(tmp_path / "copies"))
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    for d in (a, b, c):
+        d.mkdir()
+    (a / "m.gguf").write_bytes(b"GGUF" + bytes(range(256)) * 64)
+    shutil.copyfile(a / "m.gguf", b / "m.gguf")
+    os.utime(b / "m.gguf", (1e9, 1e9))                   # another install: another place and time
+    assert model_cache.copy_folder(a / "m.gguf") == model_cache.copy_folder(b / "m.gguf")
+    (c / "m.gguf").write_bytes(b"GGUF" + bytes(range(256)) * 63 + bytes(256))   # other weights
+    assert model_cache.copy_folder(c / "m.gguf") != model_cache.copy_folder(a / "m.gguf")
+    import transformers
+
+    this_version = model_cache.copy_folder(a / "m.gguf")
+    monkeypatch.setattr(transformers, "__version__", "0.0.0")   # each transformers version has its own copy
+    assert model_cache.copy_folder(b / "m.gguf") != this_version
+    assert model_cache.copy_folder(b / "m.gguf").parent == tmp_path / "copies"
+
+
+def test_pruning_keeps_the_recent_copies_and_spares_busy_ones(tmp_path):
+    now = 1.9e9
+    day, keep = 86400, model_cache.KEEP
+    new = _fake_copy(tmp_path / "new", now)
+    recent = [_fake_copy(tmp_path / f"recent{i}", now - (i + 1) * day) for i in range(keep + 1)]
+    busy = _fake_copy(tmp_path / "busy", now - model_cache.BUSY_SECONDS / 2)
+    unused = _fake_copy(tmp_path / "unused", now - (model_cache.UNUSED_DAYS + 1) * day)
+    other = tmp_path / "not-a-copy"                       # a folder without a copy's list is never touched
+    other.mkdir()
+    fresh_aside = tmp_path / f"{model_cache.BUILDING}now"  # another process may be writing it
+    fresh_aside.mkdir()
+    os.utime(fresh_aside, (now - 60, now - 60))
+
+    removed = model_cache.prune(tmp_path, keep=new, now=now)
+    # kept: the new copy, the busy one and the most recent others up to KEEP copies in all
+    survivors = {p.name for p in tmp_path.iterdir()}
+    assert survivors == {"new", "busy", "not-a-copy", fresh_aside.name} | {p.name for p in recent[:keep - 2]}
+    assert set(removed) == {unused, *recent[keep - 2:]}
+    assert model_cache.prune(tmp_path, keep=new, now=now) == []       # nothing more to remove
+
+    # more copies in use than KEEP: none of them is removed, however many
+    many = [_fake_copy(tmp_path / f"busy{i}", now - i) for i in range(keep + 2)]
+    assert set(model_cache.prune(tmp_path, keep=new, now=now)) == {p for p in recent[:keep - 2]}
+    assert all(p.exists() for p in many + [busy, new])
