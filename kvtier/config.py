@@ -22,6 +22,8 @@ DEFAULT_SINK_TOKENS = 4
 # full cache up to 8K, keeps the held-out kept attention mass within 0.002 and ties every task cell measured
 # at 2K; half the budget or more loses retrieval at 5%.
 DEFAULT_RECENT_TOKENS = 0.25
+# pages per KV head a decode step's demotion moves at least, in tier mode (see `TieredCacheConfig.demote_pages`)
+DEFAULT_DEMOTE_PAGES = 4
 
 
 def check_recent_tokens(value: Any, name: str = "recent_tokens") -> int | float:
@@ -121,6 +123,13 @@ class TieredCacheConfig:
     sink_tokens, recent_tokens
         The first and the latest tokens, always kept on the device. `recent_tokens` is a token count, or a
         float in (0, 1): that share of the device budget (the window grows with the budget).
+    demote_pages
+        Pages per KV head a demotion moves at least, where that many may move: a decoding layer then demotes
+        once every that many pages of steps instead of every page, so what a demotion costs the host (its
+        planning and copies, and a CUDA graph's capture after it, as the layer's page count changed) is shared
+        by that many more steps; the device tier sits up to that many pages under its budget after one.
+        ``None``: in tier mode, `DEFAULT_DEMOTE_PAGES` (the pages come back by recall), at most an eighth of
+        the device budget; in evict mode 1 (what leaves is lost).
     cuda_graphs
         Replay a decode step's attention and recall from a CUDA graph per layer, captured again when the layer's
         state changes (`kvtier.engine.graphs`), where recall is planned on the device and the native kernels
@@ -138,6 +147,7 @@ class TieredCacheConfig:
     page_size: int = DEFAULT_PAGE_SIZE
     sink_tokens: int = DEFAULT_SINK_TOKENS
     recent_tokens: int | float = DEFAULT_RECENT_TOKENS
+    demote_pages: int | None = None
     cuda_graphs: bool = field(default=False, compare=False)   # how steps run, not what they hold
     scorer_name: str = field(default="keynorm", compare=False)
 
@@ -149,6 +159,8 @@ class TieredCacheConfig:
             _whole("prefetch_pages", self.prefetch_pages, 0)
         _whole("page_size", self.page_size, 1)
         _whole("sink_tokens", self.sink_tokens, 0)
+        if self.demote_pages is not None:
+            _whole("demote_pages", self.demote_pages, 1)
         if not isinstance(self.cuda_graphs, bool):
             raise ConfigError(f"cuda_graphs={self.cuda_graphs!r}; allowed: True or False")
         object.__setattr__(self, "recent_tokens", check_recent_tokens(self.recent_tokens))
@@ -175,6 +187,14 @@ class TieredCacheConfig:
         """The device budget in tokens after `seen` tokens; never below the sinks and recent window."""
         budget = self.device_budget.tokens(seen)
         return max(budget, min(seen, self.sink_tokens + recent_window(self.recent_tokens, budget)))
+
+    def demotion_pages(self, budget_tokens: int) -> int:
+        """Pages per KV head a demotion moves at least, for a device budget of `budget_tokens` (`demote_pages`)."""
+        if self.demote_pages is not None:
+            return self.demote_pages
+        if self.mode == "evict":
+            return 1
+        return max(1, min(DEFAULT_DEMOTE_PAGES, budget_tokens // (8 * self.page_size)))
 
     def prefetch(self, on_device: bool) -> int:
         """Pages per KV head prefetched for the next step by a layer whose recall is planned `on_device`."""

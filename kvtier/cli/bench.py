@@ -10,7 +10,7 @@ import click
 import torch
 
 from .common import (THREADS, check_cache_options, check_device, check_model, check_scorer, load,
-                     parse_budget, set_threads, user_errors)
+                     parse_budget, parse_demote_pages, set_threads, tiered_row_name, user_errors)
 
 
 @click.group()
@@ -87,13 +87,16 @@ def _needle_budget(context: str, device_budget: str, recall_pages: int) -> tuple
 @click.option("--model", default=None, help="A Hugging Face id or local path (default: the packaged model).")
 @click.option("--device", default="cpu", show_default=True, help="Where the model runs (cpu, cuda).")
 @click.option("--threads", default=1, show_default=True, type=THREADS, help="torch CPU threads.")
+@click.option("--demote-pages", default="auto", show_default=True,
+              help="Comma list of demote_pages settings, one TieredCache row each (auto: the cache's default).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @user_errors
 def decode(context: int, new_tokens: int, rounds: int, device_budget: str, host_budget: str, recall_pages: int,
-           scorer: str, model: str | None, device: str, threads: int, as_json: bool) -> None:
+           scorer: str, model: str | None, device: str, threads: int, demote_pages: str, as_json: bool) -> None:
     """Decode tokens/s of TieredCache vs DynamicCache after the same long prompt."""
     budget, host = parse_budget(device_budget, "--device-budget"), parse_budget(host_budget, "--host-budget")
     check_cache_options(budget, host, None, recall_pages)
+    demotes = parse_demote_pages(demote_pages)
     lm, tok = _checked_and_loaded(scorer, device, model, threads, as_json)
 
     from transformers import DynamicCache
@@ -104,11 +107,11 @@ def decode(context: int, new_tokens: int, rounds: int, device_budget: str, host_
 
     unit = tok(NOISE, add_special_tokens=False, return_tensors="pt")["input_ids"]
     ids = unit.repeat(1, context // unit.shape[1] + 1)[:, :context].to(device)
-    caches = {
-        "DynamicCache": lambda: DynamicCache(config=lm.config),
-        "TieredCache": lambda: TieredCache(lm.config, device_budget=budget, host_budget=host,
-                                           scorer=None if scorer == "auto" else scorer, recall_pages=recall_pages),
-    }
+    caches = {"DynamicCache": lambda: DynamicCache(config=lm.config)}
+    for d in demotes:
+        caches[tiered_row_name(d, len(demotes))] = (
+            lambda d=d: TieredCache(lm.config, device_budget=budget, host_budget=host, demote_pages=d,
+                                    scorer=None if scorer == "auto" else scorer, recall_pages=recall_pages))
     echo = (lambda s: None) if as_json else click.echo
     results = compare_decode(lm, ids, caches, new_tokens, rounds, progress=echo)
     base = results[0].tokens_per_second
@@ -118,7 +121,8 @@ def decode(context: int, new_tokens: int, rounds: int, device_budget: str, host_
         "settings": {"device_budget": budget, "host_budget": host, "recall_pages": recall_pages, "scorer": scorer},
         "results": [{"cache": r.name, "tokens_per_second": round(r.tokens_per_second, 2),
                      "ratio": round(r.tokens_per_second / base, 3),
-                     "seconds": [round(s, 3) for s in r.seconds]} for r in results],
+                     "seconds": [round(s, 3) for s in r.seconds],
+                     **({"demotions": r.stats["demotions"]} if r.stats else {})} for r in results],
     }
     if as_json:
         click.echo(json.dumps(out, indent=2))
@@ -126,7 +130,7 @@ def decode(context: int, new_tokens: int, rounds: int, device_budget: str, host_
     click.echo(f"\ncontext {context:,} tokens, {new_tokens} decode steps x {rounds} rounds, "
                f"{torch.get_num_threads()} thread(s), {device}")
     for r in out["results"]:
-        click.echo(f"  {r['cache']:<14}{r['tokens_per_second']:>8.1f} tokens/s   x{r['ratio']:.2f}")
+        click.echo(f"  {r['cache']:<18}{r['tokens_per_second']:>8.1f} tokens/s   x{r['ratio']:.2f}")
 
 
 @bench.command("prefetch")
@@ -184,16 +188,19 @@ def prefetch(context: str, new_tokens: int, device_budget: str, recall_pages: in
 
 @bench.command("launches")
 @_needle_bench_options(
-    click.option("--steps", default=16, show_default=True, type=click.IntRange(min=1),
-                 help="Decode steps counted (after two that are not); 16, a page of steps, holds one demotion "
-                      "per layer at the default page size."))
+    click.option("--steps", default=72, show_default=True, type=click.IntRange(min=1),
+                 help="Decode steps counted (after two that are not); at a 10% device budget and the default page "
+                      "size and demote_pages, 72 hold about one demotion per layer."),
+    click.option("--demote-pages", default="auto", show_default=True,
+                 help="Comma list of demote_pages settings, one TieredCache row each (auto: the cache's default)."))
 @user_errors
-def launches(context: str, steps: int, device_budget: str, recall_pages: int, scorer: str, model: str | None,
-             device: str, threads: int, seed: int, as_json: bool) -> None:
+def launches(context: str, steps: int, demote_pages: str, device_budget: str, recall_pages: int, scorer: str,
+             model: str | None, device: str, threads: int, seed: int, as_json: bool) -> None:
     """Kernel launches per layer of a decode step (tensor operations; on a GPU each costs the host a few
     microseconds), kvtier (recall planned, pages chosen and entries scored as on a GPU) against DynamicCache,
     by part; and the host time per layer-step in the cache's own code, the kernels' twins left out."""
     tokens, budget = _needle_budget(context, device_budget, recall_pages)
+    demotes = parse_demote_pages(demote_pages)
     lm, tok = _checked_and_loaded(scorer, device, model, threads, as_json)
 
     from transformers import DynamicCache
@@ -205,8 +212,8 @@ def launches(context: str, steps: int, device_budget: str, recall_pages: int, sc
     task = make_needle_task(tok, tokens, depth=0.3, seed=seed)
     ids = task.input_ids.to(device)
 
-    def tiered():
-        cache = TieredCache(lm.config, device_budget=budget, recall_pages=recall_pages,
+    def tiered(demote: int | None) -> TieredCache:
+        cache = TieredCache(lm.config, device_budget=budget, recall_pages=recall_pages, demote_pages=demote,
                             scorer=None if scorer == "auto" else scorer)
         for engine in cache._engines:   # recall planned, pages chosen, entries scored and checked as on a GPU
             engine.device_recall = engine.select_kernels = engine.defer_nan = True
@@ -214,7 +221,8 @@ def launches(context: str, steps: int, device_budget: str, recall_pages: int, sc
                 engine.scorer.native_score = True
         return cache
 
-    makers = {"DynamicCache": lambda: DynamicCache(config=lm.config), "TieredCache": tiered}
+    makers = {"DynamicCache": lambda: DynamicCache(config=lm.config)}
+    makers.update({tiered_row_name(d, len(demotes)): (lambda d=d: tiered(d)) for d in demotes})
     rows = [count_launches(lm, ids, make, name, steps)[0] for name, make in makers.items()]
     for row, make in zip(rows, makers.values()):   # timed apart: the counter's dispatch would weigh on the time
         row.host_us, row.captured_host_us = time_cache_host(lm, ids, make, steps)

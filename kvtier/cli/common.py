@@ -247,6 +247,32 @@ def check_model(model: str | None, option: str = "--model") -> None:
                          "or folder)")
 
 
+def parse_demote_pages(value: str, option: str = "--demote-pages") -> list[int | None]:
+    """'auto' -> [None] (the cache's default), '1,4' -> [1, 4]: the `demote_pages` settings of cache rows."""
+    allowed = "'auto' (the cache's default) or a comma list of whole numbers >= 1, like 1,4"
+    out: list[int | None] = []
+    for part in value.split(","):
+        part = part.strip().lower()
+        if part == "auto":
+            out.append(None)
+            continue
+        try:
+            n = int(part)
+        except ValueError:
+            raise bad_option(option, value, allowed, f"has {part!r}") from None
+        if n < 1:
+            raise bad_option(option, value, allowed, f"has {n}")
+        out.append(n)
+    return out
+
+
+def tiered_row_name(demote_pages: int | None, rows: int) -> str:
+    """A TieredCache row's name in a bench with `rows` of them, one per `demote_pages` setting."""
+    if rows == 1:
+        return "TieredCache"
+    return f"TieredCache d={'auto' if demote_pages is None else demote_pages}"
+
+
 def check_cache_options(device_budget: Any, host_budget: Any, disk_dir: str | None,
                         recall_pages: int = 0) -> None:
     """Fail on bad cache settings before spending time loading a model (and create no folder doing so)."""

@@ -64,7 +64,7 @@ def clone_counters(src, dst) -> None:
     """Carry the move counters over, so the copy's `stats()` tell the same history."""
     dst.bytes_moved.update(src.bytes_moved)
     dst.pages_recalled.update(src.pages_recalled)
-    for name in ("recall_steps", "pages_reused", "pages_prefetched", "prefetch_used", "tokens_dropped",
+    for name in ("recall_steps", "pages_reused", "pages_prefetched", "prefetch_used", "tokens_dropped", "demotions",
                  "tokens_masked", "disk_wait_seconds"):
         setattr(dst, name, getattr(src, name))
 

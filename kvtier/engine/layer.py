@@ -414,9 +414,11 @@ class LayerEngine(PageFetching, DeviceDecoding):
         pos, score = pool.meta()
         rank = ranking_scores(self.scorer, score, pos, self.seen, self.layer_idx)
         idx = plan_device_demotion(rank, pos, self.seen, budget, cfg.sink_tokens,
-                                   cfg.recent_tokens, cfg.page_size, kept=self._kept_on_device())
+                                   cfg.recent_tokens, cfg.page_size, kept=self._kept_on_device(),
+                                   min_pages=cfg.demotion_pages(budget))
         if idx is None:
             return
+        self.counters.demotions += 1
         if self._nan is not None and cfg.mode == "evict":   # deferred NaN check, before those scores place
             bad = bool(self._nan_seen())                          # (tier mode reads it with its copies down)
             self._nan_checked()

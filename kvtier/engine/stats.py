@@ -18,6 +18,7 @@ class MoveCounters:
     pages_prefetched: int = 0    # pages brought up ahead of need (counted in pages_recalled too)
     prefetch_used: int = 0       # of those, pages a later step chose
     tokens_dropped: int = 0
+    demotions: int = 0           # demotions (or drops) from the device tier, summed over layers
     tokens_masked: int = 0       # padding the attention mask left out, never stored
     disk_wait_seconds: float = 0.0
 

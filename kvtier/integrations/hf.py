@@ -75,6 +75,9 @@ class TieredCache(OneSequence, Cache):
     page_size, sink_tokens, recent_tokens
         See `TieredCacheConfig`; `recent_tokens` is a token count or, as by default (0.25), a share of the
         device budget.
+    demote_pages
+        Pages per KV head a demotion moves at least (see `TieredCacheConfig`); ``None``: 4 in tier mode (at
+        most an eighth of the device budget), 1 in evict mode.
     scorer_kwargs
         Settings for a scorer given by name (e.g. ``{"seed": 1}`` for ``"random"``).
     cuda_graphs
@@ -86,7 +89,7 @@ class TieredCache(OneSequence, Cache):
                  mode: str = "tier", recall_pages: int = DEFAULT_RECALL_PAGES, *,
                  prefetch_pages: int | None = None, page_size: int = DEFAULT_PAGE_SIZE, sink_tokens: int = DEFAULT_SINK_TOKENS,
                  recent_tokens: int | float = DEFAULT_RECENT_TOKENS, scorer_kwargs: dict[str, Any] | None = None,
-                 cuda_graphs: bool = False) -> None:
+                 demote_pages: int | None = None, cuda_graphs: bool = False) -> None:
         plan = layer_plan(config)
         shape = ModelShape.from_config(config)
         if scorer_kwargs is not None and not isinstance(scorer_kwargs, dict):
@@ -110,7 +113,7 @@ class TieredCache(OneSequence, Cache):
             disk_dir=None if disk_dir is None else os.fspath(disk_dir),
             mode=mode, recall_pages=recall_pages, prefetch_pages=prefetch_pages, page_size=page_size,
             sink_tokens=sink_tokens,
-            recent_tokens=recent_tokens, cuda_graphs=cuda_graphs,
+            recent_tokens=recent_tokens, demote_pages=demote_pages, cuda_graphs=cuda_graphs,
             scorer_name=scorer if isinstance(scorer, str) else scorer_name(scorer),
         )
         if isinstance(scorer, str):
@@ -331,6 +334,7 @@ class TieredCache(OneSequence, Cache):
                                          "replays": sum(g.replays for g in fetching),
                                          "eager": sum(g.eager for g in fetching)}},
             "tokens_dropped": c.tokens_dropped,
+            "demotions": c.demotions,
             "tokens_masked": c.tokens_masked,
             "transfer_wait_seconds": wait,
             "read_ahead": {"hits": hits, "misses": misses, "pages_read_ahead": sum(r.read_ahead for r in ahead),
@@ -357,7 +361,8 @@ class TieredCache(OneSequence, Cache):
                           host_budget=None if s.host_budget is None else s.host_budget.value, disk_dir=s.disk_dir,
                           scorer=scorer, mode=s.mode, recall_pages=s.recall_pages,
                           prefetch_pages=s.prefetch_pages, page_size=s.page_size,
-                          sink_tokens=s.sink_tokens, recent_tokens=s.recent_tokens, cuda_graphs=s.cuda_graphs)
+                          sink_tokens=s.sink_tokens, recent_tokens=s.recent_tokens, demote_pages=s.demote_pages,
+                          cuda_graphs=s.cuda_graphs)
         try:
             for mine, theirs in zip(self.layers, new.layers):
                 if isinstance(mine, TieredLayer):

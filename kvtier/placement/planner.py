@@ -42,6 +42,7 @@ def plan_device_demotion(
     recent_tokens: int | float,
     page_size: int,
     kept: int | None = None,
+    min_pages: int = 1,
 ) -> torch.Tensor | None:
     """Choose the device entries to demote, in whole pages, so the device tier fits its budget.
 
@@ -57,11 +58,15 @@ def plan_device_demotion(
         The always-kept set: the first `sink_tokens` positions and the latest ones; `recent_tokens` is a
         token count, or a float in (0, 1): that share of `budget_tokens` (see `recent_window`).
     page_size
-        Entries per page: demotions come in whole pages, which is also the hysteresis (after a demotion
-        the tier sits up to a page under its budget, so a decoding layer demotes once every page of steps).
+        Entries per page: demotions come in whole pages, which is also the least hysteresis (after a
+        demotion the tier sits up to a page under its budget, so a decoding layer demotes at most once every
+        page of steps; `min_pages` widens it).
     kept
         How many of a head's entries are in the always-kept set, when the caller knows it (the engine counts
         it on the host, so a GPU step reads nothing back); None counts it from `positions`.
+    min_pages
+        Pages to move at least once the tier is over its budget, where that many may move: the tier then
+        sits up to that many pages under its budget, and the next demotion comes that many pages later.
 
     Returns
     -------
@@ -77,7 +82,7 @@ def plan_device_demotion(
     recent = recent_window(recent_tokens, budget_tokens)
     protected = (positions < sink_tokens) | (positions >= seen - recent)
     movable = n - (int(protected[0].sum()) if kept is None else kept)
-    pages = min(-(-(n - budget_tokens) // page_size), movable // page_size)
+    pages = min(max(-(-(n - budget_tokens) // page_size), min_pages), movable // page_size)
     if pages <= 0:
         return None
     m = pages * page_size

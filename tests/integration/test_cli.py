@@ -98,6 +98,21 @@ def test_bench_json():
     assert data["machine"]["threads"] == 1
 
 
+def test_bench_decode_rows_per_demote_pages():
+    """One TieredCache row per demote_pages setting, each with its demotions; a bad setting is refused by name."""
+    result = run("bench", "decode", "--context", "2000", "--new-tokens", "40", "--rounds", "1", "--device-budget",
+                 "0.1", "--demote-pages", "1,4", "--scorer", "keynorm", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output[result.output.index("{"):])
+    rows = {r["cache"]: r for r in data["results"]}
+    assert list(rows) == ["DynamicCache", "TieredCache d=1", "TieredCache d=4"]
+    assert rows["TieredCache d=1"]["demotions"] > rows["TieredCache d=4"]["demotions"] > 0
+    for bad, words in (("0", "has 0"), ("1,x", "has 'x'")):
+        refused = run("bench", "decode", "--demote-pages", bad)
+        assert refused.exit_code == 2 and "--demote-pages" in refused.output and words in refused.output
+        assert "comma list of whole numbers >= 1" in refused.output
+
+
 def test_bench_launches_json():
     """kvtier's decode step, recall planned on the device, issues more launches per layer than DynamicCache's,
     and the count says where they come from; the plan is one native call per recall."""

@@ -35,7 +35,8 @@ def test_token_budget_must_leave_room_for_sinks_and_window():
     ({"host_budget": -3}, "host_budget"), ({"host_budget": 2.0}, "host_budget"),
     ({"recall_pages": -1}, "recall_pages"), ({"recall_pages": 1.5}, "recall_pages"),
     ({"page_size": 0}, "page_size"), ({"mode": "drop"}, "mode"), ({"scorer": "oracle"}, "scorer"),
-    ({"scorer": 42}, "scorer"), ({"sink_tokens": -1}, "sink_tokens"),
+    ({"scorer": 42}, "scorer"), ({"sink_tokens": -1}, "sink_tokens"), ({"demote_pages": 0}, "demote_pages"),
+    ({"demote_pages": 2.0}, "demote_pages"), ({"demote_pages": True}, "demote_pages"),
 ])
 def test_other_bad_settings(kwargs, name):
     with pytest.raises(ConfigError, match=name):

@@ -285,3 +285,44 @@ def test_a_host_that_only_landing_pages_could_empty_waits_for_them(make_engine, 
         _until_demotion(engine, g)
         assert (engine.table.tokens(HOST) == 0).all()
     assert waited and engine.table.unsettled == 0
+
+
+def test_demote_pages_by_default_and_as_set():
+    """What a demotion moves at least: 4 pages in tier mode by default, at most an eighth of the budget (small
+    budgets stay exact to the page); 1 in evict mode, where what leaves is lost; what is set, as set."""
+    from kvtier.config import DEFAULT_DEMOTE_PAGES, ModelShape, TieredCacheConfig
+    from kvtier.placement import Budget
+
+    def cfg(**kw):
+        return TieredCacheConfig(shape=ModelShape(1, 2, 8), device_budget=Budget(0.1, "device_budget"), **kw)
+
+    assert DEFAULT_DEMOTE_PAGES == 4
+    assert cfg().demotion_pages(819) == 4 and cfg().demotion_pages(8 * 16 * 3) == 3
+    assert cfg().demotion_pages(100) == 1 and cfg(page_size=4).demotion_pages(100) == 3
+    assert cfg(mode="evict").demotion_pages(819) == 1
+    assert cfg(demote_pages=2).demotion_pages(10) == 2 and cfg(demote_pages=7, mode="evict").demotion_pages(9) == 7
+
+
+@pytest.mark.parametrize("demote_pages", [1, 3])
+def test_a_decoding_layer_demotes_once_every_demote_pages_pages_of_steps(make_engine, demote_pages):
+    """Past its budget a decoding layer moves `demote_pages` pages at once, so it demotes once every that many
+    pages of steps, and sits between its budget less that many pages and its budget."""
+    P, budget = 4, 48
+    engine = make_engine(heads=2, head_dim=8, device_budget=budget, page_size=P, recall_pages=4, sink_tokens=2,
+                         recent_tokens=4, demote_pages=demote_pages)
+    g = torch.Generator().manual_seed(5)
+    _fill(engine, g, tokens=budget)
+    demotions, counts = [], []
+    for step in range(120):
+        k = _next_token(g, engine)
+        engine.write(k, -k)
+        n = engine.table.n
+        engine.commit()
+        if engine.table.n > n:
+            demotions.append((step, engine.table.n - n))
+        counts.append(engine.pool.count)
+    assert all(pages == demote_pages for _, pages in demotions)
+    gaps = {b - a for (a, _), (b, _) in zip(demotions, demotions[1:])}
+    assert gaps == {demote_pages * P}
+    assert min(counts) == budget - demote_pages * P + 1 and max(counts) == budget
+    assert engine.counters.demotions == len(demotions)

@@ -187,12 +187,12 @@ def test_the_engine_counts_the_kept_entries_on_the_host(make_engine, monkeypatch
         return
     checked, real = [], plan_device_demotion     # the planner itself, whatever an earlier example patched
 
-    def plan(scores, positions, seen, budget_tokens, sink_tokens, recent_tokens, page_size, kept=None):
+    def plan(scores, positions, seen, budget_tokens, sink_tokens, recent_tokens, page_size, kept=None, min_pages=1):
         window = recent_window(recent_tokens, budget_tokens)
         mine = ((positions < sink_tokens) | (positions >= seen - window)).sum(dim=1)
         assert (mine == kept).all(), (mine.tolist(), kept)
         checked.append(kept)
-        return real(scores, positions, seen, budget_tokens, sink_tokens, recent_tokens, page_size, kept)
+        return real(scores, positions, seen, budget_tokens, sink_tokens, recent_tokens, page_size, kept, min_pages)
 
     monkeypatch.setattr(layer, "plan_device_demotion", plan)
     g = torch.Generator().manual_seed(sum(chunks))

@@ -1,8 +1,8 @@
 """Property-based: random writes, placements and recalls against a plain-Python model of where tokens live.
 
 The rule modelled: per head, when the device holds more than its budget, ceil(over / page_size) whole pages
-of the lowest-scored unprotected entries (older first among ties) are demoted, but only as many pages as
-the unprotected entries fill; the demoted entries are cut into pages in position order. After a demotion,
+of the lowest-scored unprotected entries (older first among ties) are demoted, or the config's
+`demotion_pages` if more, but only as many pages as the unprotected entries fill; the demoted entries are cut into pages in position order. After a demotion,
 when the host holds more than its budget minus the read-ahead pages, its lowest-ranked pages (rank = best
 score in the page, older page first among ties) go to disk until it fits. (Here every copy lands at once; where
 the last demotion's copies are still under way its pages are spared, see test_demotion.py.)
@@ -75,7 +75,7 @@ class Reference:
                 return e[0] < cfg.sink_tokens or e[0] >= self.seen - cfg.recent_tokens
 
             candidates = sorted((e for e in head.device if not protected(e)), key=lambda e: (e[1], e[0]))
-            pages = min(-(-(n - budget) // P), len(candidates) // P)
+            pages = min(max(-(-(n - budget) // P), cfg.demotion_pages(budget)), len(candidates) // P)
             if pages <= 0:
                 continue
             demoted = candidates[:pages * P]
@@ -152,17 +152,18 @@ settings_ = settings(max_examples=80, deadline=None, suppress_health_check=[Heal
     mode=st.sampled_from(["tier", "evict"]),
     recall_pages=st.one_of(st.integers(0, 5), st.just(10_000)),
     recall_after=st.lists(st.booleans(), min_size=14, max_size=14),
+    demote_pages=st.one_of(st.none(), st.integers(1, 4)),
 )
 @example(chunks=[23, 1, 9, 23, 2, 2, 2, 2, 17, 23, 1, 1, 5, 23], device_budget=16, host_budget=20, page_size=4,
-         sink=2, recent=3, mode="tier", recall_pages=10_000, recall_after=[True] * 14)
+         sink=2, recent=3, mode="tier", recall_pages=10_000, recall_after=[True] * 14, demote_pages=None)
 @example(chunks=[5, 23, 7, 1, 1, 1, 1, 1, 23, 3, 11, 1, 1, 23], device_budget=0.3, host_budget=0.25, page_size=3,
-         sink=1, recent=5, mode="tier", recall_pages=2, recall_after=[True, False] * 7)
+         sink=1, recent=5, mode="tier", recall_pages=2, recall_after=[True, False] * 7, demote_pages=None)
 @example(chunks=[1, 1, 1, 1, 1], device_budget=0.5, host_budget=None, page_size=1, sink=0, recent=0, mode="tier",
-         recall_pages=10_000, recall_after=[False] * 4 + [True] * 10)
+         recall_pages=10_000, recall_after=[False] * 4 + [True] * 10, demote_pages=None)
 @example(chunks=[23, 23, 4, 1, 1, 1], device_budget=10, host_budget=None, page_size=5, sink=3, recent=5,
-         mode="evict", recall_pages=3, recall_after=[True] * 14)
+         mode="evict", recall_pages=3, recall_after=[True] * 14, demote_pages=None)
 def test_engine_matches_reference(make_engine, chunks, device_budget, host_budget, page_size, sink, recent,
-                                  mode, recall_pages, recall_after, watch_fetches):
+                                  mode, recall_pages, recall_after, demote_pages, watch_fetches):
     if isinstance(device_budget, int) and device_budget < sink + recent:
         device_budget = sink + recent + 1
     if mode == "evict":
@@ -170,7 +171,7 @@ def test_engine_matches_reference(make_engine, chunks, device_budget, host_budge
     heads, dim = 2, 4
     engine = make_engine(heads=heads, head_dim=dim, device_budget=device_budget, host_budget=host_budget,
                          mode=mode, recall_pages=recall_pages, page_size=page_size, sink_tokens=sink,
-                         recent_tokens=recent, scorer=HashScorer())
+                         recent_tokens=recent, scorer=HashScorer(), demote_pages=demote_pages)
     fetched = watch_fetches(engine)
     ref = Reference(engine.cfg, heads)
     seen = 0
