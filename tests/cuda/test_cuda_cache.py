@@ -240,6 +240,30 @@ def test_decode_steps_replayed_from_cuda_graphs_equal_eager_ones(cuda_device, sc
     assert eager["prefetch"]["replays"] == 0 and graphs["prefetch"]["replays"] > graphs["prefetch"]["eager"], graphs
 
 
+def test_demotions_of_several_pages_keep_replays_exact_and_capture_less_often(cuda_device):
+    """With a demotion moving three pages at once (`demote_pages=3`) the replayed steps still equal the eager
+    ones bit for bit, and a layer demotes, and so captures again, less often than at one page a demotion."""
+    from kvtier import native
+
+    if native.kernel_status() is not None:
+        pytest.skip(f"native kernels are off ({native.kernel_status()}): no step runs as launches only")
+    model = _llama(cuda_device)
+    ids = _prompt(900, cuda_device)
+    got = {}
+    for pages in (1, 3):
+        for graphs in (False, True):
+            with TieredCache(model.config, device_budget=96, recall_pages=6, prefetch_pages=6, scorer="keynorm",
+                             demote_pages=pages, cuda_graphs=graphs) as cache:
+                got[pages, graphs] = (_decode_logits(model, cache, ids, 64), cache.stats())
+    for pages in (1, 3):
+        assert torch.equal(got[pages, True][0], got[pages, False][0]), pages
+        assert got[pages, True][1]["cuda_graphs"]["failed"] is None, got[pages, True][1]["cuda_graphs"]
+    one, three = got[1, True][1], got[3, True][1]
+    assert three["demotions"] < one["demotions"]
+    assert three["cuda_graphs"]["captures"] < one["cuda_graphs"]["captures"], (one["cuda_graphs"],
+                                                                                three["cuda_graphs"])
+
+
 @pytest.mark.parametrize("case", ["reset", "narrow"])
 def test_cuda_graphs_capture_again_after_their_layer_lets_them_go(cuda_device, case):
     """A layer lets its graph go when its recall buffer is remade (while it has fewer pages than it recalls,

@@ -80,7 +80,7 @@ def run_context(cfg: GpuBenchConfig, model: Any, context: int, scorer: Any, cloc
             times, t = decode_steps(model, cache, t, cfg.steps, clock, progress, "kvtier decode", issued=issued)
             stats = cache.stats()
             out = _step_row(times, issued, fill_seconds=_r(fill, 3), tiers=_tier_summary(stats),
-                            cuda_graphs=stats["cuda_graphs"])
+                            cuda_graphs=stats["cuda_graphs"], demotions=stats["demotions"])
             if growth and cfg.growth_steps and not graphs:
                 progress.say(f"memory growth: up to {cfg.growth_steps} kvtier decode steps at {context:,}")
                 out["growth"] = _growth(cfg, model, cache, t, layers, clock, progress)
