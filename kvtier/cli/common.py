@@ -263,7 +263,7 @@ def parse_demote_pages(value: str, option: str = "--demote-pages") -> list[int |
         if n < 1:
             raise bad_option(option, value, allowed, f"has {n}")
         out.append(n)
-    return out
+    return list(dict.fromkeys(out))   # a setting given twice is one row
 
 
 def tiered_row_name(demote_pages: int | None, rows: int) -> str:
