@@ -418,7 +418,6 @@ class LayerEngine(PageFetching, DeviceDecoding):
                                    min_pages=cfg.demotion_pages(budget))
         if idx is None:
             return
-        self.counters.demotions += 1
         if self._nan is not None and cfg.mode == "evict":   # deferred NaN check, before those scores place
             bad = bool(self._nan_seen())                          # (tier mode reads it with its copies down)
             self._nan_checked()
@@ -432,6 +431,7 @@ class LayerEngine(PageFetching, DeviceDecoding):
             self.counters.tokens_dropped += idx.numel()
         pool.remove(idx)
         pool.trim()
+        self.counters.demotions += 1   # once it took place: a failed copy down or NaN check left none
         if cfg.mode == "tier":
             self._host_overflow()
 

@@ -65,7 +65,7 @@ def test_a_copy_down_that_fails_places_nothing(make_engine, monkeypatch, fail_at
 
     monkeypatch.setattr(engine.transfer, "submit", flaky)
     for _ in range(200):
-        before = _state(engine)
+        before, demotions = _state(engine), engine.counters.demotions
         k = _next_token(g, engine)
         engine.write(k, -k)
         count = engine.pool.count
@@ -77,6 +77,7 @@ def test_a_copy_down_that_fails_places_nothing(make_engine, monkeypatch, fail_at
         raise AssertionError("no demotion was attempted")
     assert _state(engine)[:4] == before[:4]          # no page, slot or index row taken
     assert engine.pool.count == count + 1             # the step's token stays on the device
+    assert engine.counters.demotions == demotions     # and no demotion is counted
     monkeypatch.setattr(engine.transfer, "submit", real)
     k = _next_token(g, engine)
     engine.write(k, -k)
