@@ -34,6 +34,12 @@ def _machine(device: str) -> dict:
             "torch": torch.__version__, "threads": torch.get_num_threads(), "device": device}
 
 
+# the cache rows of a bench that compares demote_pages settings
+_DEMOTE_PAGES = click.option("--demote-pages", default="auto", show_default=True,
+                             help="Comma list of demote_pages settings, one TieredCache row each (auto: the "
+                                  "cache's default).")
+
+
 def _needle_bench_options(*own: Callable) -> Callable[[Callable], Callable]:
     """The options of the benches that decode a needle prompt (`prefetch`, `launches`), with the bench's `own`
     options after the prompt's length."""
@@ -87,8 +93,7 @@ def _needle_budget(context: str, device_budget: str, recall_pages: int) -> tuple
 @click.option("--model", default=None, help="A Hugging Face id or local path (default: the packaged model).")
 @click.option("--device", default="cpu", show_default=True, help="Where the model runs (cpu, cuda).")
 @click.option("--threads", default=1, show_default=True, type=THREADS, help="torch CPU threads.")
-@click.option("--demote-pages", default="auto", show_default=True,
-              help="Comma list of demote_pages settings, one TieredCache row each (auto: the cache's default).")
+@_DEMOTE_PAGES
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @user_errors
 def decode(context: int, new_tokens: int, rounds: int, device_budget: str, host_budget: str, recall_pages: int,
@@ -191,8 +196,7 @@ def prefetch(context: str, new_tokens: int, device_budget: str, recall_pages: in
     click.option("--steps", default=72, show_default=True, type=click.IntRange(min=1),
                  help="Decode steps counted (after two that are not); at a 10% device budget and the default page "
                       "size and demote_pages, 72 hold about one demotion per layer."),
-    click.option("--demote-pages", default="auto", show_default=True,
-                 help="Comma list of demote_pages settings, one TieredCache row each (auto: the cache's default)."))
+    _DEMOTE_PAGES)
 @user_errors
 def launches(context: str, steps: int, demote_pages: str, device_budget: str, recall_pages: int, scorer: str,
              model: str | None, device: str, threads: int, seed: int, as_json: bool) -> None:
