@@ -144,7 +144,9 @@ class OneSequence:
         if indices.numel() != 1 or int(indices.reshape(-1)[0]) != 0:
             raise UnsupportedError("batch_select_indices: a TieredCache holds one sequence; allowed: index 0")
 
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, **options: object) -> None:
+        # transformers passes options here that change between releases (recurrent_states_to_keep since 5.25);
+        # whatever they are, the answer is the same refusal
         raise UnsupportedError("assisted decoding is not supported by TieredCache: it rolls the cache back, and "
                                "demoted pages cannot be un-taken; allowed: generation without an assistant model")
 

@@ -115,6 +115,12 @@ def test_assisted_decoding_and_crop_are_named(model):
                            **cache_kwargs(cache))
         with pytest.raises(UnsupportedError, match=r"crop\(-2\)"):
             cache.crop(-2)
+        # the options generate passes differ between transformers releases; each gets the refusal, not a TypeError
+        for options in ({}, {"recurrent_states_to_keep": 3}, {"recurrent_states_to_keep": None}):
+            with pytest.raises(UnsupportedError, match="assisted decoding"):
+                cache.activate_past_recording(**options)
+            with pytest.raises(UnsupportedError, match="assisted decoding"):
+                cache.layers[0].activate_past_recording(**options)
 
 
 def test_batched_prompts_are_refused_by_batch_size(model):
