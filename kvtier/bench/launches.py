@@ -137,6 +137,7 @@ class LaunchCount:
     host_us: float | None = None    # `time_cache_host`, when measured
     captured: int | None = None     # launches in the steps' launches-only work (None: the cache has none)
     captured_host_us: float | None = None   # `time_cache_host`'s share of it
+    key_host_us: float | None = None        # and the host time of the graphs' keys, beside it
 
     @property
     def total(self) -> int:
@@ -157,6 +158,9 @@ class LaunchCount:
                 "captured_launches_per_layer_step": None if self.captured is None else round(self.captured / per, 1),
                 "captured_host_us_per_layer_step": (None if self.captured_host_us is None
                                                     else round(self.captured_host_us, 1)),
+                # what a replay costs the host beside it: the key saying which graph stands for the step
+                "graph_key_host_us_per_layer_step": (None if self.key_host_us is None
+                                                     else round(self.key_host_us, 1)),
                 "top_ops_per_layer_step": {k: round(v / per, 1) for k, v in Counter(self.ops).most_common(12)}}
 
 
@@ -199,15 +203,20 @@ def count_launches(model: Any, input_ids: torch.Tensor, make_cache: Callable[[],
 
 
 @contextlib.contextmanager
-def _work_watched(cache: Any, enter: Callable[[], None], leave: Callable[[], None]) -> Iterator[bool]:
+def _work_watched(cache: Any, enter: Callable[[], None], leave: Callable[[], None],
+                  keyed: Callable[[Callable[[], tuple]], None] | None = None) -> Iterator[bool]:
     """`enter()` and `leave()` around each decode step's launches-only work (`kvtier.engine.graphs.StepGraphs`,
     what a CUDA graph replays: the step's, and its prefetch's on the side stream) of `cache`'s layers, put back
-    on leaving; yields whether the cache has any."""
+    on leaving; yields whether the cache has any. Where its graphs are off, `keyed(key)` is called first with
+    the key a graph would be looked up by (where they are on, `StepGraphs.run` computes it itself)."""
     graphs = [g for e in getattr(cache, "_engines", []) for g in (getattr(e, "graphs", None),
                                                                    getattr(e, "prefetch_graphs", None))
               if g is not None]
     for g in graphs:
-        def run(key, inputs, work, _run=g.run):
+        def run(key, inputs, work, _run=g.run, _g=g):
+            if keyed is not None and not (_g.enabled and _g.failed is None):
+                keyed(key)
+
             def watched(*args):
                 enter()
                 try:
@@ -235,6 +244,7 @@ class HostClock:
         self.twins = 0.0       # of which inside the twins
         self.work = 0.0        # of which inside the steps' launches-only work (what a CUDA graph replays)
         self.work_twins = 0.0  # and of that inside the twins
+        self.keys = 0.0        # computing the keys a CUDA graph would be looked up by, outside the work
         self._work_since: float | None = None
         self._depth = 0        # cache methods nest (update runs the engine's write): count the outermost
         self._twin_depth = 0
@@ -265,6 +275,12 @@ class HostClock:
                         self.work_twins += time.perf_counter() - t0
         return timed
 
+    def key(self, key: Callable[[], tuple]) -> None:
+        """Time `key()`: on a GPU with `cuda_graphs` each step computes it before its replay."""
+        t0 = time.perf_counter()
+        key()
+        self.keys += time.perf_counter() - t0
+
     def enter_work(self) -> None:
         self._work_since = time.perf_counter()
 
@@ -274,7 +290,8 @@ class HostClock:
 
     @property
     def host(self) -> float:
-        return self.inside - self.twins
+        """The cache's host time as its eager path costs it: the keys timed here (graphs off) left out."""
+        return self.inside - self.twins - self.keys
 
     @property
     def work_host(self) -> float:
@@ -308,10 +325,12 @@ def _clocked(cache: Any, clock: HostClock) -> Iterator[None]:
 
 
 def time_cache_host(model: Any, input_ids: torch.Tensor, make_cache: Callable[[], Any], steps: int,
-                    warmup: int = 2) -> tuple[float, float | None]:
+                    warmup: int = 2) -> tuple[float, float | None, float | None]:
     """Prefill `input_ids`, decode `warmup` steps, then return the host microseconds per layer and decode step
-    spent in the cache's own code over `steps` greedy steps (`HostClock`), and of those the microseconds in the
-    steps' launches-only work (None for a cache without it)."""
+    spent in the cache's own code over `steps` greedy steps (`HostClock`), of those the microseconds in the
+    steps' launches-only work, and the microseconds computing the keys their graphs are looked up by (what a
+    step with `cuda_graphs` costs the host besides; timed here where the graphs are off, and then left out of
+    the first figure), both None for a cache without such work."""
     cache = make_cache()
     clock = HostClock()
     try:
@@ -319,14 +338,17 @@ def time_cache_host(model: Any, input_ids: torch.Tensor, make_cache: Callable[[]
             logits = model(input_ids, **cache_kwargs(cache)).logits[:, -1]
             for _ in range(warmup):
                 logits = model(logits.argmax(-1, keepdim=True), **cache_kwargs(cache)).logits[:, -1]
-            with _clocked(cache, clock), _work_watched(cache, clock.enter_work, clock.leave_work) as watched:
+            with _clocked(cache, clock), \
+                    _work_watched(cache, clock.enter_work, clock.leave_work, clock.key) as watched:
                 for _ in range(steps):
                     logits = model(logits.argmax(-1, keepdim=True), **cache_kwargs(cache)).logits[:, -1]
     finally:
         if hasattr(cache, "close"):
             cache.close()
     per = 1e6 / (model.config.get_text_config().num_hidden_layers * steps)
-    return per * clock.host, per * clock.work_host if watched else None
+    if not watched:
+        return per * clock.host, None, None
+    return per * clock.host, per * clock.work_host, per * clock.keys
 
 
 def _native_calls() -> dict[str, int]:

@@ -229,7 +229,7 @@ def launches(context: str, steps: int, demote_pages: str, device_budget: str, re
     makers.update({tiered_row_name(d, len(demotes)): (lambda d=d: tiered(d)) for d in demotes})
     rows = [count_launches(lm, ids, make, name, steps)[0] for name, make in makers.items()]
     for row, make in zip(rows, makers.values()):   # timed apart: the counter's dispatch would weigh on the time
-        row.host_us, row.captured_host_us = time_cache_host(lm, ids, make, steps)
+        row.host_us, row.captured_host_us, row.key_host_us = time_cache_host(lm, ids, make, steps)
     out = {"machine": _machine(device), "prompt_tokens": task.prompt_tokens, "steps": steps,
            "settings": {"device_budget": budget, "recall_pages": recall_pages, "scorer": scorer, "seed": seed},
            "rows": [r.as_dict() for r in rows],
@@ -247,7 +247,8 @@ def launches(context: str, steps: int, demote_pages: str, device_budget: str, re
         if r["captured_launches_per_layer_step"] is not None:
             click.echo(f"      of all: in the work a CUDA graph replays (cuda_graphs=True): "
                        f"{r['captured_launches_per_layer_step']:.1f} launches, "
-                       f"{r['captured_host_us_per_layer_step']:.1f} us of host time")
+                       f"{r['captured_host_us_per_layer_step']:.1f} us of host time; the replay's keys "
+                       f"{r['graph_key_host_us_per_layer_step']:.1f} us beside it")
     click.echo(f"  TieredCache / DynamicCache: x{out['ratio']:.2f} launches")
 
 

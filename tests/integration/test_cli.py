@@ -139,6 +139,9 @@ def test_bench_launches_json():
     # at most all of kvtier's own (the demotions, where the counted steps hold one, and the step's position stay out)
     assert tiered["captured_launches_per_layer_step"] <= tiered["launches_per_layer_step"] - parts["model"]
     assert 0 < tiered["captured_host_us_per_layer_step"] < tiered["cache_host_us_per_layer_step"]
+    # and beside it, what looking the graphs up costs (the step's key and its prefetch's), measured for kvtier only
+    assert plain["graph_key_host_us_per_layer_step"] is None
+    assert 0 < tiered["graph_key_host_us_per_layer_step"] < tiered["cache_host_us_per_layer_step"]
     # the device pool in one pass (its chunks, and their combine if several), then the recalled pages where the
     # buffer holds them, merged with it: no attention call, no gather, no separate merge
     assert calls["attend_slabs"] >= 1 and calls["attend_pages"] == 2 and "merge_parts" not in calls
