@@ -26,6 +26,8 @@ the same key issue the same launches (`tests/integration/test_decode_launches_re
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from .. import native
@@ -33,6 +35,18 @@ from ..recall import grouped, select_pages
 from ..scoring import checked_scores
 from .attention import finish_with_lse, merge_with_lse, sink_part
 from .graphs import baked
+
+
+class _Once:
+    """`make()` on the first call, the same value after."""
+
+    def __init__(self, make: Callable[[], tuple]) -> None:
+        self._make, self._value = make, None
+
+    def __call__(self) -> tuple:
+        if self._value is None:
+            self._value = self._make()
+        return self._value
 
 
 class DeviceDecoding:
@@ -57,8 +71,9 @@ class DeviceDecoding:
                self.index.bounds.addresses(self.device), self.index.codes.addresses(self.device),
                p.pos if writes else None)
         inputs = (query, p.k, p.v) if writes else (query,)
+        recall_key = _Once(lambda: self._recall_key(buf, sources))   # the step's key and its prefetch's share it
         try:
-            out, ids, shortlist = self.graphs.run(lambda: self._decode_key(inputs, run), inputs,
+            out, ids, shortlist = self.graphs.run(lambda: self._decode_key(inputs, run, recall_key()), inputs,
                                                   lambda *given: self._decode_launches(run, *given))
         except BaseException:   # the table may name pages whose copy never ran: the next step starts a new buffer
             self._forget_recalled()
@@ -71,7 +86,7 @@ class DeviceDecoding:
         self.index.note_reads()
         self.host.read_on(self.device)
         if spare and shortlist.shape[1] > r:   # else nothing is ranked after the choice
-            self._prefetch(buf, shortlist[:, :buf.pages])
+            self._prefetch(buf, shortlist[:, :buf.pages], sources, recall_key)
         return out
 
     def _decode_launches(self, run: tuple, query: torch.Tensor, k: torch.Tensor | None = None,
@@ -106,10 +121,10 @@ class DeviceDecoding:
             self.pool.commit_launches(score)
         return finish_with_lse([(out[None], lse[None])], query)[0], ids, shortlist
 
-    def _decode_key(self, inputs: tuple[torch.Tensor, ...], run: tuple) -> tuple:
+    def _decode_key(self, inputs: tuple[torch.Tensor, ...], run: tuple, recall_key: tuple) -> tuple:
         """Every address and scalar `_decode_launches` bakes into its launches, for `run` (its arguments) and
-        `inputs` (copied into a graph's own buffers: their shapes only): two steps with the same key issue the
-        same launches."""
+        `inputs` (copied into a graph's own buffers: their shapes only), with `recall_key` (`_recall_key` of the
+        run's buffer and sources): two steps with the same key issue the same launches."""
         scale, sinks, buf, sources, spare, (at, base), pool_addresses, bounds_at, codes_at, positions = run
         pool, index = self.pool, self.index
         writes = ()
@@ -127,5 +142,5 @@ class DeviceDecoding:
             index.n, index.uses_kernels, len(index.bounds.slabs), len(index.codes.slabs),
             baked(index.bounds.slabs[0]), baked(index.codes.slabs[0]), baked(bounds_at), baked(codes_at),
             # the recall: the pages asked and demoted, then the copy's buffer, sources and counters
-            self.cfg.recall_pages, self.table.n, *self._recall_key(buf, sources),
+            self.cfg.recall_pages, self.table.n, *recall_key,
         )

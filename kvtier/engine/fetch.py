@@ -13,6 +13,7 @@ the device, finds most of its choice already there and fetches only the rest on 
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import numpy as np
 import torch
@@ -112,7 +113,7 @@ class PageFetching:
         else:
             got = (*buf.chosen(plan.where), ids)
         if spare and ranked is not None and ranked.shape[1] > r:   # else nothing is ranked after the choice
-            self._prefetch(buf, ranked[:, :R])
+            self._prefetch(buf, ranked[:, :R], sources)
         return got
 
     def _plan_and_copy(self, buf: RecallBuffer, ids: torch.Tensor,
@@ -145,10 +146,15 @@ class PageFetching:
         if note:
             self.host.read_on(self.device)
 
-    def _prefetch(self, buf: RecallBuffer, target: torch.Tensor) -> None:
+    def _prefetch(self, buf: RecallBuffer, target: torch.Tensor, sources: tuple,
+                  recall_key: Callable[[], tuple] | None = None) -> None:
         """Bring the pages of `target` ``[heads, w]`` (this step's choice and the pages ranked after it) into
-        `buf` on the transfer manager's side stream; the next step's `_fetch_on_device` waits for it."""
-        n, counts, sources = self.table.n, self.device_counts, self._sources()
+        `buf` on the transfer manager's side stream; the next step's `_fetch_on_device` waits for it. `sources`
+        are the step's (`_sources`, unchanged since: the step changed no table), and `recall_key`, where given,
+        says what `_recall_key` says of them and `buf` (the step's key computed it already)."""
+        n, counts = self.table.n, self.device_counts
+        if recall_key is None:
+            recall_key = lambda: self._recall_key(buf, sources)   # noqa: E731
 
         def launches(want: torch.Tensor) -> tuple:
             plan = plan_on_device(want, buf.held, n, sources[0], buf.ahead, counts, prefetch=True, in_place=True)
@@ -159,7 +165,7 @@ class PageFetching:
             # launches only, so that a CUDA graph may replay them on the side stream (`prefetch_graphs`, a pool of
             # its own), `target` copied into the graph's input first: the replay then does not depend on where
             # the step's short list lies
-            self.prefetch_graphs.run(lambda: self._prefetch_key(buf, target, sources, n), (target,), launches)
+            self.prefetch_graphs.run(lambda: self._prefetch_key(target, n, recall_key()), (target,), launches)
             self.host.read_on(self.device)
 
         uses = [target, buf.k, buf.v, buf.held, buf.ahead, counts, *(t for t in sources if t is not None)]
@@ -169,9 +175,10 @@ class PageFetching:
             self._forget_recalled()
             raise
 
-    def _prefetch_key(self, buf: RecallBuffer, target: torch.Tensor, sources: tuple, pages: int) -> tuple:
-        """Every address and scalar the prefetch's launches bake in (see `_prefetch`; `target` is copied in)."""
-        return (tuple(target.shape), target.stride(), target.dtype, pages, *self._recall_key(buf, sources))
+    def _prefetch_key(self, target: torch.Tensor, pages: int, recall_key: tuple) -> tuple:
+        """Every address and scalar the prefetch's launches bake in (see `_prefetch`; `target` is copied in),
+        with `recall_key` (`_recall_key` of its buffer and sources)."""
+        return (tuple(target.shape), target.stride(), target.dtype, pages, *recall_key)
 
     def _recall_key(self, buf: RecallBuffer, sources: tuple) -> tuple:
         """What a plan and copy into `buf` bake in (a step's and a prefetch's alike): the buffer, the host slots'

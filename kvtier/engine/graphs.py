@@ -37,7 +37,7 @@ def baked(t: torch.Tensor | None) -> tuple | None:
     (a key holds it for each tensor a graph's work reads or writes outside its inputs)."""
     if t is None:
         return None
-    return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype
+    return t.data_ptr(), t.shape, t.stride(), t.dtype   # a torch.Size is a tuple: it compares and hashes as one
 
 
 class GraphSwitch:
