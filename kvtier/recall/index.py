@@ -13,6 +13,7 @@ import torch
 
 from .. import native
 from ..tiers.slabs import SlabRows
+from ..transfer.read_mark import ReadMark
 from .bounds import page_bounds, round_outward
 from .codes import code_width, encode
 
@@ -31,7 +32,7 @@ class PageIndex:
         self.bounds = SlabRows((2 * dim,), dtype, device, pages_per_slab * heads)
         self.codes = SlabRows((page_size, code_width(dim)), torch.uint8, "cpu", pages_per_slab * heads, pin)
         self.n = 0
-        self._reads: torch.cuda.Event | None = None   # the last device read of the pinned codes
+        self._reads = ReadMark()   # the end of the last device read of the pinned codes
         self._head_rows: torch.Tensor | None = None   # [heads, 1]: 0 .. heads - 1, kept (one op fewer a step)
         # whether page choice runs the native kernels (`page_upper_bounds`, `code_logits`: one launch each
         # where the matrix products take several); None: where they can run (CUDA and cupy; their twins,
@@ -141,9 +142,7 @@ class PageIndex:
     def note_reads(self) -> None:
         """Note that work queued on the current stream reads the pinned codes: `release` waits for it before
         they go."""
-        if self.device.type == "cuda":
-            self._reads = torch.cuda.Event()
-            self._reads.record(torch.cuda.current_stream(self.device))
+        self._reads.note(self.device)
 
     def ranks_in_one_launch(self, candidates: int, rows: int) -> bool:
         """Whether `rank` takes `candidates` pages for `rows` query rows in one launch here: the kernels
@@ -177,9 +176,7 @@ class PageIndex:
 
     def release(self) -> None:
         """Forget every page and give the slabs back (after any device read of them is done)."""
-        if self._reads is not None:
-            self._reads.synchronize()
-            self._reads = None
+        self._reads.synchronize()
         for part in (self.bounds, self.codes):
             part.close()
         self.n = 0

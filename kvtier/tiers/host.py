@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..transfer.read_mark import ReadMark
 from .slabs import SlabRows
 
 SLAB_BYTES = 4 << 20
@@ -35,8 +36,7 @@ class HostPool:
         self.v = SlabRows((page_size, head_dim), dtype, "cpu", per_slab, pin)
         self._free: list[int] = []      # a stack: the lowest free slot on top
         self._used = 0
-        self._reads: torch.cuda.Event | None = None   # marks the end of the last device read of the slabs
-        self._reads_on: torch.device | None = None     # the device that read them
+        self._reads = ReadMark()   # the end of the last device read of the slabs
         self._written = 0    # slots from here on have never held a page (so no device read of them is queued)
 
     def _take(self, n: int) -> np.ndarray:
@@ -51,9 +51,7 @@ class HostPool:
 
     def _settle(self) -> None:
         """Wait until device reads of the slabs queued by `load` are done (before the host writes them)."""
-        if self._reads is not None:
-            self._reads.synchronize()
-            self._reads = None
+        self._reads.synchronize()
 
     def store(self, k: torch.Tensor, v: torch.Tensor) -> np.ndarray:
         """Keep pages ``k, v`` ``[n, page_size, head_dim]``; returns their slots."""
@@ -77,8 +75,8 @@ class HostPool:
         so far, on the device. Slots never used before need no wait (a decoding layer's usual case)."""
         if not len(slots):
             return
-        if self._reads is not None and int(np.min(slots)) < self._written:
-            torch.cuda.current_stream(self._reads_on).wait_event(self._reads)
+        if self._reads.pending and int(np.min(slots)) < self._written:
+            self._reads.order_before(torch.cuda.current_stream(self._reads.device))
         self._written = max(self._written, int(np.max(slots)) + 1)
         self.k.write_from(slots, k, transfer, jobs)
         self.v.write_from(slots, v, transfer, jobs)
@@ -96,9 +94,8 @@ class HostPool:
 
     def read_on(self, device: torch.device) -> None:
         """Note that kernels queued on `device`'s current stream read the slabs: `store` waits for them."""
-        if device.type == "cuda" and self.pin:
-            self._reads, self._reads_on = torch.cuda.Event(), device
-            self._reads.record(torch.cuda.current_stream(device))
+        if self.pin:
+            self._reads.note(device)
 
     def free(self, slots: np.ndarray) -> None:
         self._free.extend(sorted(np.asarray(slots).tolist(), reverse=True))

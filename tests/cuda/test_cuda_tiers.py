@@ -52,6 +52,32 @@ def test_work_run_ahead_waits_for_what_came_before_and_is_waited_for(cuda_device
     manager.close()
 
 
+def test_read_mark_reuses_one_event_and_waits_for_the_last_read(cuda_device):
+    """A `ReadMark` noted twice keeps one event; `synchronize` waits for the read noted last (held back by a
+    sleep on a side stream), and `order_before` puts a stream's later work after it."""
+    from kvtier.transfer.read_mark import ReadMark
+
+    mark, side = ReadMark(), torch.cuda.Stream(cuda_device)
+    host = torch.zeros(1 << 20, pin_memory=True)
+    seen = torch.empty(1 << 20, device=cuda_device)
+    mark.note(cuda_device)
+    first = mark._event
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(20_000_000)
+        seen.copy_(host, non_blocking=True)   # the device reads the pinned memory late
+        mark.note(cuda_device)
+    assert mark._event is first and mark.pending
+    later = torch.cuda.Stream(cuda_device)
+    mark.order_before(later)
+    with torch.cuda.stream(later):
+        after = seen + 1
+    mark.synchronize()
+    assert not mark.pending and first.query()
+    host.fill_(5.0)                           # the read is over: writing the host memory now changes nothing
+    later.synchronize()
+    assert torch.equal(after, torch.ones_like(after))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_round_trip_on_gpu_is_bit_exact(make_engine, cuda_device, dtype):
     engine = make_engine(device_budget=16, host_budget=12, page_size=4, recall_pages=10_000)
