@@ -111,6 +111,7 @@ class LayerEngine(PageFetching, DeviceDecoding):
         self.graphs: StepGraphs | None = None
         self.prefetch_graphs: StepGraphs | None = None   # the prefetch's launches, replayed on its side stream
         self._masked_positions = np.empty(0, dtype=np.int64)   # padding positions, never stored
+        self._budget_memo = (-1, 0)   # (length, device budget in tokens at it)
         self._unordered: list[int] = []   # demotion copies no device read has been ordered after yet
 
     # ------------------------------------------------------------------ write
@@ -406,9 +407,16 @@ class LayerEngine(PageFetching, DeviceDecoding):
         """Whether a NaN was among the scores noted since the last check: a bool ``[1]`` on the device."""
         return torch.isnan(self._nan).any().reshape(1)
 
+    def _device_budget(self) -> int:
+        """`cfg.device_tokens` at the current length, computed once per length (every step's commit asks)."""
+        memo = self._budget_memo
+        if memo[0] != self.seen:
+            memo = self._budget_memo = (self.seen, self.cfg.device_tokens(self.seen))
+        return memo[1]
+
     def _demote(self) -> None:
         cfg, pool = self.cfg, self.pool
-        budget = cfg.device_tokens(self.seen)
+        budget = self._device_budget()
         if pool.count <= budget:   # within budget: no ranking (and no age term) to compute this step
             return
         pos, score = pool.meta()
