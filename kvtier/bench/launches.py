@@ -204,7 +204,7 @@ def count_launches(model: Any, input_ids: torch.Tensor, make_cache: Callable[[],
 
 @contextlib.contextmanager
 def _work_watched(cache: Any, enter: Callable[[], None], leave: Callable[[], None],
-                  keyed: Callable[[Callable[[], tuple]], None] | None = None) -> Iterator[bool]:
+                  keyed: Callable[[Callable[[], object]], None] | None = None) -> Iterator[bool]:
     """`enter()` and `leave()` around each decode step's launches-only work (`kvtier.engine.graphs.StepGraphs`,
     what a CUDA graph replays: the step's, and its prefetch's on the side stream) of `cache`'s layers, put back
     on leaving; yields whether the cache has any. Where its graphs are off, `keyed(key)` is called first with
@@ -275,7 +275,7 @@ class HostClock:
                         self.work_twins += time.perf_counter() - t0
         return timed
 
-    def key(self, key: Callable[[], tuple]) -> None:
+    def key(self, key: Callable[[], object]) -> None:
         """Time `key()`: on a GPU with `cuda_graphs` each step computes it before its replay."""
         t0 = time.perf_counter()
         key()

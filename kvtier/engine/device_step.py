@@ -34,16 +34,16 @@ from .. import native
 from ..recall import grouped, select_pages
 from ..scoring import checked_scores
 from .attention import finish_with_lse, merge_with_lse, sink_part
-from .graphs import baked
+from .graphs import StepKey, shapes
 
 
 class _Once:
     """`make()` on the first call, the same value after."""
 
-    def __init__(self, make: Callable[[], tuple]) -> None:
+    def __init__(self, make: Callable[[], StepKey]) -> None:
         self._make, self._value = make, None
 
-    def __call__(self) -> tuple:
+    def __call__(self) -> StepKey:
         if self._value is None:
             self._value = self._make()
         return self._value
@@ -121,26 +121,27 @@ class DeviceDecoding:
             self.pool.commit_launches(score)
         return finish_with_lse([(out[None], lse[None])], query)[0], ids, shortlist
 
-    def _decode_key(self, inputs: tuple[torch.Tensor, ...], run: tuple, recall_key: tuple) -> tuple:
-        """Every address and scalar `_decode_launches` bakes into its launches, for `run` (its arguments) and
+    def _decode_key(self, inputs: tuple[torch.Tensor, ...], run: tuple, recall_key: StepKey) -> StepKey:
+        """Every tensor and scalar `_decode_launches` bakes into its launches, for `run` (its arguments) and
         `inputs` (copied into a graph's own buffers: their shapes only), with `recall_key` (`_recall_key` of the
         run's buffer and sources): two steps with the same key issue the same launches."""
         scale, sinks, buf, sources, spare, (at, base), pool_addresses, bounds_at, codes_at, positions = run
         pool, index = self.pool, self.index
-        writes = ()
+        pool_addresses = pool_addresses or ()
+        held = (
+            pool.k[0], pool.v[0], *pool_addresses, at,   # the device pool: slabs, address tables, count
+            index.bounds.slabs[0], index.codes.slabs[0], bounds_at, codes_at,   # the recall index likewise
+        )
+        values = (
+            *(shapes(t) for t in inputs), scale, spare,
+            # the model's sinks by address (a caller may hand a new tensor at the same place every step)
+            None if sinks is None else (sinks.data_ptr(), *shapes(sinks)), len(pool.k), len(pool_addresses), base,
+            index.n, index.uses_kernels, len(index.bounds.slabs), len(index.codes.slabs),
+            self.cfg.recall_pages, self.table.n,   # the pages asked and demoted
+        )
         if positions is not None:   # the step's entry: where it goes, its score, the scorer, the NaN check
             s = pool.count // pool.slab_tokens
-            writes = (baked(positions), id(self.scorer), baked(self._nan_buf), s, baked(pool.k[s]),
-                      baked(pool.v[s]), baked(pool.pos[s]), baked(pool.score[s]),
-                      (pool.count + 1) % pool.slab_tokens != 0)
-        return (
-            *((tuple(t.shape), t.stride(), t.dtype) for t in inputs), scale, baked(sinks), spare,   # copied in
-            # the device pool: its slabs, their address tables, where the count is kept and the slab it is in
-            len(pool.k), baked(pool.k[0]), baked(pool.v[0]), *(baked(t) for t in pool_addresses or ()),
-            baked(at), base, writes,
-            # the recall index: how many pages, its slabs and their address tables
-            index.n, index.uses_kernels, len(index.bounds.slabs), len(index.codes.slabs),
-            baked(index.bounds.slabs[0]), baked(index.codes.slabs[0]), baked(bounds_at), baked(codes_at),
-            # the recall: the pages asked and demoted, then the copy's buffer, sources and counters
-            self.cfg.recall_pages, self.table.n, *recall_key,
-        )
+            held += (positions, self.scorer, self._nan_buf, pool.k[s], pool.v[s], pool.pos[s], pool.score[s])
+            values += (s, (pool.count + 1) % pool.slab_tokens != 0)
+        # then the recall: the copy's buffer, sources and counters
+        return StepKey(held + recall_key.held, values + recall_key.values)

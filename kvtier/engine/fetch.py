@@ -23,7 +23,7 @@ from .. import native
 from ..recall.buffer import RecallBuffer
 from ..native import RecallPlan
 from ..recall.device_plan import plan_on_device
-from .graphs import baked
+from .graphs import StepKey, shapes
 
 
 class PageFetching:
@@ -147,7 +147,7 @@ class PageFetching:
             self.host.read_on(self.device)
 
     def _prefetch(self, buf: RecallBuffer, target: torch.Tensor, sources: tuple,
-                  recall_key: Callable[[], tuple] | None = None) -> None:
+                  recall_key: Callable[[], StepKey] | None = None) -> None:
         """Bring the pages of `target` ``[heads, w]`` (this step's choice and the pages ranked after it) into
         `buf` on the transfer manager's side stream; the next step's `_fetch_on_device` waits for it. `sources`
         are the step's (`_sources`, unchanged since: the step changed no table), and `recall_key`, where given,
@@ -175,17 +175,17 @@ class PageFetching:
             self._forget_recalled()
             raise
 
-    def _prefetch_key(self, target: torch.Tensor, pages: int, recall_key: tuple) -> tuple:
-        """Every address and scalar the prefetch's launches bake in (see `_prefetch`; `target` is copied in),
-        with `recall_key` (`_recall_key` of its buffer and sources)."""
-        return (tuple(target.shape), target.stride(), target.dtype, pages, *recall_key)
+    def _prefetch_key(self, target: torch.Tensor, pages: int, recall_key: StepKey) -> StepKey:
+        """Every tensor and scalar the prefetch's launches bake in (see `_prefetch`; `target` is copied in), with
+        `recall_key` (`_recall_key` of its buffer and sources)."""
+        return StepKey(recall_key.held, (shapes(target), pages, *recall_key.values))
 
-    def _recall_key(self, buf: RecallBuffer, sources: tuple) -> tuple:
+    def _recall_key(self, buf: RecallBuffer, sources: tuple) -> StepKey:
         """What a plan and copy into `buf` bake in (a step's and a prefetch's alike): the buffer, the host slots'
         mirror and slabs' address tables (`sources`), the host slabs and the device counters."""
         host = self.host
-        return (baked(buf.k), baked(buf.v), baked(buf.held), baked(buf.ahead), *(baked(t) for t in sources),
-                len(host.k.slabs), baked(host.k.slabs[0]), baked(host.v.slabs[0]), baked(self.device_counts))
+        return StepKey((buf.k, buf.v, buf.held, buf.ahead, *sources, host.k.slabs[0], host.v.slabs[0],
+                        self.device_counts), (len(sources), len(host.k.slabs)))
 
     def _host_slots(self) -> torch.Tensor:
         """``[heads, n]`` host slot of every page on the device (-1 elsewhere), rebuilt when the table changed."""

@@ -25,6 +25,7 @@ eagerly, as it does wherever graphs are off, on a CPU, or without CUDA.
 from __future__ import annotations
 
 import logging
+import operator
 from typing import Any, Callable
 
 import torch
@@ -32,12 +33,37 @@ import torch
 log = logging.getLogger(__name__)
 
 
-def baked(t: torch.Tensor | None) -> tuple | None:
-    """What a captured launch bakes in of a tensor it reads or writes: its address, shape, strides and dtype
-    (a key holds it for each tensor a graph's work reads or writes outside its inputs)."""
-    if t is None:
-        return None
-    return t.data_ptr(), t.shape, t.stride(), t.dtype   # a torch.Size is a tuple: it compares and hashes as one
+def shapes(t: torch.Tensor) -> tuple:
+    """What a graph bakes in of a tensor copied into its fixed input buffers: the buffer's shape, strides, dtype."""
+    return t.shape, t.stride(), t.dtype   # a torch.Size is a tuple: it compares and hashes as one
+
+
+class StepKey:
+    """Which graph stands for a step: `held`, the tensors (and other objects) its launches read or write outside
+    its inputs, by identity, and `values`, its scalars and its inputs' `shapes`, by equality.
+
+    A tensor stands for what a launch bakes in of it, its address, shape, strides and dtype: kvtier changes none of
+    those of a tensor in place (no ``resize_``, ``set_`` or ``.data =``), and a new tensor is a new object, even
+    at a freed one's address. The key holds its objects, so none is freed while a graph keyed by it may replay, and
+    no other takes its id meanwhile. Comparing two keys is two C loops, where taking every tensor's address, shape
+    and strides cost the host some 0.8 us a tensor, about 35 a step."""
+
+    __slots__ = ("held", "values")
+
+    def __init__(self, held: tuple, values: tuple) -> None:
+        self.held, self.values = held, values
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, StepKey):
+            return NotImplemented
+        return (len(self.held) == len(other.held) and all(map(operator.is_, self.held, other.held))
+                and self.values == other.values)
+
+    def __hash__(self) -> int:
+        return hash((tuple(map(id, self.held)), self.values))
+
+    def __repr__(self) -> str:
+        return f"StepKey({len(self.held)} held, values={self.values!r})"
 
 
 class GraphSwitch:
@@ -63,12 +89,12 @@ class StepGraphs:
         self._pool: Any = None
         self.enabled = bool(enabled) and device.type == "cuda"
         self.switch = switch if switch is not None else GraphSwitch()
-        self._graph: tuple[tuple, _Captured] | None = None   # (key, the graph captured under it)
-        self._last_key: tuple | None = None
+        self._graph: tuple[StepKey, _Captured] | None = None   # (key, the graph captured under it)
+        self._last_key: StepKey | None = None
         self._stream: torch.cuda.Stream | None = None
         self.captures = self.replays = self.eager = 0
 
-    def run(self, key: Callable[[], tuple], inputs: tuple[torch.Tensor, ...],
+    def run(self, key: Callable[[], StepKey], inputs: tuple[torch.Tensor, ...],
             work: Callable[..., tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
         """``work(*inputs)``, replayed from a graph captured under ``key()`` where there is one (its outputs are
         then the graph's own tensors, rewritten by its next replay: read them within the step). `key` is
@@ -99,7 +125,7 @@ class StepGraphs:
         """Why capture is off, once one failed (in this layer or another of the cache)."""
         return self.switch.failed
 
-    def _capture(self, key: tuple, inputs: tuple[torch.Tensor, ...],
+    def _capture(self, key: StepKey, inputs: tuple[torch.Tensor, ...],
                  work: Callable[..., tuple[torch.Tensor, ...]]) -> _Captured | None:
         current = torch.cuda.current_stream(self.device)
         if self._stream is None:

@@ -7,12 +7,13 @@ replay repeat wherever its key does is held on the CPU (`tests/integration/test_
 from __future__ import annotations
 
 import copy
+import weakref
 
 import pytest
 import torch
 
 from kvtier import TieredCache, cache_kwargs
-from kvtier.engine.graphs import StepGraphs
+from kvtier.engine.graphs import StepGraphs, StepKey
 from kvtier.errors import ConfigError
 
 from tiny_models import tiny_llama
@@ -70,6 +71,51 @@ def test_step_graphs_on_a_cpu_never_ask_for_the_key():
     x = torch.arange(3.0)
     assert torch.equal(graphs.run(key, (x,), lambda t: (t * 2,))[0], x * 2)
     assert graphs.eager == 1 and graphs.replays == graphs.captures == 0
+
+
+def test_step_keys_name_tensors_by_identity_and_hold_them():
+    """A `StepKey` compares its held tensors by identity (never by value: no elementwise compare, no read back)
+    and its values by equality, hashes alike, and keeps its tensors alive."""
+    a, b = torch.zeros(4), torch.zeros(4)
+    key = StepKey((a, None), (3, (torch.Size([4]), (1,), torch.float32)))
+    assert key == StepKey((a, None), (3, (torch.Size([4]), (1,), torch.float32)))
+    assert hash(key) == hash(StepKey((a, None), (3, ((4,), (1,), torch.float32))))
+    assert key != StepKey((b, None), key.values)           # equal contents, another tensor
+    assert key != StepKey((a[:], None), key.values)        # a view of it is another tensor too
+    assert key != StepKey((a, None), (4, key.values[1]))   # another scalar
+    assert key != StepKey((a,), key.values) and key != None   # noqa: E711 - a first step's `_last_key`
+    gone = weakref.ref(b)
+    held = StepKey((b,), ())
+    del b
+    assert gone() is not None   # held by the key: its id cannot be another tensor's while the key stands
+    del held
+    assert gone() is None
+
+
+def test_decode_keys_repeat_until_a_demotion():
+    """On the GPU's path each layer's decode step and prefetch ask for a key (here asked on the CPU too); it is
+    the same from step to step, so that a captured graph is replayed, and changes where a demotion changed
+    the state the launches read (the page count, a slab)."""
+    model = tiny_llama()
+    keys: dict[tuple, list] = {}
+    run = StepGraphs.run
+
+    def keyed(self, key, inputs, work):
+        keys.setdefault((id(self), len(inputs)), []).append(key())
+        return run(self, key, inputs, work)
+
+    with _on_the_gpu_path(TieredCache(model.config, device_budget=48, recall_pages=2)) as cache:
+        StepGraphs.run = keyed
+        try:
+            _decode(model, cache, steps=60)
+        finally:
+            StepGraphs.run = run
+        demotions = cache.stats()["demotions"]
+    assert len(keys) == 2 * len(model.model.layers)   # a step's and a prefetch's, per layer
+    same = sum(a == b for ks in keys.values() for a, b in zip(ks, ks[1:]))
+    changed = sum(a != b for ks in keys.values() for a, b in zip(ks, ks[1:]))
+    assert same >= 40 * len(keys), (same, changed)
+    assert 0 < changed <= 4 * demotions + len(keys), (changed, demotions)
 
 
 def test_a_decode_step_whose_write_fails_before_its_attention_is_not_taken(monkeypatch):
