@@ -45,8 +45,9 @@ class StepKey:
     A tensor stands for what a launch bakes in of it, its address, shape, strides and dtype: kvtier changes none of
     those of a tensor in place (no ``resize_``, ``set_`` or ``.data =``), and a new tensor is a new object, even
     at a freed one's address. The key holds its objects, so none is freed while a graph keyed by it may replay, and
-    no other takes its id meanwhile. Comparing two keys is two C loops, where taking every tensor's address, shape
-    and strides cost the host some 0.8 us a tensor, about 35 a step."""
+    no other takes its id meanwhile (a graph whose state is gone keeps its key, and what that names, until the next
+    capture or `clear`: at most a slab a demotion trimmed). Comparing two keys is two C loops, where taking every
+    tensor's address, shape and strides cost the host some 0.8 us a tensor, about 35 a step."""
 
     __slots__ = ("held", "values")
 
