@@ -26,7 +26,7 @@ the same key issue the same launches (`tests/integration/test_decode_launches_re
 
 from __future__ import annotations
 
-from typing import Callable
+import functools
 
 import torch
 
@@ -35,18 +35,6 @@ from ..recall import grouped, select_pages
 from ..scoring import checked_scores
 from .attention import finish_with_lse, merge_with_lse, sink_part
 from .graphs import StepKey, shapes
-
-
-class _Once:
-    """`make()` on the first call, the same value after."""
-
-    def __init__(self, make: Callable[[], StepKey]) -> None:
-        self._make, self._value = make, None
-
-    def __call__(self) -> StepKey:
-        if self._value is None:
-            self._value = self._make()
-        return self._value
 
 
 class DeviceDecoding:
@@ -71,7 +59,8 @@ class DeviceDecoding:
                self.index.bounds.addresses(self.device), self.index.codes.addresses(self.device),
                p.pos if writes else None)
         inputs = (query, p.k, p.v) if writes else (query,)
-        recall_key = _Once(lambda: self._recall_key(buf, sources))   # the step's key and its prefetch's share it
+        # made once, on first use: the step's key and its prefetch's share it
+        recall_key = functools.cache(lambda: self._recall_key(buf, sources))
         try:
             out, ids, shortlist = self.graphs.run(lambda: self._decode_key(inputs, run, recall_key()), inputs,
                                                   lambda *given: self._decode_launches(run, *given))
