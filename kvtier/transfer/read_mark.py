@@ -17,30 +17,25 @@ class ReadMark:
 
     def __init__(self) -> None:
         self._event: torch.cuda.Event | None = None   # kept from note to note
-        self._event_device: torch.device | None = None
-        self.device: torch.device | None = None        # the device whose stream read last, while a read is noted
-
-    @property
-    def pending(self) -> bool:
-        """Whether a read was noted since the last `synchronize`."""
-        return self.device is not None
+        self.device: torch.device | None = None        # the device the event is recorded on
+        self.pending = False                           # whether a read was noted since the last `synchronize`
 
     def note(self, device: torch.device) -> None:
         """Reads queued on `device`'s current stream so far are the last ones (no-op off CUDA)."""
         if device.type != "cuda":
             return
-        if self._event is None or self._event_device != device:
-            self._event, self._event_device = torch.cuda.Event(), device
+        if self._event is None or self.device != device:
+            self._event, self.device = torch.cuda.Event(), device
         self._event.record(torch.cuda.current_stream(device))
-        self.device = device
+        self.pending = True
 
     def synchronize(self) -> None:
         """Wait on the host until the noted reads are done; then nothing is noted."""
-        if self.device is not None:
+        if self.pending:
             self._event.synchronize()
-            self.device = None
+            self.pending = False
 
     def order_before(self, stream: torch.cuda.Stream) -> None:
         """Work queued on `stream` from now on runs after the noted reads (they stay noted)."""
-        if self.device is not None:
+        if self.pending:
             stream.wait_event(self._event)
