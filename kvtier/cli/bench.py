@@ -366,7 +366,14 @@ def gpu(contexts: str, million: bool, million_context: str, million_layers: str,
                          recall_pages=recall_pages, steps=steps, warmup=warmup, growth_steps=growth_steps,
                          growth_seconds=growth_seconds, prefill_chunk=prefill_chunk, copy_mib=copy_mib,
                          batch_mib=batch_mib, graphs=graphs, seed=seed)
-    result = run_gpu_bench(cfg, Progress(not quiet))
-    Path(out_path).expanduser().write_text(json.dumps(result, indent=2) + "\n")
+    out_file = Path(out_path).expanduser()
+
+    def write(result: dict) -> None:   # whole or not at all: a run killed mid-write keeps the last checkpoint
+        tmp = out_file.with_name(out_file.name + ".tmp")
+        tmp.write_text(json.dumps(result, indent=2) + "\n")
+        tmp.replace(out_file)
+
+    result = run_gpu_bench(cfg, Progress(not quiet), checkpoint=write)
+    write(result)
     click.echo(format_report(result))
     click.echo(f"JSON: {out_path}")

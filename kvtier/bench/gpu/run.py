@@ -7,7 +7,7 @@ from __future__ import annotations
 import platform
 import time
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -35,9 +35,18 @@ def machine(device: torch.device) -> dict[str, Any]:
     return out
 
 
-def run_gpu_bench(cfg: GpuBenchConfig, progress: Progress | None = None) -> dict[str, Any]:
-    """Every section of the benchmark; returns the JSON-ready result (targets included)."""
+def run_gpu_bench(cfg: GpuBenchConfig, progress: Progress | None = None,
+                  checkpoint: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Every section of the benchmark; returns the JSON-ready result (targets included).
+
+    `checkpoint` gets the result so far after each section (marked ``"partial": True``), so a run cut short by
+    a lease or a timeout still leaves what it measured."""
     progress = progress or Progress(False)
+
+    def done(section: str) -> None:
+        if checkpoint is not None:
+            checkpoint({**result, "partial": True, "last_section": section})
+
     t_start = time.perf_counter()
     device = torch.device(cfg.device)
     if device.type == "cuda" and device.index is not None:
@@ -57,10 +66,12 @@ def run_gpu_bench(cfg: GpuBenchConfig, progress: Progress | None = None) -> dict
     t = time.perf_counter()
     result["bandwidth"] = measure_bandwidth(cfg, device, progress)
     seconds["bandwidth"] = _r(time.perf_counter() - t, 2)
+    done("bandwidth")
 
     t = time.perf_counter()
     result["launch_cost"] = _attempt("launch cost", lambda: measure_launch_cost(device), device, progress)
     seconds["launch_cost"] = _r(time.perf_counter() - t, 2)
+    done("launch_cost")
 
     t = time.perf_counter()
     pool_contexts = sorted(cfg.contexts) + ([cfg.million_context] if cfg.million else [])
@@ -68,6 +79,7 @@ def run_gpu_bench(cfg: GpuBenchConfig, progress: Progress | None = None) -> dict
     result["pool_attention"] = _attempt("pool attention", lambda: measure_pool_attention(
         cfg, device, clock, pool_contexts), device, progress)
     seconds["pool_attention"] = _r(time.perf_counter() - t, 2)
+    done("pool_attention")
 
     scorers: dict[int, tuple[Any, str]] = {}
 
@@ -96,6 +108,7 @@ def run_gpu_bench(cfg: GpuBenchConfig, progress: Progress | None = None) -> dict
                 row.setdefault("context", context)
                 result["decode"].append(row)
                 seconds[f"context_{context}"] = _r(time.perf_counter() - t, 2)
+                done(f"context_{context}")
             del model
             _free(device, host=True)
     if cfg.million:
