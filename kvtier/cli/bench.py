@@ -318,6 +318,9 @@ def wrappers(contexts: str, device_budget: float, calls: int, threads: int, as_j
 @click.option("--graphs/--no-graphs", default=True, show_default=True,
               help="Also time kvtier with its decode steps' attention and recall replayed from CUDA graphs (at the "
                    "largest context).")
+@click.option("--profile-steps", default=0, show_default=True, type=click.IntRange(min=0),
+              help="After each kvtier row's timed steps, this many more under cProfile: where the host time of a "
+                   "step goes (JSON 'host_profile'; 0: none).")
 @click.option("--device", default="cuda", show_default=True,
               help="cuda, cuda:N, or cpu (the same code at the sizes asked, plain memory, wall-clock timing).")
 @click.option("--threads", default=None, type=THREADS, help="torch CPU threads (default: torch's own).")
@@ -327,8 +330,8 @@ def wrappers(contexts: str, device_budget: float, calls: int, threads: int, as_j
 @user_errors
 def gpu(contexts: str, million: bool, million_context: str, million_layers: str, device_budget: str,
         recall_pages: int, layers: int | None, shape: str, steps: int, warmup: int, growth_steps: int,
-        growth_seconds: float, prefill_chunk: int, copy_mib: int, batch_mib: int, graphs: bool, device: str,
-        threads: int | None, seed: int, out_path: str, quiet: bool) -> None:
+        growth_seconds: float, prefill_chunk: int, copy_mib: int, batch_mib: int, graphs: bool,
+        profile_steps: int, device: str, threads: int | None, seed: int, out_path: str, quiet: bool) -> None:
     """Demotion/recall GB/s vs a raw pinned copy; decode step of the Llama-3.1-8B shape (random weights, bf16,
     batch 1) with kvtier vs DynamicCache on the GPU vs DynamicCache(offloading=True); a synthetic 1M row; KVP
     scoring as a fraction of prefill. Prints a table and writes JSON with each target's pass/fail."""
@@ -365,7 +368,7 @@ def gpu(contexts: str, million: bool, million_context: str, million_layers: str,
                          million_context=m_ctx, million_layers=m_layers, device_budget=budget,
                          recall_pages=recall_pages, steps=steps, warmup=warmup, growth_steps=growth_steps,
                          growth_seconds=growth_seconds, prefill_chunk=prefill_chunk, copy_mib=copy_mib,
-                         batch_mib=batch_mib, graphs=graphs, seed=seed)
+                         batch_mib=batch_mib, graphs=graphs, profile_steps=profile_steps, seed=seed)
     out_file = Path(out_path).expanduser()
 
     def write(result: dict) -> None:   # whole or not at all: a run killed mid-write keeps the last checkpoint

@@ -43,6 +43,8 @@ _mapped: dict[tuple[int, int], int] = {}           # (device, host allocation) -
 _stats: dict[str, dict[str, Any]] = {}
 _dry = False                                       # under `dry_run`
 _status: dict[str, str | None] = {}                # KVTIER_NATIVE's value -> `status()`
+_launchers: dict[str, str] = {}                    # KVTIER_LAUNCH's value -> `launcher()`
+_functions: dict[int, int] = {}                    # id of a loaded kernel (kept in _kernels) -> its CUfunction
 
 
 def sources() -> list[Path]:
@@ -156,14 +158,56 @@ def build_failed(device: torch.device, *srcs: str) -> bool:
     return device.type == "cuda" and any(_ready.get((src, device.index)) for src in srcs)
 
 
+def launcher() -> str:
+    """How kernels are launched: ``driver`` (`driver_launch`, the default where the driver library loads) or
+    ``cupy`` (cupy's own launch), as ``KVTIER_LAUNCH`` asks. Both launch the same loaded kernel with the same
+    arguments; they differ only in what the call costs the host."""
+    asked = os.environ.get("KVTIER_LAUNCH", "driver")
+    got = _launchers.get(asked)
+    if got is None:
+        from ..errors import ConfigError
+
+        if asked not in ("driver", "cupy"):
+            raise ConfigError(f"KVTIER_LAUNCH={asked!r}; allowed: driver, cupy")
+        from . import driver_launch
+
+        why = driver_launch.unavailable() if asked == "driver" else None
+        if why is not None:
+            log.warning("kernels launch through cupy: %s", why)
+        got = _launchers[asked] = "cupy" if why is not None else asked
+    return got
+
+
+def _function_of(k: Any) -> int | None:
+    """The ``CUfunction`` handle of cupy's loaded kernel `k` (kept for the process, as `k` is), or None, with
+    the launches left to cupy and the reason logged once, where this cupy does not show it."""
+    fn = getattr(k, "kernel", k)   # a RawKernel holds its loaded Function
+    ptr = getattr(fn, "ptr", None)
+    if not ptr:
+        _launchers.update({name: "cupy" for name in ("driver", "cupy")})
+        log.warning("kernels launch through cupy: this cupy's %s shows no CUfunction handle", type(k).__name__)
+        return None
+    _functions[id(k)] = int(ptr)
+    return int(ptr)
+
+
 def launch(k: Any, device: torch.device, grid: tuple[int, ...], block: tuple[int, ...], args: tuple,
            shared_mem: int = 0) -> None:
     """Launch `k` on torch's current stream of `device`, so it runs after the torch work queued before it
     (`shared_mem`: bytes of dynamic shared memory per block)."""
     if _dry:
         return
-    cp = cupy_module()
     handle = torch.cuda.current_stream(device).cuda_stream
+    function = _functions.get(id(k)) if launcher() == "driver" else None
+    if function is None and launcher() == "driver":
+        function = _function_of(k)
+    if function is not None:
+        from .driver_launch import launch as driver
+
+        driver(function, device.index if device.index is not None else torch.cuda.current_device(), handle,
+               grid, block, args, shared_mem)
+        return
+    cp = cupy_module()
     with cp.cuda.Device(device.index):
         stream = _streams.get((device.index, handle))
         if stream is None:   # torch's default stream is the legacy null stream, handle 0
@@ -213,7 +257,8 @@ def backend() -> dict[str, Any]:
     """What ran: ``{"kernels": None or why kernels cannot run, "ops": {op: {"kernel": n, "twin": n,
     "last": path, "why": why the last twin ran}}, "build_errors": {...}}``, n counting kernel launches (one
     per call, but two for an `attend_slabs` over several chunks)."""
-    return {"kernels": status(), "ops": {op: dict(s) for op, s in _stats.items()},
+    return {"kernels": status(), "launcher": launcher() if status() is None and torch.cuda.is_available() else None,
+            "ops": {op: dict(s) for op, s in _stats.items()},
             "build_errors": {f"{src}@cuda:{dev}": why for (src, dev), why in _ready.items() if why}}
 
 

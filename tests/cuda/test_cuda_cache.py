@@ -1,7 +1,7 @@
 """The whole cache on a GPU, in bfloat16, on tiny random-weight models (nothing to download): exact at full
-budget, exact with every page recalled across many decode steps with demotions and disk pages, the split
-attention over partly recalled pages against a float64 reference, parking and `SessionStore`, and the
-hybrid (sliding-window) path."""
+budget, exact (float32) or within rounding (bfloat16) with every page recalled across many decode steps with
+demotions and disk pages, the split attention over partly recalled pages against a float64 reference,
+parking and `SessionStore`, and the hybrid (sliding-window) path."""
 
 from __future__ import annotations
 
@@ -50,19 +50,36 @@ def test_full_budget_is_bit_identical_on_gpu(build, cuda_device):
         assert torch.equal(_greedy(model, cache, ids, 24), ref)
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("build", [_llama, _gemma3], ids=["llama", "gemma3-hybrid"])
-def test_every_page_recalled_over_many_steps_with_disk_pages(build, cuda_device):
+def test_every_page_recalled_over_many_steps_with_disk_pages(build, dtype, cuda_device):
     """200 decode steps at a 64-token device budget: pages demoted every few steps, some pushed to disk, all
-    recalled; the tokens equal DynamicCache's on the same GPU."""
-    model = build(cuda_device)
+    recalled. In float32 the greedy tokens equal DynamicCache's on the same GPU. In bfloat16 the split
+    attention sums in another order than one pass over everything, and over 200 greedy steps a near-tie can
+    flip a token (the Llama model did once, at step 136, on the GPU and on the CPU alike), so both caches are
+    fed the same tokens and their logits must agree to bfloat16 rounding at every step."""
+    model = build(cuda_device, dtype)
     ids = _prompt(700, cuda_device)
-    ref = _greedy(model, DynamicCache(config=model.config), ids, 200)
     with TieredCache(model.config, device_budget=64, host_budget=256, recall_pages=100_000) as cache:
-        out = _greedy(model, cache, ids, 200)
+        if dtype == torch.float32:
+            ref = _greedy(model, DynamicCache(config=model.config), ids, 200)
+            assert torch.equal(_greedy(model, cache, ids, 200), ref)
+        else:
+            ref_cache = DynamicCache(config=model.config)
+            ref = model(ids, **cache_kwargs(ref_cache)).logits[:, -1:]
+            got = model(ids, **cache_kwargs(cache)).logits[:, -1:]
+            same = 0
+            for _ in range(200):
+                torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
+                same += int(torch.equal(got.argmax(-1), ref.argmax(-1)))
+                step = ref.argmax(-1)
+                ref = model(step, **cache_kwargs(ref_cache)).logits
+                got = model(step, **cache_kwargs(cache)).logits
+            assert same >= 196, f"{same} of 200 greedy tokens agree"
         s = cache.stats()
         assert s["pages_recalled_from"]["host"] > 0 and s["pages_recalled_from"]["disk"] > 0
         assert s["device"]["tokens"] <= (64 + 15) * 2 * s["layers"]
-    assert torch.equal(out, ref)
 
 
 @torch.no_grad()
@@ -380,11 +397,13 @@ def test_page_choice_by_the_kernels_chooses_as_the_matrix_products(cuda_device):
                 torch.cuda.set_sync_debug_mode("default")
             chosen[kernels] = [e.last_recall.cpu() for e in cache._engines]
             ran = native.backend()["ops"]
+            # the short list's estimates: `rank_pages` (one launch) where it fits a block, else `code_logits`
+            estimates = sum(ran.get(op, {}).get("kernel", 0) for op in ("rank_pages", "code_logits"))
             if kernels:
                 assert ran["page_upper_bounds"]["kernel"] >= len(cache._engines)
-                assert ran["code_logits"]["kernel"] >= len(cache._engines)
+                assert estimates >= len(cache._engines), ran
             else:
-                assert "code_logits" not in ran and "page_upper_bounds" not in ran
+                assert not {"rank_pages", "code_logits", "page_upper_bounds"} & set(ran), ran
     same = sum(len(set(a[h].tolist()) & set(b[h].tolist())) for a, b in zip(chosen[False], chosen[True])
                for h in range(a.shape[0]))
     total = sum(a.numel() for a in chosen[False])

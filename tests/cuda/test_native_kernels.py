@@ -502,6 +502,32 @@ def test_merge_parts_kernel_is_the_twin(kernels, parts):
     assert _same_bits(got[0], want[0]) and _same_bits(got[1], want[1])
 
 
+@pytest.mark.parametrize("launcher", ["driver", "cupy"])
+def test_each_launcher_runs_the_kernels_the_same(kernels, launcher, monkeypatch):
+    """`KVTIER_LAUNCH` picks how a kernel is launched (its arguments packed into one buffer for the driver, or
+    converted one by one by cupy): the same kernel, bit for bit the twin's result either way, graphs too."""
+    monkeypatch.setenv("KVTIER_LAUNCH", launcher)
+    assert native.backend()["launcher"] == launcher
+    g = torch.Generator().manual_seed(7)
+    made = [(torch.randn(8, 4, 128, generator=g).to(kernels), torch.randn(8, 4, generator=g).to(kernels))
+            for _ in range(3)]
+    want = twins.merge_parts([(o.cpu(), lse.cpu()) for o, lse in made])
+    launches = _Launches("merge_parts")
+    got = native.merge_parts(made)
+    stream = torch.cuda.Stream(kernels)
+    stream.wait_stream(torch.cuda.current_stream(kernels))
+    with torch.cuda.stream(stream):   # warm on the side stream, then capture there
+        native.merge_parts(made)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            captured = native.merge_parts(made)
+    graph.replay()
+    torch.cuda.synchronize()
+    launches.check(3)
+    for o in (got, captured):
+        assert _same_bits(o[0], want[0]) and _same_bits(o[1], want[1])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,rows,dim,count,chunk", [(8, 4, 128, 13_000, None), (8, 4, 128, 900, 256),
                                                         (2, 7, 64, 300, 32), (3, 16, 40, 5000, 1),

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from .growth import _growth
+from .host_profile import profile_steps
 from .settings import GpuBenchConfig
 from .steps import _layer_kv, _step_row, _tier_summary, decode_steps, prefill
 from .timing import Clock, Progress, Skip, _attempt, _free, _r
@@ -81,6 +82,9 @@ def run_context(cfg: GpuBenchConfig, model: Any, context: int, scorer: Any, cloc
             stats = cache.stats()
             out = _step_row(times, issued, fill_seconds=_r(fill, 3), tiers=_tier_summary(stats),
                             cuda_graphs=stats["cuda_graphs"], demotions=stats["demotions"])
+            if cfg.profile_steps:
+                progress.say(f"{context:,} tokens: {cfg.profile_steps} kvtier steps under cProfile")
+                out["host_profile"] = profile_steps(model, cache, t, cfg.profile_steps, clock)
             if growth and cfg.growth_steps and not graphs:
                 progress.say(f"memory growth: up to {cfg.growth_steps} kvtier decode steps at {context:,}")
                 out["growth"] = _growth(cfg, model, cache, t, layers, clock, progress)

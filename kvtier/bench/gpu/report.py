@@ -96,7 +96,9 @@ def format_report(result: dict[str, Any]) -> str:
         lines.append(f"  launch cost: skipped ({cost['skipped']})")
     elif cost:
         lines.append(f"  one launch costs the host {cost['torch_op_us']:.1f} us (a torch op), "
-                     f"{cost['native_op_us']:.1f} us (a native op's whole call, {cost['native_path']})")
+                     f"{cost['native_op_us']:.1f} us (a native op's whole call, {cost['native_path']})"
+                     + "".join(f"; {name} launch {us:.1f} us"
+                               for name, us in cost.get("native_op_us_by_launcher", {}).items()))
     pool = result.get("pool_attention")
     if pool and pool.get("skipped"):
         lines.append(f"  device pool attention: skipped ({pool['skipped']})")

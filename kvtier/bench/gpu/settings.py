@@ -30,6 +30,7 @@ class GpuBenchConfig:
     batch_mib: int = 64                   # demotion and recall batches
     repeats: int = 3
     graphs: bool = True                   # also a kvtier row with CUDA graphs, at the largest context
+    profile_steps: int = 0                # kvtier steps profiled (cProfile) after each kvtier row's timed ones
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -39,8 +40,9 @@ class GpuBenchConfig:
             raise ConfigError(f"shape={self.shape!r}; allowed: {', '.join(SHAPES)}")
         if self.layers is not None and not 1 <= self.layers <= SHAPES[self.shape]["num_hidden_layers"]:
             raise ConfigError(f"layers={self.layers}; allowed: 1 to {SHAPES[self.shape]['num_hidden_layers']}")
-        for name in ("steps", "warmup", "prefill_chunk", "fill_chunk", "copy_mib", "batch_mib", "repeats"):
-            if getattr(self, name) < (0 if name == "warmup" else 1):
+        for name in ("steps", "warmup", "prefill_chunk", "fill_chunk", "copy_mib", "batch_mib", "repeats",
+                     "profile_steps"):
+            if getattr(self, name) < (0 if name in ("warmup", "profile_steps") else 1):
                 raise ConfigError(f"{name}={getattr(self, name)} is out of range")
 
     @property
