@@ -76,8 +76,10 @@ def _spearman(a, b):
 @pytest.mark.parametrize("objective", ["reinforce", "listwise"])
 def test_agents_learn_a_known_importance(objective):
     torch.manual_seed(0)
-    settings = TrainSettings(objective=objective, steps=300, batch_traces=4, tokens_per_trace=128, samples=8,
-                             lr=1e-2, eval_every=20, hidden=32, seed=0)
+    # REINFORCE's sampled gradient is the noisier one: after 300 steps a head sat at 0.85-0.97 depending on
+    # the seed and the machine's float order, after 800 at 0.93 or more
+    settings = TrainSettings(objective=objective, steps=800 if objective == "reinforce" else 300, batch_traces=4,
+                             tokens_per_trace=128, samples=8, lr=1e-2, eval_every=20, hidden=32, seed=0)
     agents, report = train_agents(_synthetic_traces(8), head_dim=8, settings=settings)
     test = _synthetic_traces(2, seed=123)
     with torch.no_grad():
