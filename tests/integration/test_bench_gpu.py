@@ -15,7 +15,7 @@ from kvtier.native import kernel_status as kvtier_native_status
 
 TINY = ["bench", "gpu", "--shape", "tiny", "--layers", "2", "--contexts", "1K,2K", "--million-context", "8K",
         "--steps", "2", "--warmup", "1", "--growth-steps", "24", "--copy-mib", "8", "--batch-mib", "1",
-        "--prefill-chunk", "512", "--threads", "1"]
+        "--prefill-chunk", "512", "--threads", "1", "--profile-steps", "1"]
 TARGETS = {"demotion_vs_raw_copy", "recall_vs_raw_copy", "decode_vs_dynamic_gpu", "decode_vs_offloading",
            "million_gpu_bytes", "million_decode_vs_dynamic", "no_device_memory_growth", "no_host_memory_growth",
            "under_5_minutes"}
@@ -45,6 +45,21 @@ def test_table_and_json_are_written(cpu_run):
     cost = data["launch_cost"]
     assert cost["torch_op_us"] > 0 and cost["native_op_us"] > 0 and cost["native_path"] == "twin"
     assert "one launch costs the host" in text and "host time to issue a step" in text
+
+
+def test_profiles_say_where_a_steps_time_goes(cpu_run):
+    """--profile-steps: the kvtier and DynamicCache rows carry the Python functions that took the host's time
+    (package-relative names, no machine's paths) and, on a GPU only, the device's kernels."""
+    _, data = cpu_run
+    for r in data["decode"]:
+        for name in ("kvtier", "dynamic"):
+            host = r["rows"][name]["host_profile"]
+            assert host["steps"] == 1 and len(host["step_ms_profiled"]) == 1
+            names = [f["function"] for f in host["by_cumulative_time"]]
+            assert any(n.startswith("kvtier/") for n in names) if name == "kvtier" else names
+            assert not any(n.startswith("/") for n in names), names
+            assert all(f["own_ms_per_step"] >= 0 and f["calls_per_step"] > 0 for f in host["by_own_time"])
+            assert r["rows"][name]["device_profile"] == {"skipped": "no device kernels on cpu"}
 
 
 def test_pool_attention_rows(cpu_run):
@@ -166,6 +181,12 @@ def test_tiny_on_cuda_measures_every_row(tmp_path):
     assert all(t["measured"] is not None for t in data["targets"]), data["targets"]
     cost = data["launch_cost"]   # with cupy, a native op is one kernel launch
     assert cost["torch_op_us"] > 0 and (cost["native_path"] == "kernel") == (kvtier_native_status() is None)
+    for r in data["decode"]:   # --profile-steps: the device's kernels of a step, and its busy share
+        prof = r["rows"]["kvtier"]["device_profile"]
+        assert prof["device_busy_ms_per_step"] > 0 and prof["top"], prof
+    top = data["decode"][-1]["rows"]
+    assert "skipped" not in top["kvtier_graphs"] and "skipped" not in top["kvtier_graphs_no_prefetch"], top
+    assert top["kvtier_graphs_no_prefetch"]["tiers"]["prefetch"]["pages"] == 0
 
 
 def test_the_table_says_why_rows_were_skipped(cpu_run):

@@ -9,13 +9,15 @@ from typing import Any
 import torch
 
 from .growth import _growth
-from .host_profile import profile_steps
+from .host_profile import kernel_profile, profile_steps
 from .settings import GpuBenchConfig
 from .steps import _layer_kv, _step_row, _tier_summary, decode_steps, prefill
 from .timing import Clock, Progress, Skip, _attempt, _free, _r
 
-ROW_NAMES = {"kvtier": "kvtier", "kvtier_graphs": "kvtier, CUDA graphs", "dynamic": "DynamicCache",
+ROW_NAMES = {"kvtier": "kvtier", "kvtier_graphs": "kvtier, CUDA graphs",
+             "kvtier_graphs_no_prefetch": "kvtier, CUDA graphs, no prefetch", "dynamic": "DynamicCache",
              "offloading": "DynamicCache(offloading=True)"}
+GRAPH_WARMUP_MAX = 8   # extra warm-up steps a graphs row may take until a step captures nothing new
 
 
 def kvp_scoring(scorer: Any, cache: Any, layers: int, chunk: int, clock: Clock, prefill_seconds: float) -> dict:
@@ -69,22 +71,33 @@ def run_context(cfg: GpuBenchConfig, model: Any, context: int, scorer: Any, cloc
     row["kvp_scoring"] = _attempt("KVP scoring", lambda: kvp_scoring(scorer, full, layers, cfg.prefill_chunk, clock,
                                                                       row["prefill_seconds"]), device, progress)
 
-    def tiered(graphs: bool = False) -> dict[str, Any]:
+    def tiered(graphs: bool = False, prefetch: int | None = None) -> dict[str, Any]:
         if graphs and device.type != "cuda":
             raise Skip("not run on cpu: CUDA graphs need a CUDA device")
         cache = TieredCache(model.config, device_budget=cfg.device_budget, host_budget=None, scorer=scorer,
-                            recall_pages=cfg.recall_pages, cuda_graphs=graphs)
+                            recall_pages=cfg.recall_pages, cuda_graphs=graphs, prefetch_pages=prefetch)
         try:
             fill = clock.time(lambda: _fill_from(cache, kv, cfg.prefill_chunk, progress, "kvtier fill"))
             _, t = decode_steps(model, cache, token, cfg.warmup, clock)
+            capture_steps = []   # a graphs row times replayed steps: it warms on until a step captures nothing
+            while graphs and len(capture_steps) < GRAPH_WARMUP_MAX:
+                before = cache.stats()["cuda_graphs"]["captures"]
+                ms, t = decode_steps(model, cache, t, 1, clock)
+                if cache.stats()["cuda_graphs"]["captures"] == before:
+                    break
+                capture_steps.append(_r(ms[0] * 1e3))
             issued: list[float] = []
             times, t = decode_steps(model, cache, t, cfg.steps, clock, progress, "kvtier decode", issued=issued)
             stats = cache.stats()
             out = _step_row(times, issued, fill_seconds=_r(fill, 3), tiers=_tier_summary(stats),
                             cuda_graphs=stats["cuda_graphs"], demotions=stats["demotions"])
+            if graphs:
+                out["capturing_warmup_ms"] = capture_steps   # after the --warmup steps, before the timed ones
             if cfg.profile_steps:
                 progress.say(f"{context:,} tokens: {cfg.profile_steps} kvtier steps under cProfile")
                 out["host_profile"] = profile_steps(model, cache, t, cfg.profile_steps, clock)
+                out["device_profile"] = _attempt("device profile", lambda: kernel_profile(
+                    model, cache, t, cfg.profile_steps, clock), device, progress)
             if growth and cfg.growth_steps and not graphs:
                 progress.say(f"memory growth: up to {cfg.growth_steps} kvtier decode steps at {context:,}")
                 out["growth"] = _growth(cfg, model, cache, t, layers, clock, progress)
@@ -113,13 +126,19 @@ def run_context(cfg: GpuBenchConfig, model: Any, context: int, scorer: Any, cloc
     def dynamic() -> dict[str, Any]:
         _, t = decode_steps(model, full, token, cfg.warmup, clock)
         issued: list[float] = []
-        times, _ = decode_steps(model, full, t, cfg.steps, clock, progress, "DynamicCache decode", issued=issued)
-        return _step_row(times, issued, where=device.type)
+        times, t = decode_steps(model, full, t, cfg.steps, clock, progress, "DynamicCache decode", issued=issued)
+        out = _step_row(times, issued, where=device.type)
+        if cfg.profile_steps:   # the same profiles as kvtier's rows: the model's own share of the host's time
+            out["host_profile"] = profile_steps(model, full, t, cfg.profile_steps, clock)
+            out["device_profile"] = _attempt("device profile", lambda: kernel_profile(
+                model, full, t, cfg.profile_steps, clock), device, progress)
+        return out
 
-    runs = (("kvtier", tiered), ("kvtier_graphs", lambda: tiered(graphs=True)), ("offloading", offloaded),
+    runs = (("kvtier", tiered), ("kvtier_graphs", lambda: tiered(graphs=True)),
+            ("kvtier_graphs_no_prefetch", lambda: tiered(graphs=True, prefetch=0)), ("offloading", offloaded),
             ("dynamic", dynamic))
     for name, fn in runs:   # dynamic last: it grows the shared K/V
-        if name == "kvtier_graphs" and not (cfg.graphs and context == max(cfg.contexts)):
+        if name.startswith("kvtier_graphs") and not (cfg.graphs and context == max(cfg.contexts)):
             continue   # at the largest context only: the run stays within its time
         progress.say(f"{context:,} tokens: {ROW_NAMES[name]}")
         row["rows"][name] = _attempt(f"{context:,} {ROW_NAMES[name]}", fn, device, progress)
@@ -133,6 +152,8 @@ def run_context(cfg: GpuBenchConfig, model: Any, context: int, scorer: Any, cloc
                      for name in ("dynamic", "offloading")}
     if "kvtier_graphs" in rows:   # the same step with its attention and recall replayed from CUDA graphs
         g_ms = rows["kvtier_graphs"].get("step_ms_median")
+        n_ms = rows.get("kvtier_graphs_no_prefetch", {}).get("step_ms_median")
+        row["ratios"]["kvtier_graphs_over_no_prefetch"] = _r(g_ms / n_ms) if g_ms and n_ms else None
         row["ratios"]["dynamic_over_kvtier_graphs"] = \
             _r(rows["dynamic"]["step_ms_median"] / g_ms) if g_ms and rows["dynamic"].get("step_ms_median") else None
         row["ratios"]["kvtier_over_kvtier_graphs"] = _r(k_ms / g_ms) if g_ms and k_ms else None

@@ -84,9 +84,22 @@ def format_report(result: dict[str, Any]) -> str:
                      f"{counts.get('captures', 0)} captures, {counts.get('eager_steps', 0)} eager; prefetches: "
                      f"{counts.get('prefetch', {}).get('replays', 0)} replays"
                      + (f"; capture failed: {counts['failed']}" if counts.get("failed") else "") + ")")
+        n = row["rows"].get("kvtier_graphs_no_prefetch")
+        if n is not None:
+            lines.append(f"  {_tokens(row['context'])} kvtier with CUDA graphs, no prefetch: " + (
+                f"skipped ({n['skipped']})" if n.get("skipped") else
+                f"{_fmt(n.get('step_ms_median'), '.2f')} ms (with prefetch / without "
+                f"{_fmt(ra.get('kvtier_graphs_over_no_prefetch'), '.2f', 'x')}; chosen pages already on the device: "
+                f"{_fmt(n.get('tiers', {}).get('reuse_rate'), '.1%')})"))
+    for row in result["decode"]:   # --profile-steps: how busy the device was during a step
+        busy = [(ROW_NAMES[name], r["device_profile"]) for name, r in row.get("rows", {}).items()
+                if isinstance(r.get("device_profile"), dict) and "device_busy_ms_per_step" in r["device_profile"]]
+        if busy:
+            lines.append(f"  {_tokens(row['context'])} device busy per step (kernels and copies): " + ", ".join(
+                f"{name} {p['device_busy_ms_per_step']:.2f} ms ({p['device_busy_share']:.0%})" for name, p in busy))
     issue = [(row["context"], row["rows"][name].get("issue_ms_median"), ROW_NAMES[name])
              for row in result["decode"] if not row.get("skipped")
-             for name in ("kvtier", "kvtier_graphs", "dynamic")
+             for name in ("kvtier", "kvtier_graphs", "kvtier_graphs_no_prefetch", "dynamic")
              if name in row["rows"] and not row["rows"][name].get("skipped")]
     if issue:
         lines.append("  host time to issue a step, ms (median; with any wait of the step's own): " +
