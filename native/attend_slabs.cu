@@ -22,10 +22,15 @@
 //
 // The keys of a tile of entries are staged in shared memory as 32-bit words (rows padded by a word, so that
 // threads reading one word of different rows meet no bank conflict), read from the slabs in coalesced words;
-// the values are read where they are, a channel per thread (see kv_entry for the addressing).
+// the values are read where they are, a channel per thread (see kv_entry for the addressing). With `wide`
+// (rows of whole 16-byte words at 16-byte aligned addresses) the tiles are read 16 bytes a load, several loads
+// in flight a thread, and the values are staged the same way, tile by tile, each thread's sums kept in
+// shared memory between tiles: the same products and sums in the same order, so the same bits, with the
+// reads no longer one entry's latency after another.
 #include "kvtier_native.cuh"
 
 #define KV_ATTEND_ROWS 16   // query rows per KV head a block holds in registers
+#define KV_ATTEND_LOADS 4   // 16-byte loads a thread has in flight when staging a tile (`wide`)
 
 // The shared memory of a chunk's block, carved from one buffer (sizes in floats or words).
 struct kv_attend_smem {
@@ -33,16 +38,19 @@ struct kv_attend_smem {
     float* s;             // [rows, chunk]: logits, then their e^(s - m)
     float* m;             // [rows]: the chunk's largest logit per row
     float* l;             // [rows]: the chunk's sum of e^(s - m) per row
-    unsigned int* keys;   // [tile, row_words + 1]: a tile of keys as words
+    unsigned int* keys;   // [tile, row_words + 1]: a tile of keys as words (with `wide`, then of values)
+    float* acc;           // [rows, dim]: with `wide`, the value sums between tiles (after the keys)
 };
 
-__host__ __device__ inline kv_attend_smem kv_attend_layout(unsigned char* smem, int rows, int dim, int chunk) {
+__host__ __device__ inline kv_attend_smem kv_attend_layout(unsigned char* smem, int rows, int dim, int chunk,
+                                                           int tile = 0, int row_words = 0) {
     kv_attend_smem s;
     s.q = reinterpret_cast<float*>(smem);
     s.s = s.q + (kv_i64)rows * dim;
     s.m = s.s + (kv_i64)rows * chunk;
     s.l = s.m + rows;
     s.keys = reinterpret_cast<unsigned int*>(s.l + rows);
+    s.acc = reinterpret_cast<float*>(s.keys + (kv_i64)tile * (row_words + 1));
     return s;
 }
 
@@ -112,6 +120,39 @@ __host__ __device__ inline void kv_attend_stage_keys(const kv_attend_src& k, int
         const unsigned int* row = reinterpret_cast<const unsigned int*>(kv_entry<T>(k, h, t0 + j, nullptr));
         for (int w = sub; w < row_words; w += lanes) {
             keys[j * (row_words + 1) + w] = row[w];
+        }
+    }
+}
+
+// Step 2 with `wide`: the same words, 16 bytes a load (a row is row_words / 4 of them), consecutive threads
+// reading consecutive 16 bytes of a row, and KV_ATTEND_LOADS loads issued before their words are stored, so
+// that their latencies overlap. Rows must be whole 16-byte words at 16-byte aligned addresses.
+template <typename T>
+__host__ __device__ inline void kv_attend_stage_wide(const kv_attend_src& src, int h, kv_i64 t0, int n,
+                                                     int row_words, unsigned int* __restrict__ words, int lane,
+                                                     int width) {
+    const int per_row = row_words / 4, total = n * per_row;
+    for (int base = lane; base < total; base += width * KV_ATTEND_LOADS) {
+        kv_vec16 got[KV_ATTEND_LOADS];
+#pragma unroll
+        for (int u = 0; u < KV_ATTEND_LOADS; ++u) {
+            const int i = base + u * width;
+            if (i < total) {
+                const int j = i / per_row;
+                got[u] = reinterpret_cast<const kv_vec16*>(kv_entry<T>(src, h, t0 + j, nullptr))[i - j * per_row];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < KV_ATTEND_LOADS; ++u) {
+            const int i = base + u * width;
+            if (i < total) {
+                const int j = i / per_row, w = 4 * (i - j * per_row);
+                unsigned int* row = words + j * (row_words + 1) + w;
+                row[0] = got[u].x;
+                row[1] = got[u].y;
+                row[2] = got[u].z;
+                row[3] = got[u].w;
+            }
         }
     }
 }
@@ -189,6 +230,19 @@ __host__ __device__ inline void kv_attend_sum(int n, int rows, int chunk, kv_att
     }
 }
 
+// Step 7's last writes, a thread per row: the log-sum-exp (`single`), else the chunk's maximum and sum.
+__host__ __device__ inline void kv_attend_row_out(int rows, kv_attend_smem s, bool single, float* __restrict__ m_out,
+                                                  float* __restrict__ l_out, int lane, int width) {
+    for (int r = lane; r < rows; r += width) {
+        if (single) {
+            m_out[r] = kv_add(s.m[r], kv_log(s.l[r]));
+        } else {
+            m_out[r] = s.m[r];
+            l_out[r] = s.l[r];
+        }
+    }
+}
+
 // Step 7: the p-weighted values of the chunk's n entries from c0. Thread i takes channel i % dim for the rows
 // g, g + groups, ... with g = i / dim, groups = max(1, width / dim). With `single` (`finish`: the head's only
 // chunk, no whole part) it writes out = a / l and lse = m + log l; else its sums a, m and l for the combine.
@@ -231,14 +285,54 @@ __host__ __device__ inline void kv_attend_values(const kv_attend_src& v, int h, 
             }
         }
     }
-    for (int r = lane; r < rows; r += width) {
-        if (single) {
-            m_out[r] = kv_add(s.m[r], kv_log(s.l[r]));
-        } else {
-            m_out[r] = s.m[r];
-            l_out[r] = s.l[r];
+    kv_attend_row_out(rows, s, single, m_out, l_out, lane, width);
+}
+
+// Step 7 with `wide`, per staged tile of values (the chunk's entries `at` .. at + n - 1): each thread's sums
+// of step 7 (same threads, channels and rows) carried in `s.acc` from one tile to the next, from +0 at the
+// first, so each sum takes its terms in the same order as there.
+template <typename T>
+__host__ __device__ inline void kv_attend_values_tile(const unsigned int* __restrict__ vals, int row_words, int n,
+                                                      int at, int rows, int dim, int chunk, kv_attend_smem s,
+                                                      int lane, int width) {
+    const int groups = width >= dim ? width / dim : 1;
+    for (int i = lane; i < dim * groups; i += width) {
+        const int d = i % dim, g = i / dim;
+        float acc[KV_ATTEND_ROWS];
+#pragma unroll
+        for (int y = 0; y < KV_ATTEND_ROWS; ++y) {
+            const int r = g + y * groups;
+            acc[y] = r < rows && at > 0 ? s.acc[r * dim + d] : 0.0f;
+        }
+        for (int j = 0; j < n; ++j) {
+            const float x = kv_word_elem(vals + j * (row_words + 1), d, T());
+#pragma unroll
+            for (int y = 0; y < KV_ATTEND_ROWS; ++y) {
+                const int r = g + y * groups;
+                if (r < rows) {
+                    acc[y] = kv_add(acc[y], kv_mul(s.s[r * chunk + at + j], x));
+                }
+            }
+        }
+#pragma unroll
+        for (int y = 0; y < KV_ATTEND_ROWS; ++y) {
+            const int r = g + y * groups;
+            if (r < rows) {
+                s.acc[r * dim + d] = acc[y];
+            }
         }
     }
+}
+
+// Step 7's writes with `wide`: the sums `s.acc` holds once every tile is in, as step 7 writes its own.
+__host__ __device__ inline void kv_attend_values_out(int rows, int dim, kv_attend_smem s, bool single,
+                                                     float* __restrict__ a_out, float* __restrict__ m_out,
+                                                     float* __restrict__ l_out, int lane, int width) {
+    for (int i = lane; i < rows * dim; i += width) {
+        const int r = i / dim;
+        a_out[i] = single ? kv_div(s.acc[i], s.l[r]) : s.acc[i];
+    }
+    kv_attend_row_out(rows, s, single, m_out, l_out, lane, width);
 }
 
 // The combine's steps share [chunks + 3] floats: the chunks' weights, then M, L and the whole part's weight.
@@ -303,21 +397,25 @@ __host__ __device__ inline void kv_combine_out(const float* __restrict__ a, kv_i
 template <typename T>
 __device__ __forceinline__ void kv_attend_chunks(const T* __restrict__ q, kv_i64 q_h, kv_i64 q_r,
                                                  const kv_attend_src& k, const kv_attend_src& v, kv_i64 count,
-                                                 int rows, int dim, int chunk, int tile, int finish, float scale,
-                                                 float* __restrict__ part_a, float* __restrict__ part_m,
-                                                 float* __restrict__ part_l, float* __restrict__ out,
-                                                 float* __restrict__ lse) {
+                                                 int rows, int dim, int chunk, int tile, int finish, int wide,
+                                                 float scale, float* __restrict__ part_a,
+                                                 float* __restrict__ part_m, float* __restrict__ part_l,
+                                                 float* __restrict__ out, float* __restrict__ lse) {
     extern __shared__ __align__(16) unsigned char kv_attend_shared[];
     const kv_i64 c = blockIdx.x, chunks = gridDim.x;
     const int h = blockIdx.y, lane = threadIdx.x, width = blockDim.x;
     const int row_words = dim * (int)sizeof(T) / 4;
     const kv_i64 c0 = c * chunk;
     const int n = (int)(count - c0 < chunk ? count - c0 : chunk);
-    const kv_attend_smem s = kv_attend_layout(kv_attend_shared, rows, dim, chunk);
+    const kv_attend_smem s = kv_attend_layout(kv_attend_shared, rows, dim, chunk, tile, row_words);
     kv_attend_stage_q<T>(q + h * q_h, q_r, rows, dim, s.q, lane, width);
     for (int at = 0; at < n; at += tile) {
         const int m = n - at < tile ? n - at : tile;
-        kv_attend_stage_keys<T>(k, h, c0 + at, m, row_words, s.keys, lane, width);
+        if (wide) {
+            kv_attend_stage_wide<T>(k, h, c0 + at, m, row_words, s.keys, lane, width);
+        } else {
+            kv_attend_stage_keys<T>(k, h, c0 + at, m, row_words, s.keys, lane, width);
+        }
         __syncthreads();
         kv_attend_logits<T>(s.keys, row_words, m, tile, at, rows, dim, chunk, scale, s, lane, width);
         __syncthreads();   // the next tile's keys overwrite these
@@ -330,10 +428,21 @@ __device__ __forceinline__ void kv_attend_chunks(const T* __restrict__ q, kv_i64
     __syncthreads();
     const bool single = finish != 0;
     const kv_i64 part = ((kv_i64)h * chunks + c) * rows;
-    kv_attend_values<T>(v, h, c0, n, rows, dim, chunk, s, single,
-                        single ? out + (kv_i64)h * rows * dim : part_a + part * dim,
-                        single ? lse + (kv_i64)h * rows : part_m + part, single ? nullptr : part_l + part, lane,
-                        width);
+    float* a_out = single ? out + (kv_i64)h * rows * dim : part_a + part * dim;
+    float* m_out = single ? lse + (kv_i64)h * rows : part_m + part;
+    float* l_out = single ? nullptr : part_l + part;
+    if (!wide) {
+        kv_attend_values<T>(v, h, c0, n, rows, dim, chunk, s, single, a_out, m_out, l_out, lane, width);
+        return;
+    }
+    for (int at = 0; at < n; at += tile) {   // the keys' buffer is free: the values through it, a tile at a time
+        const int m = n - at < tile ? n - at : tile;
+        kv_attend_stage_wide<T>(v, h, c0 + at, m, row_words, s.keys, lane, width);
+        __syncthreads();
+        kv_attend_values_tile<T>(s.keys, row_words, m, at, rows, dim, chunk, s, lane, width);
+        __syncthreads();
+    }
+    kv_attend_values_out(rows, dim, s, single, a_out, m_out, l_out, lane, width);
 }
 
 // The entries attended: `count`, plus `*count_at` when given (a count the device keeps, so the launch is the
@@ -351,7 +460,7 @@ __host__ __device__ inline kv_i64 kv_attend_count(kv_i64 count, const kv_i64* co
                                     kv_i64 slab_tokens, kv_i64 slab_head, kv_i64 slab_token,                      \
                                     const kv_i64* __restrict__ pages, kv_i64 n_pages, int page, kv_i64 count,     \
                                     const kv_i64* __restrict__ count_at, int rows, int dim, int chunk, int tile,  \
-                                    int finish, float scale, float* __restrict__ part_a,                          \
+                                    int finish, int wide, float scale, float* __restrict__ part_a,                \
                                     float* __restrict__ part_m, float* __restrict__ part_l,                       \
                                     float* __restrict__ out, float* __restrict__ lse) {                           \
         const kv_i64 total = kv_attend_count(count, count_at);                                                   \
@@ -360,8 +469,8 @@ __host__ __device__ inline kv_i64 kv_attend_count(kv_i64 count, const kv_i64* co
         }                                                                                                         \
         const kv_attend_src k = {k_slabs, k_base, slab_tokens, slab_head, slab_token, pages, n_pages, page};      \
         const kv_attend_src v = {v_slabs, v_base, slab_tokens, slab_head, slab_token, pages, n_pages, page};      \
-        kv_attend_chunks<T>(q, q_h, q_r, k, v, total, rows, dim, chunk, tile, finish, scale, part_a, part_m,      \
-                            part_l, out, lse);                                                                    \
+        kv_attend_chunks<T>(q, q_h, q_r, k, v, total, rows, dim, chunk, tile, finish, wide, scale, part_a,        \
+                            part_m, part_l, out, lse);                                                            \
     }
 KV_ATTEND_CHUNKS(kvtier_attend_chunks_f32, float)
 KV_ATTEND_CHUNKS(kvtier_attend_chunks_f16, kv_half)

@@ -805,6 +805,9 @@ _ATTEND_CHUNK_MAX = 256    # entries per chunk: a chunk's logits stay in shared 
 _ATTEND_CHUNK_MIN = 32
 _ATTEND_TILES = (128, 64, 32, 16, 8)   # keys staged at a time (divisors of the block's threads)
 _ATTEND_BLOCKS = 512       # blocks `attend_chunk` aims for where no device says better (about 4 per SM)
+# the default of `attend_slabs`' and `attend_pages`' `wide`: 16-byte loads several in flight, the values staged
+# like the keys (same bits either way); off until a GPU's timings (`kvtier bench gpu`'s pool attention) say
+ATTEND_WIDE = False
 
 
 @functools.lru_cache(maxsize=16)
@@ -826,22 +829,29 @@ def attend_chunk(count: int, heads: int, blocks: int | None = None, device: torc
     return chunk
 
 
-def _attend_shared(rows: int, dim: int, chunk: int, tile: int, row_words: int) -> int:
-    return 4 * (rows * dim + rows * chunk + 2 * rows) + 4 * tile * (row_words + 1)
+def _attend_shared(rows: int, dim: int, chunk: int, tile: int, row_words: int, wide: bool) -> int:
+    # `kv_attend_layout`: queries, logits, maxima and sums, a tile of words; with `wide`, the value sums
+    return 4 * (rows * dim + rows * chunk + 2 * rows) + 4 * tile * (row_words + 1) + (4 * rows * dim if wide else 0)
 
 
 @functools.lru_cache(maxsize=256)   # asked on every call, for a handful of shapes
-def _attend_tile(rows: int, dim: int, chunk: int, row_words: int) -> tuple[int, int]:
+def _attend_tile(rows: int, dim: int, chunk: int, row_words: int, wide: bool = False) -> tuple[int, int]:
     """The largest tile of keys a block stages within its shared memory (0 if none fits) and the bytes."""
-    tile = next((t for t in _ATTEND_TILES if _attend_shared(rows, dim, chunk, t, row_words) <= SHARED_MAX), 0)
-    return tile, _attend_shared(rows, dim, chunk, tile, row_words)
+    tile = next((t for t in _ATTEND_TILES if _attend_shared(rows, dim, chunk, t, row_words, wide) <= SHARED_MAX), 0)
+    return tile, _attend_shared(rows, dim, chunk, tile, row_words, wide)
+
+
+def _wide_rows(base: int, head_stride: int, token_stride: int, itemsize: int, dim: int) -> bool:
+    """Whether every entry's row is whole 16-byte words at a 16-byte aligned address (what `wide` reads)."""
+    return not (base % 16 or head_stride * itemsize % 16 or token_stride * itemsize % 16 or dim * itemsize % 16)
 
 
 def attend_slabs(q: torch.Tensor, k_slabs: Sequence[torch.Tensor], v_slabs: Sequence[torch.Tensor], count: int,
                  scale: float, chunk: int | None = None,
                  addresses: tuple[torch.Tensor, torch.Tensor] | None = None,
                  whole: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 counted: tuple[torch.Tensor, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 counted: tuple[torch.Tensor, int] | None = None,
+                 wide: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of a decoding step's queries over the first `count` entries of a device pool, in one launch
     (two where the pool spans several chunks or a `whole` part is merged in): in place of an attention call
     per slab and the log-sum-exp of their log-sum-exps.
@@ -868,6 +878,9 @@ def attend_slabs(q: torch.Tensor, k_slabs: Sequence[torch.Tensor], v_slabs: Sequ
         device). The kernels read it there, and so does the twin; their grid covers every entry the slabs hold
         (`chunk` defaults to what their capacity gives), so the launches are the same whatever the count: what
         a captured decode step needs (`DevicePool.at`). `count` is then the host's word for it, for the checks.
+    wide
+        Read the entries 16 bytes a load, several in flight, and stage the values like the keys, where their
+        rows allow it (whole 16-byte words, aligned); the same bits either way. None: `ATTEND_WIDE`.
 
     Returns
     -------
@@ -913,20 +926,23 @@ def attend_slabs(q: torch.Tensor, k_slabs: Sequence[torch.Tensor], v_slabs: Sequ
             why = "a slab out of the kernel's reach"
     where = (_ptr(k_addr), _ptr(v_addr), _u64(0), _u64(0), _i64(per), _i64(first.stride(-3)),
              _i64(first.stride(-2)), _u64(0), _i64(0), np.int32(0))
+    wide = (ATTEND_WIDE if wide is None else wide) and all(   # a pool makes its slabs alike: the first ones tell
+        _wide_rows(s.data_ptr(), s.stride(-3), s.stride(-2), s.element_size(), D) for s in (first, v_slabs[0]))
     return _attend(q, first.dtype, where, count, scale, chunk, whole, why, twin, "attend_slabs",
-                   None if counted is None else (counted[0], counted[1], capacity))
+                   None if counted is None else (counted[0], counted[1], capacity), wide)
 
 
 def attend_pages(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, pages: torch.Tensor,
                  page_size: int, scale: float, chunk: int | None = None,
-                 whole: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 whole: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 wide: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`attend_slabs` over pages where a recall buffer holds them, read through a page table (no gather).
 
     `k_buffer`, `v_buffer` are ``[heads, slots * page_size, dim]`` (contiguous, the queries' dtype), `pages`
     ``[heads, n]`` int64 on their device: the slot of each page to attend, in the order attention reads them
     (which fixes the result's bits, not which slots hold the pages). Entries read: ``n * page_size``. Slots
-    are not checked on the device (that would need the host); the recall plan makes them. `whole`, `chunk`
-    and the result are as for `attend_slabs`.
+    are not checked on the device (that would need the host); the recall plan makes them. `whole`, `chunk`,
+    `wide` and the result are as for `attend_slabs`.
     """
     if q.dim() != 3 or k_buffer.dim() != 3:
         raise ValueError(f"attend_pages: q {list(q.shape)} and buffer {list(k_buffer.shape)}; allowed: "
@@ -953,7 +969,9 @@ def attend_pages(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor
     where = (_u64(0), _u64(0), _u64(k_buffer.data_ptr()), _u64(v_buffer.data_ptr()), _i64(k_buffer.shape[1]),
              _i64(k_buffer.stride(0)), _i64(k_buffer.stride(1)), _u64(pages.data_ptr()), _i64(pages.shape[1]),
              np.int32(page_size))
-    return _attend(q, k_buffer.dtype, where, count, scale, chunk, whole, why, twin, "attend_pages")
+    wide = (ATTEND_WIDE if wide is None else wide) and all(
+        _wide_rows(b.data_ptr(), b.stride(0), b.stride(1), b.element_size(), D) for b in (k_buffer, v_buffer))
+    return _attend(q, k_buffer.dtype, where, count, scale, chunk, whole, why, twin, "attend_pages", wide=wide)
 
 
 def _check_attend(q: torch.Tensor, whole: tuple[torch.Tensor, torch.Tensor] | None, count: int,
@@ -977,10 +995,11 @@ def _check_attend(q: torch.Tensor, whole: tuple[torch.Tensor, torch.Tensor] | No
 
 def _attend(q: torch.Tensor, dtype: torch.dtype, where: tuple, count: int, scale: float, chunk: int,
             whole: tuple[torch.Tensor, torch.Tensor] | None, why: str | None, twin, op: str,
-            counted: tuple[torch.Tensor, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            counted: tuple[torch.Tensor, int, int] | None = None,
+            wide: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The two launches of `attend_slabs` and `attend_pages` (`where`: the kernel's arguments saying where the
     entries are), or their twin; `counted` is ``(at, base, capacity)``: the count read on the device, the
-    grid made for `capacity` entries."""
+    grid made for `capacity` entries; `wide` as checked by the caller (rows of aligned 16-byte words)."""
     H, R, D = q.shape
     device = q.device
     chunks = -(-(count if counted is None else counted[2]) // chunk)
@@ -994,7 +1013,10 @@ def _attend(q: torch.Tensor, dtype: torch.dtype, where: tuple, count: int, scale
         why = "a query of another dtype than the keys', or channels not contiguous"
     if why is None and (row_bytes % 4 or R > twins.ATTEND_ROWS):
         why = f"keys of {D} channels (not whole 4-byte words) or {R} query rows (over {twins.ATTEND_ROWS})"
-    tile, shared = _attend_tile(R, D, chunk, row_words)
+    tile, shared = _attend_tile(R, D, chunk, row_words, True) if wide else (0, 0)
+    if not tile:   # not asked for, or its value sums do not fit beside a tile: the narrow reads
+        wide = False
+        tile, shared = _attend_tile(R, D, chunk, row_words)
     if why is None and (not tile or 4 * (chunks + 3) > SHARED_MAX):
         why = f"{R} rows of {D} channels in chunks of {chunk} ({chunks} chunks): more than a block's shared memory"
     k = loader.kernel("attend_slabs", f"kvtier_attend_chunks_{suffix}", device) if why is None else None
@@ -1013,7 +1035,8 @@ def _attend(q: torch.Tensor, dtype: torch.dtype, where: tuple, count: int, scale
         sums = (_u64(part_a.data_ptr()), _u64(part_m.data_ptr()), _u64(part_l.data_ptr()))
     loader.launch(k, device, (chunks, H), (_ATTEND_THREADS,),
                   (_u64(q.data_ptr()), _i64(q.stride(0)), _i64(q.stride(1)), *where, count_arg, count_at,
-                   np.int32(R), np.int32(D), np.int32(chunk), np.int32(tile), np.int32(finish), np.float32(scale),
+                   np.int32(R), np.int32(D), np.int32(chunk), np.int32(tile), np.int32(finish), np.int32(wide),
+                   np.float32(scale),
                    *sums, _u64(out.data_ptr()), _u64(lse.data_ptr())),
                   shared_mem=shared)
     if not finish:

@@ -532,10 +532,11 @@ def test_each_launcher_runs_the_kernels_the_same(kernels, launcher, monkeypatch)
 @pytest.mark.parametrize("heads,rows,dim,count,chunk", [(8, 4, 128, 13_000, None), (8, 4, 128, 900, 256),
                                                         (2, 7, 64, 300, 32), (3, 16, 40, 5000, 1),
                                                         (8, 1, 256, 9000, None)])
-def test_attend_slabs_kernel_is_the_twin(kernels, dtype, heads, rows, dim, count, chunk):
+@pytest.mark.parametrize("wide", [False, True], ids=["narrow", "wide"])
+def test_attend_slabs_kernel_is_the_twin(kernels, dtype, heads, rows, dim, count, chunk, wide):
     """The pool as the engine keeps it (slabs of 4096 entries, the last one partly filled, poison past
     `count`): bit for bit the twin's attention (on the CPU and on the GPU), and within float rounding of an
-    attention call over the same entries."""
+    attention call over the same entries; read 16 bytes a load with the values staged (`wide`) or not."""
     g = torch.Generator().manual_seed(count)
     pool = DevicePool(heads, dim, dtype, kernels, 4096)
     k = torch.randn(1, heads, count, dim, generator=g).to(dtype).to(kernels)
@@ -549,7 +550,7 @@ def test_attend_slabs_kernel_is_the_twin(kernels, dtype, heads, rows, dim, count
     used = chunk or native.attend_chunk(count, heads, device=kernels)
     launches = _Launches("attend_slabs")
     out, lse = native.attend_slabs(packed, pool.k, pool.v, count, dim ** -0.5, chunk=chunk,
-                                   addresses=pool.addresses())
+                                   addresses=pool.addresses(), wide=wide)
     torch.cuda.synchronize()
     launches.check(1 if count <= used else 2)
     want = twins.attend_slabs(packed.cpu(), [s.cpu() for s in pool.k], [s.cpu() for s in pool.v], count,
@@ -564,7 +565,8 @@ def test_attend_slabs_kernel_is_the_twin(kernels, dtype, heads, rows, dim, count
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_attend_slabs_reading_its_count_on_the_device_is_the_twin(kernels, dtype):
+@pytest.mark.parametrize("wide", [False, True], ids=["narrow", "wide"])
+def test_attend_slabs_reading_its_count_on_the_device_is_the_twin(kernels, dtype, wide):
     """The count the pool keeps on the device (`DevicePool.at`), the grid over the slabs' capacity: the same
     launch for every count in a slab, each time bit for bit the twin's over that count (poison past it)."""
     g = torch.Generator().manual_seed(5)
@@ -580,14 +582,15 @@ def test_attend_slabs_reading_its_count_on_the_device_is_the_twin(kernels, dtype
     for count in (8193, 8700, 9000):
         pool.count = count - 1
         out, lse = native.attend_slabs(q, pool.k, pool.v, count, D ** -0.5, addresses=pool.addresses(),
-                                       counted=(pool.at(), 8192 + 1))
+                                       counted=(pool.at(), 8192 + 1), wide=wide)
         torch.cuda.synchronize()
         want = twins.attend_slabs(q.cpu(), [s.cpu() for s in pool.k], [s.cpu() for s in pool.v], count, D ** -0.5,
                                   chunk)
         assert _same_bits(out, want[0]) and _same_bits(lse, want[1])
 
 
-def test_attend_slabs_waits_for_the_writes_before_it_on_its_stream(kernels):
+@pytest.mark.parametrize("wide", [False, True], ids=["narrow", "wide"])
+def test_attend_slabs_waits_for_the_writes_before_it_on_its_stream(kernels, wide):
     """A pool written on a side stream, then attended on it after a long op: the kernel sees the new entries."""
     pool = DevicePool(8, 128, torch.bfloat16, kernels, 4096)
     pool.ensure(8192)
@@ -600,7 +603,7 @@ def test_attend_slabs_waits_for_the_writes_before_it_on_its_stream(kernels):
     with torch.cuda.stream(side):
         torch.cuda._sleep(50_000_000)   # the writes land well after the launch was queued
         pool._write(0, k, v, torch.zeros(8, 8000, dtype=torch.int64, device=kernels))
-        out, lse = native.attend_slabs(q, pool.k, pool.v, 8000, 128 ** -0.5, addresses=addresses)
+        out, lse = native.attend_slabs(q, pool.k, pool.v, 8000, 128 ** -0.5, addresses=addresses, wide=wide)
     torch.cuda.synchronize()
     want = twins.attend_slabs(q.cpu(), [s.cpu() for s in pool.k], [s.cpu() for s in pool.v], 8000, 128 ** -0.5,
                               native.attend_chunk(8000, 8, device=kernels))
@@ -609,7 +612,8 @@ def test_attend_slabs_waits_for_the_writes_before_it_on_its_stream(kernels):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("whole", [True, False])
-def test_attend_pages_kernel_is_the_twin(kernels, dtype, whole):
+@pytest.mark.parametrize("wide", [False, True], ids=["narrow", "wide"])
+def test_attend_pages_kernel_is_the_twin(kernels, dtype, whole, wide):
     """A recall buffer of 96 slots of 16 entries, 64 of them read through a slot table (poison in the rest),
     merged with a part given whole: bit for bit the twin's, within rounding of attention over the pages."""
     g = torch.Generator().manual_seed(7 + whole)
@@ -625,7 +629,7 @@ def test_attend_pages_kernel_is_the_twin(kernels, dtype, whole):
     part = (torch.randn(H, R, D, generator=g).to(kernels), torch.randn(H, R, generator=g).to(kernels) + 4) \
         if whole else None
     launches = _Launches("attend_pages")
-    out, lse = native.attend_pages(q, kb, vb, pages, P, D ** -0.5, whole=part)
+    out, lse = native.attend_pages(q, kb, vb, pages, P, D ** -0.5, whole=part, wide=wide)
     torch.cuda.synchronize()
     chunk = native.attend_chunk(n * P, H, device=kernels)
     launches.check(1 if (n * P <= chunk and not whole) else 2)

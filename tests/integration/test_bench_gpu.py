@@ -70,6 +70,8 @@ def test_pool_attention_rows(cpu_run):
     for r in pool["rows"]:
         assert abs(r["entries"] - 0.1 * r["context"]) <= 2 and r["slabs"] == 1
         assert r["one_pass_ms"] > 0 and r["per_slab_ms"] > 0 and r["one_pass_path"] == "twin"
+        assert r["one_pass_wide_ms"] > 0 and r["wide_same_bits"]
+        assert r["replayed_ms"]["one_pass"].startswith("no graph")   # no graphs on a CPU: said so
         assert r["max_abs_diff"] < 1e-2   # the attention calls of the per-slab path give bf16 outputs
     assert "device pool attention, one layer" in text and "pool_attention" in data["seconds"]
 
@@ -184,6 +186,8 @@ def test_tiny_on_cuda_measures_every_row(tmp_path):
     for r in data["decode"]:   # --profile-steps: the device's kernels of a step, and its busy share
         prof = r["rows"]["kvtier"]["device_profile"]
         assert prof["device_busy_ms_per_step"] > 0 and prof["top"], prof
+    for r in data["pool_attention"]["rows"]:   # the device's own time, from graphs; wide reads, same bits
+        assert r["wide_same_bits"] and all(isinstance(v, float) and v > 0 for v in r["replayed_ms"].values()), r
     top = data["decode"][-1]["rows"]
     assert "skipped" not in top["kvtier_graphs"] and "skipped" not in top["kvtier_graphs_no_prefetch"], top
     assert top["kvtier_graphs_no_prefetch"]["tiers"]["prefetch"]["pages"] == 0

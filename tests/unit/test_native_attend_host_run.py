@@ -3,7 +3,8 @@
 `native/attend_slabs.cu` keeps its steps in ``__host__ __device__`` functions; a small host program runs them
 as the two kernels order them (a block's threads as lanes in turn, the key tiles in order, every chunk and
 head, then the combine) and every result must equal the twin's bit for bit: each chunk's sums, the
-attention and its log-sum-exp, including a pool of one chunk, which the first kernel finishes itself. What
+attention and its log-sum-exp, including a pool of one chunk, which the first kernel finishes itself, and
+with `wide` (16-byte loads, the values staged a tile at a time) as without. What
 only a GPU shows (shared memory, barriers, the launch) is `tests/cuda`'s. Skipped without nvcc.
 """
 
@@ -21,15 +22,15 @@ from test_native_compile import needs_nvcc
 
 HARNESS = '#include "attend_slabs.cu"\n' + HOST_IO + r"""
 // stdin, until its end, one case a line (floats and cache elements as the hex of their bits):
-//   T H R D count S chunk tile width scale paged page n_pages whole q[H R D] k[...] v[...] pages[H n_pages]
-//     x_out[H R D] x_lse[H R]
+//   T H R D count S chunk tile width wide scale paged page n_pages whole q[H R D] k[...] v[...]
+//     pages[H n_pages] x_out[H R D] x_lse[H R]
 // T the elements' type (0 float, 1 half, 2 bf16). Slab mode (paged 0): ceil(count / S) slabs of [H S D] each
 // for k and for v; paged mode: one buffer of [H S D] each, count = n_pages * page, and the page table. The
 // whole part only with whole 1. Prints a | m | l | out | lse (the chunks' sums empty when the first kernel
 // finishes: one chunk, no whole part).
 template <typename T>
-static void attend(int H, int R, int D, long long count, long long S, int chunk, int tile, int width, float scale,
-                   bool paged, int page, long long n_pages, bool whole) {
+static void attend(int H, int R, int D, long long count, long long S, int chunk, int tile, int width, bool wide,
+                   float scale, bool paged, int page, long long n_pages, bool whole) {
     const long long slabs = paged ? 1 : (count + S - 1) / S;
     std::vector<T> q = read_elems<T>((size_t)H * R * D);
     std::vector<std::vector<T>> ks, vs;
@@ -50,20 +51,24 @@ static void attend(int H, int R, int D, long long count, long long S, int chunk,
     }
     const long long chunks = (count + chunk - 1) / chunk;
     const int row_words = D * (int)sizeof(T) / 4;
-    std::vector<float> smem((size_t)R * D + (size_t)R * chunk + 2 * R + (size_t)tile * (row_words + 1));
+    std::vector<float> smem((size_t)R * D + (size_t)R * chunk + 2 * R + (size_t)tile * (row_words + 1) +
+                            (size_t)R * D);
     std::vector<float> a((size_t)H * chunks * R * D), m((size_t)H * chunks * R), l((size_t)H * chunks * R);
     std::vector<float> out((size_t)H * R * D), lse((size_t)H * R);
     const bool single = chunks == 1 && !whole;
     for (int h = 0; h < H; ++h) {
         for (long long c = 0; c < chunks; ++c) {   // block (c, h): its threads' share of each step as lanes
-            kv_attend_smem s = kv_attend_layout(reinterpret_cast<unsigned char*>(smem.data()), R, D, chunk);
+            kv_attend_smem s = kv_attend_layout(reinterpret_cast<unsigned char*>(smem.data()), R, D, chunk, tile,
+                                                row_words);
             const kv_i64 c0 = c * chunk;
             const int n = (int)(count - c0 < chunk ? count - c0 : chunk);
             for (int x = 0; x < width; ++x) kv_attend_stage_q<T>(&q[(size_t)h * R * D], D, R, D, s.q, x, width);
             for (int at = 0; at < n; at += tile) {
                 const int mm = n - at < tile ? n - at : tile;
-                for (int x = 0; x < width; ++x)
-                    kv_attend_stage_keys<T>(k_src, h, c0 + at, mm, row_words, s.keys, x, width);
+                for (int x = 0; x < width; ++x) {
+                    if (wide) kv_attend_stage_wide<T>(k_src, h, c0 + at, mm, row_words, s.keys, x, width);
+                    else kv_attend_stage_keys<T>(k_src, h, c0 + at, mm, row_words, s.keys, x, width);
+                }
                 for (int x = 0; x < width; ++x)
                     kv_attend_logits<T>(s.keys, row_words, mm, tile, at, R, D, chunk, scale, s, x, width);
             }
@@ -71,11 +76,22 @@ static void attend(int H, int R, int D, long long count, long long S, int chunk,
             for (int x = 0; x < width; ++x) kv_attend_exp(n, R, chunk, s, x, width);
             for (int x = 0; x < width; ++x) kv_attend_sum(n, R, chunk, s, x, width);
             const size_t part = ((size_t)h * chunks + c) * R;
-            for (int x = 0; x < width; ++x)
-                kv_attend_values<T>(v_src, h, c0, n, R, D, chunk, s, single,
-                                    single ? &out[(size_t)h * R * D] : &a[part * D],
-                                    single ? &lse[(size_t)h * R] : &m[part], single ? nullptr : &l[part], x,
-                                    width);
+            float* a_out = single ? &out[(size_t)h * R * D] : &a[part * D];
+            float* m_out = single ? &lse[(size_t)h * R] : &m[part];
+            float* l_out = single ? nullptr : &l[part];
+            if (!wide) {
+                for (int x = 0; x < width; ++x)
+                    kv_attend_values<T>(v_src, h, c0, n, R, D, chunk, s, single, a_out, m_out, l_out, x, width);
+                continue;
+            }
+            for (int at = 0; at < n; at += tile) {   // the values a tile at a time through the keys' buffer
+                const int mm = n - at < tile ? n - at : tile;
+                for (int x = 0; x < width; ++x)
+                    kv_attend_stage_wide<T>(v_src, h, c0 + at, mm, row_words, s.keys, x, width);
+                for (int x = 0; x < width; ++x)
+                    kv_attend_values_tile<T>(s.keys, row_words, mm, at, R, D, chunk, s, x, width);
+            }
+            for (int x = 0; x < width; ++x) kv_attend_values_out(R, D, s, single, a_out, m_out, l_out, x, width);
         }
     }
     if (!single) {
@@ -117,14 +133,18 @@ int main() {
             const int H = (int)read_i(), R = (int)read_i(), D = (int)read_i();
             const long long count = read_i(), S = read_i();
             const int chunk = (int)read_i(), tile = (int)read_i(), width = (int)read_i();
+            const bool wide = read_i() != 0;
             const float scale = kv_bits_float(read_u());
             const bool paged = read_i() != 0;
             const int page = (int)read_i();
             const long long n_pages = read_i();
             const bool whole = read_i() != 0;
-            if (T == 0) attend<float>(H, R, D, count, S, chunk, tile, width, scale, paged, page, n_pages, whole);
-            if (T == 1) attend<kv_half>(H, R, D, count, S, chunk, tile, width, scale, paged, page, n_pages, whole);
-            if (T == 2) attend<kv_bf16>(H, R, D, count, S, chunk, tile, width, scale, paged, page, n_pages, whole);
+            if (T == 0) attend<float>(H, R, D, count, S, chunk, tile, width, wide, scale, paged, page, n_pages,
+                                          whole);
+            if (T == 1) attend<kv_half>(H, R, D, count, S, chunk, tile, width, wide, scale, paged, page, n_pages,
+                                          whole);
+            if (T == 2) attend<kv_bf16>(H, R, D, count, S, chunk, tile, width, wide, scale, paged, page, n_pages,
+                                          whole);
         }
     } catch (int) {
         return 2;
@@ -147,7 +167,7 @@ def _case(g: torch.Generator, dtype: torch.dtype, H: int, R: int, D: int, count:
 def test_the_pool_attention_kernels_code_gives_the_twins_bits(harness):
     """The device pool (slabs) and the recall buffer (a page table), with and without a part given whole."""
     g = torch.Generator().manual_seed(5)
-    cases, lines = [], []
+    cases, lines, widened = [], [], 0
     for i in range(60):
         dtype = list(DTYPE_CODES)[i % 3]
         H, R, D = 1 + i % 3, [1, 4, 7, 16][i % 4], [8, 64, 12, 128, 30][i % 5]
@@ -172,8 +192,11 @@ def test_the_pool_attention_kernels_code_gives_the_twins_bits(harness):
             count = 1 + int(torch.randint(0, 3 * S, (1,), generator=g))
             _, ks, vs = _case(g, dtype, H, R, D, count, S, spread)
         part = (torch.randn(H, R, D, generator=g), torch.randn(H, R, generator=g) * 3) if whole else None
+        # wide (16-byte loads, values staged) wherever rows are whole 16-byte words, on every other case
+        wide = int(D * dtype.itemsize % 16 == 0 and i % 2 == 0)
+        widened += wide
         cases.append((q, ks, vs, count, scale, chunk, pages, page, part))
-        lines.append(" ".join([f"{DTYPE_CODES[dtype]} {H} {R} {D} {count} {S} {chunk} {tile} {width}",
+        lines.append(" ".join([f"{DTYPE_CODES[dtype]} {H} {R} {D} {count} {S} {chunk} {tile} {width} {wide}",
                                hex_words(torch.tensor([scale]).float()),
                                f"{int(paged)} {page} {n_pages} {int(whole)}", hex_words(q),
                                " ".join(hex_words(k) for k in ks), " ".join(hex_words(v) for v in vs),
@@ -201,7 +224,7 @@ def test_the_pool_attention_kernels_code_gives_the_twins_bits(harness):
             assert not a_w and not m_w
         assert same_bits(floats(o_w), want_out), (q.dtype, q.shape, count, chunk, pages is not None)
         assert same_bits(floats(lse_w), want_lse), (q.dtype, q.shape, count, chunk, pages is not None)
-    assert 0 < finished < len(cases)
+    assert 0 < finished < len(cases) and 0 < widened < len(cases)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPE_CODES))

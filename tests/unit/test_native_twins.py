@@ -615,7 +615,7 @@ def _run_as_the_kernel(name: str, grid: tuple, args: tuple, block: tuple = (128,
         _tensor(lse, (H, R), torch.float32).copy_(got[1])
     elif name.startswith("kvtier_attend_chunks_"):
         (q, q_h, q_r, k_addr, v_addr, k_base, v_base, per, slab_head, slab_token, pages, n_pages, page, count,
-         count_at, rows, dim, chunk, tile, finish, scale, part_a, part_m, part_l, out, lse) = args
+         count_at, rows, dim, chunk, tile, finish, wide, scale, part_a, part_m, part_l, out, lse) = args
         chunks, H = int(grid[0]), int(grid[1])
         R, D, count, chunk, per, page, n_pages = (int(x) for x in (rows, dim, count, chunk, per, page, n_pages))
         count += _i64(int(count_at), 0) if int(count_at) else 0   # the count the device keeps, when given
@@ -623,6 +623,11 @@ def _run_as_the_kernel(name: str, grid: tuple, args: tuple, block: tuple = (128,
         assert (chunks >= used if int(count_at) else chunks == used) and 1 <= int(tile) <= block[0]
         assert block[0] % int(tile) == 0
         dtype = _OF_SUFFIX[name.rsplit("_", 1)[1]]
+        if int(wide):   # 16-byte loads: every row whole aligned 16-byte words (the kernel does not check)
+            for addr, base in ((k_addr, k_base), (v_addr, v_base)):
+                starts = _tensor(int(addr), (1,), torch.int64) if int(addr) else [int(base)]
+                assert all(int(a) % 16 == 0 for a in starts)
+            assert all(int(x) * dtype.itemsize % 16 == 0 for x in (slab_head, slab_token, dim))
 
         def strided(addr, stride_h, stride_r, n):
             span = (H - 1) * int(stride_h) + (n - 1) * int(stride_r) + D
@@ -688,9 +693,9 @@ def replayed_kernels(monkeypatch):
             m, rows, page, dim, tile = (int(args[i]) for i in (2, 11, 12, 13, 14))
             assert shared_mem == ops._rank_shared(m, tile, rows, page, dim) <= ops.SHARED_MAX
         if k.startswith("kvtier_attend_chunks_"):   # the query, the logits, the row sums and a tile of keys
-            rows, dim, chunk, tile = (int(args[i]) for i in (15, 16, 17, 18))
+            rows, dim, chunk, tile, wide = (int(args[i]) for i in (15, 16, 17, 18, 20))
             words = dim * _OF_SUFFIX[k.rsplit("_", 1)[1]].itemsize // 4
-            assert shared_mem == ops._attend_shared(rows, dim, chunk, tile, words) <= ops.SHARED_MAX
+            assert shared_mem == ops._attend_shared(rows, dim, chunk, tile, words, bool(wide)) <= ops.SHARED_MAX
         if k == "kvtier_attend_combine":   # a weight per chunk, M, L and the whole part's weight
             assert shared_mem == 4 * (int(args[3]) + 3) <= ops.SHARED_MAX
         assert [type(a) for a in args] == kinds, f"{k}: launched with {[type(a).__name__ for a in args]}"
@@ -997,6 +1002,40 @@ def test_attend_pages_launches_give_the_twins_attention(replayed_kernels, dtype,
     two = whole or chunk < 5 * P
     assert [name for name, _, _ in replayed_kernels] == \
         [f"kvtier_attend_chunks_{_SUFFIX[dtype]}"] + ["kvtier_attend_combine"] * two
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_wide_reads_are_asked_for_only_where_rows_are_aligned_16_byte_words(replayed_kernels, dtype, monkeypatch):
+    """`wide` (16-byte loads, the values staged) reaches the kernel where asked and every row is whole aligned
+    16-byte words, and never elsewhere: the same attention either way, and its value sums' room in the launch's
+    shared memory (the fixture checks the size)."""
+    from kvtier.tiers.device import DevicePool
+
+    asked = []
+    replay = loader.launch
+    monkeypatch.setattr(loader, "launch", lambda k, device, grid, block, args, shared_mem=0: (
+        asked.append(int(args[20])) if k.startswith("kvtier_attend_chunks_") else None,
+        replay(k, device, grid, block, args, shared_mem)))
+    g = torch.Generator().manual_seed(3)
+    for D in (16, 12):   # rows of 32 or 64 bytes, and of 24 or 48: whole 16-byte words for float32 only
+        pool = DevicePool(2, D, dtype, torch.device("cpu"), 64)
+        pool.ensure(100)
+        pool._write(0, torch.randn(1, 2, 100, D, generator=g).to(dtype),
+                    torch.randn(1, 2, 100, D, generator=g).to(dtype), torch.zeros(2, 100, dtype=torch.int64))
+        q = torch.randn(2, 4, D, generator=g).to(dtype)
+        want = twins.attend_slabs(q, pool.k, pool.v, 100, 0.25, 32)
+        for wide in (None, False, True):
+            got = native.attend_slabs(q, pool.k, pool.v, 100, 0.25, chunk=32, wide=wide)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        whole_words = D * dtype.itemsize % 16 == 0
+        assert asked == [int(ops.ATTEND_WIDE and whole_words), 0, int(whole_words)], (D, asked)
+        asked.clear()
+    kb, vb = (torch.randn(2, 6 * 4, 16, generator=g).to(dtype) for _ in range(2))
+    pages = torch.stack([torch.randperm(6, generator=g)[:5] for _ in range(2)])
+    q = torch.randn(2, 4, 16, generator=g).to(dtype)
+    got = native.attend_pages(q, kb, vb, pages, 4, 0.25, chunk=8, wide=True)
+    want = twins.attend_pages(q, kb, vb, pages, 4, 0.25, 8)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and asked == [1]
 
 
 def test_a_source_that_failed_to_build_is_reported_to_the_callers_gates(monkeypatch):

@@ -1,7 +1,8 @@
 """A decode step's attention over the device pool, one layer: the one-pass kernel (`kvtier.native.attend_slabs`,
-the pool in chunks that fill the GPU, then their combine) against the per-slab path it replaced (an attention
-call per slab of the pool, each only a block per KV head on a GPU, and their merge), side by side on the same
-pool at each context's device budget.
+the pool in chunks that fill the GPU, then their combine), read narrow and `wide`, against the per-slab path it
+replaced (an attention call per slab of the pool, each only a block per KV head on a GPU, and their merge),
+side by side on the same pool at each context's device budget: as the host issues the calls, and on CUDA as a
+graph of them replays (the device's own time, without the host's launch gaps).
 """
 
 from __future__ import annotations
@@ -50,9 +51,12 @@ def measure_pool_attention(cfg: GpuBenchConfig, device: torch.device, clock: Clo
             "calls_per_timing": CALLS if kernels else TWIN_CALLS,
             "method": "one layer's decode-step attention over a device pool of random bf16 entries (the context's "
                       "device budget plus the step's token, in slabs of 4,096), timed on the device: "
-                      "native.attend_slabs (one_pass) against an attention call per slab and merge_with_lse "
-                      "(per_slab, the engine's path before attend_slabs); median of the repeats. max_abs_diff: "
-                      "between the two outputs, the per-slab one rounded to bf16 by its attention calls"}
+                      "native.attend_slabs (one_pass; one_pass_wide with wide=True) against an attention call per "
+                      "slab and merge_with_lse (per_slab, the engine's path before attend_slabs); median of the "
+                      "repeats of calls issued by the host (*_ms) and, on CUDA, of a graph of the same calls "
+                      "replayed (replayed_ms: the device's time). max_abs_diff: between one_pass and per_slab, the "
+                      "per-slab one rounded to bf16 by its attention calls; wide_same_bits: one_pass_wide's output "
+                      "bit for bit one_pass's"}
 
 
 def _row(cfg: GpuBenchConfig, device: torch.device, clock: Clock, context: int, H: int, D: int, group: int,
@@ -66,7 +70,10 @@ def _row(cfg: GpuBenchConfig, device: torch.device, clock: Clock, context: int, 
     addresses = pool.addresses()
 
     def one_pass():
-        return native.attend_slabs(packed, pool.k, pool.v, entries, scale, addresses=addresses)
+        return native.attend_slabs(packed, pool.k, pool.v, entries, scale, addresses=addresses, wide=False)
+
+    def one_pass_wide():
+        return native.attend_slabs(packed, pool.k, pool.v, entries, scale, addresses=addresses, wide=True)
 
     def per_slab():
         return merge_with_lse(attend_parts(q, pool.spans(entries), None, None, 0, scale), kernels=kernels)
@@ -76,13 +83,38 @@ def _row(cfg: GpuBenchConfig, device: torch.device, clock: Clock, context: int, 
         calls = CALLS if kernels else TWIN_CALLS
         return _median([clock.time(lambda: [fn() for _ in range(calls)]) / calls for _ in range(cfg.repeats)]) * 1e3
 
+    def replayed(fn) -> float | str:
+        """ms a call, `CALLS` calls captured in one CUDA graph and replayed; why not, where it could not be."""
+        if not kernels:
+            return "no graph: the kernels do not run here"
+        try:
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                fn()   # warm on the capturing stream
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=side):
+                for _ in range(CALLS):
+                    fn()
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph.replay()
+            ms = _median([clock.time(graph.replay) / CALLS for _ in range(cfg.repeats)]) * 1e3
+            del graph
+            return ms
+        except RuntimeError as e:   # a capture refused: said, not hidden
+            return f"no graph: {' '.join(str(e).split())[:200]}"
+
     before = native.backend()["ops"].get("attend_slabs", {}).get("kernel", 0)
-    one_ms, slab_ms = timed(one_pass), timed(per_slab)
+    one_ms, wide_ms, slab_ms = timed(one_pass), timed(one_pass_wide), timed(per_slab)
     ran_kernel = native.backend()["ops"].get("attend_slabs", {}).get("kernel", 0) > before
-    a, b = one_pass(), per_slab()
+    graphs = {name: replayed(fn) for name, fn in (("one_pass", one_pass), ("one_pass_wide", one_pass_wide),
+                                                   ("per_slab", per_slab))}
+    a, w, b = one_pass(), one_pass_wide(), per_slab()
     return {"context": context, "entries": entries, "slabs": len(pool.k),
             "chunk": native.attend_chunk(entries, H, device=device),
-            "one_pass_ms": _r(one_ms, 4), "per_slab_ms": _r(slab_ms, 4),
+            "one_pass_ms": _r(one_ms, 4), "one_pass_wide_ms": _r(wide_ms, 4), "per_slab_ms": _r(slab_ms, 4),
             "per_slab_over_one_pass": _r(slab_ms / one_ms, 2) if one_ms > 0 else None,
+            "replayed_ms": {name: _r(v, 4) if isinstance(v, float) else v for name, v in graphs.items()},
             "one_pass_path": "kernel" if ran_kernel else "twin",
+            "wide_same_bits": bool(torch.equal(a[0], w[0]) and torch.equal(a[1], w[1])),
             "max_abs_diff": _r(float((a[0] - b[0][0]).abs().max()), 8)}

@@ -12,6 +12,13 @@ def _fmt(x: float | None, spec: str, unit: str = "") -> str:
     return "-" if x is None else f"{x:{spec}}{unit}"
 
 
+def _replayed(row: dict[str, Any]) -> str:
+    """The pool-attention row's graph-replayed times, one pass / wide / per slab ("-" where none)."""
+    got = row.get("replayed_ms") or {}
+    return " / ".join(_fmt(v if isinstance(v, float) else None, ".3f")
+                      for v in (got.get(k) for k in ("one_pass", "one_pass_wide", "per_slab")))
+
+
 def _tokens(n: int) -> str:
     return f"{n // 2**20}M" if n % 2**20 == 0 else f"{n // 1024}K" if n % 1024 == 0 else f"{n:,}"
 
@@ -116,10 +123,12 @@ def format_report(result: dict[str, Any]) -> str:
     if pool and pool.get("skipped"):
         lines.append(f"  device pool attention: skipped ({pool['skipped']})")
     elif pool:
-        lines.append("  device pool attention, one layer, ms (one pass / per slab): " + ", ".join(
-            f"{_tokens(r['context'])} {r['one_pass_ms']:.3f} / {r['per_slab_ms']:.3f} "
-            f"({_fmt(r['per_slab_over_one_pass'], '.2f', 'x')}, {r['slabs']} slabs, {r['one_pass_path']})"
-            for r in pool["rows"]))
+        lines.append("  device pool attention, one layer, ms (one pass / wide / per slab; [replayed from a graph]): "
+                     + ", ".join(
+                         f"{_tokens(r['context'])} {r['one_pass_ms']:.3f} / {_fmt(r.get('one_pass_wide_ms'), '.3f')} "
+                         f"/ {r['per_slab_ms']:.3f} [{_replayed(r)}] ({r['slabs']} slabs, {r['one_pass_path']}"
+                         + ("" if r.get("wide_same_bits", True) else ", WIDE DIFFERS") + ")"
+                         for r in pool["rows"]))
     growth = next((r["rows"]["kvtier"]["growth"] for r in result["decode"]
                    if "growth" in r.get("rows", {}).get("kvtier", {})), None)
     if growth:
