@@ -31,6 +31,7 @@
 
 #define KV_ATTEND_ROWS 16   // query rows per KV head a block holds in registers
 #define KV_ATTEND_LOADS 4   // 16-byte loads a thread has in flight when staging a tile (`wide`)
+#define KV_COMBINE_LOADS 8  // the combine's loads a thread issues together before taking them in order
 
 // The shared memory of a chunk's block, carved from one buffer (sizes in floats or words).
 struct kv_attend_smem {
@@ -343,10 +344,17 @@ __host__ __device__ inline void kv_combine_max(const float* __restrict__ m, kv_i
                                                int lane) {
     if (lane == 0) {
         float big = x_lse ? *x_lse : m[0];
-        for (kv_i64 c = x_lse ? 0 : 1; c < chunks; ++c) {
-            const float x = m[c * m_c];
-            if (x != x || x > big) {
-                big = x;
+        for (kv_i64 c = x_lse ? 0 : 1; c < chunks; c += KV_COMBINE_LOADS) {
+            float x[KV_COMBINE_LOADS];   // loaded together, then taken in order
+#pragma unroll
+            for (int u = 0; u < KV_COMBINE_LOADS; ++u) {
+                x[u] = c + u < chunks ? m[(c + u) * m_c] : 0.0f;
+            }
+#pragma unroll
+            for (int u = 0; u < KV_COMBINE_LOADS; ++u) {
+                if (c + u < chunks && (x[u] != x[u] || x[u] > big)) {
+                    big = x[u];
+                }
             }
         }
         shared[chunks] = big;
@@ -371,8 +379,18 @@ __host__ __device__ inline void kv_combine_total(const float* __restrict__ l, kv
                                                  int lane) {
     if (lane == 0) {
         float total = whole ? kv_add(0.0f, kv_mul(1.0f, shared[chunks + 2])) : 0.0f;
-        for (kv_i64 c = 0; c < chunks; ++c) {
-            total = kv_add(total, kv_mul(l[c * l_c], shared[c]));
+        for (kv_i64 c = 0; c < chunks; c += KV_COMBINE_LOADS) {
+            float x[KV_COMBINE_LOADS];   // loaded together, then summed in order
+#pragma unroll
+            for (int u = 0; u < KV_COMBINE_LOADS; ++u) {
+                x[u] = c + u < chunks ? l[(c + u) * l_c] : 0.0f;
+            }
+#pragma unroll
+            for (int u = 0; u < KV_COMBINE_LOADS; ++u) {
+                if (c + u < chunks) {
+                    total = kv_add(total, kv_mul(x[u], shared[c + u]));
+                }
+            }
         }
         shared[chunks + 1] = total;
         *lse = kv_add(shared[chunks], kv_log(total));
@@ -385,8 +403,18 @@ __host__ __device__ inline void kv_combine_out(const float* __restrict__ a, kv_i
                                                float* __restrict__ out, int lane, int width) {
     for (int d = lane; d < dim; d += width) {
         float acc = x_out ? kv_add(0.0f, kv_mul(x_out[d], shared[chunks + 2])) : 0.0f;
-        for (kv_i64 c = 0; c < chunks; ++c) {
-            acc = kv_add(acc, kv_mul(a[c * a_c + d], shared[c]));
+        for (kv_i64 c = 0; c < chunks; c += KV_COMBINE_LOADS) {
+            float x[KV_COMBINE_LOADS];   // loaded together, then summed in order
+#pragma unroll
+            for (int u = 0; u < KV_COMBINE_LOADS; ++u) {
+                x[u] = c + u < chunks ? a[(c + u) * a_c + d] : 0.0f;
+            }
+#pragma unroll
+            for (int u = 0; u < KV_COMBINE_LOADS; ++u) {
+                if (c + u < chunks) {
+                    acc = kv_add(acc, kv_mul(x[u], shared[c + u]));
+                }
+            }
         }
         out[d] = kv_div(acc, shared[chunks + 1]);
     }
