@@ -60,6 +60,7 @@ def test_profiles_say_where_a_steps_time_goes(cpu_run):
             assert not any(n.startswith("/") for n in names), names
             assert all(f["own_ms_per_step"] >= 0 and f["calls_per_step"] > 0 for f in host["by_own_time"])
             assert r["rows"][name]["device_profile"] == {"skipped": "no device kernels on cpu"}
+    assert data["million"]["host_profile"]["steps"] == 1 and "skipped" in data["million"]["device_profile"]
 
 
 def test_pool_attention_rows(cpu_run):

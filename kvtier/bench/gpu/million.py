@@ -8,10 +8,11 @@ from typing import Any, Callable
 
 import torch
 
+from .host_profile import kernel_profile, profile_steps
 from .model import DTYPE, SHAPES, build_model, kv_bytes_per_token
 from .settings import GpuBenchConfig
 from .steps import _step_row, _tier_summary, decode_steps
-from .timing import GiB, Clock, Progress, _free, _median, _r
+from .timing import GiB, Clock, Progress, _attempt, _free, _median, _r
 
 MILLION_HOST_SHARE = 0.35          # of the available host memory the 1M row may pin (the rest stays free)
 MILLION_DEFAULT_LAYERS = 8         # layers filled at 1M by default (time: pinning ~1-2 GB/s)
@@ -65,7 +66,7 @@ def run_million(cfg: GpuBenchConfig, scorer_for: Callable[[Any], tuple[Any, str]
         fill_s = clock.time(fill)
         token = torch.zeros(1, 1, dtype=torch.long, device=device)
         _, token = decode_steps(model, cache, token, cfg.warmup, clock)
-        times, _ = decode_steps(model, cache, token, cfg.steps, clock, progress, "1M decode")
+        times, token = decode_steps(model, cache, token, cfg.steps, clock, progress, "1M decode")
         st = cache.stats()
         dev_stats = st["device"]["reserved_bytes"] + st["device"]["index_bytes"]
         measured = None if base is None else torch.cuda.memory_allocated(device) - base
@@ -78,6 +79,10 @@ def run_million(cfg: GpuBenchConfig, scorer_for: Callable[[Any], tuple[Any, str]
                         gpu_allocated_bytes=measured,
                         per_layer_gpu_bytes=int((measured if measured is not None else dev_stats) / layers),
                         step_ms_per_layer=_r(_median(times) * 1e3 / layers, 4))
+        if cfg.profile_steps:   # where the step's time goes at 1M: the device's kernels above all
+            out["host_profile"] = profile_steps(model, cache, token, cfg.profile_steps, clock)
+            out["device_profile"] = _attempt("1M device profile", lambda: kernel_profile(
+                model, cache, token, cfg.profile_steps, clock), device, progress)
         out["projected_gpu_bytes_all_layers"] = out["per_layer_gpu_bytes"] * cfg.num_layers
         out["projected_gpu_bytes_full_shape"] = out["per_layer_gpu_bytes"] * full_layers
         out["projection"] = (f"measured on {layers} layer(s), x{scale:g} for the run's {cfg.num_layers} layers and "

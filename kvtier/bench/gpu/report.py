@@ -98,8 +98,10 @@ def format_report(result: dict[str, Any]) -> str:
                 f"{_fmt(n.get('step_ms_median'), '.2f')} ms (with prefetch / without "
                 f"{_fmt(ra.get('kvtier_graphs_over_no_prefetch'), '.2f', 'x')}; chosen pages already on the device: "
                 f"{_fmt(n.get('tiers', {}).get('reuse_rate'), '.1%')})"))
-    for row in result["decode"]:   # --profile-steps: how busy the device was during a step
-        busy = [(ROW_NAMES[name], r["device_profile"]) for name, r in row.get("rows", {}).items()
+    million = result.get("million") or {}
+    for row in result["decode"] + [{"context": million.get("context"), "rows": {"million": million}}]:
+        # --profile-steps: how busy the device was during a step
+        busy = [(ROW_NAMES.get(name, "kvtier"), r["device_profile"]) for name, r in row.get("rows", {}).items()
                 if isinstance(r.get("device_profile"), dict) and "device_busy_ms_per_step" in r["device_profile"]]
         if busy:
             lines.append(f"  {_tokens(row['context'])} device busy per step (kernels and copies): " + ", ".join(
