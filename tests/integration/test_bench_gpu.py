@@ -61,6 +61,10 @@ def test_profiles_say_where_a_steps_time_goes(cpu_run):
             assert all(f["own_ms_per_step"] >= 0 and f["calls_per_step"] > 0 for f in host["by_own_time"])
             assert r["rows"][name]["device_profile"] == {"skipped": "no device kernels on cpu"}
     assert data["million"]["host_profile"]["steps"] == 1 and "skipped" in data["million"]["device_profile"]
+    demoting = data["decode"][0]["rows"]["kvtier"]["demotion_profile"]   # the first context's: a demoting step
+    assert demoting["steps_until_one_demoted"] >= 1 and demoting["step_ms"] > 0, demoting
+    assert any(f["function"].startswith("kvtier/") for f in demoting["by_cumulative_time"])
+    assert "demotion_profile" not in data["decode"][1]["rows"]["kvtier"]
 
 
 def test_pool_attention_rows(cpu_run):

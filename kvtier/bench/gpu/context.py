@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from .growth import _growth
-from .host_profile import kernel_profile, profile_steps
+from .host_profile import kernel_profile, profile_demotion, profile_steps
 from .settings import GpuBenchConfig
 from .steps import _layer_kv, _step_row, _tier_summary, decode_steps, prefill
 from .timing import Clock, Progress, Skip, _attempt, _free, _r
@@ -98,6 +98,9 @@ def run_context(cfg: GpuBenchConfig, model: Any, context: int, scorer: Any, cloc
                 out["host_profile"] = profile_steps(model, cache, t, cfg.profile_steps, clock)
                 out["device_profile"] = _attempt("device profile", lambda: kernel_profile(
                     model, cache, t, cfg.profile_steps, clock), device, progress)
+                if growth and not graphs:   # one context is enough: where a demoting step's extra time goes
+                    progress.say(f"{context:,} tokens: kvtier steps under cProfile until one demotes")
+                    out["demotion_profile"], t = profile_demotion(model, cache, t, clock)
             if growth and cfg.growth_steps and not graphs:
                 progress.say(f"memory growth: up to {cfg.growth_steps} kvtier decode steps at {context:,}")
                 out["growth"] = _growth(cfg, model, cache, t, layers, clock, progress)

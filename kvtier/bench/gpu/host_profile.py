@@ -35,6 +35,19 @@ def _where(key: tuple[str, int, str]) -> str:
     return f"{path}:{line}({name})"
 
 
+def _tops(prof: cProfile.Profile, steps: int) -> dict[str, list[dict[str, Any]]]:
+    """The `TOP` functions of `prof` by their own time and by their cumulative time, per step."""
+    stats = pstats.Stats(prof).stats   # (file, line, name) -> (primitive calls, calls, own s, cumulative s, callers)
+
+    def top(column: int) -> list[dict[str, Any]]:
+        rows = sorted(stats.items(), key=lambda kv: kv[1][column], reverse=True)[:TOP]
+        return [{"function": _where(key), "calls_per_step": _r(v[1] / steps, 1),
+                 "own_ms_per_step": _r(v[2] * 1e3 / steps, 3), "cumulative_ms_per_step": _r(v[3] * 1e3 / steps, 3)}
+                for key, v in rows]
+
+    return {"by_own_time": top(2), "by_cumulative_time": top(3)}
+
+
 def profile_steps(model: Any, cache: Any, token: torch.Tensor, steps: int, clock: Clock) -> dict[str, Any]:
     """`steps` decode steps under cProfile: the `TOP` functions by their own time and by their cumulative
     time, in milliseconds per step, and the whole profiled step's median."""
@@ -44,17 +57,32 @@ def profile_steps(model: Any, cache: Any, token: torch.Tensor, steps: int, clock
         times, _ = decode_steps(model, cache, token, steps, clock)
     finally:
         prof.disable()
-    stats = pstats.Stats(prof).stats   # (file, line, name) -> (primitive calls, calls, own s, cumulative s, callers)
-
-    def top(column: int) -> list[dict[str, Any]]:
-        rows = sorted(stats.items(), key=lambda kv: kv[1][column], reverse=True)[:TOP]
-        return [{"function": _where(key), "calls_per_step": _r(v[1] / steps, 1),
-                 "own_ms_per_step": _r(v[2] * 1e3 / steps, 3), "cumulative_ms_per_step": _r(v[3] * 1e3 / steps, 3)}
-                for key, v in rows]
-
-    return {"steps": steps, "step_ms_profiled": [_r(t * 1e3) for t in times], "by_own_time": top(2),
-            "by_cumulative_time": top(3),
+    return {"steps": steps, "step_ms_profiled": [_r(t * 1e3) for t in times], **_tops(prof, steps),
             "method": "cProfile over whole decode steps after the timed ones (it slows Python: read the shares)"}
+
+
+def profile_demotion(model: Any, cache: Any, token: torch.Tensor, clock: Clock,
+                     max_steps: int = 160) -> tuple[dict[str, Any], torch.Tensor]:
+    """Decode steps of a `TieredCache`, each under a cProfile of its own, until one demotes (at most
+    `max_steps`): that step's profile, beside the step times of the others. Where a step's extra time
+    goes when every layer demotes at once."""
+    others: list[float] = []
+    for _ in range(max_steps):
+        before = cache.counters.bytes_moved["device_to_host"]
+        prof = cProfile.Profile()
+        prof.enable()
+        try:
+            times, token = decode_steps(model, cache, token, 1, clock)
+        finally:
+            prof.disable()
+        if cache.counters.bytes_moved["device_to_host"] > before:
+            return {"steps_until_one_demoted": len(others) + 1, "step_ms": _r(times[0] * 1e3),
+                    "other_steps_ms_median": _r(sorted(others)[len(others) // 2] * 1e3) if others else None,
+                    **_tops(prof, 1),
+                    "method": "cProfile over the first decode step that demoted (it slows Python: read the "
+                              "shares), the steps before it profiled alike for its comparison"}, token
+        others.append(times[0])
+    return {"skipped": f"no step demoted in {max_steps}"}, token
 
 
 def kernel_profile(model: Any, cache: Any, token: torch.Tensor, steps: int, clock: Clock) -> dict[str, Any]:

@@ -98,6 +98,12 @@ def format_report(result: dict[str, Any]) -> str:
                 f"{_fmt(n.get('step_ms_median'), '.2f')} ms (with prefetch / without "
                 f"{_fmt(ra.get('kvtier_graphs_over_no_prefetch'), '.2f', 'x')}; chosen pages already on the device: "
                 f"{_fmt(n.get('tiers', {}).get('reuse_rate'), '.1%')})"))
+    for row in result["decode"]:   # --profile-steps: the first demoting step under cProfile
+        dem = row.get("rows", {}).get("kvtier", {}).get("demotion_profile")
+        if isinstance(dem, dict) and "step_ms" in dem:
+            lines.append(f"  {_tokens(row['context'])} a demoting kvtier step under cProfile: {dem['step_ms']:.1f} ms "
+                         f"against {_fmt(dem['other_steps_ms_median'], '.1f')} for the steps before it (JSON "
+                         "'demotion_profile')")
     million = result.get("million") or {}
     for row in result["decode"] + [{"context": million.get("context"), "rows": {"million": million}}]:
         # --profile-steps: how busy the device was during a step
