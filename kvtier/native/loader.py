@@ -45,6 +45,7 @@ _dry = False                                       # under `dry_run`
 _status: dict[str, str | None] = {}                # KVTIER_NATIVE's value -> `status()`
 _launchers: dict[str, str] = {}                    # KVTIER_LAUNCH's value -> `launcher()`
 _functions: dict[int, int] = {}                    # id of a loaded kernel (kept in _kernels) -> its CUfunction
+_device_of: dict[int, int] = {}                    # id of a loaded kernel -> the device it was loaded for
 
 
 def sources() -> list[Path]:
@@ -136,11 +137,14 @@ def kernel(src: str, name: str, device: torch.device) -> Any:
                         _modules[src] = cp.RawModule(code=source(src), options=OPTIONS)
                     # compiles the module (or reads cupy's disk cache) and loads it on this device
                     _kernels[key] = _modules[src].get_function(name)
+                    _device_of[id(_kernels[key])] = device.index
             except (cp.cuda.compiler.CompileException, cp.cuda.driver.CUDADriverError, RuntimeError, OSError) as e:
                 # a compile error, a module the driver refuses, or no NVRTC library for cupy to load
                 _ready[(src, device.index)] = f"{src}.cu did not build on {device}: {e}"
                 for other in [k for k in _kernels if k[0] == src and k[2] == device.index]:
-                    del _kernels[other]   # the source is off on this device, kernels loaded before it too
+                    gone = id(_kernels.pop(other))   # the source is off on this device, kernels loaded before it too
+                    _functions.pop(gone, None)       # and their handles: a later kernel may reuse the id
+                    _device_of.pop(gone, None)
                 log.warning("native kernels of %s.cu are off on %s, the torch twins run: %s", src, device, e)
                 return None
             _ready[(src, device.index)] = None
@@ -178,10 +182,11 @@ def launcher() -> str:
     return got
 
 
-def _function_of(k: Any) -> int | None:
+def _function_of(k: Any, index: int) -> int | None:
     """The ``CUfunction`` handle of cupy's loaded kernel `k` (kept for the process, as `k` is), or None, with
     the launches left to cupy and the reason logged once, where this cupy does not show it."""
-    fn = getattr(k, "kernel", k)   # a RawKernel holds its loaded Function
+    with cupy_module().cuda.Device(_device_of.get(id(k), index)):   # a RawKernel loads for the current device
+        fn = getattr(k, "kernel", k)   # a RawKernel holds its loaded Function
     ptr = getattr(fn, "ptr", None)
     if not ptr:
         _launchers.update({name: "cupy" for name in ("driver", "cupy")})
@@ -199,13 +204,13 @@ def launch(k: Any, device: torch.device, grid: tuple[int, ...], block: tuple[int
         return
     handle = torch.cuda.current_stream(device).cuda_stream
     function = _functions.get(id(k)) if launcher() == "driver" else None
+    index = device.index if device.index is not None else torch.cuda.current_device()
     if function is None and launcher() == "driver":
-        function = _function_of(k)
+        function = _function_of(k, index)
     if function is not None:
         from .driver_launch import launch as driver
 
-        driver(function, device.index if device.index is not None else torch.cuda.current_device(), handle,
-               grid, block, args, shared_mem)
+        driver(function, index, handle, grid, block, args, shared_mem)
         return
     cp = cupy_module()
     with cp.cuda.Device(device.index):
