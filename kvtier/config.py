@@ -133,8 +133,10 @@ class TieredCacheConfig:
     cuda_graphs
         Replay a decode step's attention and recall from a CUDA graph per layer, captured again when the layer's
         state changes (`kvtier.engine.graphs`), where recall is planned on the device and the native kernels
-        run; elsewhere, and where a capture fails, the same launches run eagerly. The output is the same bits
-        either way. Off by default: its speed is still to be measured on a GPU.
+        run; elsewhere (a CPU, no cupy, disk pages), and where a capture fails, the same launches run eagerly.
+        The output is the same bits either way. On by default: a step's launches cost the host more than the
+        GPU's work behind them, and on an H200 the replayed 128K step of the Llama-3.1-8B shape took half the
+        eager one's time (docs/benchmarks.md). ``False`` issues every launch eagerly.
     """
 
     shape: ModelShape
@@ -148,7 +150,7 @@ class TieredCacheConfig:
     sink_tokens: int = DEFAULT_SINK_TOKENS
     recent_tokens: int | float = DEFAULT_RECENT_TOKENS
     demote_pages: int | None = None
-    cuda_graphs: bool = field(default=False, compare=False)   # how steps run, not what they hold
+    cuda_graphs: bool = field(default=True, compare=False)   # how steps run, not what they hold
     scorer_name: str = field(default="keynorm", compare=False)
 
     def __post_init__(self) -> None:

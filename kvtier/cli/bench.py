@@ -315,9 +315,11 @@ def wrappers(contexts: str, device_budget: float, calls: int, threads: int, as_j
               help="Size of the raw pinned copy the batches are compared with.")
 @click.option("--batch-mib", default=64, show_default=True, type=click.IntRange(min=1),
               help="Size of the demotion and recall batches timed through the engine.")
-@click.option("--graphs/--no-graphs", default=True, show_default=True,
-              help="Also time kvtier with its decode steps' attention and recall replayed from CUDA graphs (at the "
-                   "largest context).")
+@click.option("--eager-row/--no-eager-row", "eager", default=True, show_default=True,
+              help="Also time kvtier with CUDA graphs off, its decode steps' launches issued one by one (at each "
+                   "context; the kvtier row is the cache as made by default, on CUDA replayed from graphs).")
+@click.option("--no-prefetch-row/--skip-no-prefetch-row", "no_prefetch", default=True, show_default=True,
+              help="Also time kvtier without prefetch (prefetch_pages=0), at the largest context.")
 @click.option("--profile-steps", default=0, show_default=True, type=click.IntRange(min=0),
               help="After each kvtier row's timed steps, this many more under cProfile: where the host time of a "
                    "step goes (JSON 'host_profile'; 0: none).")
@@ -330,8 +332,9 @@ def wrappers(contexts: str, device_budget: float, calls: int, threads: int, as_j
 @user_errors
 def gpu(contexts: str, million: bool, million_context: str, million_layers: str, device_budget: str,
         recall_pages: int, layers: int | None, shape: str, steps: int, warmup: int, growth_steps: int,
-        growth_seconds: float, prefill_chunk: int, copy_mib: int, batch_mib: int, graphs: bool,
-        profile_steps: int, device: str, threads: int | None, seed: int, out_path: str, quiet: bool) -> None:
+        growth_seconds: float, prefill_chunk: int, copy_mib: int, batch_mib: int, eager: bool,
+        no_prefetch: bool, profile_steps: int, device: str, threads: int | None, seed: int, out_path: str,
+        quiet: bool) -> None:
     """Demotion/recall GB/s vs a raw pinned copy; decode step of the Llama-3.1-8B shape (random weights, bf16,
     batch 1) with kvtier vs DynamicCache on the GPU vs DynamicCache(offloading=True); a synthetic 1M row; KVP
     scoring as a fraction of prefill. Prints a table and writes JSON with each target's pass/fail."""
@@ -368,7 +371,8 @@ def gpu(contexts: str, million: bool, million_context: str, million_layers: str,
                          million_context=m_ctx, million_layers=m_layers, device_budget=budget,
                          recall_pages=recall_pages, steps=steps, warmup=warmup, growth_steps=growth_steps,
                          growth_seconds=growth_seconds, prefill_chunk=prefill_chunk, copy_mib=copy_mib,
-                         batch_mib=batch_mib, graphs=graphs, profile_steps=profile_steps, seed=seed)
+                         batch_mib=batch_mib, eager=eager, no_prefetch=no_prefetch,
+                         profile_steps=profile_steps, seed=seed)
     out_file = Path(out_path).expanduser()
 
     def write(result: dict) -> None:   # whole or not at all: a run killed mid-write keeps the last checkpoint

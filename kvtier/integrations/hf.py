@@ -81,7 +81,8 @@ class TieredCache(OneSequence, Cache):
     scorer_kwargs
         Settings for a scorer given by name (e.g. ``{"seed": 1}`` for ``"random"``).
     cuda_graphs
-        Replay decode steps' attention and recall from CUDA graphs (see `TieredCacheConfig`; off by default).
+        Replay decode steps' attention and recall from CUDA graphs where the cache runs on CUDA (see
+        `TieredCacheConfig`; on by default, ``False`` issues every launch eagerly).
     """
 
     def __init__(self, config: Any, device_budget: float | int = 0.25, host_budget: float | int | None = None,
@@ -89,7 +90,7 @@ class TieredCache(OneSequence, Cache):
                  mode: str = "tier", recall_pages: int = DEFAULT_RECALL_PAGES, *,
                  prefetch_pages: int | None = None, page_size: int = DEFAULT_PAGE_SIZE, sink_tokens: int = DEFAULT_SINK_TOKENS,
                  recent_tokens: int | float = DEFAULT_RECENT_TOKENS, scorer_kwargs: dict[str, Any] | None = None,
-                 demote_pages: int | None = None, cuda_graphs: bool = False) -> None:
+                 demote_pages: int | None = None, cuda_graphs: bool = True) -> None:
         plan = layer_plan(config)
         shape = ModelShape.from_config(config)
         if scorer_kwargs is not None and not isinstance(scorer_kwargs, dict):

@@ -145,16 +145,17 @@ def test_session_store_on_gpu(cuda_device, tmp_path):
 
 
 @torch.no_grad()
-def test_a_decode_step_with_host_pages_never_syncs(cuda_device):
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda-graphs"])
+def test_a_decode_step_with_host_pages_never_syncs(cuda_device, graphs):
     """With every demoted page in host memory, a decode step that recalls (and does not demote: demotion
     still waits for its copy) reads nothing back from the GPU: page choice, the recall buffer's plan and the
-    copy from pinned memory all stay queued on the device."""
+    copy from pinned memory all stay queued on the device, issued one by one or replayed from graphs."""
     from kvtier import native
 
     if native.kernel_status() is not None:
         pytest.skip(f"native kernels are off ({native.kernel_status()}); the twins read indices on the host")
     model = _llama(cuda_device)
-    with TieredCache(model.config, device_budget=64, recall_pages=8, scorer="keynorm") as cache:
+    with TieredCache(model.config, device_budget=64, recall_pages=8, scorer="keynorm", cuda_graphs=graphs) as cache:
         out = _greedy(model, cache, _prompt(600, cuda_device), 4)
         token = out[:, -1:]
         engines = cache._engines
@@ -170,6 +171,27 @@ def test_a_decode_step_with_host_pages_never_syncs(cuda_device):
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert cache.stats()["pages_recalled"] > 0 and torch.isfinite(logits).all()
+        assert cache.stats()["cuda_graphs"]["failed"] is None
+
+
+@torch.no_grad()
+def test_a_default_cache_replays_its_steps_from_cuda_graphs(cuda_device):
+    """Made with no setting, a cache on CUDA captures its steps' work and replays it (what `cuda_graphs=True`
+    does), and its logits equal those of the same cache made with `cuda_graphs=False`, bit for bit."""
+    from kvtier import native
+
+    if native.kernel_status() is not None:
+        pytest.skip(f"native kernels are off ({native.kernel_status()}): no step runs as launches only")
+    model = _llama(cuda_device)
+    ids = _prompt(700, cuda_device)
+    runs = {}
+    for name, kwargs in (("default", {}), ("eager", {"cuda_graphs": False})):
+        with TieredCache(model.config, device_budget=96, recall_pages=6, scorer="keynorm", **kwargs) as cache:
+            runs[name] = (_decode_logits(model, cache, ids, 24), cache.stats()["cuda_graphs"])
+    assert torch.equal(runs["default"][0], runs["eager"][0])
+    got = runs["default"][1]
+    assert got["failed"] is None and got["replays"] > got["eager_steps"], got
+    assert runs["eager"][1]["replays"] == runs["eager"][1]["captures"] == 0
 
 
 @torch.no_grad()

@@ -104,6 +104,9 @@ def test_decode_rows_and_ratios(cpu_run):
         assert r["ratios"]["dynamic_over_kvtier"] == pytest.approx(dyn["step_ms_median"] / kv["step_ms_median"],
                                                                   rel=1e-2)
         assert "skipped" in off and "cpu" in off["skipped"] and r["ratios"]["offloading_over_kvtier"] is None
+        # no CUDA graphs nor prefetch on a CPU: the rows without them would be the kvtier row again
+        assert "cpu" in r["rows"]["kvtier_eager"]["skipped"] and r["ratios"]["kvtier_eager_over_kvtier"] is None
+        assert kv["cuda_graphs"]["replays"] == 0 and "capturing_warmup_ms" not in kv
         assert kv["tiers"]["host"]["tokens"] > 0 and kv["tiers"]["device"]["tokens"] > 0   # demoted, not dropped
         assert 0 < r["kvp_scoring"]["fraction_of_prefill"] and r["kvp_scoring"]["layers"] == 2
     growth = rows[0]["rows"]["kvtier"]["growth"]
@@ -112,6 +115,7 @@ def test_decode_rows_and_ratios(cpu_run):
     assert 1 <= growth["demoting_steps"] < 24 and growth["demoting_step_ms_median"] > 0
     assert growth["other_step_ms_median"] > 0
     assert "growth" not in rows[1]["rows"]["kvtier"]
+    assert "skipped" in rows[1]["rows"]["kvtier_no_prefetch"] and "kvtier_no_prefetch" not in rows[0]["rows"]
 
 
 def test_million_row(cpu_run):
@@ -193,9 +197,15 @@ def test_tiny_on_cuda_measures_every_row(tmp_path):
         assert prof["device_busy_ms_per_step"] > 0 and prof["top"], prof
     for r in data["pool_attention"]["rows"]:   # the device's own time, from graphs; wide reads, same bits
         assert r["wide_same_bits"] and all(isinstance(v, float) and v > 0 for v in r["replayed_ms"].values()), r
+    for r in data["decode"]:   # the kvtier row is the default cache: its timed steps replay from CUDA graphs
+        graphs = r["rows"]["kvtier"]["cuda_graphs"]
+        assert graphs["failed"] is None and graphs["replays"] > 0, graphs
+        assert "skipped" not in r["rows"]["kvtier_eager"] and r["rows"]["kvtier_eager"]["cuda_graphs"]["replays"] == 0
+        assert r["ratios"]["kvtier_eager_over_kvtier"] is not None
     top = data["decode"][-1]["rows"]
-    assert "skipped" not in top["kvtier_graphs"] and "skipped" not in top["kvtier_graphs_no_prefetch"], top
-    assert top["kvtier_graphs_no_prefetch"]["tiers"]["prefetch"]["pages"] == 0
+    assert "skipped" not in top["kvtier_no_prefetch"], top
+    assert top["kvtier_no_prefetch"]["tiers"]["prefetch"]["pages"] == 0
+    assert "kvtier_no_prefetch" not in data["decode"][0]["rows"]
 
 
 def test_the_table_says_why_rows_were_skipped(cpu_run):

@@ -42,6 +42,19 @@ def test_cuda_graphs_must_be_a_bool():
         TieredCache(model.config, cuda_graphs="yes")
 
 
+def test_cuda_graphs_are_on_by_default_and_can_be_turned_off():
+    """Where a cache runs on CUDA its steps replay from graphs unless asked not to; on a CPU the setting is kept
+    (a copy moved to a GPU would use it) and changes nothing."""
+    model = tiny_llama()
+    with _on_the_gpu_path(TieredCache(model.config, device_budget=48, recall_pages=2)) as cache:
+        assert cache.settings.cuda_graphs is True
+        _decode(model, cache, steps=4)
+        assert all(not e.graphs.enabled and not e.prefetch_graphs.enabled for e in cache._engines)
+        assert cache.stats()["cuda_graphs"]["replays"] == 0 and cache.stats()["cuda_graphs"]["eager_steps"] > 0
+    with TieredCache(model.config, cuda_graphs=False) as cache:
+        assert cache.settings.cuda_graphs is False
+
+
 def test_without_cuda_the_steps_run_eagerly_with_the_same_output():
     """Asked for graphs where there is no CUDA, a cache decodes exactly as without them, counts its device
     steps as eager (none captured, none replayed, no failure), and a copy keeps the setting."""

@@ -6,7 +6,8 @@ Four measurements, each next to what it is judged against:
   batches, timed directly through the layer engine (``LayerEngine._to_host`` and ``_bring_up``, the
   batch moves of the product, synchronised) on one layer of the model's shape filled with random K/V;
 - decode step of a Llama model with random weights (bf16, batch 1) at each context: kvtier with a device
-  budget, ``DynamicCache`` all on the device and ``DynamicCache(offloading=True)``, all holding the same K/V
+  budget as made by default (on CUDA its steps replay from CUDA graphs, timed once they do), the same with
+  graphs off, ``DynamicCache`` all on the device and ``DynamicCache(offloading=True)``, all holding the same K/V
   (one chunked prefill through the model, then the same K/V written into the other caches through their
   public ``update``);
 - 1M tokens filled synthetically (random K/V written layer by layer through the cache's ``update``), then

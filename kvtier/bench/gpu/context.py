@@ -11,15 +11,14 @@ import torch
 from .growth import _growth
 from .host_profile import kernel_profile, profile_demotion, profile_steps
 from .settings import GpuBenchConfig
-from .steps import _layer_kv, _step_row, _tier_summary, decode_steps, prefill
+from .steps import _layer_kv, _step_row, _tier_summary, decode_steps, prefill, warm_until_replayed
 from .timing import Clock, Progress, Skip, _attempt, _free, _r
 
-ROW_NAMES = {"kvtier": "kvtier", "kvtier_graphs": "kvtier, CUDA graphs",
-             "kvtier_graphs_no_prefetch": "kvtier, CUDA graphs, no prefetch", "dynamic": "DynamicCache",
+# "kvtier" is the cache as made by default (on CUDA its steps replay from CUDA graphs); "kvtier_eager" the same
+# with its launches issued one by one (cuda_graphs=False); "kvtier_no_prefetch" the default without prefetch
+ROW_NAMES = {"kvtier": "kvtier", "kvtier_eager": "kvtier, eager (no CUDA graphs)",
+             "kvtier_no_prefetch": "kvtier, no prefetch", "dynamic": "DynamicCache",
              "offloading": "DynamicCache(offloading=True)"}
-GRAPH_WARMUP_MAX = 8   # extra warm-up steps a graphs row may take until a step captures nothing new
-
-
 def kvp_scoring(scorer: Any, cache: Any, layers: int, chunk: int, clock: Clock, prefill_seconds: float) -> dict:
     """`scorer.score` over every prefill entry of every layer, in the prefill's chunks."""
     T = _layer_kv(cache, 0)[0].shape[2]
@@ -71,37 +70,32 @@ def run_context(cfg: GpuBenchConfig, model: Any, context: int, scorer: Any, cloc
     row["kvp_scoring"] = _attempt("KVP scoring", lambda: kvp_scoring(scorer, full, layers, cfg.prefill_chunk, clock,
                                                                       row["prefill_seconds"]), device, progress)
 
-    def tiered(graphs: bool = False, prefetch: int | None = None) -> dict[str, Any]:
-        if graphs and device.type != "cuda":
-            raise Skip("not run on cpu: CUDA graphs need a CUDA device")
+    def tiered(graphs: bool = True, prefetch: int | None = None, profile: bool = True,
+               demoting: bool = False) -> dict[str, Any]:
+        if device.type != "cuda" and not (graphs and prefetch is None):
+            raise Skip("not run on cpu: without CUDA graphs or prefetch there it is the kvtier row again")
         cache = TieredCache(model.config, device_budget=cfg.device_budget, host_budget=None, scorer=scorer,
                             recall_pages=cfg.recall_pages, cuda_graphs=graphs, prefetch_pages=prefetch)
         try:
             fill = clock.time(lambda: _fill_from(cache, kv, cfg.prefill_chunk, progress, "kvtier fill"))
             _, t = decode_steps(model, cache, token, cfg.warmup, clock)
-            capture_steps = []   # a graphs row times replayed steps: it warms on until a step captures nothing
-            while graphs and len(capture_steps) < GRAPH_WARMUP_MAX:
-                before = cache.stats()["cuda_graphs"]["captures"]
-                ms, t = decode_steps(model, cache, t, 1, clock)
-                if cache.stats()["cuda_graphs"]["captures"] == before:
-                    break
-                capture_steps.append(_r(ms[0] * 1e3))
+            capture_steps, t = warm_until_replayed(model, cache, t, clock)
             issued: list[float] = []
             times, t = decode_steps(model, cache, t, cfg.steps, clock, progress, "kvtier decode", issued=issued)
             stats = cache.stats()
             out = _step_row(times, issued, fill_seconds=_r(fill, 3), tiers=_tier_summary(stats),
                             cuda_graphs=stats["cuda_graphs"], demotions=stats["demotions"])
-            if graphs:
+            if device.type == "cuda" and graphs:
                 out["capturing_warmup_ms"] = capture_steps   # after the --warmup steps, before the timed ones
-            if cfg.profile_steps:
+            if cfg.profile_steps and profile:
                 progress.say(f"{context:,} tokens: {cfg.profile_steps} kvtier steps under cProfile")
                 out["host_profile"] = profile_steps(model, cache, t, cfg.profile_steps, clock)
                 out["device_profile"] = _attempt("device profile", lambda: kernel_profile(
                     model, cache, t, cfg.profile_steps, clock), device, progress)
-                if growth and not graphs:   # one context is enough: where a demoting step's extra time goes
+                if demoting:   # one context is enough: where a demoting step's extra time goes
                     progress.say(f"{context:,} tokens: kvtier steps under cProfile until one demotes")
                     out["demotion_profile"], t = profile_demotion(model, cache, t, clock)
-            if growth and cfg.growth_steps and not graphs:
+            if demoting and cfg.growth_steps:   # the steps that demote, and those that capture after, included
                 progress.say(f"memory growth: up to {cfg.growth_steps} kvtier decode steps at {context:,}")
                 out["growth"] = _growth(cfg, model, cache, t, layers, clock, progress)
             return out
@@ -137,11 +131,13 @@ def run_context(cfg: GpuBenchConfig, model: Any, context: int, scorer: Any, cloc
                 model, full, t, cfg.profile_steps, clock), device, progress)
         return out
 
-    runs = (("kvtier", tiered), ("kvtier_graphs", lambda: tiered(graphs=True)),
-            ("kvtier_graphs_no_prefetch", lambda: tiered(graphs=True, prefetch=0)), ("offloading", offloaded),
+    runs = (("kvtier", lambda: tiered(demoting=growth)), ("kvtier_eager", lambda: tiered(graphs=False)),
+            ("kvtier_no_prefetch", lambda: tiered(prefetch=0, profile=False)), ("offloading", offloaded),
             ("dynamic", dynamic))
     for name, fn in runs:   # dynamic last: it grows the shared K/V
-        if name.startswith("kvtier_graphs") and not (cfg.graphs and context == max(cfg.contexts)):
+        if name == "kvtier_eager" and not cfg.eager:
+            continue
+        if name == "kvtier_no_prefetch" and not (cfg.no_prefetch and context == max(cfg.contexts)):
             continue   # at the largest context only: the run stays within its time
         progress.say(f"{context:,} tokens: {ROW_NAMES[name]}")
         row["rows"][name] = _attempt(f"{context:,} {ROW_NAMES[name]}", fn, device, progress)
@@ -153,11 +149,9 @@ def run_context(cfg: GpuBenchConfig, model: Any, context: int, scorer: Any, cloc
     row["ratios"] = {f"{name}_over_kvtier": (_r(rows[name]["step_ms_median"] / k_ms)
                                              if k_ms and rows[name].get("step_ms_median") else None)
                      for name in ("dynamic", "offloading")}
-    if "kvtier_graphs" in rows:   # the same step with its attention and recall replayed from CUDA graphs
-        g_ms = rows["kvtier_graphs"].get("step_ms_median")
-        n_ms = rows.get("kvtier_graphs_no_prefetch", {}).get("step_ms_median")
-        row["ratios"]["kvtier_graphs_over_no_prefetch"] = _r(g_ms / n_ms) if g_ms and n_ms else None
-        row["ratios"]["dynamic_over_kvtier_graphs"] = \
-            _r(rows["dynamic"]["step_ms_median"] / g_ms) if g_ms and rows["dynamic"].get("step_ms_median") else None
-        row["ratios"]["kvtier_over_kvtier_graphs"] = _r(k_ms / g_ms) if g_ms and k_ms else None
+    for name, key in (("kvtier_eager", "kvtier_eager_over_kvtier"), ("kvtier_no_prefetch", "kvtier_over_no_prefetch")):
+        other = rows.get(name, {}).get("step_ms_median")
+        if name in rows:   # eager over the default: what the CUDA graphs save; the default over no prefetch
+            row["ratios"][key] = (_r(other / k_ms) if name == "kvtier_eager" else _r(k_ms / other)) \
+                if other and k_ms else None
     return row

@@ -11,7 +11,7 @@ import torch
 from .host_profile import kernel_profile, profile_steps
 from .model import DTYPE, SHAPES, build_model, kv_bytes_per_token
 from .settings import GpuBenchConfig
-from .steps import _step_row, _tier_summary, decode_steps
+from .steps import _step_row, _tier_summary, decode_steps, warm_until_replayed
 from .timing import GiB, Clock, Progress, _attempt, _free, _median, _r
 
 MILLION_HOST_SHARE = 0.35          # of the available host memory the 1M row may pin (the rest stays free)
@@ -66,6 +66,7 @@ def run_million(cfg: GpuBenchConfig, scorer_for: Callable[[Any], tuple[Any, str]
         fill_s = clock.time(fill)
         token = torch.zeros(1, 1, dtype=torch.long, device=device)
         _, token = decode_steps(model, cache, token, cfg.warmup, clock)
+        capture_steps, token = warm_until_replayed(model, cache, token, clock)
         times, token = decode_steps(model, cache, token, cfg.steps, clock, progress, "1M decode")
         st = cache.stats()
         dev_stats = st["device"]["reserved_bytes"] + st["device"]["index_bytes"]
@@ -78,7 +79,8 @@ def run_million(cfg: GpuBenchConfig, scorer_for: Callable[[Any], tuple[Any, str]
                         device_tier_plus_index_bytes=dev_stats,
                         gpu_allocated_bytes=measured,
                         per_layer_gpu_bytes=int((measured if measured is not None else dev_stats) / layers),
-                        step_ms_per_layer=_r(_median(times) * 1e3 / layers, 4))
+                        step_ms_per_layer=_r(_median(times) * 1e3 / layers, 4), cuda_graphs=st["cuda_graphs"],
+                        capturing_warmup_ms=capture_steps)
         if cfg.profile_steps:   # where the step's time goes at 1M: the device's kernels above all
             out["host_profile"] = profile_steps(model, cache, token, cfg.profile_steps, clock)
             out["device_profile"] = _attempt("1M device profile", lambda: kernel_profile(

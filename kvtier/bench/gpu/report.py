@@ -77,26 +77,29 @@ def format_report(result: dict[str, Any]) -> str:
                      f"{_fmt(ra['offloading_over_kvtier'], '9.1f', 'x'):>10}  "
                      f"{_fmt(None if frac is None else frac * 100, '12.2f', '%'):>13}")
     lines += skipped
-    for row in result["decode"]:
-        g = row.get("rows", {}).get("kvtier_graphs")
-        if g is None:
+    for row in result["decode"]:   # how the kvtier row ran, and the rows beside it
+        k = row.get("rows", {}).get("kvtier")
+        if k is None or k.get("skipped"):
             continue
-        if g.get("skipped"):
-            lines.append(f"  {_tokens(row['context'])} kvtier with CUDA graphs: skipped ({g['skipped']})")
-            continue
-        ra, counts = row["ratios"], g.get("cuda_graphs", {})
-        lines.append(f"  {_tokens(row['context'])} kvtier with CUDA graphs: {_fmt(g.get('step_ms_median'), '.2f')} ms, "
-                     f"Dyn/graphs {_fmt(ra.get('dynamic_over_kvtier_graphs'), '.2f', 'x')}, kvtier/graphs "
-                     f"{_fmt(ra.get('kvtier_over_kvtier_graphs'), '.2f', 'x')} ({counts.get('replays', 0)} replays, "
-                     f"{counts.get('captures', 0)} captures, {counts.get('eager_steps', 0)} eager; prefetches: "
-                     f"{counts.get('prefetch', {}).get('replays', 0)} replays"
-                     + (f"; capture failed: {counts['failed']}" if counts.get("failed") else "") + ")")
-        n = row["rows"].get("kvtier_graphs_no_prefetch")
+        ra, counts = row["ratios"], k.get("cuda_graphs", {})
+        if counts.get("replays") or counts.get("captures") or counts.get("failed"):
+            lines.append(f"  {_tokens(row['context'])} kvtier's timed steps, CUDA graphs: {counts.get('replays', 0)} "
+                         f"replays, {counts.get('captures', 0)} captures, {counts.get('eager_steps', 0)} eager; "
+                         f"prefetches: {counts.get('prefetch', {}).get('replays', 0)} replays"
+                         + (f"; capture failed: {counts['failed']}" if counts.get("failed") else "")
+                         + f"; steps that captured first: {k.get('capturing_warmup_ms', [])} ms")
+        e = row["rows"].get("kvtier_eager")
+        if e is not None:
+            lines.append(f"  {_tokens(row['context'])} {ROW_NAMES['kvtier_eager']}: " + (
+                f"skipped ({e['skipped']})" if e.get("skipped") else
+                f"{_fmt(e.get('step_ms_median'), '.2f')} ms (eager / kvtier "
+                f"{_fmt(ra.get('kvtier_eager_over_kvtier'), '.2f', 'x')})"))
+        n = row["rows"].get("kvtier_no_prefetch")
         if n is not None:
-            lines.append(f"  {_tokens(row['context'])} kvtier with CUDA graphs, no prefetch: " + (
+            lines.append(f"  {_tokens(row['context'])} {ROW_NAMES['kvtier_no_prefetch']}: " + (
                 f"skipped ({n['skipped']})" if n.get("skipped") else
                 f"{_fmt(n.get('step_ms_median'), '.2f')} ms (with prefetch / without "
-                f"{_fmt(ra.get('kvtier_graphs_over_no_prefetch'), '.2f', 'x')}; chosen pages already on the device: "
+                f"{_fmt(ra.get('kvtier_over_no_prefetch'), '.2f', 'x')}; chosen pages already on the device: "
                 f"{_fmt(n.get('tiers', {}).get('reuse_rate'), '.1%')})"))
     for row in result["decode"]:   # --profile-steps: the first demoting step under cProfile
         dem = row.get("rows", {}).get("kvtier", {}).get("demotion_profile")
@@ -114,7 +117,7 @@ def format_report(result: dict[str, Any]) -> str:
                 f"{name} {p['device_busy_ms_per_step']:.2f} ms ({p['device_busy_share']:.0%})" for name, p in busy))
     issue = [(row["context"], row["rows"][name].get("issue_ms_median"), ROW_NAMES[name])
              for row in result["decode"] if not row.get("skipped")
-             for name in ("kvtier", "kvtier_graphs", "kvtier_graphs_no_prefetch", "dynamic")
+             for name in ("kvtier", "kvtier_eager", "kvtier_no_prefetch", "dynamic")
              if name in row["rows"] and not row["rows"][name].get("skipped")]
     if issue:
         lines.append("  host time to issue a step, ms (median; with any wait of the step's own): " +

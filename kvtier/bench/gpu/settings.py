@@ -29,7 +29,8 @@ class GpuBenchConfig:
     copy_mib: int = 1024                  # the raw pinned copy
     batch_mib: int = 64                   # demotion and recall batches
     repeats: int = 3
-    graphs: bool = True                   # also a kvtier row with CUDA graphs, at the largest context
+    eager: bool = True                    # also a kvtier row with CUDA graphs off, at each context
+    no_prefetch: bool = True              # also a kvtier row without prefetch, at the largest context
     profile_steps: int = 0                # kvtier steps profiled (cProfile) after each kvtier row's timed ones
     seed: int = 0
 

@@ -62,6 +62,26 @@ def decode_steps(model: Any, cache: Any, token: torch.Tensor, n: int, clock: Clo
     return times, token
 
 
+GRAPH_WARMUP_MAX = 8   # extra warm-up steps a row with CUDA graphs may take until a step captures nothing new
+
+
+def warm_until_replayed(model: Any, cache: Any, token: torch.Tensor,
+                        clock: Clock) -> tuple[list[float], torch.Tensor]:
+    """Decode steps until one captures no new CUDA graph (at most `GRAPH_WARMUP_MAX`), where the cache's steps
+    are captured (on CUDA, by default): the timed steps are then the steady ones, which replay. Returns the
+    milliseconds of the steps that captured, and the next token. Nothing is run where no graph is captured."""
+    captured: list[float] = []
+    if clock.device.type != "cuda" or not getattr(cache.settings, "cuda_graphs", False):
+        return captured, token
+    while len(captured) < GRAPH_WARMUP_MAX:
+        before = cache.stats()["cuda_graphs"]["captures"]
+        ms, token = decode_steps(model, cache, token, 1, clock)
+        if cache.stats()["cuda_graphs"]["captures"] == before:
+            break
+        captured.append(_r(ms[0] * 1e3))
+    return captured, token
+
+
 def _step_row(times: list[float], issued: list[float] | None = None, **extra: Any) -> dict[str, Any]:
     row = {"step_ms_median": _r(_median(times) * 1e3), "step_ms_min": _r(min(times) * 1e3),
            "step_ms_max": _r(max(times) * 1e3), "steps": len(times),
