@@ -196,10 +196,14 @@ def prefetch(context: str, new_tokens: int, device_budget: str, recall_pages: in
     click.option("--steps", default=72, show_default=True, type=click.IntRange(min=1),
                  help="Decode steps counted (after two that are not); at a 10% device budget and the default page "
                       "size and demote_pages, 72 hold about one demotion per layer."),
-    _DEMOTE_PAGES)
+    _DEMOTE_PAGES,
+    click.option("--prefetch", "prefetch_at", default="in-step", show_default=True,
+                 type=click.Choice(["in-step", "side-stream"]),
+                 help="Where a step's prefetch runs: at the end of its own device work (as a GPU with CUDA graphs "
+                      "runs it, the default there) or as work of its own on the side stream (as eager steps do)."))
 @user_errors
-def launches(context: str, steps: int, demote_pages: str, device_budget: str, recall_pages: int, scorer: str,
-             model: str | None, device: str, threads: int, seed: int, as_json: bool) -> None:
+def launches(context: str, steps: int, demote_pages: str, prefetch_at: str, device_budget: str, recall_pages: int,
+             scorer: str, model: str | None, device: str, threads: int, seed: int, as_json: bool) -> None:
     """Kernel launches per layer of a decode step (tensor operations; on a GPU each costs the host a few
     microseconds), kvtier (recall planned, pages chosen and entries scored as on a GPU) against DynamicCache,
     by part; and the host time per layer-step in the cache's own code, the kernels' twins left out."""
@@ -221,6 +225,7 @@ def launches(context: str, steps: int, demote_pages: str, device_budget: str, re
                             scorer=None if scorer == "auto" else scorer)
         for engine in cache._engines:   # recall planned, pages chosen, entries scored and checked as on a GPU
             engine.device_recall = engine.select_kernels = engine.defer_nan = True
+            engine.prefetch_in_step = prefetch_at == "in-step"
             if hasattr(engine.scorer, "native_score"):
                 engine.scorer.native_score = True
         return cache
@@ -231,7 +236,8 @@ def launches(context: str, steps: int, demote_pages: str, device_budget: str, re
     for row, make in zip(rows, makers.values()):   # timed apart: the counter's dispatch would weigh on the time
         row.host_us, row.captured_host_us, row.key_host_us = time_cache_host(lm, ids, make, steps)
     out = {"machine": _machine(device), "prompt_tokens": task.prompt_tokens, "steps": steps,
-           "settings": {"device_budget": budget, "recall_pages": recall_pages, "scorer": scorer, "seed": seed},
+           "settings": {"device_budget": budget, "recall_pages": recall_pages, "scorer": scorer, "seed": seed,
+                        "prefetch": prefetch_at},
            "rows": [r.as_dict() for r in rows],
            "ratio": round(rows[1].total / max(1, rows[0].total), 2)}
     if as_json:
@@ -319,7 +325,8 @@ def wrappers(contexts: str, device_budget: float, calls: int, threads: int, as_j
               help="Also time kvtier with CUDA graphs off, its decode steps' launches issued one by one (at each "
                    "context; the kvtier row is the cache as made by default, on CUDA replayed from graphs).")
 @click.option("--no-prefetch-row/--skip-no-prefetch-row", "no_prefetch", default=True, show_default=True,
-              help="Also time kvtier without prefetch (prefetch_pages=0), at the largest context.")
+              help="Also time kvtier without prefetch (prefetch_pages=0), and with its prefetch on the side stream "
+                   "rather than in each step's CUDA graph, at the largest context.")
 @click.option("--profile-steps", default=0, show_default=True, type=click.IntRange(min=0),
               help="After each kvtier row's timed steps, this many more under cProfile: where the host time of a "
                    "step goes (JSON 'host_profile'; 0: none).")

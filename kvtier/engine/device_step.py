@@ -16,9 +16,15 @@ around it:
 - the run itself, `_decode_launches`: launches only, no host state changed, so that a CUDA graph may replay
   it (`kvtier.engine.graphs`);
 - after it, on the host: the step's choice noted, the pool's count (in `commit`), the counters, the events that
-  say the pinned storages are being read, and the prefetch of the next-ranked pages on the side stream (its
-  launches replayed there from graphs of their own, `_prefetch`: it overlaps the other layers' compute, which
-  a graph replayed on the step's stream could not).
+  say the pinned storages are being read, and, where the step's work is run eagerly, the prefetch of the
+  next-ranked pages on the side stream (`_prefetch`: it overlaps the other layers' compute).
+
+Where the steps are captured as CUDA graphs (`_prefetches_in_step`), the prefetch is the run's last two launches
+instead, on the step's stream, after the step's attention has read its pages: the host then pays nothing for it
+(a prefetch of its own on the side stream cost the host its stream switch, events, key, input copy and replay,
+about as much as the rest of the replayed step on an H200), and a step bound by the host leaves the device
+time for those copies. Either way the plan and the copy are the same launches, so the buffer ends each step the
+same.
 
 The key under which a run is captured holds every address and scalar the run's launches use: two steps with
 the same key issue the same launches (`tests/integration/test_decode_launches_repeat.py` holds them to it).
@@ -55,9 +61,10 @@ class DeviceDecoding:
         writes = not p.staged
         if writes:
             self._nan_max()   # made before the launches: kept from step to step
+        ahead = spare and self._prefetches_in_step()
         run = (scale, sinks, buf, sources, spare, self.pool.counted(1), self.pool.addresses(),
                self.index.bounds.addresses(self.device), self.index.codes.addresses(self.device),
-               p.pos if writes else None)
+               p.pos if writes else None, ahead)
         inputs = (query, p.k, p.v) if writes else (query,)
         # made once, on first use: the step's key and its prefetch's share it
         recall_key = functools.cache(lambda: self._recall_key(buf, sources))
@@ -74,9 +81,17 @@ class DeviceDecoding:
         self.counters.recall_steps += 1
         self.index.note_reads()
         self.host.read_on(self.device)
-        if spare and shortlist.shape[1] > r:   # else nothing is ranked after the choice
+        if spare and not ahead and shortlist.shape[1] > r:   # else nothing is ranked after the choice
             self._prefetch(buf, shortlist[:, :buf.pages], sources, recall_key)
         return out
+
+    def _prefetches_in_step(self) -> bool:
+        """Whether a step's prefetch is the end of its own run of launches (`prefetch_in_step`; by default where
+        the steps are captured as CUDA graphs, while none failed) rather than queued on the side stream."""
+        if self.prefetch_in_step is not None:
+            return self.prefetch_in_step
+        g = self.graphs
+        return g is not None and g.enabled and g.failed is None
 
     def _decode_launches(self, run: tuple, query: torch.Tensor, k: torch.Tensor | None = None,
                          v: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -84,8 +99,8 @@ class DeviceDecoding:
         first their scores, the NaN check's running maximum and their staging in the pool, and last the score's
         commit. Reads the engine's storages, writes the pool, the recall buffer and the device counters, and
         changes no host state (the addresses are made by the caller; they are passed only to say what the run
-        reads)."""
-        scale, sinks, buf, sources, spare, counted, pool_addresses, _, _, positions = run
+        reads). With `ahead` in `run`, the run ends with the prefetch of the pages ranked after the choice."""
+        scale, sinks, buf, sources, spare, counted, pool_addresses, _, _, positions, ahead = run
         H = self.heads
         if k is not None:
             score = checked_scores(self.scorer, k, v, positions, self.layer_idx, check_nan=False)[0]
@@ -108,13 +123,15 @@ class DeviceDecoding:
                                        whole=(whole[0][0], whole[1][0]))
         if k is not None:
             self.pool.commit_launches(score)
+        if ahead and shortlist.shape[1] > ids.shape[1]:   # the choice read: the next-ranked pages into spare slots
+            self._plan_and_copy(buf, shortlist[:, :buf.pages], sources, spare, note=False, prefetch=True)
         return finish_with_lse([(out[None], lse[None])], query)[0], ids, shortlist
 
     def _decode_key(self, inputs: tuple[torch.Tensor, ...], run: tuple, recall_key: StepKey) -> StepKey:
         """Every tensor and scalar `_decode_launches` bakes into its launches, for `run` (its arguments) and
         `inputs` (copied into a graph's own buffers: their shapes only), with `recall_key` (`_recall_key` of the
         run's buffer and sources): two steps with the same key issue the same launches."""
-        scale, sinks, buf, sources, spare, (at, base), pool_addresses, bounds_at, codes_at, positions = run
+        scale, sinks, buf, sources, spare, (at, base), pool_addresses, bounds_at, codes_at, positions, ahead = run
         pool, index = self.pool, self.index
         pool_addresses = pool_addresses or ()
         held = (
@@ -122,7 +139,7 @@ class DeviceDecoding:
             index.bounds.slabs[0], index.codes.slabs[0], bounds_at, codes_at,   # the recall index likewise
         )
         values = (
-            *(shapes(t) for t in inputs), scale, spare,
+            *(shapes(t) for t in inputs), scale, spare, ahead,
             # the model's sinks by address (a caller may hand a new tensor at the same place every step)
             None if sinks is None else (sinks.data_ptr(), *shapes(sinks)), len(pool.k), len(pool_addresses), base,
             index.n, index.uses_kernels, len(index.bounds.slabs), len(index.codes.slabs),

@@ -118,12 +118,13 @@ class PageFetching:
 
     def _plan_and_copy(self, buf: RecallBuffer, ids: torch.Tensor,
                        sources: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None], spare: bool,
-                       note: bool = True) -> RecallPlan:
+                       note: bool = True, prefetch: bool = False) -> RecallPlan:
         """A step's recall of ``ids`` on the device: the plan (which also keeps the prefetch flags and the
         counters `stats()` reads, on the device, and writes the buffer's page table in place), then the copy
-        of the missing pages into their slots (`note`: as for `_copy_up`)."""
+        of the missing pages into their slots (`note`: as for `_copy_up`). With `prefetch`, ``ids`` are the
+        step's choice and the pages ranked after it, brought up ahead of the next step (see `_prefetch`)."""
         plan = plan_on_device(ids, buf.held, self.table.n, sources[0], buf.ahead if spare else None,
-                              self.device_counts, in_place=True)
+                              self.device_counts, prefetch=prefetch, in_place=True)
         self._copy_up(buf, sources, plan, note)
         return plan
 

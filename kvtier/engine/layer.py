@@ -110,6 +110,9 @@ class LayerEngine(PageFetching, DeviceDecoding):
         self.cuda_graphs = config.cuda_graphs
         self.graphs: StepGraphs | None = None
         self.prefetch_graphs: StepGraphs | None = None   # the prefetch's launches, replayed on its side stream
+        # a decode step's prefetch as the last launches of its own device work, on its stream (None: where its
+        # steps are captured as CUDA graphs; False: on the side stream, replayed there from `prefetch_graphs`)
+        self.prefetch_in_step: bool | None = None
         self._masked_positions = np.empty(0, dtype=np.int64)   # padding positions, never stored
         self._budget_memo = (-1, 0)   # (length, device budget in tokens at it)
         self._unordered: list[int] = []   # demotion copies no device read has been ordered after yet

@@ -106,10 +106,13 @@ class PageTable:
         return ids
 
     def _write(self, ids: np.ndarray, rank: np.ndarray, positions: np.ndarray) -> None:
-        for i, pid in enumerate(ids):
-            c = self._chunks[pid // self.chunk]
-            c["rank"][:, pid % self.chunk] = rank[:, i]
-            c["pos"][:, pid % self.chunk] = positions[:, i]
+        ids = np.asarray(ids, dtype=np.int64)
+        chunk, at = ids // self.chunk, ids % self.chunk
+        for ci in np.unique(chunk):   # a demotion's pages are numbered in a row: one chunk, or two
+            sel = chunk == ci
+            c = self._chunks[ci]
+            c["rank"][:, at[sel]] = rank[:, sel]
+            c["pos"][:, at[sel]] = positions[:, sel]
 
     def _cells(self, heads: np.ndarray, pids: np.ndarray):
         pids = np.asarray(pids, dtype=np.int64)

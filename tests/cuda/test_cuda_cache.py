@@ -260,23 +260,33 @@ def test_decode_steps_replayed_from_cuda_graphs_equal_eager_ones(cuda_device, sc
     model = _llama(cuda_device)
     ids = _prompt(900, cuda_device)
     runs = {}
-    for name, graphs, in_attention in (("written before", False, False), ("eager", False, None),
-                                       ("graphs", True, None)):
+    for name, graphs, in_attention, in_step in (("written before", False, False, None), ("eager", False, None, None),
+                                                ("graphs", True, None, None), ("graphs, side prefetch", True, None,
+                                                                               False)):
         kind = scorer if scorer == "keynorm" else _random_kvp(model)
         with TieredCache(model.config, device_budget=96, recall_pages=6, prefetch_pages=6, scorer=kind,
                          cuda_graphs=graphs) as cache:
             for engine in cache._engines:
                 engine.write_in_attention = in_attention
-            runs[name] = (_decode_logits(model, cache, ids, 64), cache.stats()["cuda_graphs"])
+                engine.prefetch_in_step = in_step
+            logits = _decode_logits(model, cache, ids, 64)
+            s = cache.stats()
+            runs[name] = (logits, s["cuda_graphs"], (s["prefetch"], s["pages_reused"], s["pages_recalled"]))
     assert torch.equal(runs["graphs"][0], runs["eager"][0])
+    assert torch.equal(runs["graphs, side prefetch"][0], runs["eager"][0])
     assert torch.equal(runs["eager"][0], runs["written before"][0])
+    # the same pages prefetched and found, whether on the side stream or at the end of the replayed step
+    assert runs["graphs"][2] == runs["eager"][2] == runs["graphs, side prefetch"][2], runs
+    assert runs["eager"][2][0]["pages"] > 0
     eager, graphs = runs["eager"][1], runs["graphs"][1]
     assert eager["replays"] == eager["captures"] == 0 and eager["eager_steps"] > 0
     assert graphs["failed"] is None, graphs["failed"]
     assert graphs["captures"] >= 2 * len(model.model.layers), graphs   # recaptured after demotions
     assert graphs["replays"] > graphs["eager_steps"], graphs
-    # the prefetches' launches are replayed on their side stream too
-    assert eager["prefetch"]["replays"] == 0 and graphs["prefetch"]["replays"] > graphs["prefetch"]["eager"], graphs
+    # by default the prefetch is replayed within the step's graph; asked to, on its side stream from its own
+    assert eager["prefetch"]["replays"] == 0 and graphs["prefetch"] == {"captures": 0, "replays": 0, "eager": 0}
+    side = runs["graphs, side prefetch"][1]
+    assert side["failed"] is None and side["prefetch"]["replays"] > side["prefetch"]["eager"], side
 
 
 def test_demotions_of_several_pages_keep_replays_exact_and_capture_less_often(cuda_device):
@@ -330,12 +340,14 @@ def test_cuda_graphs_capture_again_after_their_layer_lets_them_go(cuda_device, c
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda-graphs"])
-def test_prefetch_on_a_delayed_side_stream_into_poisoned_slots(cuda_device, monkeypatch, graphs):
+@pytest.mark.parametrize("graphs, in_step", [(False, None), (True, False), (True, None)],
+                         ids=["eager", "cuda-graphs-side-prefetch", "cuda-graphs-prefetch-in-step"])
+def test_prefetch_on_a_delayed_side_stream_into_poisoned_slots(cuda_device, monkeypatch, graphs, in_step):
     """The prefetch runs on its own stream, here held back by a long sleep before each one, into recall
     buffers whose slots start as NaN: a step that read a slot before its prefetch landed would decode NaN or
     other tokens. The tokens equal those of the same cache run with neither, and the prefetch is counted;
-    also where the steps are replayed from CUDA graphs (the prefetch stays eager, on its stream)."""
+    also where the steps are replayed from CUDA graphs, with the prefetch replayed on its stream from graphs of
+    its own, or (the default with graphs) within the step's graph, where nothing runs on the side stream."""
     from kvtier.recall.buffer import RecallBuffer
     from kvtier.transfer.cuda_streams import CudaTransferManager
 
@@ -359,12 +371,15 @@ def test_prefetch_on_a_delayed_side_stream_into_poisoned_slots(cuda_device, monk
     monkeypatch.setattr(RecallBuffer, "__init__", poisoned)
     monkeypatch.setattr(CudaTransferManager, "run_ahead", delayed)
     with TieredCache(model.config, device_budget=96, recall_pages=6, prefetch_pages=6, cuda_graphs=graphs) as cache:
+        for engine in cache._engines:
+            engine.prefetch_in_step = in_step
         got = _greedy(model, cache, ids, 48)
         s = cache.stats()
     assert torch.equal(got, want)
     assert s["prefetch"]["pages"] > 0 and s["prefetch"]["used"] > 0
     assert (s["cuda_graphs"]["replays"] > 0) == graphs, s["cuda_graphs"]
-    assert (s["cuda_graphs"]["prefetch"]["replays"] > 0) == graphs, s["cuda_graphs"]   # replayed behind the sleep
+    # replayed behind the sleep on the side stream, or within the step's own graph
+    assert (s["cuda_graphs"]["prefetch"]["replays"] > 0) == (graphs and in_step is False), s["cuda_graphs"]
 
 
 @pytest.mark.parametrize("impl", ["flash_attention_2", "flash_attention_3"])

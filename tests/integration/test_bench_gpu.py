@@ -115,7 +115,8 @@ def test_decode_rows_and_ratios(cpu_run):
     assert 1 <= growth["demoting_steps"] < 24 and growth["demoting_step_ms_median"] > 0
     assert growth["other_step_ms_median"] > 0
     assert "growth" not in rows[1]["rows"]["kvtier"]
-    assert "skipped" in rows[1]["rows"]["kvtier_no_prefetch"] and "kvtier_no_prefetch" not in rows[0]["rows"]
+    for name in ("kvtier_no_prefetch", "kvtier_side_prefetch"):
+        assert "skipped" in rows[1]["rows"][name] and name not in rows[0]["rows"]
 
 
 def test_million_row(cpu_run):
@@ -203,8 +204,10 @@ def test_tiny_on_cuda_measures_every_row(tmp_path):
         assert "skipped" not in r["rows"]["kvtier_eager"] and r["rows"]["kvtier_eager"]["cuda_graphs"]["replays"] == 0
         assert r["ratios"]["kvtier_eager_over_kvtier"] is not None
     top = data["decode"][-1]["rows"]
-    assert "skipped" not in top["kvtier_no_prefetch"], top
+    assert "skipped" not in top["kvtier_no_prefetch"] and "skipped" not in top["kvtier_side_prefetch"], top
     assert top["kvtier_no_prefetch"]["tiers"]["prefetch"]["pages"] == 0
+    assert top["kvtier_side_prefetch"]["cuda_graphs"]["prefetch"]["replays"] > 0   # on its side stream, from graphs
+    assert top["kvtier"]["cuda_graphs"]["prefetch"]["replays"] == 0 and top["kvtier"]["tiers"]["prefetch"]["pages"] > 0
     assert "kvtier_no_prefetch" not in data["decode"][0]["rows"]
 
 

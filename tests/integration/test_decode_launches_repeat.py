@@ -222,13 +222,15 @@ def _host_state(engine: LayerEngine) -> dict:
     return state
 
 
-def test_decode_steps_with_one_graph_key_issue_the_same_launches(default_model, monkeypatch):
+@pytest.mark.parametrize("in_step", [False, True], ids=["prefetch-on-side-stream", "prefetch-in-step"])
+def test_decode_steps_with_one_graph_key_issue_the_same_launches(default_model, monkeypatch, in_step):
     """What a captured decode step stands for: every two steps of a layer whose keys (`_decode_key`: the
     addresses and scalars the step's device work uses; `_prefetch_key` for its prefetch) are equal issue the
-    same launches, with the same arguments, at the same addresses; the work reads nothing back to the host and changes no host state (the
-    bookkeeping stays outside it, so a replay skips none; the events that note reads of pinned memory are
-    recorded after it, never in it). On the CPU the work runs eagerly, as it would on a
-    GPU where no graph is captured; every step is compared, demoting ones included."""
+    same launches, with the same arguments, at the same addresses; the work reads nothing back to the host and
+    changes no host state (the bookkeeping stays outside it, so a replay skips none; the events that note reads
+    of pinned memory are recorded after it, never in it). On the CPU the work runs eagerly, as it would on a
+    GPU where no graph is captured; every step is compared, demoting ones included. The prefetch runs on the side
+    stream from work of its own, or as the end of the step's work (`prefetch_in_step`, the default with graphs)."""
     from kvtier.bench.launches import HOST_READS
     from kvtier.engine.graphs import StepGraphs
     from kvtier.recall.index import PageIndex
@@ -282,6 +284,7 @@ def test_decode_steps_with_one_graph_key_issue_the_same_launches(default_model, 
     for engine in cache._engines:   # the GPU's path, as `kvtier bench launches` counts it
         engine.device_recall = engine.select_kernels = engine.defer_nan = True
         engine.scorer.native_score = True
+        engine.prefetch_in_step = in_step
     try:
         with torch.no_grad():
             logits = model(task.input_ids, **cache_kwargs(cache)).logits[:, -1]
@@ -298,6 +301,8 @@ def test_decode_steps_with_one_graph_key_issue_the_same_launches(default_model, 
         ops = Counter(x[0] for x in first)
         if key[0] == "step":   # the step's write is in it: its scores, its entry's three copies and its score's
             assert ops["kvp_score"] == 1 and ops["index_copy_"] == 4, (layer, ops)
+            # its recall's plan and copy, and the prefetch's where it ends the step
+            assert ops["plan_recall"] == ops["recall_pages"] == (2 if in_step else 1), (layer, ops)
         else:                  # the prefetch's: the plan and the copy, launches only
             assert ops == Counter({"plan_recall": 1, "recall_pages": 1}), (layer, ops)
         for n, launches in steps.items():
@@ -308,5 +313,8 @@ def test_decode_steps_with_one_graph_key_issue_the_same_launches(default_model, 
         keys[key[0]] += 1
     layers = len(cache._engines)
     # most steps and prefetches find their key again (a graph would be replayed), and demotions gave new keys
-    assert repeated["step"] >= layers * 10 and repeated["prefetch"] >= layers * 10, (repeated, keys)
-    assert keys["step"] >= layers * 2 and keys["prefetch"] >= layers, (repeated, keys)
+    assert repeated["step"] >= layers * 10 and keys["step"] >= layers * 2, (repeated, keys)
+    if in_step:
+        assert keys["prefetch"] == 0, keys
+    else:
+        assert repeated["prefetch"] >= layers * 10 and keys["prefetch"] >= layers, (repeated, keys)

@@ -73,6 +73,39 @@ def test_without_cuda_the_steps_run_eagerly_with_the_same_output():
     assert runs[False][1]["eager_steps"] == graphs["eager_steps"]
 
 
+def test_a_prefetch_at_the_end_of_the_step_brings_up_what_the_side_stream_one_does():
+    """Where steps are captured, a step's prefetch is the end of its own launches (`prefetch_in_step`) instead of
+    work on the side stream: the same plan and copy after the step's attention, so the same pages come up, the
+    same ones are found there next step, and the output is the same bits."""
+    model = tiny_llama()
+    runs = {}
+    for in_step in (False, True):
+        with _on_the_gpu_path(TieredCache(model.config, device_budget=48, recall_pages=2, prefetch_pages=3)) as cache:
+            for engine in cache._engines:
+                engine.prefetch_in_step = in_step
+            out = _decode(model, cache)
+            s = cache.stats()
+            runs[in_step] = (out, s["prefetch"], s["pages_reused"], s["pages_recalled"], s["cuda_graphs"]["prefetch"])
+    assert torch.equal(runs[True][0], runs[False][0])
+    assert runs[True][1:4] == runs[False][1:4] and runs[True][1]["pages"] > 0 and runs[True][1]["used"] > 0, runs
+    assert runs[True][4]["eager"] == 0 and runs[False][4]["eager"] > 0   # no prefetch work of its own in the step's
+
+
+def test_prefetch_in_step_follows_the_graphs_unless_set():
+    """By default a step prefetches at its end only where its work is captured (graphs on and none failed)."""
+    model = tiny_llama()
+    with _on_the_gpu_path(TieredCache(model.config, device_budget=48, recall_pages=2)) as cache:
+        _decode(model, cache, steps=2)
+        engine = cache._engines[0]
+        assert engine._prefetches_in_step() is False   # a CPU: no graph is captured
+        engine.graphs.enabled = True
+        assert engine._prefetches_in_step() is True
+        engine.graphs.switch.failed = "a capture failed"
+        assert engine._prefetches_in_step() is False
+        engine.prefetch_in_step = True
+        assert engine._prefetches_in_step() is True
+
+
 def test_step_graphs_on_a_cpu_never_ask_for_the_key():
     """Off (or on a CPU), `StepGraphs.run` is the work itself: the key, which costs the host, is not made."""
     graphs = StepGraphs(torch.device("cpu"), enabled=True)

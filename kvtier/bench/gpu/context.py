@@ -14,11 +14,13 @@ from .settings import GpuBenchConfig
 from .steps import _layer_kv, _step_row, _tier_summary, decode_steps, prefill, warm_until_replayed
 from .timing import Clock, Progress, Skip, _attempt, _free, _r
 
-# "kvtier" is the cache as made by default (on CUDA its steps replay from CUDA graphs); "kvtier_eager" the same
-# with its launches issued one by one (cuda_graphs=False); "kvtier_no_prefetch" the default without prefetch
+# "kvtier" is the cache as made by default (on CUDA its steps replay from CUDA graphs, each step's prefetch
+# within its graph); "kvtier_eager" the same with its launches issued one by one (cuda_graphs=False);
+# "kvtier_side_prefetch" the default with the prefetch on the side stream, replayed there from graphs of its own;
+# "kvtier_no_prefetch" the default without prefetch
 ROW_NAMES = {"kvtier": "kvtier", "kvtier_eager": "kvtier, eager (no CUDA graphs)",
-             "kvtier_no_prefetch": "kvtier, no prefetch", "dynamic": "DynamicCache",
-             "offloading": "DynamicCache(offloading=True)"}
+             "kvtier_side_prefetch": "kvtier, prefetch on the side stream", "kvtier_no_prefetch": "kvtier, no prefetch",
+             "dynamic": "DynamicCache", "offloading": "DynamicCache(offloading=True)"}
 def kvp_scoring(scorer: Any, cache: Any, layers: int, chunk: int, clock: Clock, prefill_seconds: float) -> dict:
     """`scorer.score` over every prefill entry of every layer, in the prefill's chunks."""
     T = _layer_kv(cache, 0)[0].shape[2]
@@ -70,12 +72,14 @@ def run_context(cfg: GpuBenchConfig, model: Any, context: int, scorer: Any, cloc
     row["kvp_scoring"] = _attempt("KVP scoring", lambda: kvp_scoring(scorer, full, layers, cfg.prefill_chunk, clock,
                                                                       row["prefill_seconds"]), device, progress)
 
-    def tiered(graphs: bool = True, prefetch: int | None = None, profile: bool = True,
-               demoting: bool = False) -> dict[str, Any]:
-        if device.type != "cuda" and not (graphs and prefetch is None):
+    def tiered(graphs: bool = True, prefetch: int | None = None, profile: bool = True, demoting: bool = False,
+               in_step: bool | None = None) -> dict[str, Any]:
+        if device.type != "cuda" and not (graphs and prefetch is None and in_step is None):
             raise Skip("not run on cpu: without CUDA graphs or prefetch there it is the kvtier row again")
         cache = TieredCache(model.config, device_budget=cfg.device_budget, host_budget=None, scorer=scorer,
                             recall_pages=cfg.recall_pages, cuda_graphs=graphs, prefetch_pages=prefetch)
+        for engine in cache._engines:   # where a step's prefetch runs (None: in its graph, where it has one)
+            engine.prefetch_in_step = in_step
         try:
             fill = clock.time(lambda: _fill_from(cache, kv, cfg.prefill_chunk, progress, "kvtier fill"))
             _, t = decode_steps(model, cache, token, cfg.warmup, clock)
@@ -132,12 +136,14 @@ def run_context(cfg: GpuBenchConfig, model: Any, context: int, scorer: Any, cloc
         return out
 
     runs = (("kvtier", lambda: tiered(demoting=growth)), ("kvtier_eager", lambda: tiered(graphs=False)),
+            ("kvtier_side_prefetch", lambda: tiered(in_step=False, profile=False)),
             ("kvtier_no_prefetch", lambda: tiered(prefetch=0, profile=False)), ("offloading", offloaded),
             ("dynamic", dynamic))
     for name, fn in runs:   # dynamic last: it grows the shared K/V
         if name == "kvtier_eager" and not cfg.eager:
             continue
-        if name == "kvtier_no_prefetch" and not (cfg.no_prefetch and context == max(cfg.contexts)):
+        if name in ("kvtier_side_prefetch", "kvtier_no_prefetch") and not (cfg.no_prefetch and
+                                                                          context == max(cfg.contexts)):
             continue   # at the largest context only: the run stays within its time
         progress.say(f"{context:,} tokens: {ROW_NAMES[name]}")
         row["rows"][name] = _attempt(f"{context:,} {ROW_NAMES[name]}", fn, device, progress)
@@ -149,9 +155,11 @@ def run_context(cfg: GpuBenchConfig, model: Any, context: int, scorer: Any, cloc
     row["ratios"] = {f"{name}_over_kvtier": (_r(rows[name]["step_ms_median"] / k_ms)
                                              if k_ms and rows[name].get("step_ms_median") else None)
                      for name in ("dynamic", "offloading")}
-    for name, key in (("kvtier_eager", "kvtier_eager_over_kvtier"), ("kvtier_no_prefetch", "kvtier_over_no_prefetch")):
+    for name, key in (("kvtier_eager", "kvtier_eager_over_kvtier"),
+                      ("kvtier_side_prefetch", "kvtier_side_prefetch_over_kvtier"),
+                      ("kvtier_no_prefetch", "kvtier_over_no_prefetch")):
         other = rows.get(name, {}).get("step_ms_median")
-        if name in rows:   # eager over the default: what the CUDA graphs save; the default over no prefetch
-            row["ratios"][key] = (_r(other / k_ms) if name == "kvtier_eager" else _r(k_ms / other)) \
+        if name in rows:   # what the CUDA graphs save, what the prefetch within them saves, what prefetch costs
+            row["ratios"][key] = (_r(k_ms / other) if name == "kvtier_no_prefetch" else _r(other / k_ms)) \
                 if other and k_ms else None
     return row

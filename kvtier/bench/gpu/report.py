@@ -94,6 +94,13 @@ def format_report(result: dict[str, Any]) -> str:
                 f"skipped ({e['skipped']})" if e.get("skipped") else
                 f"{_fmt(e.get('step_ms_median'), '.2f')} ms (eager / kvtier "
                 f"{_fmt(ra.get('kvtier_eager_over_kvtier'), '.2f', 'x')})"))
+        sp = row["rows"].get("kvtier_side_prefetch")
+        if sp is not None:
+            lines.append(f"  {_tokens(row['context'])} {ROW_NAMES['kvtier_side_prefetch']}: " + (
+                f"skipped ({sp['skipped']})" if sp.get("skipped") else
+                f"{_fmt(sp.get('step_ms_median'), '.2f')} ms (side stream / in the step's graph "
+                f"{_fmt(ra.get('kvtier_side_prefetch_over_kvtier'), '.2f', 'x')}; prefetches replayed there: "
+                f"{sp.get('cuda_graphs', {}).get('prefetch', {}).get('replays', 0)})"))
         n = row["rows"].get("kvtier_no_prefetch")
         if n is not None:
             lines.append(f"  {_tokens(row['context'])} {ROW_NAMES['kvtier_no_prefetch']}: " + (
@@ -117,7 +124,7 @@ def format_report(result: dict[str, Any]) -> str:
                 f"{name} {p['device_busy_ms_per_step']:.2f} ms ({p['device_busy_share']:.0%})" for name, p in busy))
     issue = [(row["context"], row["rows"][name].get("issue_ms_median"), ROW_NAMES[name])
              for row in result["decode"] if not row.get("skipped")
-             for name in ("kvtier", "kvtier_eager", "kvtier_no_prefetch", "dynamic")
+             for name in ("kvtier", "kvtier_eager", "kvtier_side_prefetch", "kvtier_no_prefetch", "dynamic")
              if name in row["rows"] and not row["rows"][name].get("skipped")]
     if issue:
         lines.append("  host time to issue a step, ms (median; with any wait of the step's own): " +
