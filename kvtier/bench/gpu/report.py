@@ -88,26 +88,20 @@ def format_report(result: dict[str, Any]) -> str:
                          f"prefetches: {counts.get('prefetch', {}).get('replays', 0)} replays"
                          + (f"; capture failed: {counts['failed']}" if counts.get("failed") else "")
                          + f"; steps that captured first: {k.get('capturing_warmup_ms', [])} ms")
-        e = row["rows"].get("kvtier_eager")
-        if e is not None:
-            lines.append(f"  {_tokens(row['context'])} {ROW_NAMES['kvtier_eager']}: " + (
-                f"skipped ({e['skipped']})" if e.get("skipped") else
-                f"{_fmt(e.get('step_ms_median'), '.2f')} ms (eager / kvtier "
-                f"{_fmt(ra.get('kvtier_eager_over_kvtier'), '.2f', 'x')})"))
-        sp = row["rows"].get("kvtier_side_prefetch")
-        if sp is not None:
-            lines.append(f"  {_tokens(row['context'])} {ROW_NAMES['kvtier_side_prefetch']}: " + (
-                f"skipped ({sp['skipped']})" if sp.get("skipped") else
-                f"{_fmt(sp.get('step_ms_median'), '.2f')} ms (side stream / in the step's graph "
-                f"{_fmt(ra.get('kvtier_side_prefetch_over_kvtier'), '.2f', 'x')}; prefetches replayed there: "
-                f"{sp.get('cuda_graphs', {}).get('prefetch', {}).get('replays', 0)})"))
-        n = row["rows"].get("kvtier_no_prefetch")
-        if n is not None:
-            lines.append(f"  {_tokens(row['context'])} {ROW_NAMES['kvtier_no_prefetch']}: " + (
-                f"skipped ({n['skipped']})" if n.get("skipped") else
-                f"{_fmt(n.get('step_ms_median'), '.2f')} ms (with prefetch / without "
-                f"{_fmt(ra.get('kvtier_over_no_prefetch'), '.2f', 'x')}; chosen pages already on the device: "
-                f"{_fmt(n.get('tiers', {}).get('reuse_rate'), '.1%')})"))
+        beside = {   # each row run beside the kvtier one: what it says, given the row
+            "kvtier_eager": lambda r: f"eager / kvtier {_fmt(ra.get('kvtier_eager_over_kvtier'), '.2f', 'x')}",
+            "kvtier_side_prefetch": lambda r: (
+                f"side stream / in the step's graph {_fmt(ra.get('kvtier_side_prefetch_over_kvtier'), '.2f', 'x')}; "
+                f"prefetches replayed there: {r.get('cuda_graphs', {}).get('prefetch', {}).get('replays', 0)}"),
+            "kvtier_no_prefetch": lambda r: (
+                f"with prefetch / without {_fmt(ra.get('kvtier_over_no_prefetch'), '.2f', 'x')}; chosen pages "
+                f"already on the device: {_fmt(r.get('tiers', {}).get('reuse_rate'), '.1%')}")}
+        for name, says in beside.items():
+            r = row["rows"].get(name)
+            if r is not None:
+                lines.append(f"  {_tokens(row['context'])} {ROW_NAMES[name]}: " + (
+                    f"skipped ({r['skipped']})" if r.get("skipped") else
+                    f"{_fmt(r.get('step_ms_median'), '.2f')} ms ({says(r)})"))
     for row in result["decode"]:   # --profile-steps: the first demoting step under cProfile
         dem = row.get("rows", {}).get("kvtier", {}).get("demotion_profile")
         if isinstance(dem, dict) and "step_ms" in dem:
