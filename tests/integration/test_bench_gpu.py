@@ -103,6 +103,10 @@ def test_decode_rows_and_ratios(cpu_run):
             assert 0 < r_["issue_ms_median"] <= r_["step_ms_max"]
         assert r["ratios"]["dynamic_over_kvtier"] == pytest.approx(dyn["step_ms_median"] / kv["step_ms_median"],
                                                                   rel=1e-2)
+        # DynamicCache's steps were timed in turn with kvtier's: each turn's ratio, and their median
+        assert dyn["timed_in_turn_with_kvtier"] is True
+        by_turn = sorted(d / k for d, k in zip(dyn["step_ms"], kv["step_ms"]))
+        assert by_turn[0] * 0.99 <= r["ratios"]["dynamic_over_kvtier_by_turn"] <= by_turn[-1] * 1.01
         assert "skipped" in off and "cpu" in off["skipped"] and r["ratios"]["offloading_over_kvtier"] is None
         # no CUDA graphs nor prefetch on a CPU: the rows without them would be the kvtier row again
         assert "cpu" in r["rows"]["kvtier_eager"]["skipped"] and r["ratios"]["kvtier_eager_over_kvtier"] is None

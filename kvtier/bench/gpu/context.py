@@ -11,8 +11,8 @@ import torch
 from .growth import _growth
 from .host_profile import kernel_profile, profile_demotion, profile_steps
 from .settings import GpuBenchConfig
-from .steps import _layer_kv, _step_row, _tier_summary, decode_steps, prefill, warm_until_replayed
-from .timing import Clock, Progress, Skip, _attempt, _free, _r
+from .steps import _layer_kv, _step_row, _tier_summary, decode_steps, prefill, steps_in_turn, warm_until_replayed
+from .timing import Clock, Progress, Skip, _attempt, _free, _median, _r
 
 # "kvtier" is the cache as made by default (on CUDA its steps replay from CUDA graphs, each step's prefetch
 # within its graph); "kvtier_eager" the same with its launches issued one by one (cuda_graphs=False);
@@ -72,8 +72,12 @@ def run_context(cfg: GpuBenchConfig, model: Any, context: int, scorer: Any, cloc
     row["kvp_scoring"] = _attempt("KVP scoring", lambda: kvp_scoring(scorer, full, layers, cfg.prefill_chunk, clock,
                                                                       row["prefill_seconds"]), device, progress)
 
+    # DynamicCache's timed steps, taken in turn with the kvtier row's (`steps_in_turn`): the ratio of the two
+    # then does not depend on how the machine's speed drifted between one row and the other
+    paired: dict[str, Any] = {}
+
     def tiered(graphs: bool = True, prefetch: int | None = None, profile: bool = True, demoting: bool = False,
-               in_step: bool | None = None) -> dict[str, Any]:
+               in_step: bool | None = None, in_turn: bool = False) -> dict[str, Any]:
         if device.type != "cuda" and not (graphs and prefetch is None and in_step is None):
             raise Skip("not run on cpu: without CUDA graphs or prefetch there it is the kvtier row again")
         cache = TieredCache(model.config, device_budget=cfg.device_budget, host_budget=None, scorer=scorer,
@@ -85,7 +89,13 @@ def run_context(cfg: GpuBenchConfig, model: Any, context: int, scorer: Any, cloc
             _, t = decode_steps(model, cache, token, cfg.warmup, clock)
             capture_steps, t = warm_until_replayed(model, cache, t, clock)
             issued: list[float] = []
-            times, t = decode_steps(model, cache, t, cfg.steps, clock, progress, "kvtier decode", issued=issued)
+            if in_turn:   # DynamicCache warmed (it grows the shared K/V: the rows after fill from `kv`, as kept)
+                _, dt = decode_steps(model, full, token, cfg.warmup, clock)
+                (times, issued, t), (d_times, d_issued, dt) = steps_in_turn(
+                    model, [(cache, t), (full, dt)], cfg.steps, clock, progress, "kvtier and DynamicCache in turn")
+                paired.update(times=d_times, issued=d_issued, token=dt, kvtier=times)
+            else:
+                times, t = decode_steps(model, cache, t, cfg.steps, clock, progress, "kvtier decode", issued=issued)
             stats = cache.stats()
             out = _step_row(times, issued, fill_seconds=_r(fill, 3), tiers=_tier_summary(stats),
                             cuda_graphs=stats["cuda_graphs"], demotions=stats["demotions"])
@@ -125,21 +135,24 @@ def run_context(cfg: GpuBenchConfig, model: Any, context: int, scorer: Any, cloc
         return _step_row(times, issued, fill_seconds=_r(fill, 3))
 
     def dynamic() -> dict[str, Any]:
-        _, t = decode_steps(model, full, token, cfg.warmup, clock)
-        issued: list[float] = []
-        times, t = decode_steps(model, full, t, cfg.steps, clock, progress, "DynamicCache decode", issued=issued)
-        out = _step_row(times, issued, where=device.type)
+        if paired:   # timed in turn with the kvtier row's steps
+            times, issued, t = paired["times"], paired["issued"], paired["token"]
+        else:
+            _, t = decode_steps(model, full, token, cfg.warmup, clock)
+            issued = []
+            times, t = decode_steps(model, full, t, cfg.steps, clock, progress, "DynamicCache decode", issued=issued)
+        out = _step_row(times, issued, where=device.type, timed_in_turn_with_kvtier=bool(paired))
         if cfg.profile_steps:   # the same profiles as kvtier's rows: the model's own share of the host's time
             out["host_profile"] = profile_steps(model, full, t, cfg.profile_steps, clock)
             out["device_profile"] = _attempt("device profile", lambda: kernel_profile(
                 model, full, t, cfg.profile_steps, clock), device, progress)
         return out
 
-    runs = (("kvtier", lambda: tiered(demoting=growth)), ("kvtier_eager", lambda: tiered(graphs=False)),
+    runs = (("kvtier", lambda: tiered(demoting=growth, in_turn=True)), ("kvtier_eager", lambda: tiered(graphs=False)),
             ("kvtier_side_prefetch", lambda: tiered(in_step=False, profile=False)),
             ("kvtier_no_prefetch", lambda: tiered(prefetch=0, profile=False)), ("offloading", offloaded),
             ("dynamic", dynamic))
-    for name, fn in runs:   # dynamic last: it grows the shared K/V
+    for name, fn in runs:   # dynamic's own steps (the kvtier row's, in turn) last: they grow the shared K/V
         if name == "kvtier_eager" and not cfg.eager:
             continue
         if name in ("kvtier_side_prefetch", "kvtier_no_prefetch") and not (cfg.no_prefetch and
@@ -155,6 +168,9 @@ def run_context(cfg: GpuBenchConfig, model: Any, context: int, scorer: Any, cloc
     row["ratios"] = {f"{name}_over_kvtier": (_r(rows[name]["step_ms_median"] / k_ms)
                                              if k_ms and rows[name].get("step_ms_median") else None)
                      for name in ("dynamic", "offloading")}
+    if paired:   # the median of each turn's own ratio: DynamicCache's step over the kvtier step just before it
+        row["ratios"]["dynamic_over_kvtier_by_turn"] = _r(_median([d / k for d, k in zip(paired["times"],
+                                                                                         paired["kvtier"])]))
     for name, key in (("kvtier_eager", "kvtier_eager_over_kvtier"),
                       ("kvtier_side_prefetch", "kvtier_side_prefetch_over_kvtier"),
                       ("kvtier_no_prefetch", "kvtier_over_no_prefetch")):

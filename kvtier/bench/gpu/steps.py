@@ -62,6 +62,23 @@ def decode_steps(model: Any, cache: Any, token: torch.Tensor, n: int, clock: Clo
     return times, token
 
 
+def steps_in_turn(model: Any, runs: list[tuple[Any, torch.Tensor]], n: int, clock: Clock,
+                  progress: Progress | None = None,
+                  desc: str = "decode in turn") -> list[tuple[list[float], list[float], torch.Tensor]]:
+    """`n` greedy decode steps of each ``(cache, token)`` of `runs`, one step of each in turn, each timed alone
+    (`decode_steps`). A host-bound step's time drifts with the machine (on a shared VM by up to a factor of two
+    over a few seconds); taken in turn, the drift falls on every cache alike. Returns, per cache, the seconds of
+    its steps, the seconds the host took to issue each, and its next token."""
+    times: list[list[float]] = [[] for _ in runs]
+    issued: list[list[float]] = [[] for _ in runs]
+    tokens = [token for _, token in runs]
+    for _ in (range(n) if progress is None else progress.bar(range(n), desc, total=n)):
+        for i, (cache, _) in enumerate(runs):
+            got, tokens[i] = decode_steps(model, cache, tokens[i], 1, clock, issued=issued[i])
+            times[i] += got
+    return list(zip(times, issued, tokens))
+
+
 GRAPH_WARMUP_MAX = 8   # extra warm-up steps a row with CUDA graphs may take until a step captures nothing new
 
 
