@@ -89,6 +89,9 @@ def test_bandwidth_rows(cpu_run):
     for key in ("demotion", "demotion_commit", "recall", "recall_step"):
         row = bw["tiers"][key]
         assert row["bytes"] > 0 and row["gbps"] > 0, key
+    for key in ("demotion", "recall", "recall_step"):   # the host's share apart; no device clock on a CPU
+        row = bw["tiers"][key]
+        assert 0 < row["issue_seconds"] <= row["seconds"] and row["device_seconds"] is None, row
     # one step's recall: recall_pages (64) pages for each of the 2 KV heads
     assert bw["tiers"]["recall_step"]["pages"] == 128
 
@@ -190,6 +193,9 @@ def test_tiny_on_cuda_measures_every_row(tmp_path):
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     assert data["bandwidth"]["raw_copy"]["pinned"] is True and data["bandwidth"]["tiers"]["pinned"] is True
+    for key in ("demotion", "recall", "recall_step"):   # timed by the device's events too
+        row = data["bandwidth"]["tiers"][key]
+        assert 0 < row["device_seconds"] and row["device_gbps"] > 0, row
     for r in data["decode"]:
         assert all("skipped" not in r["rows"][n] for n in ("kvtier", "dynamic", "offloading")), r["rows"]
         assert r["ratios"]["offloading_over_kvtier"] is not None

@@ -52,7 +52,10 @@ def format_report(result: dict[str, Any]) -> str:
             r = tiers[key]
             share = r["gbps"] / raw[ref] if r.get("gbps") and raw.get(ref) else None
             lines.append(f"  {label:<32}{r['bytes'] / MiB:>9.2f} MiB {_fmt(r['gbps'], '8.2f')}  "
-                         f"{_fmt(None if share is None else share * 100, '.0f', '% of raw')}")
+                         f"{_fmt(None if share is None else share * 100, '.0f', '% of raw')}"
+                         + (f"  (device {_fmt(r['device_gbps'], '.2f')} GB/s; host issued it in "
+                            f"{r['issue_seconds'] * 1e3:.2f} ms of {r['seconds'] * 1e3:.2f})"
+                            if r.get("device_gbps") is not None else ""))
     lines += ["  (kvtier batches timed directly through LayerEngine, synchronised; see JSON 'method')", "",
               "decode step, ms (median)"]
     head = f"  {'context':>8}  {'prefill s':>9}  {'kvtier':>9}  {'Dynamic':>9}  {'offload':>9}  " \

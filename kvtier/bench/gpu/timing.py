@@ -32,6 +32,30 @@ class Clock:
         self.sync()
         return time.perf_counter() - t0
 
+    def time_parts(self, fn: Callable[[], Any], streams: Iterable[Any] = ()) -> dict[str, float | None]:
+        """`fn()` timed three ways: ``seconds`` on the wall clock until the device is done (as `time`),
+        ``issue_seconds`` until `fn` returned, and ``device_seconds`` between CUDA events recorded on the
+        current stream before the call and after it, once that stream has waited for `streams` (where `fn`
+        queues work of its own; None off CUDA). The device's figure leaves out the host's work after the last
+        launch, not the time the device waited for the host to issue the first ones."""
+        self.sync()
+        start = end = None
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        fn()
+        issue = time.perf_counter() - t0
+        if self.cuda:
+            current = torch.cuda.current_stream(self.device)
+            for stream in streams:
+                current.wait_stream(stream)
+            end.record()
+        self.sync()
+        wall = time.perf_counter() - t0
+        device = start.elapsed_time(end) / 1e3 if self.cuda else None
+        return {"seconds": wall, "issue_seconds": issue, "device_seconds": device}
+
 
 class Progress:
     """Progress lines and bars on stderr (tqdm); silent when disabled."""
