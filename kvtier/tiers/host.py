@@ -45,7 +45,10 @@ class HostPool:
             self.k.ensure(old + n - len(self._free))
             self.v.ensure(self.k.capacity)
             self._free[:0] = range(self.k.capacity - 1, old - 1, -1)
-        slots = np.array([self._free.pop() for _ in range(n)], dtype=np.int64)
+        # the top `n` of the stack, as popping them one by one would hand them out (a batch of thousands of pages
+        # is one slice, not a Python loop)
+        slots = np.array(self._free[len(self._free) - n:][::-1], dtype=np.int64)
+        del self._free[len(self._free) - n:]
         self._used += n
         return slots
 
@@ -98,7 +101,7 @@ class HostPool:
             self._reads.note(device)
 
     def free(self, slots: np.ndarray) -> None:
-        self._free.extend(sorted(np.asarray(slots).tolist(), reverse=True))
+        self._free.extend(np.sort(np.asarray(slots, dtype=np.int64))[::-1].tolist())
         self._used -= len(slots)
 
     def pages(self) -> int:
