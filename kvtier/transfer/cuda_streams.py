@@ -34,6 +34,17 @@ class CudaTransferManager:
         self._ids = itertools.count(1)
         self._jobs: dict[int, tuple[str, torch.cuda.Event]] = {}
         self._spare: list[torch.cuda.Event] = []
+        # one event re-recorded on the current stream whenever a side stream must start after what it queued: a
+        # wait takes the event's state when it is queued, so re-recording it later moves no earlier wait (where
+        # `Stream.wait_stream` makes and destroys an event every time, a driver call each way)
+        self._fence = torch.cuda.Event()
+
+    def _after_current(self, stream: torch.cuda.Stream) -> torch.cuda.Stream:
+        """Order `stream` after the work queued so far on the current stream; returns the current stream."""
+        current = torch.cuda.current_stream(self.device)
+        self._fence.record(current)
+        stream.wait_event(self._fence)
+        return current
 
     def submit(self, dst: torch.Tensor, src: torch.Tensor) -> int:
         kind = direction(src, dst)
@@ -45,8 +56,7 @@ class CudaTransferManager:
         if kind in ("h2d",) and not src.is_pinned():
             raise TransferError("host-to-device copies need pinned source memory for true async DMA")
         stream = self._streams[kind]
-        current = torch.cuda.current_stream(self.device)
-        stream.wait_stream(current)
+        self._after_current(stream)
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
             event = self._spare.pop() if self._spare else torch.cuda.Event()
@@ -62,8 +72,7 @@ class CudaTransferManager:
 
     def run_ahead(self, work: Callable[[], None], uses: Sequence[torch.Tensor] = ()) -> int:
         stream = self._streams["ahead"]
-        current = torch.cuda.current_stream(self.device)
-        stream.wait_stream(current)
+        current = self._after_current(stream)
         event = self._spare.pop() if self._spare else torch.cuda.Event()
         failed = True
         try:
