@@ -26,7 +26,9 @@
 // (rows of whole 16-byte words at 16-byte aligned addresses) the tiles are read 16 bytes a load, several loads
 // in flight a thread, and the values are staged the same way, tile by tile, each thread's sums kept in
 // shared memory between tiles: the same products and sums in the same order, so the same bits, with the
-// reads no longer one entry's latency after another.
+// reads no longer one entry's latency after another. The two ways are separate entry points
+// (`kvtier_attend_chunks_<dtype>` and `kvtier_attend_chunks_wide_<dtype>`), each compiled for its own reads,
+// so the narrow one does not carry the wide one's registers.
 #include "kvtier_native.cuh"
 
 #define KV_ATTEND_ROWS 16   // query rows per KV head a block holds in registers
@@ -422,11 +424,10 @@ __host__ __device__ inline void kv_combine_out(const float* __restrict__ a, kv_i
 
 // Block (c, h): chunk c of head h. Sums go to part_a [heads, chunks, rows, dim], part_m and part_l
 // [heads, chunks, rows]; with `finish` (one chunk, no whole part) out [heads, rows, dim] and lse [heads, rows].
-template <typename T>
+template <typename T, bool WIDE>
 __device__ __forceinline__ void kv_attend_chunks(const T* __restrict__ q, kv_i64 q_h, kv_i64 q_r,
                                                  const kv_attend_src& k, const kv_attend_src& v, kv_i64 count,
-                                                 int rows, int dim, int chunk, int tile, int finish, int wide,
-                                                 float scale, float* __restrict__ part_a,
+                                                 int rows, int dim, int chunk, int tile, int finish, float scale, float* __restrict__ part_a,
                                                  float* __restrict__ part_m, float* __restrict__ part_l,
                                                  float* __restrict__ out, float* __restrict__ lse) {
     extern __shared__ __align__(16) unsigned char kv_attend_shared[];
@@ -439,7 +440,7 @@ __device__ __forceinline__ void kv_attend_chunks(const T* __restrict__ q, kv_i64
     kv_attend_stage_q<T>(q + h * q_h, q_r, rows, dim, s.q, lane, width);
     for (int at = 0; at < n; at += tile) {
         const int m = n - at < tile ? n - at : tile;
-        if (wide) {
+        if (WIDE) {
             kv_attend_stage_wide<T>(k, h, c0 + at, m, row_words, s.keys, lane, width);
         } else {
             kv_attend_stage_keys<T>(k, h, c0 + at, m, row_words, s.keys, lane, width);
@@ -459,18 +460,18 @@ __device__ __forceinline__ void kv_attend_chunks(const T* __restrict__ q, kv_i64
     float* a_out = single ? out + (kv_i64)h * rows * dim : part_a + part * dim;
     float* m_out = single ? lse + (kv_i64)h * rows : part_m + part;
     float* l_out = single ? nullptr : part_l + part;
-    if (!wide) {
+    if (WIDE) {
+        for (int at = 0; at < n; at += tile) {   // the keys' buffer is free: the values through it, a tile at a time
+            const int m = n - at < tile ? n - at : tile;
+            kv_attend_stage_wide<T>(v, h, c0 + at, m, row_words, s.keys, lane, width);
+            __syncthreads();
+            kv_attend_values_tile<T>(s.keys, row_words, m, at, rows, dim, chunk, s, lane, width);
+            __syncthreads();
+        }
+        kv_attend_values_out(rows, dim, s, single, a_out, m_out, l_out, lane, width);
+    } else {
         kv_attend_values<T>(v, h, c0, n, rows, dim, chunk, s, single, a_out, m_out, l_out, lane, width);
-        return;
     }
-    for (int at = 0; at < n; at += tile) {   // the keys' buffer is free: the values through it, a tile at a time
-        const int m = n - at < tile ? n - at : tile;
-        kv_attend_stage_wide<T>(v, h, c0 + at, m, row_words, s.keys, lane, width);
-        __syncthreads();
-        kv_attend_values_tile<T>(s.keys, row_words, m, at, rows, dim, chunk, s, lane, width);
-        __syncthreads();
-    }
-    kv_attend_values_out(rows, dim, s, single, a_out, m_out, l_out, lane, width);
 }
 
 // The entries attended: `count`, plus `*count_at` when given (a count the device keeps, so the launch is the
@@ -480,29 +481,32 @@ __host__ __device__ inline kv_i64 kv_attend_count(kv_i64 count, const kv_i64* co
     return count_at ? count + *count_at : count;
 }
 
-// k_slabs, v_slabs (slab mode) or k_base, v_base with pages (paged mode): see kv_attend_src.
-#define KV_ATTEND_CHUNKS(NAME, T)                                                                                 \
-    extern "C" __global__ void NAME(const T* __restrict__ q, kv_i64 q_h, kv_i64 q_r,                               \
+// k_slabs, v_slabs (slab mode) or k_base, v_base with pages (paged mode): see kv_attend_src. WIDE: the reads.
+#define KV_ATTEND_CHUNKS(NAME, T, WIDE)                                                                           \
+    extern "C" __global__ void NAME(const T* __restrict__ q, kv_i64 q_h, kv_i64 q_r,                              \
                                     const kv_u64* __restrict__ k_slabs, const kv_u64* __restrict__ v_slabs,       \
                                     const char* __restrict__ k_base, const char* __restrict__ v_base,             \
                                     kv_i64 slab_tokens, kv_i64 slab_head, kv_i64 slab_token,                      \
                                     const kv_i64* __restrict__ pages, kv_i64 n_pages, int page, kv_i64 count,     \
                                     const kv_i64* __restrict__ count_at, int rows, int dim, int chunk, int tile,  \
-                                    int finish, int wide, float scale, float* __restrict__ part_a,                \
+                                    int finish, float scale, float* __restrict__ part_a,                          \
                                     float* __restrict__ part_m, float* __restrict__ part_l,                       \
                                     float* __restrict__ out, float* __restrict__ lse) {                           \
-        const kv_i64 total = kv_attend_count(count, count_at);                                                   \
+        const kv_i64 total = kv_attend_count(count, count_at);                                                    \
         if ((kv_i64)blockIdx.x * chunk >= total) {                                                                \
             return;                                                                                               \
         }                                                                                                         \
         const kv_attend_src k = {k_slabs, k_base, slab_tokens, slab_head, slab_token, pages, n_pages, page};      \
         const kv_attend_src v = {v_slabs, v_base, slab_tokens, slab_head, slab_token, pages, n_pages, page};      \
-        kv_attend_chunks<T>(q, q_h, q_r, k, v, total, rows, dim, chunk, tile, finish, wide, scale, part_a,        \
-                            part_m, part_l, out, lse);                                                            \
+        kv_attend_chunks<T, WIDE>(q, q_h, q_r, k, v, total, rows, dim, chunk, tile, finish, scale, part_a,        \
+                                  part_m, part_l, out, lse);                                                      \
     }
-KV_ATTEND_CHUNKS(kvtier_attend_chunks_f32, float)
-KV_ATTEND_CHUNKS(kvtier_attend_chunks_f16, kv_half)
-KV_ATTEND_CHUNKS(kvtier_attend_chunks_bf16, kv_bf16)
+KV_ATTEND_CHUNKS(kvtier_attend_chunks_f32, float, false)
+KV_ATTEND_CHUNKS(kvtier_attend_chunks_f16, kv_half, false)
+KV_ATTEND_CHUNKS(kvtier_attend_chunks_bf16, kv_bf16, false)
+KV_ATTEND_CHUNKS(kvtier_attend_chunks_wide_f32, float, true)
+KV_ATTEND_CHUNKS(kvtier_attend_chunks_wide_f16, kv_half, true)
+KV_ATTEND_CHUNKS(kvtier_attend_chunks_wide_bf16, kv_bf16, true)
 
 // Block (r, h): query row r of head h over the whole part (x_out [heads, rows, dim] and x_lse [heads, rows]
 // through their strides, when given) and the head's chunks, a thread per channel. The parts hold `chunks`

@@ -1019,7 +1019,8 @@ def _attend(q: torch.Tensor, dtype: torch.dtype, where: tuple, count: int, scale
         tile, shared = _attend_tile(R, D, chunk, row_words)
     if why is None and (not tile or 4 * (chunks + 3) > SHARED_MAX):
         why = f"{R} rows of {D} channels in chunks of {chunk} ({chunks} chunks): more than a block's shared memory"
-    k = loader.kernel("attend_slabs", f"kvtier_attend_chunks_{suffix}", device) if why is None else None
+    name = f"kvtier_attend_chunks_wide_{suffix}" if wide else f"kvtier_attend_chunks_{suffix}"   # its own reads
+    k = loader.kernel("attend_slabs", name, device) if why is None else None
     c = loader.kernel("attend_slabs", "kvtier_attend_combine", device) if k is not None and not finish else None
     if k is None or (not finish and c is None):
         loader.record(op, "twin", why or loader.build_error("attend_slabs", device), launches=launches)
@@ -1035,8 +1036,7 @@ def _attend(q: torch.Tensor, dtype: torch.dtype, where: tuple, count: int, scale
         sums = (_u64(part_a.data_ptr()), _u64(part_m.data_ptr()), _u64(part_l.data_ptr()))
     loader.launch(k, device, (chunks, H), (_ATTEND_THREADS,),
                   (_u64(q.data_ptr()), _i64(q.stride(0)), _i64(q.stride(1)), *where, count_arg, count_at,
-                   np.int32(R), np.int32(D), np.int32(chunk), np.int32(tile), np.int32(finish), np.int32(wide),
-                   np.float32(scale),
+                   np.int32(R), np.int32(D), np.int32(chunk), np.int32(tile), np.int32(finish), np.float32(scale),
                    *sums, _u64(out.data_ptr()), _u64(lse.data_ptr())),
                   shared_mem=shared)
     if not finish:

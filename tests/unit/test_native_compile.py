@@ -34,6 +34,7 @@ KERNELS = {
     "kvp_score": ["kvtier_kvp_score_f32", "kvtier_kvp_score_f16", "kvtier_kvp_score_bf16"],
     "merge_parts": ["kvtier_merge_parts"],
     "attend_slabs": ["kvtier_attend_chunks_f32", "kvtier_attend_chunks_f16", "kvtier_attend_chunks_bf16",
+                     "kvtier_attend_chunks_wide_f32", "kvtier_attend_chunks_wide_f16", "kvtier_attend_chunks_wide_bf16",
                      "kvtier_attend_combine"],
 }
 # float arithmetic the twins follow op by op

@@ -399,7 +399,9 @@ def test_every_kernel_the_ops_launch_is_in_the_shipped_sources():
                         ("kvp_score", "kvtier_kvp_score_f32"), ("kvp_score", "kvtier_kvp_score_f16"),
                         ("kvp_score", "kvtier_kvp_score_bf16"), ("merge_parts", "kvtier_merge_parts"),
                         ("attend_slabs", "kvtier_attend_chunks_f32"), ("attend_slabs", "kvtier_attend_chunks_bf16"),
-                        ("attend_slabs", "kvtier_attend_chunks_f16"), ("attend_slabs", "kvtier_attend_combine")]:
+                        ("attend_slabs", "kvtier_attend_chunks_f16"), ("attend_slabs", "kvtier_attend_chunks_wide_f32"),
+                        ("attend_slabs", "kvtier_attend_chunks_wide_bf16"),
+                        ("attend_slabs", "kvtier_attend_chunks_wide_f16"), ("attend_slabs", "kvtier_attend_combine")]:
         text = loader.source(src)
         assert (f'extern "C" __global__ void {kernel}(' in text or f"KV_UPPER_BOUNDS({kernel}," in text
                 or f"KV_RANK_PAGES({kernel}," in text or f"KV_KVP_SCORE({kernel}," in text
@@ -439,10 +441,11 @@ def _signatures() -> dict[str, list[type]]:
     sigs = {}
     for src in native.sources():
         text = loader.source(src.stem).replace("\\\n", "\n")
-        macro = re.search(r"#define (\w+)\(NAME, T\)\s*extern \"C\" __global__ void NAME\(([^)]*)\)", text)
+        macro = re.search(r"#define (\w+)\(NAME, T(?:, \w+)?\)\s*extern \"C\" __global__ void NAME\(([^)]*)\)", text)
         found = re.findall(r'extern "C" __global__ void (\w+)\(([^)]*)\)', text)
-        if macro:
-            found += [(name, macro.group(2)) for name in re.findall(rf"^{macro.group(1)}\((\w+), \w+\)", text, re.M)]
+        if macro:   # the entry points a macro makes: `MACRO(name, type)`, or `MACRO(name, type, flag)`
+            found += [(name, macro.group(2))
+                      for name in re.findall(rf"^{macro.group(1)}\((\w+), \w+(?:, \w+)?\)", text, re.M)]
         for name, params in found:
             if name == "NAME":
                 continue
@@ -615,7 +618,8 @@ def _run_as_the_kernel(name: str, grid: tuple, args: tuple, block: tuple = (128,
         _tensor(lse, (H, R), torch.float32).copy_(got[1])
     elif name.startswith("kvtier_attend_chunks_"):
         (q, q_h, q_r, k_addr, v_addr, k_base, v_base, per, slab_head, slab_token, pages, n_pages, page, count,
-         count_at, rows, dim, chunk, tile, finish, wide, scale, part_a, part_m, part_l, out, lse) = args
+         count_at, rows, dim, chunk, tile, finish, scale, part_a, part_m, part_l, out, lse) = args
+        wide = name.startswith("kvtier_attend_chunks_wide_")   # an entry point of its own
         chunks, H = int(grid[0]), int(grid[1])
         R, D, count, chunk, per, page, n_pages = (int(x) for x in (rows, dim, count, chunk, per, page, n_pages))
         count += _i64(int(count_at), 0) if int(count_at) else 0   # the count the device keeps, when given
@@ -623,7 +627,7 @@ def _run_as_the_kernel(name: str, grid: tuple, args: tuple, block: tuple = (128,
         assert (chunks >= used if int(count_at) else chunks == used) and 1 <= int(tile) <= block[0]
         assert block[0] % int(tile) == 0
         dtype = _OF_SUFFIX[name.rsplit("_", 1)[1]]
-        if int(wide):   # 16-byte loads: every row whole aligned 16-byte words (the kernel does not check)
+        if wide:   # 16-byte loads: every row whole aligned 16-byte words (the kernel does not check)
             for addr, base in ((k_addr, k_base), (v_addr, v_base)):
                 starts = _tensor(int(addr), (1,), torch.int64) if int(addr) else [int(base)]
                 assert all(int(a) % 16 == 0 for a in starts)
@@ -693,9 +697,10 @@ def replayed_kernels(monkeypatch):
             m, rows, page, dim, tile = (int(args[i]) for i in (2, 11, 12, 13, 14))
             assert shared_mem == ops._rank_shared(m, tile, rows, page, dim) <= ops.SHARED_MAX
         if k.startswith("kvtier_attend_chunks_"):   # the query, the logits, the row sums and a tile of keys
-            rows, dim, chunk, tile, wide = (int(args[i]) for i in (15, 16, 17, 18, 20))
+            rows, dim, chunk, tile = (int(args[i]) for i in (15, 16, 17, 18))
             words = dim * _OF_SUFFIX[k.rsplit("_", 1)[1]].itemsize // 4
-            assert shared_mem == ops._attend_shared(rows, dim, chunk, tile, words, bool(wide)) <= ops.SHARED_MAX
+            wide = k.startswith("kvtier_attend_chunks_wide_")
+            assert shared_mem == ops._attend_shared(rows, dim, chunk, tile, words, wide) <= ops.SHARED_MAX
         if k == "kvtier_attend_combine":   # a weight per chunk, M, L and the whole part's weight
             assert shared_mem == 4 * (int(args[3]) + 3) <= ops.SHARED_MAX
         assert [type(a) for a in args] == kinds, f"{k}: launched with {[type(a).__name__ for a in args]}"
@@ -721,7 +726,8 @@ def test_every_kernel_has_a_signature_to_check_launches_against():
                          "kvtier_page_upper_bounds_bf16", "kvtier_rank_pages_f32", "kvtier_rank_pages_f16",
                          "kvtier_rank_pages_bf16", "kvtier_kvp_score_f32", "kvtier_kvp_score_f16",
                          "kvtier_kvp_score_bf16", "kvtier_merge_parts", "kvtier_attend_chunks_f32",
-                         "kvtier_attend_chunks_f16", "kvtier_attend_chunks_bf16", "kvtier_attend_combine"}
+                         "kvtier_attend_chunks_f16", "kvtier_attend_chunks_bf16", "kvtier_attend_chunks_wide_f32",
+                         "kvtier_attend_chunks_wide_f16", "kvtier_attend_chunks_wide_bf16", "kvtier_attend_combine"}
     assert sigs["kvtier_gather_pages"] == [np.uint64, np.int64, np.uint64, np.uint64, np.int64, np.int64]
 
 
@@ -1014,7 +1020,7 @@ def test_wide_reads_are_asked_for_only_where_rows_are_aligned_16_byte_words(repl
     asked = []
     replay = loader.launch
     monkeypatch.setattr(loader, "launch", lambda k, device, grid, block, args, shared_mem=0: (
-        asked.append(int(args[20])) if k.startswith("kvtier_attend_chunks_") else None,
+        asked.append(int(k.startswith("kvtier_attend_chunks_wide_"))) if k.startswith("kvtier_attend_chunks_") else None,
         replay(k, device, grid, block, args, shared_mem)))
     g = torch.Generator().manual_seed(3)
     for D in (16, 12):   # rows of 32 or 64 bytes, and of 24 or 48: whole 16-byte words for float32 only
