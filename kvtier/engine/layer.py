@@ -414,7 +414,12 @@ class LayerEngine(PageFetching, DeviceDecoding):
         """`cfg.device_tokens` at the current length, computed once per length (every step's commit asks)."""
         memo = self._budget_memo
         if memo[0] != self.seen:
-            memo = self._budget_memo = (self.seen, self.cfg.device_tokens(self.seen))
+            shared = self.shared.budget_memo   # every layer of a step asks at the same length: computed once
+            if shared[0] is self.cfg and shared[1] == self.seen:
+                memo = self._budget_memo = shared[1:]
+            else:
+                memo = self._budget_memo = (self.seen, self.cfg.device_tokens(self.seen))
+                self.shared.budget_memo = (self.cfg, *memo)
         return memo[1]
 
     def _demote(self) -> None:

@@ -46,6 +46,7 @@ _status: dict[str, str | None] = {}                # KVTIER_NATIVE's value -> `s
 _launchers: dict[str, str] = {}                    # KVTIER_LAUNCH's value -> `launcher()`
 _functions: dict[int, int] = {}                    # id of a loaded kernel (kept in _kernels) -> its CUfunction
 _device_of: dict[int, int] = {}                    # id of a loaded kernel -> the device it was loaded for
+_failed: set[tuple[str, int]] = set()              # (source, device) that did not build
 
 
 def sources() -> list[Path]:
@@ -141,6 +142,7 @@ def kernel(src: str, name: str, device: torch.device) -> Any:
             except (cp.cuda.compiler.CompileException, cp.cuda.driver.CUDADriverError, RuntimeError, OSError) as e:
                 # a compile error, a module the driver refuses, or no NVRTC library for cupy to load
                 _ready[(src, device.index)] = f"{src}.cu did not build on {device}: {e}"
+                _failed.add((src, device.index))
                 for other in [k for k in _kernels if k[0] == src and k[2] == device.index]:
                     gone = id(_kernels.pop(other))   # the source is off on this device, kernels loaded before it too
                     _functions.pop(gone, None)       # and their handles: a later kernel may reuse the id
@@ -159,7 +161,9 @@ def build_error(src: str, device: torch.device) -> str | None:
 def build_failed(device: torch.device, *srcs: str) -> bool:
     """Whether any of `srcs` failed to build on `device`: a caller with a torch path of its own then takes it,
     rather than the twin (a long run of small ops on a GPU)."""
-    return device.type == "cuda" and any(_ready.get((src, device.index)) for src in srcs)
+    if not _failed:   # asked a few times a layer and step: nothing failed is the usual answer
+        return False
+    return device.type == "cuda" and any((src, device.index) in _failed for src in srcs)
 
 
 def launcher() -> str:

@@ -1049,6 +1049,7 @@ def test_a_source_that_failed_to_build_is_reported_to_the_callers_gates(monkeypa
     rather than the twin, a long run of small ops on a GPU."""
     gpu = torch.device("cuda", 0)
     monkeypatch.setitem(loader._ready, ("rank_pages", 0), "rank_pages.cu did not build on cuda:0: (injected)")
+    monkeypatch.setattr(loader, "_failed", {("rank_pages", 0)})   # as `kernel` notes a failure
     assert native.build_failed(gpu, "page_select", "rank_pages")
     assert not native.build_failed(gpu, "page_select", "kvp_score")
     assert not native.build_failed(torch.device("cpu"), "rank_pages")
@@ -1075,4 +1076,5 @@ def test_callers_gates_follow_build_failures(monkeypatch):
     assert scorer._kernel_scores(gpu) and index.uses_kernels
     monkeypatch.setitem(loader._ready, ("kvp_score", 0), "kvp_score.cu did not build (injected)")
     monkeypatch.setitem(loader._ready, ("merge_parts", 0), "merge_parts.cu did not build (injected)")
+    monkeypatch.setattr(loader, "_failed", {("kvp_score", 0), ("merge_parts", 0)})   # as `kernel` notes them
     assert not scorer._kernel_scores(gpu) and not index.uses_kernels
