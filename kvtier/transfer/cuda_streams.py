@@ -36,7 +36,8 @@ class CudaTransferManager:
         self._spare: list[torch.cuda.Event] = []
         # one event re-recorded on the current stream whenever a side stream must start after what it queued: a
         # wait takes the event's state when it is queued, so re-recording it later moves no earlier wait (where
-        # `Stream.wait_stream` makes and destroys an event every time, a driver call each way)
+        # `Stream.wait_stream` makes and destroys an event every time, a driver call each way). One manager serves
+        # one device (an indexed one: the tensors' own) from one thread, as every transfer manager here does.
         self._fence = torch.cuda.Event()
 
     def _after_current(self, stream: torch.cuda.Stream) -> torch.cuda.Stream:

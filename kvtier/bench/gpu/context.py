@@ -21,6 +21,15 @@ from .timing import Clock, Progress, Skip, _attempt, _free, _median, _r
 ROW_NAMES = {"kvtier": "kvtier", "kvtier_eager": "kvtier, eager (no CUDA graphs)",
              "kvtier_side_prefetch": "kvtier, prefetch on the side stream", "kvtier_no_prefetch": "kvtier, no prefetch",
              "dynamic": "DynamicCache", "offloading": "DynamicCache(offloading=True)"}
+def _graph_counts_since(before: dict[str, Any], after: dict[str, Any]) -> dict[str, int]:
+    """The CUDA graph captures, replays and eager steps between two of `stats()["cuda_graphs"]` (a row's timed
+    steps, apart from its warm-up), the prefetches' on the side stream beside them."""
+    keys = ("captures", "replays", "eager_steps")
+    out = {k: after[k] - before[k] for k in keys}
+    out.update({f"prefetch_{k}": after["prefetch"][k] - before["prefetch"][k] for k in ("captures", "replays", "eager")})
+    return out
+
+
 def kvp_scoring(scorer: Any, cache: Any, layers: int, chunk: int, clock: Clock, prefill_seconds: float) -> dict:
     """`scorer.score` over every prefill entry of every layer, in the prefill's chunks."""
     T = _layer_kv(cache, 0)[0].shape[2]
@@ -89,16 +98,19 @@ def run_context(cfg: GpuBenchConfig, model: Any, context: int, scorer: Any, cloc
             _, t = decode_steps(model, cache, token, cfg.warmup, clock)
             capture_steps, t = warm_until_replayed(model, cache, t, clock)
             issued: list[float] = []
-            if in_turn:   # DynamicCache warmed (it grows the shared K/V: the rows after fill from `kv`, as kept)
+            graphs_before = cache.stats()["cuda_graphs"]
+            in_turn_with = None
+            if in_turn:   # DynamicCache warmed, then a step of each in turn (its steps grow the shared K/V)
                 _, dt = decode_steps(model, full, token, cfg.warmup, clock)
                 (times, issued, t), (d_times, d_issued, dt) = steps_in_turn(
                     model, [(cache, t), (full, dt)], cfg.steps, clock, progress, "kvtier and DynamicCache in turn")
-                paired.update(times=d_times, issued=d_issued, token=dt, kvtier=times)
+                in_turn_with = {"times": d_times, "issued": d_issued, "token": dt, "kvtier": times}
             else:
                 times, t = decode_steps(model, cache, t, cfg.steps, clock, progress, "kvtier decode", issued=issued)
             stats = cache.stats()
             out = _step_row(times, issued, fill_seconds=_r(fill, 3), tiers=_tier_summary(stats),
-                            cuda_graphs=stats["cuda_graphs"], demotions=stats["demotions"])
+                            cuda_graphs=stats["cuda_graphs"], demotions=stats["demotions"],
+                            cuda_graphs_timed=_graph_counts_since(graphs_before, stats["cuda_graphs"]))
             if device.type == "cuda" and graphs:
                 out["capturing_warmup_ms"] = capture_steps   # after the --warmup steps, before the timed ones
             if cfg.profile_steps and profile:
@@ -112,6 +124,8 @@ def run_context(cfg: GpuBenchConfig, model: Any, context: int, scorer: Any, cloc
             if demoting and cfg.growth_steps:   # the steps that demote, and those that capture after, included
                 progress.say(f"memory growth: up to {cfg.growth_steps} kvtier decode steps at {context:,}")
                 out["growth"] = _growth(cfg, model, cache, t, layers, clock, progress)
+            if in_turn_with is not None:   # only a row that ran whole lends DynamicCache its timed steps
+                paired.update(in_turn_with)
             return out
         finally:
             cache.close()
@@ -148,11 +162,13 @@ def run_context(cfg: GpuBenchConfig, model: Any, context: int, scorer: Any, cloc
                 model, full, t, cfg.profile_steps, clock), device, progress)
         return out
 
-    runs = (("kvtier", lambda: tiered(demoting=growth, in_turn=True)), ("kvtier_eager", lambda: tiered(graphs=False)),
+    runs = (("kvtier_eager", lambda: tiered(graphs=False)),
             ("kvtier_side_prefetch", lambda: tiered(in_step=False, profile=False)),
             ("kvtier_no_prefetch", lambda: tiered(prefetch=0, profile=False)), ("offloading", offloaded),
-            ("dynamic", dynamic))
-    for name, fn in runs:   # dynamic's own steps (the kvtier row's, in turn) last: they grow the shared K/V
+            ("kvtier", lambda: tiered(demoting=growth, in_turn=True)), ("dynamic", dynamic))
+    # the kvtier row (DynamicCache's steps in turn with it) and DynamicCache's own last: DynamicCache's steps grow
+    # the shared K/V by a copy (`torch.cat`) while `kv` keeps the prefill's, so the rows before fill from it alone
+    for name, fn in runs:
         if name == "kvtier_eager" and not cfg.eager:
             continue
         if name in ("kvtier_side_prefetch", "kvtier_no_prefetch") and not (cfg.no_prefetch and

@@ -84,15 +84,16 @@ def format_report(result: dict[str, Any]) -> str:
         k = row.get("rows", {}).get("kvtier")
         if k is None or k.get("skipped"):
             continue
-        ra, counts = row["ratios"], k.get("cuda_graphs", {})
+        ra, counts = row["ratios"], k.get("cuda_graphs_timed", {})
         if ra.get("dynamic_over_kvtier_by_turn") is not None:
             lines.append(f"  {_tokens(row['context'])} DynamicCache and kvtier timed in turn: Dyn/kvtier by turn (median "
                          f"of each turn's ratio) {_fmt(ra['dynamic_over_kvtier_by_turn'], '.2f', 'x')}")
-        if counts.get("replays") or counts.get("captures") or counts.get("failed"):
+        if counts.get("replays") or counts.get("captures") or k.get("cuda_graphs", {}).get("failed"):
+            failed = k.get("cuda_graphs", {}).get("failed")
             lines.append(f"  {_tokens(row['context'])} kvtier's timed steps, CUDA graphs: {counts.get('replays', 0)} "
                          f"replays, {counts.get('captures', 0)} captures, {counts.get('eager_steps', 0)} eager; "
-                         f"prefetches: {counts.get('prefetch', {}).get('replays', 0)} replays"
-                         + (f"; capture failed: {counts['failed']}" if counts.get("failed") else "")
+                         f"prefetches on the side stream: {counts.get('prefetch_replays', 0)} replays"
+                         + (f"; capture failed: {failed}" if failed else "")
                          + f"; steps that captured first: {k.get('capturing_warmup_ms', [])} ms")
         beside = {   # each row run beside the kvtier one: what it says, given the row
             "kvtier_eager": lambda r: f"eager / kvtier {_fmt(ra.get('kvtier_eager_over_kvtier'), '.2f', 'x')}",

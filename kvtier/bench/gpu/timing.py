@@ -42,7 +42,7 @@ class Clock:
         start = end = None
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            start.record(torch.cuda.current_stream(self.device))
         t0 = time.perf_counter()
         fn()
         issue = time.perf_counter() - t0
@@ -50,7 +50,7 @@ class Clock:
             current = torch.cuda.current_stream(self.device)
             for stream in streams:
                 current.wait_stream(stream)
-            end.record()
+            end.record(current)
         self.sync()
         wall = time.perf_counter() - t0
         device = start.elapsed_time(end) / 1e3 if self.cuda else None
