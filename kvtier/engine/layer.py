@@ -114,7 +114,6 @@ class LayerEngine(PageFetching, DeviceDecoding):
         # steps are captured as CUDA graphs; False: on the side stream, replayed there from `prefetch_graphs`)
         self.prefetch_in_step: bool | None = None
         self._masked_positions = np.empty(0, dtype=np.int64)   # padding positions, never stored
-        self._budget_memo = (-1, 0)   # (length, device budget in tokens at it)
         self._unordered: list[int] = []   # demotion copies no device read has been ordered after yet
 
     # ------------------------------------------------------------------ write
@@ -411,16 +410,12 @@ class LayerEngine(PageFetching, DeviceDecoding):
         return torch.isnan(self._nan).any().reshape(1)
 
     def _device_budget(self) -> int:
-        """`cfg.device_tokens` at the current length, computed once per length (every step's commit asks)."""
-        memo = self._budget_memo
-        if memo[0] != self.seen:
-            shared = self.shared.budget_memo   # every layer of a step asks at the same length: computed once
-            if shared[0] is self.cfg and shared[1] == self.seen:
-                memo = self._budget_memo = shared[1:]
-            else:
-                memo = self._budget_memo = (self.seen, self.cfg.device_tokens(self.seen))
-                self.shared.budget_memo = (self.cfg, *memo)
-        return memo[1]
+        """`cfg.device_tokens` at the current length, computed once per length for every layer of the cache (each
+        step's commit asks, in every layer, at the same length)."""
+        memo = self.shared.budget_memo
+        if memo[0] is not self.cfg or memo[1] != self.seen:
+            memo = self.shared.budget_memo = (self.cfg, self.seen, self.cfg.device_tokens(self.seen))
+        return memo[2]
 
     def _demote(self) -> None:
         cfg, pool = self.cfg, self.pool

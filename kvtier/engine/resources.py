@@ -48,7 +48,7 @@ class SharedResources:
         self._pid = os.getpid()     # a forked child never closes (deletes) its parent's files
         self._positions: tuple[int, int, torch.device, torch.Tensor] | None = None
         self._step_position: dict[torch.device, torch.Tensor] = {}   # a decode step's position, kept per device
-        # (config, length, device budget in tokens): the last layer's answer, which the next layer of the step asks
+        # (config, length, device budget in tokens): the last answer, which every layer of a step asks again
         self.budget_memo: tuple[object, int, int] = (None, -1, 0)
         self.closed = False
 

@@ -21,6 +21,8 @@ from .timing import Clock, Progress, Skip, _attempt, _free, _median, _r
 ROW_NAMES = {"kvtier": "kvtier", "kvtier_eager": "kvtier, eager (no CUDA graphs)",
              "kvtier_side_prefetch": "kvtier, prefetch on the side stream", "kvtier_no_prefetch": "kvtier, no prefetch",
              "dynamic": "DynamicCache", "offloading": "DynamicCache(offloading=True)"}
+
+
 def _graph_counts_since(before: dict[str, Any], after: dict[str, Any]) -> dict[str, int]:
     """The CUDA graph captures, replays and eager steps between two of `stats()["cuda_graphs"]` (a row's timed
     steps, apart from its warm-up), the prefetches' on the side stream beside them."""

@@ -88,8 +88,8 @@ def format_report(result: dict[str, Any]) -> str:
         if ra.get("dynamic_over_kvtier_by_turn") is not None:
             lines.append(f"  {_tokens(row['context'])} DynamicCache and kvtier timed in turn: Dyn/kvtier by turn (median "
                          f"of each turn's ratio) {_fmt(ra['dynamic_over_kvtier_by_turn'], '.2f', 'x')}")
-        if counts.get("replays") or counts.get("captures") or k.get("cuda_graphs", {}).get("failed"):
-            failed = k.get("cuda_graphs", {}).get("failed")
+        failed = k.get("cuda_graphs", {}).get("failed")
+        if counts.get("replays") or counts.get("captures") or failed:
             lines.append(f"  {_tokens(row['context'])} kvtier's timed steps, CUDA graphs: {counts.get('replays', 0)} "
                          f"replays, {counts.get('captures', 0)} captures, {counts.get('eager_steps', 0)} eager; "
                          f"prefetches on the side stream: {counts.get('prefetch_replays', 0)} replays"
