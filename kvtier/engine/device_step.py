@@ -33,6 +33,7 @@ the same key issue the same launches (`tests/integration/test_decode_launches_re
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
 
@@ -53,21 +54,13 @@ class DeviceDecoding:
         within the step). Where `write` left it the step's scoring and staging (`_writes_in_attention`), they
         run here first, and the step's score is committed on the device after, in the same run of launches."""
         p = self.pending
-        r = min(self.cfg.recall_pages, self.index.n)
-        buf = self._recall_buffer(r, on_device=True)
-        self._await_prefetch()
-        sources = self._sources()
-        spare = buf.pages > r
         writes = not p.staged
-        if writes:
-            self._nan_max()   # made before the launches: kept from step to step
-        ahead = spare and self._prefetches_in_step()
-        run = (scale, sinks, buf, sources, spare, self.pool.counted(1), self.pool.addresses(),
-               self.index.bounds.addresses(self.device), self.index.codes.addresses(self.device),
-               p.pos if writes else None, ahead)
         inputs = (query, p.k, p.v) if writes else (query,)
-        # made once, on first use: the step's key and its prefetch's share it
-        recall_key = functools.cache(lambda: self._recall_key(buf, sources))
+        if writes:   # what a step planned whole before the model runs (`plan_steady`) assumes of the next one
+            self._steady_how = (scale, sinks, *(shapes(t) for t in inputs))
+        run, sources, recall_key = self._prepare_decode(scale, sinks, p.pos if writes else None,
+                                                        self._prefetches_in_step())
+        buf, spare, ahead = run[2], run[4], run[10]
         try:
             out, ids, shortlist = self.graphs.run(lambda: self._decode_key(inputs, run, recall_key()), inputs,
                                                   lambda *given: self._decode_launches(run, *given))
@@ -75,15 +68,41 @@ class DeviceDecoding:
             self._forget_recalled()
             raise
         if writes:   # the host's part of what the launches did: scored and staged, the score committed
-            self._nan = self._nan_buf
             p.staged = p.placed = True
+        self._decoded(ids, writes)
+        if spare and not ahead and shortlist.shape[1] > ids.shape[1]:   # else nothing is ranked after the choice
+            self._prefetch(buf, shortlist[:, :buf.pages], sources, recall_key)
+        return out
+
+    def _prepare_decode(self, scale: float, sinks: torch.Tensor | None, positions: torch.Tensor | None,
+                        in_step: bool) -> tuple[tuple, tuple, Callable[[], StepKey]]:
+        """The host's part of a decode step before its launches: the recall buffer made or kept, the prefetch
+        queued into it waited for on the device, the host slots' mirror and the address tables made. Returns
+        ``(run, sources, recall_key)``: `_decode_launches`' arguments (`positions`: the step's, where its launches
+        score and stage its entry; `in_step`: its prefetch at their end where the buffer has spare slots), the
+        sources of its copy, and `_recall_key` of them, made once on first use (the step's key and its
+        prefetch's share it). Changes nothing a step's outcome depends on: what it makes, any step would."""
+        r = min(self.cfg.recall_pages, self.index.n)
+        buf = self._recall_buffer(r, on_device=True)
+        self._await_prefetch()
+        sources = self._sources()
+        spare = buf.pages > r
+        if positions is not None:
+            self._nan_max()   # made before the launches: kept from step to step
+        run = (scale, sinks, buf, sources, spare, self.pool.counted(1), self.pool.addresses(),
+               self.index.bounds.addresses(self.device), self.index.codes.addresses(self.device),
+               positions, spare and in_step)
+        return run, sources, functools.cache(lambda: self._recall_key(buf, sources))
+
+    def _decoded(self, ids: torch.Tensor, writes: bool) -> None:
+        """The host's part of a decode step after its launches are queued: the NaN check's buffer noted, the
+        step's choice, the counters, the marks that say the index and the pinned storages are being read."""
+        if writes:
+            self._nan = self._nan_buf
         self.last_recall = ids
         self.counters.recall_steps += 1
         self.index.note_reads()
         self.host.read_on(self.device)
-        if spare and not ahead and shortlist.shape[1] > r:   # else nothing is ranked after the choice
-            self._prefetch(buf, shortlist[:, :buf.pages], sources, recall_key)
-        return out
 
     def _prefetches_in_step(self) -> bool:
         """Whether a step's prefetch is the end of its own run of launches (`prefetch_in_step`; by default where

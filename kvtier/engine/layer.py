@@ -33,6 +33,7 @@ from .graphs import StepGraphs
 from .attention import attend_parts, attend_with_lse, finish_with_lse, sink_part
 from .parking import ParkedLayer, check_target
 from .resources import SharedResources
+from .steady_step import SteadySteps
 from .weights import unpack_rows, weights_by_position
 
 QUERY_BLOCK = 128     # query tokens that share one recall (a long query is attended block by block)
@@ -73,7 +74,7 @@ class _Landing:
         return self.rank.numpy(), self.where.numpy()
 
 
-class LayerEngine(PageFetching, DeviceDecoding):
+class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
     """The tiers, the page table and the placement of one layer."""
 
     def __init__(self, layer_idx: int, config: TieredCacheConfig, scorer: Scorer | QueryScorer,
@@ -115,6 +116,9 @@ class LayerEngine(PageFetching, DeviceDecoding):
         self.prefetch_in_step: bool | None = None
         self._masked_positions = np.empty(0, dtype=np.int64)   # padding positions, never stored
         self._unordered: list[int] = []   # demotion copies no device read has been ordered after yet
+        # (scale, sinks, query, key and value shapes) of the last decode step whose launches scored and staged its
+        # entry: what `plan_steady` takes the next step's to be
+        self._steady_how: tuple | None = None
 
     # ------------------------------------------------------------------ write
     def _init(self, device: torch.device, dtype: torch.dtype) -> None:

@@ -18,6 +18,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from ..engine.layer import LayerEngine
 from ..engine.resources import SharedResources
+from ..engine.steady_step import SteadyStep
 from ..errors import (BrokenCacheError, CapacityError, ClosedCacheError, ConfigError, UnsupportedError,
                       is_resource_error, os_reason)
 from .attention import claim, masked_new_tokens
@@ -169,6 +170,10 @@ class TieredLayer(OneSequence, CacheLayerMixin):
     is_compileable = False
     is_croppable = False
     is_sliding = False
+    # set while the model runs a decode step planned whole (`kvtier.integrations.model_graph`): `update`, `attend`
+    # and `commit` then issue its launches only, and change nothing on the host
+    steady: SteadyStep | None = None
+    _steady_kv: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __init__(self, engine: LayerEngine, state: CacheState | None = None) -> None:
         super().__init__()
@@ -219,6 +224,11 @@ class TieredLayer(OneSequence, CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         engine = self.engine
+        if self.steady is not None:   # a planned step: the model's keys and values go to its launches
+            self._steady_kv = (key_states, value_states)
+            keys = self.steady.placeholder
+            claim(keys[0], self)
+            return keys
         keys, values = self._state.step(engine.layer_idx, engine.seen, key_states,
                                         lambda: engine.write(key_states, value_states), f"layer {engine.layer_idx}",
                                         "write")
@@ -235,6 +245,18 @@ class TieredLayer(OneSequence, CacheLayerMixin):
         when this step recalls (otherwise the model's own attention runs and does it).
         """
         engine = self.engine
+        step = self.steady
+        if step is not None:   # a planned step's launches (`kvtier.integrations.model_graph`); the mask is causal
+            if refuse or how.get("weights"):
+                raise UnsupportedError(f"layer {engine.layer_idx}'s attention was asked for "
+                                       f"{refuse[0] if refuse else 'its weights'} in a decode step replayed from a "
+                                       "CUDA graph; allowed: plain attention (run such steps without DecodeGraph)")
+            scaling = how.get("scaling")
+            scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+            k, v = self._steady_kv
+            return self._state.guard(
+                lambda: (engine.steady_launches(step, query, k, v, scale, how.get("softcap"), how.get("sinks")), None),
+                f"layer {engine.layer_idx} attention ", f"layer {engine.layer_idx} could not recall its pages")
 
         def run() -> Any:
             pending = engine.pending
@@ -255,6 +277,8 @@ class TieredLayer(OneSequence, CacheLayerMixin):
     def commit(self, query: torch.Tensor | None = None, scaling: float | None = None) -> None:
         """The engine's `commit`; a failure breaks the cache (this layer already took the step)."""
         engine = self.engine
+        if self.steady is not None:   # taken by `take_steady` once the step's launches are queued
+            return
         self._state.guard(lambda: engine.commit(query, scaling), f"layer {engine.layer_idx} commit ",
                           f"layer {engine.layer_idx} could not place the step's entries")
 

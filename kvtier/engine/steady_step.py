@@ -1,0 +1,115 @@
+"""A decode step planned whole on the host before the model runs: what lets one CUDA graph stand for a model's step.
+
+A layer's decode step on the device path is host bookkeeping around a fixed run of launches (`device_step`). Most
+steps are alike: no slab is added, nothing is demoted, the recall buffer and the index stay where they are; only
+the count moves on, on the device and on the host. Such a *steady* step can be split in three:
+
+- `plan_steady`, before the model runs: whether the step is steady, and if it is, the arguments of its launches
+  and their key (`_decode_key`), all from what the layer holds and what its last decode step looked like (the
+  query's, keys' and values' shapes, the scale, the sinks). It changes nothing the layer's length or outcome
+  depends on: what it makes (the recall buffer, the step's position, the count's place on the device), the
+  step would make anyway, so a step that then runs the ordinary way finds it made;
+- `steady_launches`, while the model runs (called by the layer's attention): the launches alone, with the
+  tensors the model made; no host state changes. Captured in a graph with the model's own launches, this is
+  what a replay repeats;
+- `take_steady`, once the step's launches are queued (run, or replayed): the host's part, the length, the count,
+  the counters and the read marks, exactly as the ordinary step leaves them.
+
+Every step taken so equals the ordinary one bit for bit, and leaves the layer as it would
+(`tests/unit/test_model_graph.py`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..errors import UnsupportedError
+from ..scoring import capturable
+from .graphs import StepKey, shapes
+
+
+class SteadyStep:
+    """One layer's planned decode step: its launches' arguments (`run`) and key, what `write` returns the model
+    (`placeholder`), and, once its launches ran or were captured, their chosen pages (`ids`)."""
+
+    __slots__ = ("run", "_key", "placeholder", "how", "ids")
+
+    def __init__(self, run: tuple, key: Callable[[], StepKey], placeholder: tuple[torch.Tensor, torch.Tensor],
+                 how: tuple) -> None:
+        self.run, self._key, self.placeholder, self.how = run, key, placeholder, how
+        self.ids: torch.Tensor | None = None
+
+    @property
+    def key(self) -> StepKey:
+        """`_decode_key` of the step, made on first use (only where a graph may stand for the step)."""
+        if callable(self._key):
+            self._key = self._key()
+        return self._key
+
+
+def _stub(described: tuple) -> torch.Tensor:
+    """A tensor without storage of the shape, strides and dtype `shapes` described (for the checks and the key)."""
+    shape, stride, dtype = described
+    return torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+
+
+class SteadySteps:
+    """The steady decode step of a `LayerEngine`, planned, launched and taken apart (see the module)."""
+
+    def plan_steady(self) -> SteadyStep | None:
+        """The next decode step, planned, where it is steady; else None (the step must run the ordinary way)."""
+        how = self._steady_how
+        if how is None or not self._steady_now(how):
+            return None
+        self.table.settle(ready_only=True)   # as `write` does first (the last demotions' copies, landed)
+        if self._unordered:   # as `attend` does: what reads the demoted pages comes after their copies
+            self.transfer.order_after(self._unordered)
+            self._unordered = []
+        scale, sinks = how[0], how[1]
+        positions = self.shared.positions(self.seen, 1, self.device)
+        run, _, recall_key = self._prepare_decode(scale, sinks, positions, in_step=True)
+        key = lambda: self._decode_key(tuple(_stub(d) for d in how[2:]), run, recall_key())   # noqa: E731
+        return SteadyStep(run, key, self.pool.placeholder(self.pool.count + 1), how)
+
+    def _steady_now(self, how: tuple) -> bool:
+        """Whether the next decode step is steady: it recalls on the device, writes its entry in its attention,
+        adds no slab and demotes nothing (the conditions of `recalls`, `_writes_in_attention` and `_pool_kernels`,
+        asked before the step rather than during it)."""
+        pool, cfg = self.pool, self.cfg
+        if pool is None or self.parked is not None or self.pending is not None or self.index is None:
+            return False
+        if not (self.table.n > 0 and cfg.recall_pages > 0 and cfg.mode == "tier"):
+            return False
+        query, k = _stub(how[2]), _stub(how[3])
+        if self.write_in_attention is False or k.shape[2] != 1 or k.dtype != pool.dtype:
+            return False
+        if not (self.index.uses_kernels and self.recalls_on_device() and self._defer_nan()
+                and capturable(self.scorer) and self._pool_kernels(query, None)):
+            return False
+        # room in the pool's slabs, and no demotion at the step's commit (`_demote` at the length after it)
+        return pool.count + 1 <= pool.capacity and pool.count + 1 <= cfg.device_tokens(self.seen + 1)
+
+    def steady_launches(self, step: SteadyStep, query: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        scale: float, softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+        """The planned step's launches with the model's `query`, `k`, `v` (those it planned for: a step called
+        otherwise is refused before anything is launched); its attention output ``[1, 1, q_heads, dim]``."""
+        got = (scale, sinks, shapes(query), shapes(k), shapes(v))
+        if softcap is not None or got[0] != step.how[0] or got[1] is not step.how[1] or got[2:] != step.how[2:]:
+            raise UnsupportedError(
+                f"layer {self.layer_idx}'s decode step was planned for the attention of the step before "
+                f"(scale {step.how[0]}, shapes {step.how[2:]}) but was called with scale {scale}, softcap {softcap}, "
+                f"shapes {got[2:]}; allowed: steps of one model, one token each")
+        out, ids, _ = self._decode_launches(step.run, query, k, v)
+        step.ids = ids
+        return out
+
+    def take_steady(self, step: SteadyStep) -> None:
+        """The host's part of the planned step, once its launches are queued: what `write`, `_decode_on_device`
+        and `commit` would have left."""
+        self.seen += 1
+        self._decoded(step.ids, writes=True)
+        self.pool.note_commit()
+        self._demote()   # nothing to demote (planned so): the same bookkeeping as the ordinary commit's
+

@@ -1,0 +1,125 @@
+"""A model's decode step with a `TieredCache`, replayed from one CUDA graph: the model's launches and the cache's.
+
+With the cache's own work replayed layer by layer (`cuda_graphs`), a decode step on a GPU is still bound by the
+host: the model's own launches, some twenty a layer, each cost the host its Python and dispatch, as they do with
+`DynamicCache`, while the GPU work behind them is small (at 10% of a long context on the device, reading the
+weights is most of it). `DecodeGraph` captures the whole step, the model's forward with every layer's
+attention and recall, once per state, and replays it: the host then only plans each layer's step
+(`kvtier.engine.steady_step`: a few checks and the key) and takes it after.
+
+A step is replayed where it is *steady* in every layer (recall planned on the device, nothing demoted, no slab
+added; `LayerEngine.plan_steady`): most steps of a long decode. Any other step (the prefill, a step that demotes,
+a step on a CPU's path where recall is planned on the host) runs the ordinary way, and so does everything where
+graphs cannot be captured (a CPU, `cuda_graphs=False`, a capture that failed: then the planned steps run their
+launches eagerly, the same bits). A state is captured the second step in a row it is seen, as
+`kvtier.engine.graphs` does for a layer.
+
+What a replay bakes in besides the cache's state: the model's weights where they lie (a model moved or cast
+after a capture is captured again), the token and its position, copied into the graph's inputs. The step's
+attention mask is the causal one the model builds for one new token (no padding: `DecodeGraph` takes a token,
+not an attention mask); models with sliding-window layers run the ordinary way.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from ..engine.graphs import GraphSwitch, StepGraphs, StepKey
+from ..errors import ConfigError
+from .hf import TieredCache, cache_kwargs
+
+
+class DecodeGraph:
+    """Decode steps of `model` over `cache`, each a CUDA graph's replay where the step is steady.
+
+    ``logits = step(token)``: ``token`` ``[1, 1]`` int64 on the model's device; returns the step's logits
+    ``[1, 1, vocab]`` (a replay's own tensor, rewritten by the next step: copy it to keep it). A prompt (more than
+    one token) runs the ordinary way. `enabled=False` (or a cache made with ``cuda_graphs=False``) captures
+    nothing: steady steps then run their launches eagerly.
+    """
+
+    def __init__(self, model: torch.nn.Module, cache: TieredCache, *, enabled: bool = True) -> None:
+        if not isinstance(cache, TieredCache):
+            raise ConfigError(f"cache={type(cache).__name__}; allowed: a TieredCache")
+        if getattr(cache, "model_config", None) is not getattr(model, "config", None):
+            raise ConfigError("the TieredCache was built with another config than this model's; allowed: "
+                              "TieredCache(model.config, ...) for this model")
+        if not isinstance(enabled, bool):
+            raise ConfigError(f"enabled={enabled!r}; allowed: True or False")
+        self.model, self.cache = model, cache
+        params = next(model.parameters(), None)
+        self.device = params.device if params is not None else torch.device("cpu")
+        self.graphs = StepGraphs(self.device, enabled and cache.settings.cuda_graphs, GraphSwitch())
+        self._weights = [*model.parameters(), *model.buffers()]
+        self._keyword = "cache_position" in inspect.signature(model.forward).parameters
+        self._position = torch.zeros(1, 1, dtype=torch.int64, device=self.device)
+        self.ordinary = 0   # steps run the ordinary way (a prompt, or a step not steady in some layer)
+
+    def stats(self) -> dict[str, Any]:
+        """How the steps ran: `replays` (one launch each), `captures`, `eager` (planned, launched one by one),
+        `ordinary` (not planned), and why capture is off, if a capture failed."""
+        g = self.graphs
+        return {"replays": g.replays, "captures": g.captures, "eager": g.eager, "ordinary": self.ordinary,
+                "failed": g.failed}
+
+    @torch.no_grad()
+    def __call__(self, token: torch.Tensor) -> torch.Tensor:
+        if token.dim() != 2 or token.shape[0] != 1:
+            raise ConfigError(f"token of shape {list(token.shape)}; allowed: [1, n] token ids (batch size 1)")
+        cache = self.cache
+        plans = self._plan() if token.shape[1] == 1 else None
+        if plans is None:
+            self.ordinary += 1
+            return self.model(input_ids=token, use_cache=True, **cache_kwargs(cache)).logits
+        engines = cache._engines
+        layers = [cache.layers[e.layer_idx] for e in engines]
+        self._position.fill_(engines[0].seen)
+
+        def work(ids: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            kwargs = {"cache_position": position[0]} if self._keyword else {}
+            out = self.model(input_ids=ids, position_ids=position, use_cache=True, **kwargs, **cache_kwargs(cache))
+            return (out.logits, *(step.ids for step in plans))
+
+        state = cache._state
+        for layer, step in zip(layers, plans):
+            layer.steady = step
+        try:
+            outputs = self.graphs.run(lambda: self._key(plans, token), (token, self._position), work)
+            for engine, step, ids in zip(engines, plans, outputs[1:]):
+                step.ids = ids
+                engine.take_steady(step)
+        except BaseException as e:   # launches of some layers may have run: the host no longer knows the state
+            state.break_with(e, "a decode step planned whole ")
+            raise
+        finally:
+            for layer in layers:
+                layer.steady = layer._steady_kv = None
+        return outputs[0]
+
+    def _plan(self) -> list | None:
+        """Every tiered layer's planned step, where each is steady and nothing else stores entries; else None."""
+        state = self.cache._state
+        state.check()
+        if state.windows or not state.engines or len(state.lengths()) > 1:
+            return None
+        plans = []
+        for engine in state.engines:
+            step = engine.plan_steady()
+            if step is None:
+                return None
+            plans.append(step)
+        return plans
+
+    def _key(self, plans: list, token: torch.Tensor) -> StepKey:
+        """What the step's replay bakes in: every layer's key, the model's weights where they lie, the inputs'
+        shapes (their contents are copied in)."""
+        held: tuple = (self.model,)
+        values: tuple = (tuple(t.data_ptr() for t in self._weights), token.shape, token.dtype,
+                         torch.is_autocast_enabled(self.device.type))
+        for step in plans:
+            held += step.key.held
+            values += (len(step.key.held), len(step.key.values), *step.key.values)
+        return StepKey(held, values)

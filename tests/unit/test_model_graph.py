@@ -1,0 +1,285 @@
+"""`DecodeGraph`: a model's decode step planned whole on the host, its launches (the model's and every layer's)
+run as one piece, then taken on the host; on CUDA that piece is a graph's replay.
+
+On the CPU no graph is captured, and what is checked is what a replay relies on: a step taken apart equals the
+ordinary step bit for bit and leaves the cache as the ordinary step would (its counters, its later steps);
+planning changes nothing when the step then runs the ordinary way; the launches of two steps with one key are
+the same, with the same arguments at the same addresses, and change no host state; a failure among them breaks
+the cache. What a replay gives is held on the GPU (`tests/cuda/test_cuda_cache.py`).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtier import DecodeGraph, TieredCache, cache_kwargs
+from kvtier.engine.graphs import StepGraphs
+from kvtier.errors import BrokenCacheError, ConfigError
+
+from tiny_models import tiny_llama
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
+
+
+def _gpu_path(cache: TieredCache) -> TieredCache:
+    for engine in cache._engines:   # recall planned, pages chosen and the pool attended as on a GPU
+        engine.device_recall = engine.select_kernels = engine.defer_nan = True
+    return cache
+
+
+def _cache(model, **kw) -> TieredCache:
+    kw = {"device_budget": 48, "recall_pages": 2, "prefetch_pages": 2, **kw}
+    return _gpu_path(TieredCache(model.config, **kw))
+
+
+def _prompt(n=200, seed=3):
+    return torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def _decode(step, steps=60, prompt=None):
+    logits = step(_prompt() if prompt is None else prompt)[:, -1:]
+    out = []
+    for _ in range(steps):
+        logits = step(logits.argmax(-1))[:, -1:].clone()
+        out.append(logits)
+    return torch.cat(out)
+
+
+def _plain(model, cache):
+    return lambda t: model(t, **cache_kwargs(cache)).logits
+
+
+def _same_stats(a: dict, b: dict) -> None:
+    a, b = dict(a), dict(b)
+    a.pop("cuda_graphs"), b.pop("cuda_graphs")   # the layers' own graphs count the steps they ran
+    assert a == b
+
+
+@pytest.mark.parametrize("scorer", ["keynorm", "kvp"])
+def test_steps_taken_apart_equal_ordinary_ones(scorer):
+    """Decoding through `DecodeGraph` (steps planned whole where steady, the others the ordinary way) gives the
+    logits of ordinary steps, bit for bit, and the same counters (pages recalled, prefetched, reused, demoted)."""
+    model = tiny_llama()
+    kind = scorer if scorer == "keynorm" else _random_kvp(model)
+    runs = {}
+    for graphed in (False, True):
+        with _cache(model, scorer=kind) as cache:
+            step = DecodeGraph(model, cache) if graphed else _plain(model, cache)
+            runs[graphed] = (_decode(step), cache.stats(), step.stats() if graphed else None)
+    assert torch.equal(runs[True][0], runs[False][0])
+    _same_stats(runs[True][1], runs[False][1])
+    s = runs[True][2]
+    assert runs[True][1]["demotions"] > 0 and runs[True][1]["prefetch"]["pages"] > 0
+    # most steps were planned whole (launched eagerly: no graph on a CPU); the prompt and demoting steps were not
+    assert s["eager"] > 3 * s["ordinary"] and s["ordinary"] >= 2 and s["replays"] == s["captures"] == 0, s
+    assert s["failed"] is None
+
+
+def _random_kvp(model):
+    from kvtier.scoring.kvp import KVPAgents, KVPScorer
+
+    cfg = model.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    torch.manual_seed(3)
+    agents = KVPAgents(cfg.num_hidden_layers * cfg.num_key_value_heads, head_dim, hidden=16)
+    meta = {"model": "random", "num_layers": cfg.num_hidden_layers, "num_kv_heads": cfg.num_key_value_heads,
+            "head_dim": head_dim}
+    return KVPScorer.from_agents(agents, meta)
+
+
+def test_steps_through_it_and_ordinary_ones_mix():
+    """Steps through `DecodeGraph` and ordinary calls of the model may alternate: the cache is left as the
+    ordinary steps leave it, so the same logits come either way."""
+    model = tiny_llama()
+    with _cache(model) as cache:
+        want = _decode(_plain(model, cache))
+    with _cache(model) as cache:
+        graph, plain = DecodeGraph(model, cache), _plain(model, cache)
+        calls = iter([graph, plain, plain, graph, graph, graph] * 20)
+        got = _decode(lambda t: next(calls)(t))
+    assert torch.equal(got, want)
+
+
+def test_planning_a_step_that_then_runs_the_ordinary_way_changes_nothing():
+    """Where some layer's step is not steady, the others' plans are let go and the step runs the ordinary way:
+    what planning made (the step's position, the recall buffer, the count's place on the device) the ordinary step
+    makes alike, so nothing differs."""
+    model = tiny_llama()
+    with _cache(model) as cache:
+        want = _decode(_plain(model, cache))
+    with _cache(model) as cache:
+        graph, plain = DecodeGraph(model, cache), _plain(model, cache)
+
+        def planned_then_plain(t):
+            if t.shape[1] == 1:
+                graph._plan()
+            return plain(t)
+
+        got = _decode(planned_then_plain)
+    assert torch.equal(got, want)
+
+
+def test_keys_repeat_between_demotions():
+    """The key of a planned step (every layer's, the model's weights, the inputs' shapes) is the same from one
+    steady step to the next, so a graph captured once is replayed, and differs after a demotion."""
+    model = tiny_llama()
+    keys = []
+    with _cache(model) as cache:
+        graph = DecodeGraph(model, cache)
+        run = graph.graphs.run
+
+        def keyed(key, inputs, work):
+            keys.append((cache.stats()["demotions"], key()))
+            return run(key, inputs, work)
+
+        graph.graphs.run = keyed
+        _decode(graph)
+    same = sum(a[1] == b[1] for a, b in zip(keys, keys[1:]))
+    changed = sum(a[1] != b[1] for a, b in zip(keys, keys[1:]))
+    assert same >= 3 * changed and changed >= 1, (same, changed)
+    # a key that repeats did so within one demotion count
+    assert all(a[0] == b[0] for a, b in zip(keys, keys[1:]) if a[1] == b[1])
+
+
+def test_a_planned_step_issues_the_same_launches_under_one_key(monkeypatch):
+    """What a captured step stands for: two steps with one key issue the same launches (the model's and every
+    layer's, the native ones as one call each) with the same arguments at the same addresses, the step's inputs
+    (the token and its position, copied into a graph's buffers) and what the step made aside; and the launches
+    change no host state of any layer."""
+    from test_decode_launches_repeat import _NATIVE_OPS, StepRecorder, _host_state, _recorded
+
+    from kvtier import native
+
+    model = tiny_llama()
+    recorder: list = [None]
+
+    class Everything(StepRecorder):   # every launch of the step, as one timeline (layer 0)
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            from kvtier.bench.launches import NO_KERNEL
+
+            op = func.overloadpacket.__name__
+            if not self.inside_native and op not in NO_KERNEL:
+                self.note(op, "", 0, args, kwargs or {}, out)
+            return out
+
+    for name in _NATIVE_OPS:
+        monkeypatch.setattr(native, name, _recorded(recorder, name))
+    monkeypatch.setattr("test_decode_launches_repeat._layer_of", lambda frame: 0)
+    by_key: dict = {}
+    with _cache(model) as cache:
+        graph = DecodeGraph(model, cache)
+        run = graph.graphs.run
+
+        def watched(key, inputs, work):
+            k = key()
+
+            def recorded(*given):
+                before = [_host_state(e) for e in cache._engines]
+                recorder[0] = Everything({t.untyped_storage().data_ptr(): n for t, n in
+                                          zip(given, ("token", "position"))})
+                try:
+                    with recorder[0]:
+                        out = work(*given)
+                finally:
+                    launches, recorder[0] = recorder[0].launches[0], None
+                assert [_host_state(e) for e in cache._engines] == before, "the launches changed host state"
+                by_key.setdefault(k, []).append(tuple(launches))
+                return out
+
+            return run(key, inputs, recorded)
+
+        graph.graphs.run = watched
+        _decode(graph, steps=40)
+    repeated = 0
+    for launches in by_key.values():
+        first = launches[0]
+        assert first and any(x[0] == "attend_pages" for x in first) and any(x[0] == "mm" for x in first)
+        for later in launches[1:]:
+            assert later == first, [(a, b) for a, b in zip(first, later) if a != b][:2]
+            repeated += 1
+    assert repeated >= 20 and len(by_key) >= 2, (repeated, len(by_key))
+
+
+def test_a_failure_among_the_launches_breaks_the_cache(monkeypatch):
+    """Once some layers' launches ran, the host no longer knows the device's state: a failure there breaks the
+    cache, which says so on every later call, until `reset`."""
+    from kvtier.engine.layer import LayerEngine
+
+    model = tiny_llama()
+    with _cache(model) as cache:
+        graph = DecodeGraph(model, cache)
+        _decode(graph, steps=8)
+        real = LayerEngine.steady_launches
+
+        def fails_in_the_last_layer(self, *args, **kwargs):
+            if self.layer_idx == len(cache._engines) - 1:
+                raise RuntimeError("injected")
+            return real(self, *args, **kwargs)
+
+        monkeypatch.setattr(LayerEngine, "steady_launches", fails_in_the_last_layer)
+        token = torch.tensor([[5]])
+        with pytest.raises(RuntimeError, match="injected"):
+            for _ in range(20):   # until a step is planned whole (a demoting one is not)
+                graph(token)
+        monkeypatch.setattr(LayerEngine, "steady_launches", real)
+        assert "injected" in cache.broken
+        with pytest.raises(BrokenCacheError):
+            graph(token)
+        cache.reset()
+        _decode(graph, steps=4)
+
+
+def test_prompts_windows_and_refusals():
+    """A prompt runs the ordinary way; a model with sliding-window layers runs every step the ordinary way;
+    a cache built for another model, a batch, or a setting that is not a bool is refused by name."""
+    model = tiny_llama()
+    with _cache(model) as cache:
+        graph = DecodeGraph(model, cache)
+        graph(_prompt(20))
+        assert graph.stats()["ordinary"] == 1 and graph.stats()["eager"] == 0
+        with pytest.raises(ConfigError, match=r"token of shape \[2, 1\]"):
+            graph(torch.zeros(2, 1, dtype=torch.int64))
+        with pytest.raises(ConfigError, match="enabled=1"):
+            DecodeGraph(model, cache, enabled=1)
+        with pytest.raises(ConfigError, match="another config"):
+            DecodeGraph(tiny_llama(seed=1), cache)
+    with pytest.raises(ConfigError, match="allowed: a TieredCache"):
+        from transformers import DynamicCache
+
+        DecodeGraph(model, DynamicCache())
+
+    torch.manual_seed(0)
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=16, vocab_size=128, num_hidden_layers=4, sliding_window=64,
+                           layer_types=["sliding_attention", "full_attention"] * 2)
+    cfg._attn_implementation = "eager"
+    hybrid = AutoModelForCausalLM.from_config(cfg).eval()
+    with _cache(hybrid) as cache:
+        graph = DecodeGraph(hybrid, cache)
+        got = _decode(graph, steps=10)
+    with _cache(hybrid) as cache:
+        want = _decode(_plain(hybrid, cache), steps=10)
+    assert torch.equal(got, want) and graph.stats()["ordinary"] == 11 and graph.stats()["eager"] == 0
+
+
+def test_a_graph_off_never_asks_for_a_key():
+    """Where no graph is captured (a CPU), `StepGraphs.run` does not ask for the key: a planned step pays for
+    its layers' keys only (made by `plan_steady`), not for the model's."""
+    model = tiny_llama()
+    with _cache(model) as cache:
+        graph = DecodeGraph(model, cache)
+        assert not graph.graphs.enabled and isinstance(graph.graphs, StepGraphs)
+        called = []
+        real = graph._key
+        graph._key = lambda *a: called.append(1) or real(*a)
+        _decode(graph, steps=10)
+    assert graph.stats()["eager"] > 0 and not called
+
