@@ -13,6 +13,7 @@ the path counted is the GPU's.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import sys
 import time
@@ -349,6 +350,55 @@ def time_cache_host(model: Any, input_ids: torch.Tensor, make_cache: Callable[[]
     if not watched:
         return per * clock.host, None, None
     return per * clock.host, per * clock.work_host, per * clock.keys
+
+
+def time_decode_graph_host(model: Any, input_ids: torch.Tensor, make_cache: Callable[[], Any], steps: int,
+                           warmup: int = 2) -> dict[str, Any]:
+    """What a step replayed whole by `DecodeGraph` costs the host besides the replay itself: planning every
+    layer's step, the step's key (what a replay is looked up by; made here though no graph is captured), and
+    taking every layer's step after, in microseconds per layer and step, over the planned steps among `steps`
+    greedy steps (the others run the ordinary way and are not counted)."""
+    from ..integrations.model_graph import DecodeGraph
+
+    cache = make_cache()
+    times = {"plan": 0.0, "key": 0.0, "take": 0.0}
+    planned = 0
+    try:
+        graph = DecodeGraph(model, cache)
+        plan, take = graph._plan, type(cache._engines[0]).take_steady
+
+        def timed_plan() -> Any:
+            nonlocal planned
+            t0 = time.perf_counter()
+            plans = plan()
+            times["plan"] += time.perf_counter() - t0
+            if plans is not None:
+                planned += 1
+                t0 = time.perf_counter()
+                graph._key(plans, token)
+                times["key"] += time.perf_counter() - t0
+            return plans
+
+        def timed_take(engine: Any, step: Any) -> None:
+            t0 = time.perf_counter()
+            take(engine, step)
+            times["take"] += time.perf_counter() - t0
+
+        with torch.no_grad():
+            token = graph(input_ids)[:, -1:].argmax(-1)
+            for _ in range(warmup):
+                token = graph(token)[:, -1:].argmax(-1)
+            graph._plan = timed_plan
+            for engine in cache._engines:
+                engine.take_steady = functools.partial(timed_take, engine)
+            for _ in range(steps):
+                token = graph(token)[:, -1:].argmax(-1)
+    finally:
+        if hasattr(cache, "close"):
+            cache.close()
+    per = 1e6 / max(1, len(cache._engines) * planned)
+    out = {k: round(v * per, 1) for k, v in times.items()}
+    return {**out, "total": round(sum(out.values()), 1), "planned_steps": planned, "steps": steps}
 
 
 def _native_calls() -> dict[str, int]:

@@ -213,7 +213,7 @@ def launches(context: str, steps: int, demote_pages: str, prefetch_at: str, devi
 
     from transformers import DynamicCache
 
-    from ..bench.launches import count_launches, time_cache_host
+    from ..bench.launches import count_launches, time_cache_host, time_decode_graph_host
     from ..integrations.hf import TieredCache
     from ..tasks.needle import make_needle_task
 
@@ -235,10 +235,13 @@ def launches(context: str, steps: int, demote_pages: str, prefetch_at: str, devi
     rows = [count_launches(lm, ids, make, name, steps)[0] for name, make in makers.items()]
     for row, make in zip(rows, makers.values()):   # timed apart: the counter's dispatch would weigh on the time
         row.host_us, row.captured_host_us, row.key_host_us = time_cache_host(lm, ids, make, steps)
+    # the host's part of a step replayed whole (DecodeGraph), for the first kvtier row's settings
+    whole = time_decode_graph_host(lm, ids, list(makers.values())[1], steps)
     out = {"machine": _machine(device), "prompt_tokens": task.prompt_tokens, "steps": steps,
            "settings": {"device_budget": budget, "recall_pages": recall_pages, "scorer": scorer, "seed": seed,
                         "prefetch": prefetch_at},
            "rows": [r.as_dict() for r in rows],
+           "decode_graph_host_us_per_layer_step": whole,
            "ratio": round(rows[1].total / max(1, rows[0].total), 2)}
     if as_json:
         click.echo(json.dumps(out, indent=2))
@@ -255,6 +258,9 @@ def launches(context: str, steps: int, demote_pages: str, prefetch_at: str, devi
                        f"{r['captured_launches_per_layer_step']:.1f} launches, "
                        f"{r['captured_host_us_per_layer_step']:.1f} us of host time; the replay's keys "
                        f"{r['graph_key_host_us_per_layer_step']:.1f} us beside it")
+    click.echo(f"  a step replayed whole (DecodeGraph) costs the host, per layer: plan {whole['plan']:.1f} us, key "
+               f"{whole['key']:.1f} us, take {whole['take']:.1f} us ({whole['planned_steps']} of {steps} steps "
+               "planned)")
     click.echo(f"  TieredCache / DynamicCache: x{out['ratio']:.2f} launches")
 
 
@@ -324,6 +330,9 @@ def wrappers(contexts: str, device_budget: float, calls: int, threads: int, as_j
 @click.option("--eager-row/--no-eager-row", "eager", default=True, show_default=True,
               help="Also time kvtier with CUDA graphs off, its decode steps' launches issued one by one (at each "
                    "context; the kvtier row is the cache as made by default, on CUDA replayed from graphs).")
+@click.option("--decode-graph-row/--no-decode-graph-row", "decode_graph", default=True, show_default=True,
+              help="Also time kvtier stepped by DecodeGraph: the model's decode step and the cache's captured as one "
+                   "CUDA graph and replayed where the step is steady (at each context, and the 1M row).")
 @click.option("--no-prefetch-row/--skip-no-prefetch-row", "no_prefetch", default=True, show_default=True,
               help="Also time kvtier without prefetch (prefetch_pages=0), and with its prefetch on the side stream "
                    "rather than in each step's CUDA graph, at the largest context.")
@@ -339,7 +348,7 @@ def wrappers(contexts: str, device_budget: float, calls: int, threads: int, as_j
 @user_errors
 def gpu(contexts: str, million: bool, million_context: str, million_layers: str, device_budget: str,
         recall_pages: int, layers: int | None, shape: str, steps: int, warmup: int, growth_steps: int,
-        growth_seconds: float, prefill_chunk: int, copy_mib: int, batch_mib: int, eager: bool,
+        growth_seconds: float, prefill_chunk: int, copy_mib: int, batch_mib: int, eager: bool, decode_graph: bool,
         no_prefetch: bool, profile_steps: int, device: str, threads: int | None, seed: int, out_path: str,
         quiet: bool) -> None:
     """Demotion/recall GB/s vs a raw pinned copy; decode step of the Llama-3.1-8B shape (random weights, bf16,
@@ -378,7 +387,7 @@ def gpu(contexts: str, million: bool, million_context: str, million_layers: str,
                          million_context=m_ctx, million_layers=m_layers, device_budget=budget,
                          recall_pages=recall_pages, steps=steps, warmup=warmup, growth_steps=growth_steps,
                          growth_seconds=growth_seconds, prefill_chunk=prefill_chunk, copy_mib=copy_mib,
-                         batch_mib=batch_mib, eager=eager, no_prefetch=no_prefetch,
+                         batch_mib=batch_mib, eager=eager, decode_graph=decode_graph, no_prefetch=no_prefetch,
                          profile_steps=profile_steps, seed=seed)
     out_file = Path(out_path).expanduser()
 

@@ -648,6 +648,7 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
         self.last_recall = None
         self._slot_mirror = None
         self._nan = self._nan_buf = None
+        self._steady_how = None
         self.settle_counts()
         if self.parked is not None:
             self.parked.discard(self.disk)

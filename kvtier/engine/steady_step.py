@@ -61,7 +61,8 @@ class SteadySteps:
     def plan_steady(self) -> SteadyStep | None:
         """The next decode step, planned, where it is steady; else None (the step must run the ordinary way)."""
         how = self._steady_how
-        if how is None or not self._steady_now(how):
+        # a model with attention sinks (GPT-OSS) may hand them as a new tensor each step: its steps stay ordinary
+        if how is None or how[1] is not None or not self._steady_now(how):
             return None
         self.table.settle(ready_only=True)   # as `write` does first (the last demotions' copies, landed)
         if self._unordered:   # as `attend` does: what reads the demoted pages comes after their copies

@@ -111,7 +111,8 @@ class KVPScorer:
         step's position features; and whether it scores through the native kernel (`native_score`: None,
         where the kernel runs, CUDA with cupy; one launch where the networks take a dozen)."""
         self._device_copies: dict[torch.device, tuple[KVPAgents, native.MLPWeights]] = {}
-        self._last_positions: tuple[torch.Tensor, int, torch.Tensor] | None = None   # (positions, version, feats)
+        # (positions, version, feats, made under a CUDA graph capture)
+        self._last_positions: tuple[torch.Tensor, int, torch.Tensor, bool] | None = None
         # a decode step's features, kept per positions tensor (a cache keeps one for its decode steps; caches
         # sharing this scorer each get their own): id -> (a weak reference to the tensor, its features). Not a
         # WeakKeyDictionary: its lookups compare tensors with ==, which reads a device value back
@@ -179,7 +180,11 @@ class KVPScorer:
         # a tensor made in inference mode has no version; nothing writes such a one again (the kept one of
         # `SharedResources.positions` is made outside it)
         version = -1 if positions.is_inference() else positions._version
-        if last is not None and last[0] is positions and last[1] == version and last[2].device == device:
+        # features computed under a CUDA graph's capture are only queued there (and lost if the capture fails):
+        # a memo made during a capture serves that capture alone
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if last is not None and last[0] is positions and last[1] == version and last[2].device == device \
+                and last[3] == capturing:
             return last[2]
         n = positions.numel()
         if n > _KEPT_POSITIONS:
@@ -193,7 +198,7 @@ class KVPScorer:
             self._step_features = {k: e for k, e in self._step_features.items() if e[0]() is not None}
             self._step_features[id(positions)] = (weakref.ref(positions), kept)
         feats = position_features(positions.to(device), out=kept)
-        self._last_positions = (positions, version, feats)
+        self._last_positions = (positions, version, feats, capturing)
         return feats
 
     @torch.no_grad()

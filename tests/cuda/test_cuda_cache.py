@@ -1,7 +1,8 @@
 """The whole cache on a GPU, in bfloat16, on tiny random-weight models (nothing to download): exact at full
 budget, exact (float32) or within rounding (bfloat16) with every page recalled across many decode steps with
 demotions and disk pages, the split attention over partly recalled pages against a float64 reference,
-parking and `SessionStore`, and the hybrid (sliding-window) path."""
+parking and `SessionStore`, the hybrid (sliding-window) path, and whole decode steps replayed from one CUDA graph
+(`DecodeGraph`)."""
 
 from __future__ import annotations
 
@@ -445,3 +446,73 @@ def test_page_choice_by_the_kernels_chooses_as_the_matrix_products(cuda_device):
                for h in range(a.shape[0]))
     total = sum(a.numel() for a in chosen[False])
     assert same >= 0.9 * total, f"{same} of {total} chosen pages agree"
+
+
+def _steps_through(step, ids, steps):
+    """`_decode_logits` through a callable that takes a token and returns logits (a `DecodeGraph`)."""
+    with torch.no_grad():
+        logits = step(ids)[:, -1:]
+        seen = []
+        for _ in range(steps):
+            logits = step(logits.argmax(-1))[:, -1:]
+            seen.append(logits[0, 0].float().cpu())
+    return torch.stack(seen)
+
+
+@pytest.mark.parametrize("scorer", ["keynorm", "kvp"])
+def test_whole_decode_steps_replayed_from_one_graph_equal_ordinary_ones(cuda_device, scorer):
+    """`DecodeGraph`: the model's decode step and every layer's captured as one CUDA graph, replayed where the step
+    is steady, gives the logits of ordinary steps bit for bit (and of the same steps launched eagerly), with the
+    same counters, over enough steps for several demotions and captures; most steps are replays."""
+    from kvtier import DecodeGraph, native
+
+    if native.kernel_status() is not None:
+        pytest.skip(f"native kernels are off ({native.kernel_status()}): no step runs as launches only")
+    model = _llama(cuda_device)
+    ids = _prompt(900, cuda_device)
+    runs = {}
+    for name in ("ordinary", "one graph", "planned, eager"):
+        kind = scorer if scorer == "keynorm" else _random_kvp(model)
+        with TieredCache(model.config, device_budget=96, recall_pages=6, prefetch_pages=6, scorer=kind) as cache:
+            step = (lambda t: model(t, **cache_kwargs(cache)).logits) if name == "ordinary" else \
+                DecodeGraph(model, cache, enabled=name == "one graph")
+            logits = _steps_through(step, ids, 64)
+            s = cache.stats()
+            s.pop("cuda_graphs")
+            runs[name] = (logits, s, None if name == "ordinary" else step.stats())
+    assert torch.equal(runs["one graph"][0], runs["ordinary"][0])
+    assert torch.equal(runs["planned, eager"][0], runs["ordinary"][0])
+    assert runs["one graph"][1] == runs["ordinary"][1] == runs["planned, eager"][1]
+    g = runs["one graph"][2]
+    assert g["failed"] is None, g["failed"]
+    assert g["replays"] > g["eager"] + g["ordinary"] and g["captures"] >= 2, g
+    e = runs["planned, eager"][2]
+    assert e["replays"] == e["captures"] == 0 and e["eager"] > 0, e
+
+
+@torch.no_grad()
+def test_a_whole_step_replayed_from_one_graph_never_syncs(cuda_device):
+    """A replayed whole step (planning every layer's step, copying the token and its position in, the replay,
+    taking the steps after) reads nothing back from the GPU."""
+    from kvtier import DecodeGraph, native
+
+    if native.kernel_status() is not None:
+        pytest.skip(f"native kernels are off ({native.kernel_status()})")
+    model = _llama(cuda_device)
+    with TieredCache(model.config, device_budget=64, recall_pages=8, scorer="keynorm") as cache:
+        graph = DecodeGraph(model, cache)
+        token = graph(_prompt(600, cuda_device))[:, -1:].argmax(-1)
+        for _ in range(40):   # until a step replays, and the next one would too (no demotion ahead)
+            token = graph(token)[:, -1:].argmax(-1)
+            if graph.stats()["replays"] and all(e.pool.count + 1 <= e.cfg.device_tokens(e.seen + 1)
+                                                for e in cache._engines):
+                break
+        replays = graph.stats()["replays"]
+        assert replays > 0, graph.stats()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            logits = graph(token)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert graph.stats()["replays"] == replays + 1 and torch.isfinite(logits).all()

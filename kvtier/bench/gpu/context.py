@@ -17,8 +17,10 @@ from .timing import Clock, Progress, Skip, _attempt, _free, _median, _r
 # "kvtier" is the cache as made by default (on CUDA its steps replay from CUDA graphs, each step's prefetch
 # within its graph); "kvtier_eager" the same with its launches issued one by one (cuda_graphs=False);
 # "kvtier_side_prefetch" the default with the prefetch on the side stream, replayed there from graphs of its own;
-# "kvtier_no_prefetch" the default without prefetch
-ROW_NAMES = {"kvtier": "kvtier", "kvtier_eager": "kvtier, eager (no CUDA graphs)",
+# "kvtier_no_prefetch" the default without prefetch; "kvtier_graph" the default cache stepped by `DecodeGraph`
+# (the model's step and the cache's as one CUDA graph, where the step is steady)
+ROW_NAMES = {"kvtier": "kvtier", "kvtier_graph": "kvtier, whole step as one CUDA graph (DecodeGraph)",
+             "kvtier_eager": "kvtier, eager (no CUDA graphs)",
              "kvtier_side_prefetch": "kvtier, prefetch on the side stream", "kvtier_no_prefetch": "kvtier, no prefetch",
              "dynamic": "DynamicCache", "offloading": "DynamicCache(offloading=True)"}
 
@@ -69,6 +71,7 @@ def run_context(cfg: GpuBenchConfig, model: Any, context: int, scorer: Any, cloc
     from transformers import DynamicCache
 
     from ...integrations.hf import TieredCache
+    from ...integrations.model_graph import DecodeGraph
 
     device, layers = clock.device, cfg.num_layers
     g = torch.Generator().manual_seed(cfg.seed + context)
@@ -88,7 +91,7 @@ def run_context(cfg: GpuBenchConfig, model: Any, context: int, scorer: Any, cloc
     paired: dict[str, Any] = {}
 
     def tiered(graphs: bool = True, prefetch: int | None = None, profile: bool = True, demoting: bool = False,
-               in_step: bool | None = None, in_turn: bool = False) -> dict[str, Any]:
+               in_step: bool | None = None, in_turn: bool = False, whole: bool = False) -> dict[str, Any]:
         if device.type != "cuda" and not (graphs and prefetch is None and in_step is None):
             raise Skip("not run on cpu: without CUDA graphs or prefetch there it is the kvtier row again")
         cache = TieredCache(model.config, device_budget=cfg.device_budget, host_budget=None, scorer=scorer,
@@ -97,10 +100,12 @@ def run_context(cfg: GpuBenchConfig, model: Any, context: int, scorer: Any, cloc
             engine.prefetch_in_step = in_step
         try:
             fill = clock.time(lambda: _fill_from(cache, kv, cfg.prefill_chunk, progress, "kvtier fill"))
-            _, t = decode_steps(model, cache, token, cfg.warmup, clock)
-            capture_steps, t = warm_until_replayed(model, cache, t, clock)
+            stepper = DecodeGraph(model, cache) if whole else cache   # what `decode_steps` steps through
+            _, t = decode_steps(model, stepper, token, cfg.warmup, clock)
+            capture_steps, t = warm_until_replayed(model, stepper, t, clock)
             issued: list[float] = []
             graphs_before = cache.stats()["cuda_graphs"]
+            whole_before = stepper.stats() if whole else None
             in_turn_with = None
             if in_turn:   # DynamicCache warmed, then a step of each in turn (its steps grow the shared K/V)
                 _, dt = decode_steps(model, full, token, cfg.warmup, clock)
@@ -108,18 +113,23 @@ def run_context(cfg: GpuBenchConfig, model: Any, context: int, scorer: Any, cloc
                     model, [(cache, t), (full, dt)], cfg.steps, clock, progress, "kvtier and DynamicCache in turn")
                 in_turn_with = {"times": d_times, "issued": d_issued, "token": dt, "kvtier": times}
             else:
-                times, t = decode_steps(model, cache, t, cfg.steps, clock, progress, "kvtier decode", issued=issued)
+                times, t = decode_steps(model, stepper, t, cfg.steps, clock, progress, "kvtier decode", issued=issued)
             stats = cache.stats()
             out = _step_row(times, issued, fill_seconds=_r(fill, 3), tiers=_tier_summary(stats),
                             cuda_graphs=stats["cuda_graphs"], demotions=stats["demotions"],
                             cuda_graphs_timed=_graph_counts_since(graphs_before, stats["cuda_graphs"]))
+            if whole:   # how its steps ran: replayed whole, captured, planned and launched eagerly, ordinary
+                after = stepper.stats()
+                out["decode_graph"] = after
+                out["decode_graph_timed"] = {k: after[k] - whole_before[k] for k in
+                                             ("replays", "captures", "eager", "ordinary")}
             if device.type == "cuda" and graphs:
                 out["capturing_warmup_ms"] = capture_steps   # after the --warmup steps, before the timed ones
             if cfg.profile_steps and profile:
                 progress.say(f"{context:,} tokens: {cfg.profile_steps} kvtier steps under cProfile")
-                out["host_profile"] = profile_steps(model, cache, t, cfg.profile_steps, clock)
+                out["host_profile"] = profile_steps(model, stepper, t, cfg.profile_steps, clock)
                 out["device_profile"] = _attempt("device profile", lambda: kernel_profile(
-                    model, cache, t, cfg.profile_steps, clock), device, progress)
+                    model, stepper, t, cfg.profile_steps, clock), device, progress)
                 if demoting:   # one context is enough: where a demoting step's extra time goes
                     progress.say(f"{context:,} tokens: kvtier steps under cProfile until one demotes")
                     out["demotion_profile"], t = profile_demotion(model, cache, t, clock)
@@ -167,11 +177,12 @@ def run_context(cfg: GpuBenchConfig, model: Any, context: int, scorer: Any, cloc
     runs = (("kvtier_eager", lambda: tiered(graphs=False)),
             ("kvtier_side_prefetch", lambda: tiered(in_step=False, profile=False)),
             ("kvtier_no_prefetch", lambda: tiered(prefetch=0, profile=False)), ("offloading", offloaded),
+            ("kvtier_graph", lambda: tiered(whole=True)),
             ("kvtier", lambda: tiered(demoting=growth, in_turn=True)), ("dynamic", dynamic))
     # the kvtier row (DynamicCache's steps in turn with it) and DynamicCache's own last: DynamicCache's steps grow
     # the shared K/V by a copy (`torch.cat`) while `kv` keeps the prefill's, so the rows before fill from it alone
     for name, fn in runs:
-        if name == "kvtier_eager" and not cfg.eager:
+        if (name == "kvtier_eager" and not cfg.eager) or (name == "kvtier_graph" and not cfg.decode_graph):
             continue
         if name in ("kvtier_side_prefetch", "kvtier_no_prefetch") and not (cfg.no_prefetch and
                                                                           context == max(cfg.contexts)):
@@ -189,6 +200,11 @@ def run_context(cfg: GpuBenchConfig, model: Any, context: int, scorer: Any, cloc
     if paired:   # the median of each turn's own ratio: DynamicCache's step over the kvtier step just before it
         row["ratios"]["dynamic_over_kvtier_by_turn"] = _r(_median([d / k for d, k in zip(paired["times"],
                                                                                          paired["kvtier"])]))
+    graph_ms = rows.get("kvtier_graph", {}).get("step_ms_median")
+    if "kvtier_graph" in rows:   # the whole step replayed: against each cache, and what it saves the kvtier row
+        for name in ("dynamic", "offloading", "kvtier"):
+            other = rows[name].get("step_ms_median")
+            row["ratios"][f"{name}_over_kvtier_graph"] = _r(other / graph_ms) if other and graph_ms else None
     for name, key in (("kvtier_eager", "kvtier_eager_over_kvtier"),
                       ("kvtier_side_prefetch", "kvtier_side_prefetch_over_kvtier"),
                       ("kvtier_no_prefetch", "kvtier_over_no_prefetch")):

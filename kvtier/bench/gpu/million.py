@@ -38,6 +38,7 @@ def run_million(cfg: GpuBenchConfig, scorer_for: Callable[[Any], tuple[Any, str]
     """Fill a TieredCache with `million_context` synthetic tokens (random K/V through each layer's update),
     then time decode steps through a model of as many layers."""
     from ...integrations.hf import TieredCache
+    from ...integrations.model_graph import DecodeGraph
 
     device = clock.device
     layers, why = million_layers(cfg)
@@ -68,6 +69,20 @@ def run_million(cfg: GpuBenchConfig, scorer_for: Callable[[Any], tuple[Any, str]
         _, token = decode_steps(model, cache, token, cfg.warmup, clock)
         capture_steps, token = warm_until_replayed(model, cache, token, clock)
         times, token = decode_steps(model, cache, token, cfg.steps, clock, progress, "1M decode")
+        whole = None
+        if cfg.decode_graph:   # the same cache stepped by DecodeGraph: the model's step and the cache's, one graph
+            graph = DecodeGraph(model, cache)
+            _, token = decode_steps(model, graph, token, 1, clock)   # the first steady step runs eagerly
+            graph_capture, token = warm_until_replayed(model, graph, token, clock)
+            before = graph.stats()
+            graph_times, token = decode_steps(model, graph, token, cfg.steps, clock, progress, "1M decode, one graph")
+            after = graph.stats()
+            whole = {"step_ms_median": _r(_median(graph_times) * 1e3),
+                     "step_ms": [_r(t * 1e3) for t in graph_times],
+                     "step_ms_per_layer": _r(_median(graph_times) * 1e3 / layers, 4),
+                     "capturing_warmup_ms": graph_capture, "decode_graph": after,
+                     "decode_graph_timed": {k: after[k] - before[k] for k in ("replays", "captures", "eager",
+                                                                               "ordinary")}}
         st = cache.stats()
         dev_stats = st["device"]["reserved_bytes"] + st["device"]["index_bytes"]
         measured = None if base is None else torch.cuda.memory_allocated(device) - base
@@ -80,7 +95,7 @@ def run_million(cfg: GpuBenchConfig, scorer_for: Callable[[Any], tuple[Any, str]
                         gpu_allocated_bytes=measured,
                         per_layer_gpu_bytes=int((measured if measured is not None else dev_stats) / layers),
                         step_ms_per_layer=_r(_median(times) * 1e3 / layers, 4), cuda_graphs=st["cuda_graphs"],
-                        capturing_warmup_ms=capture_steps)
+                        capturing_warmup_ms=capture_steps, decode_graph=whole)
         if cfg.profile_steps:   # where the step's time goes at 1M: the device's kernels above all
             out["host_profile"] = profile_steps(model, cache, token, cfg.profile_steps, clock)
             out["device_profile"] = _attempt("1M device profile", lambda: kernel_profile(

@@ -96,6 +96,13 @@ def format_report(result: dict[str, Any]) -> str:
                          + (f"; capture failed: {failed}" if failed else "")
                          + f"; steps that captured first: {k.get('capturing_warmup_ms', [])} ms")
         beside = {   # each row run beside the kvtier one: what it says, given the row
+            "kvtier_graph": lambda r: (
+                f"kvtier / one graph {_fmt(ra.get('kvtier_over_kvtier_graph'), '.2f', 'x')}, Dyn / one graph "
+                f"{_fmt(ra.get('dynamic_over_kvtier_graph'), '.2f', 'x')}, offload / one graph "
+                f"{_fmt(ra.get('offloading_over_kvtier_graph'), '.1f', 'x')}; timed steps "
+                + ", ".join(f"{v} {k}" for k, v in r.get("decode_graph_timed", {}).items())
+                + (f"; capture failed: {r['decode_graph']['failed']}" if r.get("decode_graph", {}).get("failed")
+                   else "")),
             "kvtier_eager": lambda r: f"eager / kvtier {_fmt(ra.get('kvtier_eager_over_kvtier'), '.2f', 'x')}",
             "kvtier_side_prefetch": lambda r: (
                 f"side stream / in the step's graph {_fmt(ra.get('kvtier_side_prefetch_over_kvtier'), '.2f', 'x')}; "
@@ -125,7 +132,8 @@ def format_report(result: dict[str, Any]) -> str:
                 f"{name} {p['device_busy_ms_per_step']:.2f} ms ({p['device_busy_share']:.0%})" for name, p in busy))
     issue = [(row["context"], row["rows"][name].get("issue_ms_median"), ROW_NAMES[name])
              for row in result["decode"] if not row.get("skipped")
-             for name in ("kvtier", "kvtier_eager", "kvtier_side_prefetch", "kvtier_no_prefetch", "dynamic")
+             for name in ("kvtier", "kvtier_graph", "kvtier_eager", "kvtier_side_prefetch", "kvtier_no_prefetch",
+                          "dynamic")
              if name in row["rows"] and not row["rows"][name].get("skipped")]
     if issue:
         lines.append("  host time to issue a step, ms (median; with any wait of the step's own): " +
@@ -177,10 +185,19 @@ def format_report(result: dict[str, Any]) -> str:
                       f"{mil['projected_gpu_bytes_full_shape'] / GiB:.2f} GiB",
                       f"  tiers: device {t['device']['bytes'] / GiB:.2f} GiB ({t['device']['tokens']:,} entries), "
                       f"host {t['host']['bytes'] / GiB:.2f} GiB, disk {t['disk']['bytes'] / GiB:.2f} GiB"]
+            whole = mil.get("decode_graph")
+            if whole:
+                lines.append(f"  stepped by DecodeGraph (one graph a step): {whole['step_ms_median']:.2f} ms "
+                             f"({whole['step_ms_per_layer']:.3f} ms per layer); timed steps "
+                             + ", ".join(f"{v} {k}" for k, v in whole["decode_graph_timed"].items())
+                             + (f"; capture failed: {whole['decode_graph']['failed']}"
+                                if whole["decode_graph"].get("failed") else ""))
     lines += ["", f"targets ({result.get('targets_note', '')})"]
     for t in result["targets"]:
         verdict = {True: "PASS", False: "FAIL", None: "n/a"}[t["pass"]]
         lines.append(f"  {verdict:<5}{t['name']:<28}{_fmt(t['measured'], '.3g'):>8} {t['unit']:<9}"
-                     f"(limit {t['threshold']:.3g})  {t['note']}")
+                     f"(limit {t['threshold']:.3g})  {t['note']}"
+                     + (f" [stepped by DecodeGraph: {t['with_decode_graph']:.3g} {t['unit']}]"
+                        if t.get("with_decode_graph") is not None else ""))
     lines.append(f"\ntotal {result['seconds']['total']:.1f} s")
     return "\n".join(lines)

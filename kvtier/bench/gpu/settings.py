@@ -30,6 +30,7 @@ class GpuBenchConfig:
     batch_mib: int = 64                   # demotion and recall batches
     repeats: int = 3
     eager: bool = True                    # also a kvtier row with CUDA graphs off, at each context
+    decode_graph: bool = True             # also a kvtier row stepped by DecodeGraph (the whole step one graph)
     no_prefetch: bool = True              # also kvtier rows without prefetch and with it on the side stream,
                                           # at the largest context
     profile_steps: int = 0                # kvtier steps profiled (cProfile) after each kvtier row's timed ones

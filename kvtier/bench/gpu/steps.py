@@ -40,17 +40,16 @@ def decode_steps(model: Any, cache: Any, token: torch.Tensor, n: int, clock: Clo
     `demoted`, when given, gets whether each step moved entries down from the device (a kvtier cache);
     `issued` the seconds the host took to issue each step (until the forward returned, before the wait for the
     device): a step whose issue takes about its whole time is bound by the host, not by the device."""
-    from ...integrations.hf import cache_kwargs
-
     times = []
     steps = range(n) if progress is None else progress.bar(range(n), desc, total=n)
-    moved = (lambda: cache.counters.bytes_moved["device_to_host"]) if demoted is not None else (lambda: 0)
+    forward = _forward(model, cache)
+    counters = getattr(getattr(cache, "cache", cache), "counters", None)
+    moved = (lambda: counters.bytes_moved["device_to_host"]) if demoted is not None else (lambda: 0)
     for _ in steps:
         clock.sync()
         before = moved()
         t0 = time.perf_counter()
-        out = model(token, **cache_kwargs(cache), use_cache=True)
-        token = out.logits[:, -1:].argmax(-1)
+        token = forward(token)[:, -1:].argmax(-1)
         if issued is not None:
             issued.append(time.perf_counter() - t0)
         clock.sync()
@@ -60,6 +59,16 @@ def decode_steps(model: Any, cache: Any, token: torch.Tensor, n: int, clock: Clo
         if deadline is not None and time.perf_counter() > deadline:
             break
     return times, token
+
+
+def _forward(model: Any, cache: Any) -> Any:
+    """A decode step's logits from a token: through `cache` (a `DecodeGraph` steps the model itself)."""
+    from ...integrations.hf import cache_kwargs
+    from ...integrations.model_graph import DecodeGraph
+
+    if isinstance(cache, DecodeGraph):
+        return cache
+    return lambda token: model(token, **cache_kwargs(cache), use_cache=True).logits
 
 
 def steps_in_turn(model: Any, runs: list[tuple[Any, torch.Tensor]], n: int, clock: Clock,
@@ -85,15 +94,20 @@ GRAPH_WARMUP_MAX = 8   # extra warm-up steps a row with CUDA graphs may take unt
 def warm_until_replayed(model: Any, cache: Any, token: torch.Tensor,
                         clock: Clock) -> tuple[list[float], torch.Tensor]:
     """Decode steps until one captures no new CUDA graph (at most `GRAPH_WARMUP_MAX`), where the cache's steps
-    are captured (on CUDA, by default): the timed steps are then the steady ones, which replay. Returns the
+    are captured (on CUDA, by default; `cache` may be a `DecodeGraph`, whose captures are its own): the timed steps are then the steady ones, which replay. Returns the
     milliseconds of the steps that captured, and the next token. Nothing is run where no graph is captured."""
+    from ...integrations.model_graph import DecodeGraph
+
     captured: list[float] = []
-    if clock.device.type != "cuda" or not getattr(cache.settings, "cuda_graphs", False):
+    whole = isinstance(cache, DecodeGraph)   # the whole step as one graph: its own captures
+    if clock.device.type != "cuda" or not (cache.graphs.enabled if whole else
+                                           getattr(cache.settings, "cuda_graphs", False)):
         return captured, token
+    captures = (lambda: cache.stats()["captures"]) if whole else (lambda: cache.stats()["cuda_graphs"]["captures"])
     while len(captured) < GRAPH_WARMUP_MAX:
-        before = cache.stats()["cuda_graphs"]["captures"]
+        before = captures()
         ms, token = decode_steps(model, cache, token, 1, clock)
-        if cache.stats()["cuda_graphs"]["captures"] == before:
+        if captures() == before:
             break
         captured.append(_r(ms[0] * 1e3))
     return captured, token
