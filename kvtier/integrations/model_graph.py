@@ -16,28 +16,35 @@ launches eagerly, the same bits). A state is captured the second step in a row i
 
 What a replay bakes in besides the cache's state: the model's weights where they lie (a model moved or cast
 after a capture is captured again), the token and its position, copied into the graph's inputs. The step's
-attention mask is the causal one the model builds for one new token (no padding: `DecodeGraph` takes a token,
-not an attention mask); models with sliding-window layers run the ordinary way.
+attention mask is the causal one the model builds for one new token: a decode step's own token is never padding,
+and a prompt's padding was never stored (so `generate`'s 2D mask is left aside, its positions taken); models with
+sliding-window layers run the ordinary way.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
 import torch
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..engine.graphs import GraphSwitch, StepGraphs, StepKey
 from ..errors import ConfigError
 from .hf import TieredCache, cache_kwargs
 
+# what `generate` passes a forward call that a step taken by `DecodeGraph` reads (or may leave aside)
+_TAKEN = ("input_ids", "attention_mask", "position_ids", "cache", "past_key_values")
+
 
 class DecodeGraph:
     """Decode steps of `model` over `cache`, each a CUDA graph's replay where the step is steady.
 
-    ``logits = step(token)``: ``token`` ``[1, 1]`` int64 on the model's device; returns the step's logits
-    ``[1, 1, vocab]`` (a replay's own tensor, rewritten by the next step: copy it to keep it). A prompt (more than
-    one token) runs the ordinary way. `enabled=False` (or a cache made with ``cuda_graphs=False``) captures
+    ``logits = step(token)``: ``token`` ``[1, 1]`` int64 on the model's device (and its ``position_ids``, by
+    default the cache's length); returns the step's logits ``[1, 1, vocab]`` (a replay's own tensor, rewritten by
+    the next step: copy it to keep it). A prompt (more than one token) runs the ordinary way.
+    ``step.generate(input_ids, **kwargs)`` is ``model.generate`` over the cache with its steps taken so. `enabled=False` (or a cache made with ``cuda_graphs=False``) captures
     nothing: steady steps then run their launches eagerly.
     """
 
@@ -57,6 +64,7 @@ class DecodeGraph:
         self._keyword = "cache_position" in inspect.signature(model.forward).parameters
         self._position = torch.zeros(1, 1, dtype=torch.int64, device=self.device)
         self.ordinary = 0   # steps run the ordinary way (a prompt, or a step not steady in some layer)
+        self._inside = False
 
     def stats(self) -> dict[str, Any]:
         """How the steps ran: `replays` (one launch each), `captures`, `eager` (planned, launched one by one),
@@ -65,18 +73,82 @@ class DecodeGraph:
         return {"replays": g.replays, "captures": g.captures, "eager": g.eager, "ordinary": self.ordinary,
                 "failed": g.failed}
 
+    def generate(self, input_ids: torch.Tensor, **kwargs: Any) -> Any:
+        """``model.generate(input_ids, **kwargs)`` over the cache, its one-token steps through this `DecodeGraph`
+        (replayed where steady), everything else (the prompt, any step with inputs it does not take) as
+        transformers runs it. Same tokens and scores as `model.generate` with the cache."""
+        if "cache" in kwargs or "past_key_values" in kwargs:
+            raise ConfigError("generate() was given a cache; allowed: none (a DecodeGraph generates with its own)")
+        model = self.model
+        if "forward" in vars(model):
+            raise ConfigError("the model's forward is already replaced (a DecodeGraph.generate call within another, "
+                              "or another wrapper); allowed: one generate call at a time")
+        ordinary = model.forward
+
+        @functools.wraps(ordinary)   # generate reads the forward's signature (whether it takes `logits_to_keep`)
+        def forward(*args: Any, **given: Any) -> Any:
+            if args or self._inside:   # transformers passes its inputs by name; `__call__`'s own forward
+                return ordinary(*args, **given)
+            token = given.get("input_ids")
+            if not self._takes(token, given):
+                return ordinary(**given)
+            logits = self(token, position_ids=given.get("position_ids"))
+            return CausalLMOutputWithPast(logits=logits, **cache_kwargs(self.cache))
+
+        model.forward = forward
+        try:
+            return model.generate(input_ids, **cache_kwargs(self.cache), **kwargs)
+        finally:
+            del model.forward
+
+    def _takes(self, token: Any, given: dict[str, Any]) -> bool:
+        """Whether a forward call of `generate` is a step `__call__` takes: one token of one sequence over this
+        cache, asking for nothing but the logits of that token. Its 2D attention mask is not read: a decode step's
+        own token is never padding, and padding in the prompt was never stored (the cache drops it)."""
+        if not isinstance(token, torch.Tensor) or token.shape != (1, 1):
+            return False
+        if given.get("cache", given.get("past_key_values")) is not self.cache:
+            return False
+        mask = given.get("attention_mask")
+        if mask is not None and mask.dim() != 2:
+            return False
+        for name, value in given.items():
+            if name in _TAKEN or value is None:
+                continue
+            if name in ("use_cache", "return_dict") and value:
+                continue
+            if name in ("output_attentions", "output_hidden_states") and not value:
+                continue
+            if name == "logits_to_keep" and value in (0, 1):
+                continue
+            return False
+        return True
+
     @torch.no_grad()
-    def __call__(self, token: torch.Tensor) -> torch.Tensor:
+    def __call__(self, token: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         if token.dim() != 2 or token.shape[0] != 1:
             raise ConfigError(f"token of shape {list(token.shape)}; allowed: [1, n] token ids (batch size 1)")
+        if position_ids is not None and tuple(position_ids.shape) != tuple(token.shape):
+            raise ConfigError(f"position_ids of shape {list(position_ids.shape)} for token ids of shape "
+                              f"{list(token.shape)}; allowed: the same shape, or None (the cache's length onwards)")
+        self._inside = True   # the model's forward, run by this call, is the model's own (see `generate`)
+        try:
+            return self._step(token, position_ids)
+        finally:
+            self._inside = False
+
+    def _step(self, token: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
         cache = self.cache
         plans = self._plan() if token.shape[1] == 1 else None
         if plans is None:
             self.ordinary += 1
-            return self.model(input_ids=token, use_cache=True, **cache_kwargs(cache)).logits
+            return self.model(input_ids=token, position_ids=position_ids, use_cache=True, **cache_kwargs(cache)).logits
         engines = cache._engines
         layers = [cache.layers[e.layer_idx] for e in engines]
-        self._position.fill_(engines[0].seen)
+        if position_ids is None:
+            self._position.fill_(engines[0].seen)
+        else:   # left padding: the model's positions count the prompt's tokens, not the padding
+            self._position.copy_(position_ids)
 
         def work(ids: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, ...]:
             kwargs = {"cache_position": position[0]} if self._keyword else {}

@@ -516,3 +516,26 @@ def test_a_whole_step_replayed_from_one_graph_never_syncs(cuda_device):
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert graph.stats()["replays"] == replays + 1 and torch.isfinite(logits).all()
+
+
+@torch.no_grad()
+def test_generate_with_whole_steps_replayed_equals_generate(cuda_device):
+    """`DecodeGraph.generate` on a GPU: `model.generate` over the cache with its one-token steps replayed from one
+    graph each; the same tokens and logits as `model.generate`, most steps replayed."""
+    from kvtier import DecodeGraph, native
+
+    if native.kernel_status() is not None:
+        pytest.skip(f"native kernels are off ({native.kernel_status()})")
+    model = _llama(cuda_device)
+    ids = _prompt(700, cuda_device)
+    kwargs = dict(max_new_tokens=48, min_new_tokens=48, do_sample=False, output_logits=True,
+                  return_dict_in_generate=True)
+    with TieredCache(model.config, device_budget=96, recall_pages=6, scorer="keynorm") as cache:
+        want = model.generate(ids, **kwargs, **cache_kwargs(cache))
+    with TieredCache(model.config, device_budget=96, recall_pages=6, scorer="keynorm") as cache:
+        graph = DecodeGraph(model, cache)
+        got = graph.generate(ids, **kwargs)
+    assert torch.equal(got.sequences, want.sequences)
+    assert torch.equal(torch.stack(got.logits), torch.stack(want.logits))
+    s = graph.stats()
+    assert s["failed"] is None and s["replays"] > s["eager"] + s["ordinary"], s

@@ -283,3 +283,40 @@ def test_a_graph_off_never_asks_for_a_key():
         _decode(graph, steps=10)
     assert graph.stats()["eager"] > 0 and not called
 
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["plain", "left-padded"])
+def test_generate_through_it_equals_generate(padded):
+    """`DecodeGraph.generate` is `model.generate` over the cache with its one-token steps taken whole: the same
+    tokens and logits, with a left-padded prompt too (its positions come from generate, its padding was never
+    stored); the model's forward is given back after, also when generate fails."""
+    model = tiny_llama()
+    ids = _prompt(200)
+    mask = torch.ones_like(ids)
+    if padded:
+        ids[:, :7] = 0
+        mask[:, :7] = 0
+    runs = {}
+    for graphed in (False, True):
+        with _cache(model) as cache:
+            kwargs = dict(attention_mask=mask, max_new_tokens=40, do_sample=False, output_logits=True,
+                          return_dict_in_generate=True)
+            if graphed:
+                graph = DecodeGraph(model, cache)
+                out = graph.generate(ids, **kwargs)
+                assert "forward" not in vars(model)
+            else:
+                out = model.generate(ids, **kwargs, **cache_kwargs(cache))
+            runs[graphed] = (out.sequences, torch.stack(out.logits), cache.stats())
+    assert torch.equal(runs[True][0], runs[False][0])
+    assert torch.equal(runs[True][1], runs[False][1])
+    _same_stats(runs[True][2], runs[False][2])
+    s = graph.stats()
+    assert s["eager"] > 3 * s["ordinary"], s
+    with _cache(model) as cache:
+        graph = DecodeGraph(model, cache)
+        with pytest.raises(ConfigError, match="given a cache"):
+            graph.generate(ids, **cache_kwargs(cache))
+        with pytest.raises(Exception):
+            graph.generate(ids, max_new_tokens=-3)
+        assert "forward" not in vars(model)
