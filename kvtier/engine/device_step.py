@@ -62,7 +62,8 @@ class DeviceDecoding:
                                                         self._prefetches_in_step())
         buf, spare, ahead = run[2], run[4], run[10]
         try:
-            out, ids, shortlist = self.graphs.run(lambda: self._decode_key(inputs, run, recall_key()), inputs,
+            out, ids, shortlist = self.graphs.run(lambda: self._decode_key(tuple(map(shapes, inputs)), run,
+                                                                           recall_key()), inputs,
                                                   lambda *given: self._decode_launches(run, *given))
         except BaseException:   # the table may name pages whose copy never ran: the next step starts a new buffer
             self._forget_recalled()
@@ -146,10 +147,10 @@ class DeviceDecoding:
             self._plan_and_copy(buf, shortlist[:, :buf.pages], sources, spare, note=False, prefetch=True)
         return finish_with_lse([(out[None], lse[None])], query)[0], ids, shortlist
 
-    def _decode_key(self, inputs: tuple[torch.Tensor, ...], run: tuple, recall_key: StepKey) -> StepKey:
-        """Every tensor and scalar `_decode_launches` bakes into its launches, for `run` (its arguments) and
-        `inputs` (copied into a graph's own buffers: their shapes only), with `recall_key` (`_recall_key` of the
-        run's buffer and sources): two steps with the same key issue the same launches."""
+    def _decode_key(self, inputs: tuple[tuple, ...], run: tuple, recall_key: StepKey) -> StepKey:
+        """Every tensor and scalar `_decode_launches` bakes into its launches, for `run` (its arguments) and its
+        inputs (copied into a graph's own buffers: `inputs` are their `shapes`), with `recall_key` (`_recall_key`
+        of the run's buffer and sources): two steps with the same key issue the same launches."""
         scale, sinks, buf, sources, spare, (at, base), pool_addresses, bounds_at, codes_at, positions, ahead = run
         pool, index = self.pool, self.index
         pool_addresses = pool_addresses or ()
@@ -158,7 +159,7 @@ class DeviceDecoding:
             index.bounds.slabs[0], index.codes.slabs[0], bounds_at, codes_at,   # the recall index likewise
         )
         values = (
-            *(shapes(t) for t in inputs), scale, spare, ahead,
+            *inputs, scale, spare, ahead,
             # the model's sinks by address (a caller may hand a new tensor at the same place every step)
             None if sinks is None else (sinks.data_ptr(), *shapes(sinks)), len(pool.k), len(pool_addresses), base,
             index.n, index.uses_kernels, len(index.bounds.slabs), len(index.codes.slabs),

@@ -86,10 +86,10 @@ class PageFetching:
         self._forget_recalled()
 
     def _forget_recalled(self) -> None:
-        """Let the recall buffer go at once (a failed step: the next starts a new one), and the captured step
-        that reads it."""
+        """Let the recall buffer go at once (a failed step: the next starts a new one), and the captured steps
+        that read it (the layer's, and a whole model's step: `SharedResources.step_graphs`)."""
         self.recalled = None
-        for graphs in (self.graphs, self.prefetch_graphs):
+        for graphs in (self.graphs, self.prefetch_graphs, *self.shared.step_graphs):
             if graphs is not None:
                 graphs.clear()
 

@@ -24,6 +24,7 @@ eagerly, as it does wherever graphs are off, on a CPU, or without CUDA.
 
 from __future__ import annotations
 
+import gc
 import logging
 import operator
 from typing import Any, Callable
@@ -83,8 +84,14 @@ class _Captured:
 class StepGraphs:
     """One layer's captured decode steps, by key; counts what ran how (`captures`, `replays`, `eager`)."""
 
-    def __init__(self, device: torch.device, enabled: bool, switch: GraphSwitch | None = None) -> None:
+    def __init__(self, device: torch.device, enabled: bool, switch: GraphSwitch | None = None, *,
+                 warm_aside: bool = False, collect: bool = False, passthrough: tuple[type, ...] = ()) -> None:
         self.device = device
+        # for a whole model's step: run a state's first (eager) step on the capture stream, as a warm-up of what
+        # its launches set up lazily (cuBLAS handles and workspaces), and collect garbage before a capture, so
+        # that no finalizer runs inside it (what `torch.cuda.graph` does before every capture); `passthrough`:
+        # exceptions of the work's own that are not a capture's failure (raised as they are, graphs left on)
+        self.warm_aside, self.collect, self.passthrough = warm_aside, collect, passthrough
         # the memory pool of the layer's graphs, made with a capture; let go with its last graph (a pool no graph
         # holds is released by torch and cannot be captured into again)
         self._pool: Any = None
@@ -109,7 +116,7 @@ class StepGraphs:
         elif key != self._last_key:   # first seen: run eagerly, capture if the next step is alike
             self._last_key = key
             self.eager += 1
-            return work(*inputs)
+            return self._aside(inputs, work) if self.warm_aside else work(*inputs)
         else:
             captured = self._capture(key, inputs, work)
             if captured is None:
@@ -120,6 +127,20 @@ class StepGraphs:
         captured.graph.replay()
         self.replays += 1
         return captured.outputs
+
+    def _aside(self, inputs: tuple[torch.Tensor, ...],
+               work: Callable[..., tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+        """``work(*inputs)`` on the capture stream, ordered after what the current stream queued and before what
+        it queues next."""
+        current = torch.cuda.current_stream(self.device)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        self._stream.wait_stream(current)
+        try:
+            with torch.cuda.stream(self._stream):
+                return work(*inputs)
+        finally:
+            current.wait_stream(self._stream)
 
     @property
     def failed(self) -> str | None:
@@ -135,6 +156,8 @@ class StepGraphs:
             self._pool = torch.cuda.graph_pool_handle()
         fixed = tuple(torch.empty_like(t) for t in inputs)
         graph = torch.cuda.CUDAGraph()
+        if self.collect:
+            gc.collect()
         self._stream.wait_stream(current)   # the capture reads what the step queued before it
         began = False
         try:
@@ -146,10 +169,12 @@ class StepGraphs:
                 finally:
                     graph.capture_end()
         except Exception as e:   # noqa: BLE001 - any failure to capture leaves the eager path, which is exact
-            self.switch.failed = f"{type(e).__name__}: {e}"
             if began:
                 self._release_failed_pool()
             self._graph = None
+            if isinstance(e, self.passthrough):
+                raise
+            self.switch.failed = f"{type(e).__name__}: {e}"
             log.warning("CUDA graph capture of a decode step failed on %s; the cache's steps run eagerly: %s",
                         self.device, self.switch.failed)
             return None

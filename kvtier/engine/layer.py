@@ -303,8 +303,12 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
         """Whether a decode step's attention runs through `native.attend_slabs` (and, with recall planned on
         the device, `native.attend_pages`): where the kernels choose pages, for logits without a soft-cap and
         queries of the cache's dtype, at most `native.ATTEND_ROWS` query heads per KV head."""
-        return (self.index.uses_kernels and softcap is None and query.shape[1] // self.heads <= native.ATTEND_ROWS
-                and query.dtype == self.pool.dtype and not native.build_failed(self.device, "attend_slabs"))
+        return softcap is None and self._pool_kernels_for(query.shape[1], query.dtype)
+
+    def _pool_kernels_for(self, q_heads: int, dtype: torch.dtype) -> bool:
+        """`_pool_kernels` for a query of `q_heads` heads and `dtype`, without a soft-cap."""
+        return (self.index.uses_kernels and q_heads // self.heads <= native.ATTEND_ROWS and dtype == self.pool.dtype
+                and not native.build_failed(self.device, "attend_slabs"))
 
     def _attend_pool(self, query: torch.Tensor, scale: float, softcap: float | None, sinks: torch.Tensor | None,
                      kernels: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:

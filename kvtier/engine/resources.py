@@ -15,6 +15,7 @@ import socket
 import stat
 import tempfile
 import threading
+import weakref
 from typing import Callable
 
 import torch
@@ -41,6 +42,8 @@ class SharedResources:
         self.disk_dir, self.io_threads = disk_dir, io_threads
         self.counters = MoveCounters()
         self.graphs = GraphSwitch()   # whether the layers may still capture decode steps as CUDA graphs
+        # graphs made outside the layers that replay their state (a `DecodeGraph`'s): let go with the layers' own
+        self.step_graphs: weakref.WeakSet = weakref.WeakSet()
         self._transfer_factory = transfer_factory
         self.transfers: dict[torch.device, TransferManager] = {}
         self._private: str | None = None

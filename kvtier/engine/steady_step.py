@@ -30,16 +30,23 @@ from ..scoring import capturable
 from .graphs import StepKey, shapes
 
 
+class StepMismatch(UnsupportedError):
+    """A planned step's attention was called otherwise than planned; raised before its launches (the step can
+    run the ordinary way if no other layer launched)."""
+
+
 class SteadyStep:
     """One layer's planned decode step: its launches' arguments (`run`) and key, what `write` returns the model
-    (`placeholder`), and, once its launches ran or were captured, their chosen pages (`ids`)."""
+    (`placeholder`), whether its launches began (`launched`), and once they were issued or captured, their chosen
+    pages (`ids`)."""
 
-    __slots__ = ("run", "_key", "placeholder", "how", "ids")
+    __slots__ = ("run", "_key", "placeholder", "how", "ids", "launched")
 
     def __init__(self, run: tuple, key: Callable[[], StepKey], placeholder: tuple[torch.Tensor, torch.Tensor],
                  how: tuple) -> None:
         self.run, self._key, self.placeholder, self.how = run, key, placeholder, how
         self.ids: torch.Tensor | None = None
+        self.launched = False
 
     @property
     def key(self) -> StepKey:
@@ -47,12 +54,6 @@ class SteadyStep:
         if callable(self._key):
             self._key = self._key()
         return self._key
-
-
-def _stub(described: tuple) -> torch.Tensor:
-    """A tensor without storage of the shape, strides and dtype `shapes` described (for the checks and the key)."""
-    shape, stride, dtype = described
-    return torch.empty_strided(shape, stride, dtype=dtype, device="meta")
 
 
 class SteadySteps:
@@ -71,7 +72,7 @@ class SteadySteps:
         scale, sinks = how[0], how[1]
         positions = self.shared.positions(self.seen, 1, self.device)
         run, _, recall_key = self._prepare_decode(scale, sinks, positions, in_step=True)
-        key = lambda: self._decode_key(tuple(_stub(d) for d in how[2:]), run, recall_key())   # noqa: E731
+        key = lambda: self._decode_key(how[2:], run, recall_key())   # noqa: E731
         return SteadyStep(run, key, self.pool.placeholder(self.pool.count + 1), how)
 
     def _steady_now(self, how: tuple) -> bool:
@@ -81,13 +82,15 @@ class SteadySteps:
         pool, cfg = self.pool, self.cfg
         if pool is None or self.parked is not None or self.pending is not None or self.index is None:
             return False
+        if self.prefetch_in_step is False:   # asked to prefetch on the side stream: host work after the step
+            return False
         if not (self.table.n > 0 and cfg.recall_pages > 0 and cfg.mode == "tier"):
             return False
-        query, k = _stub(how[2]), _stub(how[3])
-        if self.write_in_attention is False or k.shape[2] != 1 or k.dtype != pool.dtype:
+        (q_shape, _, q_dtype), (k_shape, _, k_dtype) = how[2], how[3]
+        if self.write_in_attention is False or k_shape[2] != 1 or k_dtype != pool.dtype:
             return False
         if not (self.index.uses_kernels and self.recalls_on_device() and self._defer_nan()
-                and capturable(self.scorer) and self._pool_kernels(query, None)):
+                and capturable(self.scorer) and self._pool_kernels_for(q_shape[1], q_dtype)):
             return False
         # room in the pool's slabs, and no demotion at the step's commit (`_demote` at the length after it)
         return pool.count + 1 <= pool.capacity and pool.count + 1 <= cfg.device_tokens(self.seen + 1)
@@ -98,10 +101,11 @@ class SteadySteps:
         otherwise is refused before anything is launched); its attention output ``[1, 1, q_heads, dim]``."""
         got = (scale, sinks, shapes(query), shapes(k), shapes(v))
         if softcap is not None or got[0] != step.how[0] or got[1] is not step.how[1] or got[2:] != step.how[2:]:
-            raise UnsupportedError(
+            raise StepMismatch(
                 f"layer {self.layer_idx}'s decode step was planned for the attention of the step before "
                 f"(scale {step.how[0]}, shapes {step.how[2:]}) but was called with scale {scale}, softcap {softcap}, "
-                f"shapes {got[2:]}; allowed: steps of one model, one token each")
+                f"shapes {got[2:]}")
+        step.launched = True
         out, ids, _ = self._decode_launches(step.run, query, k, v)
         step.ids = ids
         return out

@@ -31,7 +31,8 @@ import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..engine.graphs import GraphSwitch, StepGraphs, StepKey
-from ..errors import ConfigError
+from ..engine.steady_step import StepMismatch
+from ..errors import ConfigError, UnsupportedError
 from .hf import TieredCache, cache_kwargs
 
 # what `generate` passes a forward call that a step taken by `DecodeGraph` reads (or may leave aside)
@@ -59,8 +60,11 @@ class DecodeGraph:
         self.model, self.cache = model, cache
         params = next(model.parameters(), None)
         self.device = params.device if params is not None else torch.device("cpu")
-        self.graphs = StepGraphs(self.device, enabled and cache.settings.cuda_graphs, GraphSwitch())
-        self._weights = [*model.parameters(), *model.buffers()]
+        # the first step of a state runs on the capture stream (a warm-up of what the model's launches set up
+        # lazily); a planned step the model calls otherwise than planned is not a capture's failure
+        self.graphs = StepGraphs(self.device, enabled and cache.settings.cuda_graphs, GraphSwitch(),
+                                 warm_aside=True, collect=True, passthrough=(StepMismatch,))
+        cache._shared.step_graphs.add(self.graphs)   # let go when a layer lets its recall buffer go (park, reset)
         self._keyword = "cache_position" in inspect.signature(model.forward).parameters
         self._position = torch.zeros(1, 1, dtype=torch.int64, device=self.device)
         self.ordinary = 0   # steps run the ordinary way (a prompt, or a step not steady in some layer)
@@ -141,38 +145,85 @@ class DecodeGraph:
         cache = self.cache
         plans = self._plan() if token.shape[1] == 1 else None
         if plans is None:
-            self.ordinary += 1
-            return self.model(input_ids=token, position_ids=position_ids, use_cache=True, **cache_kwargs(cache)).logits
+            return self._ordinary(token, position_ids)
         engines = cache._engines
         layers = [cache.layers[e.layer_idx] for e in engines]
         if position_ids is None:
             self._position.fill_(engines[0].seen)
         else:   # left padding: the model's positions count the prompt's tokens, not the padding
             self._position.copy_(position_ids)
+        ran: list[bool] = []   # each run of `work` this call: whether it was a capture's (nothing executed)
 
         def work(ids: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            ran.append(self.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+            for step in plans:   # what a capture that failed noted, this run notes again
+                step.launched, step.ids = False, None
             kwargs = {"cache_position": position[0]} if self._keyword else {}
             out = self.model(input_ids=ids, position_ids=position, use_cache=True, **kwargs, **cache_kwargs(cache))
             return (out.logits, *(step.ids for step in plans))
 
-        state = cache._state
         for layer, step in zip(layers, plans):
             layer.steady = step
         try:
             outputs = self.graphs.run(lambda: self._key(plans, token), (token, self._position), work)
-            for engine, step, ids in zip(engines, plans, outputs[1:]):
-                step.ids = ids
-                engine.take_steady(step)
-        except BaseException as e:   # launches of some layers may have run: the host no longer knows the state
-            state.break_with(e, "a decode step planned whole ")
+        except StepMismatch as e:
+            if self._failed(plans, ran, e):
+                raise
+            for engine in engines:   # planned from a step unlike this one: plan again after an ordinary one
+                engine._steady_how = None
+            mismatch = True
+        except BaseException as e:
+            self._failed(plans, ran, e)
             raise
+        else:
+            mismatch = False
         finally:
             for layer in layers:
                 layer.steady = layer._steady_kv = None
+        if mismatch:
+            return self._ordinary(token, position_ids)
+        missing = [e.layer_idx for e, ids in zip(engines, outputs[1:]) if ids is None]
+        if missing:   # the model's attention did not come through kvtier there
+            error = UnsupportedError(
+                f"layer {missing[0]}'s attention did not run through kvtier in a decode step planned whole, so its "
+                "entry was never written; build the TieredCache with the model's own config and keep the "
+                "attention implementation it set (no detach_attention() while decoding)")
+            if len(missing) < len(plans):   # the other layers' launches ran: the device is ahead of the host
+                cache._state.break_with(error)
+            raise error
+        for engine, step, ids in zip(engines, plans, outputs[1:]):
+            step.ids = ids
+            engine.take_steady(step)
         return outputs[0]
 
+    def _ordinary(self, token: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+        self.ordinary += 1
+        return self.model(input_ids=token, position_ids=position_ids, use_cache=True,
+                          **cache_kwargs(self.cache)).logits
+
+    def _failed(self, plans: list, ran: list[bool], error: BaseException) -> bool:
+        """After a planned step failed: whether the cache changed. A replay's or a run's launches that began in
+        some layers but not all leave the device ahead of the host: the cache is broken. Where every layer's
+        launches were issued (the failure came after them), the steps are taken, as an ordinary step that fails
+        after its layers leaves them; where none began, or only a capture ran them, nothing changed."""
+        state = self.cache._state
+        if not ran:   # the replay: its launches may have run
+            state.break_with(error, "a decode step replayed from a CUDA graph ")
+            return True
+        if ran[-1] or not any(step.launched for step in plans):
+            return False
+        if all(step.ids is not None for step in plans):
+            for engine, step in zip(self.cache._engines, plans):
+                engine.take_steady(step)
+            return True
+        launched = sum(step.launched for step in plans)
+        state.break_with(error, f"a decode step planned whole, after {launched} of {len(plans)} layers issued "
+                                f"their launches, ")
+        return True
+
     def _plan(self) -> list | None:
-        """Every tiered layer's planned step, where each is steady and nothing else stores entries; else None."""
+        """Every tiered layer's planned step, where each is steady, on this device, and nothing else stores
+        entries; else None."""
         state = self.cache._state
         state.check()
         if state.windows or not state.engines or len(state.lengths()) > 1:
@@ -180,7 +231,7 @@ class DecodeGraph:
         plans = []
         for engine in state.engines:
             step = engine.plan_steady()
-            if step is None:
+            if step is None or engine.device != self.device:
                 return None
             plans.append(step)
         return plans
@@ -188,9 +239,12 @@ class DecodeGraph:
     def _key(self, plans: list, token: torch.Tensor) -> StepKey:
         """What the step's replay bakes in: every layer's key, the model's weights where they lie, the inputs'
         shapes (their contents are copied in)."""
-        held: tuple = (self.model,)
-        values: tuple = (tuple(t.data_ptr() for t in self._weights), token.shape, token.dtype,
-                         torch.is_autocast_enabled(self.device.type))
+        model, kind = self.model, self.device.type
+        weights = (*model.parameters(), *model.buffers())   # anew each step: moving a model makes new buffers
+        autocast = torch.is_autocast_enabled(kind)
+        held: tuple = (model, *weights)
+        values: tuple = (tuple(t.data_ptr() for t in weights), token.shape, token.dtype, autocast,
+                         torch.get_autocast_dtype(kind) if autocast else None)
         for step in plans:
             held += step.key.held
             values += (len(step.key.held), len(step.key.values), *step.key.values)

@@ -18,7 +18,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from ..engine.layer import LayerEngine
 from ..engine.resources import SharedResources
-from ..engine.steady_step import SteadyStep
+from ..engine.steady_step import SteadyStep, StepMismatch
 from ..errors import (BrokenCacheError, CapacityError, ClosedCacheError, ConfigError, UnsupportedError,
                       is_resource_error, os_reason)
 from .attention import claim, masked_new_tokens
@@ -247,16 +247,18 @@ class TieredLayer(OneSequence, CacheLayerMixin):
         engine = self.engine
         step = self.steady
         if step is not None:   # a planned step's launches (`kvtier.integrations.model_graph`); the mask is causal
-            if refuse or how.get("weights"):
-                raise UnsupportedError(f"layer {engine.layer_idx}'s attention was asked for "
-                                       f"{refuse[0] if refuse else 'its weights'} in a decode step replayed from a "
-                                       "CUDA graph; allowed: plain attention (run such steps without DecodeGraph)")
+            if refuse or how.get("weights"):   # what the ordinary step does (or refuses) instead
+                raise StepMismatch(f"layer {engine.layer_idx}'s attention was asked for "
+                                   f"{refuse[0] if refuse else 'its weights'}")
             scaling = how.get("scaling")
             scale = query.shape[-1] ** -0.5 if scaling is None else scaling
             k, v = self._steady_kv
+            # no layer's length moves while the model runs a planned step: whether a failure breaks the cache
+            # is for `DecodeGraph` to say, from which layers launched
             return self._state.guard(
                 lambda: (engine.steady_launches(step, query, k, v, scale, how.get("softcap"), how.get("sinks")), None),
-                f"layer {engine.layer_idx} attention ", f"layer {engine.layer_idx} could not recall its pages")
+                f"layer {engine.layer_idx} attention ", f"layer {engine.layer_idx} could not recall its pages",
+                before=engine.seen)
 
         def run() -> Any:
             pending = engine.pending

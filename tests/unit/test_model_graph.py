@@ -18,7 +18,7 @@ import torch
 
 from kvtier import DecodeGraph, TieredCache, cache_kwargs
 from kvtier.engine.graphs import StepGraphs
-from kvtier.errors import BrokenCacheError, ConfigError
+from kvtier.errors import BrokenCacheError, ConfigError, UnsupportedError
 
 from tiny_models import tiny_llama
 
@@ -320,3 +320,84 @@ def test_generate_through_it_equals_generate(padded):
         with pytest.raises(Exception):
             graph.generate(ids, max_new_tokens=-3)
         assert "forward" not in vars(model)
+
+
+def test_failures_break_the_cache_only_where_some_launches_ran(monkeypatch):
+    """A planned step that fails before any layer launched (a bad token in the embedding) leaves the cache as it
+    was; one whose model attention skipped kvtier in every layer says so and changes nothing; a step planned for
+    an attention unlike the one the model then calls runs the ordinary way if no layer launched yet (the same
+    logits), and breaks the cache where some layer had."""
+    model = tiny_llama()
+    with _cache(model) as cache:
+        want = _decode(_plain(model, cache), steps=20)
+    with _cache(model) as cache:
+        graph = DecodeGraph(model, cache)
+        got = [_decode(graph, steps=10)]
+        token = got[0][-1:].argmax(-1)
+        with pytest.raises(IndexError):
+            graph(torch.tensor([[10_000]]))   # out of the vocabulary: fails in the embedding
+        assert cache.broken is None
+        engine = cache._engines[0]
+        how = engine._steady_how
+        engine._steady_how = (how[0] * 2, *how[1:])   # planned for another scale: refused before its launches
+        before = graph.stats()["ordinary"]
+        logits = graph(token)[:, -1:].clone()
+        assert graph.stats()["ordinary"] == before + 1 and cache.broken is None
+        out = [logits]
+        for _ in range(9):
+            out.append(graph(out[-1].argmax(-1))[:, -1:].clone())
+        got.append(torch.cat(out))
+        assert graph.stats()["eager"] > 10
+    assert torch.equal(torch.cat(got), want)
+
+    with _cache(model) as cache:
+        graph = DecodeGraph(model, cache)
+        token = _decode(graph, steps=10)[-1:].argmax(-1)
+        last = cache._engines[-1]
+        how = last._steady_how
+        last._steady_how = (how[0] * 2, *how[1:])   # the first layer launched before the last one refused
+        with pytest.raises(UnsupportedError, match="planned for the attention"):
+            graph(token)
+        assert "1 of 2 layers" in cache.broken
+
+    with _cache(model) as cache:
+        graph = DecodeGraph(model, cache)
+        token = _decode(graph, steps=10)[-1:].argmax(-1)
+        seen = cache.get_seq_length()
+        cache.detach_attention()   # the model's own attention over kvtier's placeholders: refused, nothing taken
+        try:
+            with pytest.raises(UnsupportedError, match="did not run through kvtier"):
+                graph(token)
+        finally:
+            from kvtier.integrations.attention import use_tiered_attention
+
+            use_tiered_attention(model.config)
+        assert cache.broken is None and cache.get_seq_length() == seen
+
+
+def test_park_and_reset_let_the_whole_step_graph_go(monkeypatch):
+    """A `DecodeGraph`'s graph holds the layers' pools and buffers by its key: it goes when a layer lets its
+    recall buffer go (park, reset, close), as the layers' own graphs do."""
+    model = tiny_llama()
+    with _cache(model) as cache:
+        graph = DecodeGraph(model, cache)
+        token = _decode(graph, steps=10)[-1:].argmax(-1)
+        cleared = []
+        monkeypatch.setattr(graph.graphs, "clear", lambda: cleared.append(1))
+        cache.park("host")
+        assert cleared
+        cache.resume()
+        graph(token)
+        cleared.clear()
+        cache.reset()
+        assert cleared
+
+
+def test_a_layer_asked_to_prefetch_on_the_side_stream_is_never_planned():
+    model = tiny_llama()
+    with _cache(model) as cache:
+        for engine in cache._engines:
+            engine.prefetch_in_step = False
+        graph = DecodeGraph(model, cache)
+        _decode(graph, steps=10)
+        assert graph.stats()["eager"] == 0 and graph.stats()["ordinary"] == 11
