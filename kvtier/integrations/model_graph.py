@@ -15,7 +15,8 @@ launches eagerly, the same bits). A state is captured the second step in a row i
 `kvtier.engine.graphs` does for a layer.
 
 What a replay bakes in besides the cache's state: the model's weights where they lie (a model moved or cast
-after a capture is captured again), the token and its position, copied into the graph's inputs. The step's
+after a capture is captured again; its modules are those it had when the `DecodeGraph` was made), the token and
+its position, copied into the graph's inputs. The step's
 attention mask is the causal one the model builds for one new token: a decode step's own token is never padding,
 and a prompt's padding was never stored (so `generate`'s 2D mask is left aside, its positions taken); models with
 sliding-window layers run the ordinary way.
@@ -65,6 +66,9 @@ class DecodeGraph:
         self.graphs = StepGraphs(self.device, enabled and cache.settings.cuda_graphs, GraphSwitch(),
                                  warm_aside=True, collect=True, passthrough=(StepMismatch,))
         cache._shared.step_graphs.add(self.graphs)   # let go when a layer lets its recall buffer go (park, reset)
+        # every module's table of parameters and of buffers (the model's modules as they stand: one replaced
+        # later needs a new DecodeGraph)
+        self._tables = [table for m in model.modules() for table in (m._parameters, m._buffers) if table]
         self._keyword = "cache_position" in inspect.signature(model.forward).parameters
         self._position = torch.zeros(1, 1, dtype=torch.int64, device=self.device)
         self.ordinary = 0   # steps run the ordinary way (a prompt, or a step not steady in some layer)
@@ -239,11 +243,13 @@ class DecodeGraph:
     def _key(self, plans: list, token: torch.Tensor) -> StepKey:
         """What the step's replay bakes in: every layer's key, the model's weights where they lie, the inputs'
         shapes (their contents are copied in)."""
-        model, kind = self.model, self.device.type
-        weights = (*model.parameters(), *model.buffers())   # anew each step: moving a model makes new buffers
+        kind = self.device.type
         autocast = torch.is_autocast_enabled(kind)
-        held: tuple = (model, *weights)
-        values: tuple = (tuple(t.data_ptr() for t in weights), token.shape, token.dtype, autocast,
+        # where every weight and buffer lies now, read from the modules' own tables: moving or casting a model
+        # keeps its parameters with new storage and puts new buffers in those tables
+        weights = tuple(t.data_ptr() for table in self._tables for t in table.values() if t is not None)
+        held: tuple = (self.model,)
+        values: tuple = (weights, token.shape, token.dtype, autocast,
                          torch.get_autocast_dtype(kind) if autocast else None)
         for step in plans:
             held += step.key.held

@@ -401,3 +401,23 @@ def test_a_layer_asked_to_prefetch_on_the_side_stream_is_never_planned():
         graph = DecodeGraph(model, cache)
         _decode(graph, steps=10)
         assert graph.stats()["eager"] == 0 and graph.stats()["ordinary"] == 11
+
+
+def test_the_key_follows_the_models_weights_where_they_lie():
+    """A replay reads the weights at the addresses it captured: the key changes when a parameter's storage moves
+    or a buffer is replaced (as moving or casting a model does), and stays while they do not."""
+    model = tiny_llama()
+    with _cache(model) as cache:
+        graph = DecodeGraph(model, cache)
+        token = _decode(graph, steps=10)[-1:].argmax(-1)
+        plans = graph._plan()
+        assert plans is not None
+        key = graph._key(plans, token)
+        assert graph._key(plans, token) == key
+        rotary = model.model.rotary_emb
+        rotary.inv_freq = rotary.inv_freq.clone()          # a buffer replaced
+        moved = graph._key(plans, token)
+        assert moved != key
+        weight = model.model.layers[0].mlp.up_proj.weight
+        weight.data = weight.data.clone()                  # a parameter's storage moved
+        assert graph._key(plans, token) != moved
