@@ -29,6 +29,9 @@ CHILD = textwrap.dedent("""
     config = types.SimpleNamespace(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                                    hidden_size=32, _attn_implementation="sdpa")
     TieredCache(config).close()   # loads what a cache needs, makes no folder and sets no handler
+    def report(**fields):   # one write a line: with PYTHONUNBUFFERED, print's text and newline are two, and
+        sys.stdout.write(json.dumps(fields) + "\\n")   # the processes sharing the pipe could interleave them
+        sys.stdout.flush()
     pids = {}
     for role, disk_dir in zip(sys.argv[1::2], sys.argv[2::2]):
         pid = os.fork()
@@ -39,16 +42,16 @@ CHILD = textwrap.dedent("""
                 signal.signal(signal.SIGTERM, mine)
             cache = TieredCache(config, host_budget=0.1, disk_dir=disk_dir)   # makes the private folder now
             handler = signal.getsignal(signal.SIGTERM)
-            print(json.dumps({"role": role, "pid": os.getpid(), "path": cache.disk_path,
-                              "handler": getattr(handler, "__name__", str(handler))}), flush=True)
+            report(role=role, pid=os.getpid(), path=cache.disk_path,
+                   handler=getattr(handler, "__name__", str(handler)))
             if role == "sleep":
                 time.sleep(120)
             sys.exit(0)   # a normal exit, without close()
         pids[pid] = role
     while pids:
         pid, status = os.wait()
-        print(json.dumps({"ended": pid, "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
-                          "code": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None}), flush=True)
+        report(ended=pid, signal=os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
+               code=os.WEXITSTATUS(status) if os.WIFEXITED(status) else None)
         pids.pop(pid, None)
 """)
 
