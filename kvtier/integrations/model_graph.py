@@ -46,8 +46,9 @@ class DecodeGraph:
     ``logits = step(token)``: ``token`` ``[1, 1]`` int64 on the model's device (and its ``position_ids``, by
     default the cache's length); returns the step's logits ``[1, 1, vocab]`` (a replay's own tensor, rewritten by
     the next step: copy it to keep it). A prompt (more than one token) runs the ordinary way.
-    ``step.generate(input_ids, **kwargs)`` is ``model.generate`` over the cache with its steps taken so. `enabled=False` (or a cache made with ``cuda_graphs=False``) captures
-    nothing: steady steps then run their launches eagerly.
+    ``step.generate(input_ids, **kwargs)`` is ``model.generate`` over the cache with its steps taken so.
+    `enabled=False` (or a cache made with ``cuda_graphs=False``) captures nothing: steady steps then run their
+    launches eagerly.
     """
 
     def __init__(self, model: torch.nn.Module, cache: TieredCache, *, enabled: bool = True) -> None:

@@ -94,8 +94,9 @@ GRAPH_WARMUP_MAX = 8   # extra warm-up steps a row with CUDA graphs may take unt
 def warm_until_replayed(model: Any, cache: Any, token: torch.Tensor,
                         clock: Clock) -> tuple[list[float], torch.Tensor]:
     """Decode steps until one captures no new CUDA graph (at most `GRAPH_WARMUP_MAX`), where the cache's steps
-    are captured (on CUDA, by default; `cache` may be a `DecodeGraph`, whose captures are its own): the timed steps are then the steady ones, which replay. Returns the
-    milliseconds of the steps that captured, and the next token. Nothing is run where no graph is captured."""
+    are captured (on CUDA, by default; `cache` may be a `DecodeGraph`, whose captures are its own): the timed
+    steps are then the steady ones, which replay. Returns the milliseconds of the steps that captured, and the
+    next token. Nothing is run where no graph is captured."""
     from ...integrations.model_graph import DecodeGraph
 
     captured: list[float] = []
