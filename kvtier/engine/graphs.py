@@ -133,14 +133,19 @@ class StepGraphs:
         """``work(*inputs)`` on the capture stream, ordered after what the current stream queued and before what
         it queues next."""
         current = torch.cuda.current_stream(self.device)
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(self.device)
-        self._stream.wait_stream(current)
+        stream = self._side_stream()
+        stream.wait_stream(current)
         try:
-            with torch.cuda.stream(self._stream):
+            with torch.cuda.stream(stream):
                 return work(*inputs)
         finally:
             current.wait_stream(self._stream)
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        """The stream captures (and a state's first step, with `warm_aside`) run on, made on first use."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        return self._stream
 
     @property
     def failed(self) -> str | None:
@@ -150,8 +155,7 @@ class StepGraphs:
     def _capture(self, key: StepKey, inputs: tuple[torch.Tensor, ...],
                  work: Callable[..., tuple[torch.Tensor, ...]]) -> _Captured | None:
         current = torch.cuda.current_stream(self.device)
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(self.device)
+        self._side_stream()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         fixed = tuple(torch.empty_like(t) for t in inputs)

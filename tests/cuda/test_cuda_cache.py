@@ -6,12 +6,18 @@ parking and `SessionStore`, the hybrid (sliding-window) path, and whole decode s
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import DynamicCache, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
 from kvtier import TieredCache, cache_kwargs
 from kvtier.integrations.sessions import SessionStore
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+from tiny_models import random_kvp  # noqa: E402 - the tiny models' helpers live beside the unit tests
 
 pytestmark = pytest.mark.cuda
 
@@ -234,19 +240,6 @@ def _decode_logits(model, cache, ids, steps):
     return torch.stack(seen)
 
 
-def _random_kvp(model):
-    """A KVP scorer with random networks for `model`'s shape (the shipped weights fit the default model only)."""
-    from kvtier.scoring.kvp import KVPAgents, KVPScorer
-
-    cfg = model.config
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
-    torch.manual_seed(3)
-    agents = KVPAgents(cfg.num_hidden_layers * cfg.num_key_value_heads, head_dim, hidden=16)
-    meta = {"model": "random", "num_layers": cfg.num_hidden_layers, "num_kv_heads": cfg.num_key_value_heads,
-            "head_dim": head_dim}
-    return KVPScorer.from_agents(agents, meta)
-
-
 @pytest.mark.parametrize("scorer", ["keynorm", "kvp"])
 def test_decode_steps_replayed_from_cuda_graphs_equal_eager_ones(cuda_device, scorer):
     """Decode steps whose work (the write, attention and recall) is replayed from CUDA graphs (captured per
@@ -264,7 +257,7 @@ def test_decode_steps_replayed_from_cuda_graphs_equal_eager_ones(cuda_device, sc
     for name, graphs, in_attention, in_step in (("written before", False, False, None), ("eager", False, None, None),
                                                 ("graphs", True, None, None), ("graphs, side prefetch", True, None,
                                                                                False)):
-        kind = scorer if scorer == "keynorm" else _random_kvp(model)
+        kind = scorer if scorer == "keynorm" else random_kvp(model)
         with TieredCache(model.config, device_budget=96, recall_pages=6, prefetch_pages=6, scorer=kind,
                          cuda_graphs=graphs) as cache:
             for engine in cache._engines:
@@ -472,7 +465,7 @@ def test_whole_decode_steps_replayed_from_one_graph_equal_ordinary_ones(cuda_dev
     ids = _prompt(900, cuda_device)
     runs = {}
     for name in ("ordinary", "one graph", "planned, eager"):
-        kind = scorer if scorer == "keynorm" else _random_kvp(model)
+        kind = scorer if scorer == "keynorm" else random_kvp(model)
         with TieredCache(model.config, device_budget=96, recall_pages=6, prefetch_pages=6, scorer=kind) as cache:
             step = (lambda t: model(t, **cache_kwargs(cache)).logits) if name == "ordinary" else \
                 DecodeGraph(model, cache, enabled=name == "one graph")

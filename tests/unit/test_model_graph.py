@@ -20,7 +20,7 @@ from kvtier import DecodeGraph, TieredCache, cache_kwargs
 from kvtier.engine.graphs import StepGraphs
 from kvtier.errors import BrokenCacheError, ConfigError, UnsupportedError
 
-from tiny_models import tiny_llama
+from tiny_models import random_kvp, tiny_llama
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 
@@ -66,7 +66,7 @@ def test_steps_taken_apart_equal_ordinary_ones(scorer):
     """Decoding through `DecodeGraph` (steps planned whole where steady, the others the ordinary way) gives the
     logits of ordinary steps, bit for bit, and the same counters (pages recalled, prefetched, reused, demoted)."""
     model = tiny_llama()
-    kind = scorer if scorer == "keynorm" else _random_kvp(model)
+    kind = scorer if scorer == "keynorm" else random_kvp(model)
     runs = {}
     for graphed in (False, True):
         with _cache(model, scorer=kind) as cache:
@@ -79,18 +79,6 @@ def test_steps_taken_apart_equal_ordinary_ones(scorer):
     # most steps were planned whole (launched eagerly: no graph on a CPU); the prompt and demoting steps were not
     assert s["eager"] > 3 * s["ordinary"] and s["ordinary"] >= 2 and s["replays"] == s["captures"] == 0, s
     assert s["failed"] is None
-
-
-def _random_kvp(model):
-    from kvtier.scoring.kvp import KVPAgents, KVPScorer
-
-    cfg = model.config
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
-    torch.manual_seed(3)
-    agents = KVPAgents(cfg.num_hidden_layers * cfg.num_key_value_heads, head_dim, hidden=16)
-    meta = {"model": "random", "num_layers": cfg.num_hidden_layers, "num_kv_heads": cfg.num_key_value_heads,
-            "head_dim": head_dim}
-    return KVPScorer.from_agents(agents, meta)
 
 
 def test_steps_through_it_and_ordinary_ones_mix():

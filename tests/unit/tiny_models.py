@@ -16,6 +16,19 @@ def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
     return LlamaForCausalLM(config).eval()
 
 
+def random_kvp(model):
+    """A KVP scorer with random networks for `model`'s shape (the shipped weights fit the default model only)."""
+    from kvtier.scoring.kvp import KVPAgents, KVPScorer
+
+    cfg = model.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    torch.manual_seed(3)
+    agents = KVPAgents(cfg.num_hidden_layers * cfg.num_key_value_heads, head_dim, hidden=16)
+    meta = {"model": "random", "num_layers": cfg.num_hidden_layers, "num_kv_heads": cfg.num_key_value_heads,
+            "head_dim": head_dim}
+    return KVPScorer.from_agents(agents, meta)
+
+
 @torch.no_grad()
 def continue_greedy(model, cache, logits, n=4) -> tuple[list[int], torch.Tensor]:
     """`n` greedy tokens after `logits`, one step at a time through `cache`: the tokens and the last logits."""
