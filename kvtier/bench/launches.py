@@ -357,12 +357,14 @@ def time_decode_graph_host(model: Any, input_ids: torch.Tensor, make_cache: Call
     """What a step replayed whole by `DecodeGraph` costs the host besides the replay itself: planning every
     layer's step, the step's key (what a replay is looked up by; made here though no graph is captured), and
     taking every layer's step after, in microseconds per layer and step, over the planned steps among `steps`
-    greedy steps (the others run the ordinary way and are not counted)."""
+    greedy steps (the others run the ordinary way and are not counted); and `states`, how many runs of planned
+    steps under one key there were (on a GPU, a capture each: the first state's at its second step, the others'
+    at their first), with `demotions`, those the steps made."""
     from ..integrations.model_graph import DecodeGraph
 
     cache = make_cache()
     times = {"plan": 0.0, "key": 0.0, "take": 0.0}
-    planned = 0
+    planned, keys = 0, []
     try:
         graph = DecodeGraph(model, cache)
         plan, take = graph._plan, type(cache._engines[0]).take_steady
@@ -375,8 +377,10 @@ def time_decode_graph_host(model: Any, input_ids: torch.Tensor, make_cache: Call
             if plans is not None:
                 planned += 1
                 t0 = time.perf_counter()
-                graph._key(plans, token)
+                key = graph._key(plans, token)
                 times["key"] += time.perf_counter() - t0
+                if not keys or keys[-1] != key:
+                    keys.append(key)
             return plans
 
         def timed_take(engine: Any, step: Any) -> None:
@@ -391,14 +395,17 @@ def time_decode_graph_host(model: Any, input_ids: torch.Tensor, make_cache: Call
             graph._plan = timed_plan
             for engine in cache._engines:
                 engine.take_steady = functools.partial(timed_take, engine)
+            demotions = cache.stats()["demotions"]
             for _ in range(steps):
                 token = graph(token)[:, -1:].argmax(-1)
+            demotions = cache.stats()["demotions"] - demotions
     finally:
         if hasattr(cache, "close"):
             cache.close()
     per = 1e6 / max(1, len(cache._engines) * planned)
     out = {k: round(v * per, 1) for k, v in times.items()}
-    return {**out, "total": round(sum(out.values()), 1), "planned_steps": planned, "steps": steps}
+    return {**out, "total": round(sum(out.values()), 1), "planned_steps": planned, "steps": steps,
+            "states": len(keys), "demotions": demotions}
 
 
 def _native_calls() -> dict[str, int]:

@@ -260,7 +260,7 @@ def launches(context: str, steps: int, demote_pages: str, prefetch_at: str, devi
                        f"{r['graph_key_host_us_per_layer_step']:.1f} us beside it")
     click.echo(f"  a step replayed whole (DecodeGraph) costs the host, per layer: plan {whole['plan']:.1f} us, key "
                f"{whole['key']:.1f} us, take {whole['take']:.1f} us ({whole['planned_steps']} of {steps} steps "
-               "planned)")
+               f"planned, in {whole['states']} states: a capture each on a GPU; {whole['demotions']} demotions)")
     click.echo(f"  TieredCache / DynamicCache: x{out['ratio']:.2f} launches")
 
 
@@ -333,6 +333,10 @@ def wrappers(contexts: str, device_budget: float, calls: int, threads: int, as_j
 @click.option("--decode-graph-row/--no-decode-graph-row", "decode_graph", default=True, show_default=True,
               help="Also time kvtier stepped by DecodeGraph: the model's decode step and the cache's captured as one "
                    "CUDA graph and replayed where the step is steady (at each context, and the 1M row).")
+@click.option("--sustained-steps", default=300, show_default=True, type=click.IntRange(min=0),
+              help="After the DecodeGraph row's timed steps, this many more at each context (stopped at "
+                   "--growth-seconds), demotions and the captures after them included: the mean step of a long "
+                   "decode (0: none).")
 @click.option("--no-prefetch-row/--skip-no-prefetch-row", "no_prefetch", default=True, show_default=True,
               help="Also time kvtier without prefetch (prefetch_pages=0), and with its prefetch on the side stream "
                    "rather than in each step's CUDA graph, at the largest context.")
@@ -349,7 +353,7 @@ def wrappers(contexts: str, device_budget: float, calls: int, threads: int, as_j
 def gpu(contexts: str, million: bool, million_context: str, million_layers: str, device_budget: str,
         recall_pages: int, layers: int | None, shape: str, steps: int, warmup: int, growth_steps: int,
         growth_seconds: float, prefill_chunk: int, copy_mib: int, batch_mib: int, eager: bool, decode_graph: bool,
-        no_prefetch: bool, profile_steps: int, device: str, threads: int | None, seed: int, out_path: str,
+        sustained_steps: int, no_prefetch: bool, profile_steps: int, device: str, threads: int | None, seed: int, out_path: str,
         quiet: bool) -> None:
     """Demotion/recall GB/s vs a raw pinned copy; decode step of the Llama-3.1-8B shape (random weights, bf16,
     batch 1) with kvtier vs DynamicCache on the GPU vs DynamicCache(offloading=True); a synthetic 1M row; KVP
@@ -387,8 +391,9 @@ def gpu(contexts: str, million: bool, million_context: str, million_layers: str,
                          million_context=m_ctx, million_layers=m_layers, device_budget=budget,
                          recall_pages=recall_pages, steps=steps, warmup=warmup, growth_steps=growth_steps,
                          growth_seconds=growth_seconds, prefill_chunk=prefill_chunk, copy_mib=copy_mib,
-                         batch_mib=batch_mib, eager=eager, decode_graph=decode_graph, no_prefetch=no_prefetch,
-                         profile_steps=profile_steps, seed=seed)
+                         batch_mib=batch_mib, eager=eager, decode_graph=decode_graph,
+                         sustained_steps=sustained_steps, no_prefetch=no_prefetch, profile_steps=profile_steps,
+                         seed=seed)
     out_file = Path(out_path).expanduser()
 
     def write(result: dict) -> None:   # whole or not at all: a run killed mid-write keeps the last checkpoint

@@ -20,11 +20,14 @@ from .format import human_bytes
 @click.option("--system", default=None, help="A system message.")
 @click.option("--disk-dir", default=None, help="Folder for the disk tier (default: a temporary folder).")
 @click.option("--model", default=None, help="A Hugging Face id or local path (default: the packaged model).")
+@click.option("--decode-graph", is_flag=True,
+              help="Step each reply through DecodeGraph: on CUDA, each steady decode step (the model's launches and "
+                   "the cache's) replayed as one CUDA graph; the same replies.")
 @click.option("--threads", default=1, show_default=True, type=THREADS)
 @click.option("--json", "as_json", is_flag=True, help="One JSON line per turn instead of text.")
 @user_errors
 def chat(device_budget: str, host_budget: str, park_to: str, max_new_tokens: int, system: str | None,
-         disk_dir: str | None, model: str | None, threads: int, as_json: bool) -> None:
+         disk_dir: str | None, model: str | None, decode_graph: bool, threads: int, as_json: bool) -> None:
     """Interactive multi-turn chat on the tiered cache (empty line or /quit to stop)."""
     budget, host = parse_budget(device_budget, "--device-budget"), parse_budget(host_budget, "--host-budget")
     check_cache_options(budget, host, disk_dir)
@@ -34,7 +37,8 @@ def chat(device_budget: str, host_budget: str, park_to: str, max_new_tokens: int
 
     from ..integrations.chat import ChatSession
 
-    session = ChatSession(lm, tok, system=system, device_budget=budget, host_budget=host, disk_dir=disk_dir)
+    session = ChatSession(lm, tok, system=system, device_budget=budget, host_budget=host, disk_dir=disk_dir,
+                          decode_graph=decode_graph)
     stdin = sys.stdin
     turn = 0
     try:
@@ -52,7 +56,9 @@ def chat(device_budget: str, host_budget: str, park_to: str, max_new_tokens: int
             if as_json:
                 click.echo(json.dumps({"turn": turn, "reply": reply, "tokens": s["tokens_seen"],
                                        **{t: {"tokens": s[t]["tokens"], "bytes": s[t]["bytes"]}
-                                          for t in ("device", "host", "disk")}, "parked": s["parked"]}))
+                                          for t in ("device", "host", "disk")}, "parked": s["parked"],
+                                       **({"decode_graph": session.decode_graph.stats()}
+                                          if session.decode_graph is not None else {})}))
                 continue
             click.echo(f"model> {reply}")
             per = s["layers"] * s["kv_heads"]

@@ -9,8 +9,9 @@ key, and copies the step's inputs (the query, keys and values; the pages a prefe
 fixed input buffers. The work must read nothing back to the host and change no host state (the caller keeps its
 bookkeeping outside it), and everything it reads outside its inputs must stay allocated where the key says.
 
-A state is captured the second step in a row it is seen (a state that lasts one step is not worth a capture), on a
-side stream, without the synchronisation and cache emptying `torch.cuda.graph` does (a layer captures again after
+A state is captured the second step in a row it is seen (a state that lasts one step is not worth a capture; a whole
+model's step, whose state lasts from one demotion to the next, is captured the first step once a capture has
+succeeded: `at_once`), on a side stream, without the synchronisation and cache emptying `torch.cuda.graph` does (a layer captures again after
 each demotion), and replaces the layer's graph before it (a state does not come back: a layer's page count only
 grows). Each layer's graphs draw on a memory pool of their own. A pool shared by every layer would hold less, but
 a graph captured after another may place its outputs where the earlier one keeps its temporaries, and a layer's
@@ -85,13 +86,19 @@ class StepGraphs:
     """One layer's captured decode steps, by key; counts what ran how (`captures`, `replays`, `eager`)."""
 
     def __init__(self, device: torch.device, enabled: bool, switch: GraphSwitch | None = None, *,
-                 warm_aside: bool = False, collect: bool = False, passthrough: tuple[type, ...] = ()) -> None:
+                 warm_aside: bool = False, collect: bool = False, passthrough: tuple[type, ...] = (),
+                 at_once: bool = False) -> None:
         self.device = device
         # for a whole model's step: run a state's first (eager) step on the capture stream, as a warm-up of what
         # its launches set up lazily (cuBLAS handles and workspaces), and collect garbage before a capture, so
         # that no finalizer runs inside it (what `torch.cuda.graph` does before every capture); `passthrough`:
         # exceptions of the work's own that are not a capture's failure (raised as they are, graphs left on)
         self.warm_aside, self.collect, self.passthrough = warm_aside, collect, passthrough
+        # once a capture succeeded, capture a state the first step it is seen (where states last: a whole model's
+        # step changes state only at a demotion); a capture made so that fails is not final: that state's step
+        # runs eagerly (on the capture stream, with `warm_aside`), and states are captured the second step
+        # again, where a failure turns graphs off as any other
+        self.at_once = at_once
         # the memory pool of the layer's graphs, made with a capture; let go with its last graph (a pool no graph
         # holds is released by torch and cannot be captured into again)
         self._pool: Any = None
@@ -113,15 +120,16 @@ class StepGraphs:
         key = key()
         if self._graph is not None and self._graph[0] == key:
             captured = self._graph[1]
-        elif key != self._last_key:   # first seen: run eagerly, capture if the next step is alike
-            self._last_key = key
+        elif key != self._last_key and not (self.at_once and self.captures):
+            self._last_key = key   # first seen: run eagerly, capture if the next step is alike
             self.eager += 1
             return self._aside(inputs, work) if self.warm_aside else work(*inputs)
         else:
-            captured = self._capture(key, inputs, work)
+            first_seen, self._last_key = key != self._last_key, key
+            captured = self._capture(key, inputs, work, final=not first_seen)
             if captured is None:
                 self.eager += 1
-                return work(*inputs)
+                return self._aside(inputs, work) if self.warm_aside and first_seen else work(*inputs)
         for fixed, given in zip(captured.inputs, inputs):
             fixed.copy_(given)
         captured.graph.replay()
@@ -153,7 +161,32 @@ class StepGraphs:
         return self.switch.failed
 
     def _capture(self, key: StepKey, inputs: tuple[torch.Tensor, ...],
-                 work: Callable[..., tuple[torch.Tensor, ...]]) -> _Captured | None:
+                 work: Callable[..., tuple[torch.Tensor, ...]], final: bool = True) -> _Captured | None:
+        """The graph of `work` under `key`, or None where the capture failed: then graphs are off for good if
+        the failure is `final`; else states are captured the second step they are seen from then on."""
+        try:
+            captured = self._record(inputs, work)
+        except Exception as e:   # noqa: BLE001 - any failure to capture leaves the eager path, which is exact
+            self._graph = None
+            if isinstance(e, self.passthrough):
+                raise
+            if not final:
+                self.at_once = False
+                log.info("CUDA graph capture of a decode step at its state's first step failed on %s; states are "
+                         "captured at their second step from now on: %s: %s", self.device, type(e).__name__, e)
+                return None
+            self.switch.failed = f"{type(e).__name__}: {e}"
+            log.warning("CUDA graph capture of a decode step failed on %s; the cache's steps run eagerly: %s",
+                        self.device, self.switch.failed)
+            return None
+        self._graph = (key, captured)   # the graph before goes (its replays are queued before this one's)
+        self.captures += 1
+        return captured
+
+    def _record(self, inputs: tuple[torch.Tensor, ...],
+                work: Callable[..., tuple[torch.Tensor, ...]]) -> _Captured:
+        """``work`` captured on the side stream into the layer's pool, reading fixed copies of `inputs`; raises
+        what the capture raised, its hold on the pool given back."""
         current = torch.cuda.current_stream(self.device)
         self._side_stream()
         if self._pool is None:
@@ -172,22 +205,13 @@ class StepGraphs:
                     outputs = tuple(work(*fixed))
                 finally:
                     graph.capture_end()
-        except Exception as e:   # noqa: BLE001 - any failure to capture leaves the eager path, which is exact
+        except BaseException:
             if began:
                 self._release_failed_pool()
-            self._graph = None
-            if isinstance(e, self.passthrough):
-                raise
-            self.switch.failed = f"{type(e).__name__}: {e}"
-            log.warning("CUDA graph capture of a decode step failed on %s; the cache's steps run eagerly: %s",
-                        self.device, self.switch.failed)
-            return None
+            raise
         finally:
             current.wait_stream(self._stream)
-        captured = _Captured(graph, fixed, outputs)
-        self._graph = (key, captured)   # the graph before goes (its replays are queued before this one's)
-        self.captures += 1
-        return captured
+        return _Captured(graph, fixed, outputs)
 
     def _release_failed_pool(self) -> None:
         """After a capture that failed once begun: stop routing the capture stream's allocations to the pool and

@@ -1,8 +1,8 @@
 """A decode step planned whole on the host before the model runs: what lets one CUDA graph stand for a model's step.
 
 A layer's decode step on the device path is host bookkeeping around a fixed run of launches (`device_step`). Most
-steps are alike: no slab is added, nothing is demoted, the recall buffer and the index stay where they are; only
-the count moves on, on the device and on the host. Such a *steady* step can be split in three:
+steps are alike: no slab is added, the recall buffer and the index stay where they are; only the count moves on,
+on the device and on the host. Such a *steady* step can be split in three (four where it demotes):
 
 - `plan_steady`, before the model runs: whether the step is steady, and if it is, the arguments of its launches
   and their key (`_decode_key`), all from what the layer holds and what its last decode step looked like (the
@@ -13,7 +13,10 @@ the count moves on, on the device and on the host. Such a *steady* step can be s
   tensors the model made; no host state changes. Captured in a graph with the model's own launches, this is
   what a replay repeats;
 - `take_steady`, once the step's launches are queued (run, or replayed): the host's part, the length, the count,
-  the counters and the read marks, exactly as the ordinary step leaves them.
+  the counters and the read marks, exactly as the ordinary step leaves them;
+- `demote_after_steady`, once every layer's step is taken: the demotion the ordinary step's commit would make. A
+  step that demotes issues a steady step's launches (the demotion follows them), so a graph captured before it
+  stands for it too; the state after it is a new one.
 
 Every step taken so equals the ordinary one bit for bit, and leaves the layer as it would
 (`tests/unit/test_model_graph.py`).
@@ -76,8 +79,8 @@ class SteadySteps:
         return SteadyStep(run, key, self.pool.placeholder(self.pool.count + 1), how)
 
     def _steady_now(self, how: tuple) -> bool:
-        """Whether the next decode step is steady: it recalls on the device, writes its entry in its attention,
-        adds no slab and demotes nothing (the conditions of `recalls`, `_writes_in_attention` and `_pool_kernels`,
+        """Whether the next decode step is steady: it recalls on the device, writes its entry in its attention
+        and adds no slab (the conditions of `recalls`, `_writes_in_attention` and `_pool_kernels`,
         asked before the step rather than during it)."""
         pool, cfg = self.pool, self.cfg
         if pool is None or self.parked is not None or self.pending is not None or self.index is None:
@@ -92,8 +95,9 @@ class SteadySteps:
         if not (self.index.uses_kernels and self.recalls_on_device() and self._defer_nan()
                 and capturable(self.scorer) and self._pool_kernels_for(q_shape[1], q_dtype)):
             return False
-        # room in the pool's slabs, and no demotion at the step's commit (`_demote` at the length after it)
-        return pool.count + 1 <= pool.capacity and pool.count + 1 <= cfg.device_tokens(self.seen + 1)
+        # room in the pool's slabs (a step that demotes at its commit is steady too: its launches are a steady
+        # step's, and `demote_after_steady` demotes once every layer's step is taken)
+        return pool.count + 1 <= pool.capacity
 
     def steady_launches(self, step: SteadyStep, query: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         scale: float, softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
@@ -116,5 +120,11 @@ class SteadySteps:
         self.seen += 1
         self._decoded(step.ids, writes=True)
         self.pool.note_commit()
-        self._demote()   # nothing to demote (planned so): the same bookkeeping as the ordinary commit's
+
+    def demote_after_steady(self) -> None:
+        """The end of the ordinary commit, once the planned step is taken: the demotion, if the step brought the
+        pool over its budget. It reads and changes only this layer's pool, index, table and host pages, which no
+        other layer's step touches, so it may come after every layer's launches rather than before the next
+        layer's; a demotion that fails leaves the layer as it was (`_demote`), over budget until its next step."""
+        self._demote()
 

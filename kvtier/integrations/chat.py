@@ -6,8 +6,9 @@ from typing import Any
 
 import torch
 
-from ..errors import KVTierError
+from ..errors import ConfigError, KVTierError
 from .hf import TieredCache, cache_kwargs
+from .model_graph import DecodeGraph
 
 
 class ChatSession:
@@ -21,12 +22,18 @@ class ChatSession:
         The conversation's cache; by default a new `TieredCache` built with `cache_settings`.
     system
         An optional system message.
+    decode_graph
+        Take each reply's tokens through a `DecodeGraph` over the cache (`self.decode_graph`): on CUDA, each steady
+        decode step, the model's launches and the cache's, replayed as one CUDA graph. The same replies either way.
     """
 
     def __init__(self, model: Any, tokenizer: Any, cache: TieredCache | None = None, system: str | None = None,
-                 **cache_settings: Any) -> None:
+                 decode_graph: bool = False, **cache_settings: Any) -> None:
+        if not isinstance(decode_graph, bool):
+            raise ConfigError(f"decode_graph={decode_graph!r}; allowed: True or False")
         self.model, self.tokenizer = model, tokenizer
         self.cache = cache if cache is not None else TieredCache(model.config, **cache_settings)
+        self.decode_graph = DecodeGraph(model, self.cache) if decode_graph else None
         self.messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
         self.ids = torch.empty(1, 0, dtype=torch.long)  # every token of the conversation so far
 
@@ -57,8 +64,11 @@ class ChatSession:
         generate_kwargs.setdefault("do_sample", False)
         held = self.cache.get_seq_length()
         try:
-            out = self.model.generate(ids, **cache_kwargs(self.cache), max_new_tokens=max_new_tokens,
-                                      **generate_kwargs)
+            if self.decode_graph is not None:
+                out = self.decode_graph.generate(ids, max_new_tokens=max_new_tokens, **generate_kwargs)
+            else:
+                out = self.model.generate(ids, **cache_kwargs(self.cache), max_new_tokens=max_new_tokens,
+                                          **generate_kwargs)
         except BaseException:
             if self.cache.get_seq_length() != held or self.cache.broken:
                 # the cache took part of the turn that `ids` will never hold: start it afresh, so the next

@@ -7,12 +7,16 @@ weights is most of it). `DecodeGraph` captures the whole step, the model's forwa
 attention and recall, once per state, and replays it: the host then only plans each layer's step
 (`kvtier.engine.steady_step`: a few checks and the key) and takes it after.
 
-A step is replayed where it is *steady* in every layer (recall planned on the device, nothing demoted, no slab
-added; `LayerEngine.plan_steady`): most steps of a long decode. Any other step (the prefill, a step that demotes,
-a step on a CPU's path where recall is planned on the host) runs the ordinary way, and so does everything where
+A step is replayed where it is *steady* in every layer (recall planned on the device, no slab added;
+`LayerEngine.plan_steady`): nearly every step of a long decode. A step that demotes is one too: its launches are
+those of the steps before it, and the demotions follow the replay, layer by layer, as the ordinary steps' commits
+would have made them. Any other step (the prefill, a step on a CPU's path where recall is planned on the host, one
+that adds a slab) runs the ordinary way, and so does everything where
 graphs cannot be captured (a CPU, `cuda_graphs=False`, a capture that failed: then the planned steps run their
-launches eagerly, the same bits). A state is captured the second step in a row it is seen, as
-`kvtier.engine.graphs` does for a layer.
+launches eagerly, the same bits). The first state is captured the second step it is seen (its first step, run on
+the capture stream, warms up what the model's launches set up lazily); later ones, from the step after a
+demotion, the first step they are seen (`StepGraphs.at_once`): a state lasts until the next demotion, some
+seventy steps at the default settings, and each step it waits to be captured runs every launch one by one.
 
 What a replay bakes in besides the cache's state: the model's weights where they lie (a model moved or cast
 after a capture is captured again; its modules are those it had when the `DecodeGraph` was made), the token and
@@ -62,10 +66,11 @@ class DecodeGraph:
         self.model, self.cache = model, cache
         params = next(model.parameters(), None)
         self.device = params.device if params is not None else torch.device("cpu")
-        # the first step of a state runs on the capture stream (a warm-up of what the model's launches set up
-        # lazily); a planned step the model calls otherwise than planned is not a capture's failure
+        # the first state's first step runs on the capture stream (a warm-up of what the model's launches set up
+        # lazily), later states are captured at once; a planned step the model calls otherwise than planned is
+        # not a capture's failure
         self.graphs = StepGraphs(self.device, enabled and cache.settings.cuda_graphs, GraphSwitch(),
-                                 warm_aside=True, collect=True, passthrough=(StepMismatch,))
+                                 warm_aside=True, collect=True, passthrough=(StepMismatch,), at_once=True)
         cache._shared.step_graphs.add(self.graphs)   # let go when a layer lets its recall buffer go (park, reset)
         # every module's table of parameters and of buffers (the model's modules as they stand: one replaced
         # later needs a new DecodeGraph)
@@ -199,6 +204,10 @@ class DecodeGraph:
         for engine, step, ids in zip(engines, plans, outputs[1:]):
             step.ids = ids
             engine.take_steady(step)
+        # every layer's step is taken, so a demotion that fails leaves the cache whole: the layers after it stay
+        # over budget until their next commit demotes
+        for engine in engines:
+            engine.demote_after_steady()
         return outputs[0]
 
     def _ordinary(self, token: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:

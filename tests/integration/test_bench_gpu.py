@@ -15,7 +15,7 @@ from kvtier.cli import main
 from kvtier.native import kernel_status as kvtier_native_status
 
 TINY = ["bench", "gpu", "--shape", "tiny", "--layers", "2", "--contexts", "1K,2K", "--million-context", "8K",
-        "--steps", "2", "--warmup", "1", "--growth-steps", "24", "--copy-mib", "8", "--batch-mib", "1",
+        "--steps", "2", "--warmup", "1", "--growth-steps", "24", "--sustained-steps", "20", "--copy-mib", "8", "--batch-mib", "1",
         "--prefill-chunk", "512", "--threads", "1", "--profile-steps", "1"]
 TARGETS = {"demotion_vs_raw_copy", "recall_vs_raw_copy", "decode_vs_dynamic_gpu", "decode_vs_offloading",
            "million_gpu_bytes", "million_decode_vs_dynamic", "no_device_memory_growth", "no_host_memory_growth",
@@ -124,6 +124,12 @@ def test_decode_rows_and_ratios(cpu_run):
     assert 1 <= growth["demoting_steps"] < 24 and growth["demoting_step_ms_median"] > 0
     assert growth["other_step_ms_median"] > 0
     assert "growth" not in rows[1]["rows"]["kvtier"]
+    for r in rows:   # the one-graph row over a long decode: every step, its mean, how each ran (on a CPU: ordinary)
+        run_ = r["rows"]["kvtier_graph"]["sustained"]
+        assert run_["steps"] == 20 and run_["step_ms_mean"] > 0 and run_["demoting_steps"] >= 1, run_
+        assert sum(run_["decode_graph"].values()) == 20 and run_["device_ok"] and run_["host_ok"], run_
+        assert r["ratios"]["dynamic_over_kvtier_graph_sustained"] == pytest.approx(
+            r["rows"]["dynamic"]["step_ms_median"] / run_["step_ms_mean"], rel=1e-2)
     for name in ("kvtier_no_prefetch", "kvtier_side_prefetch"):
         assert "skipped" in rows[1]["rows"][name] and name not in rows[0]["rows"]
 
@@ -215,6 +221,9 @@ def test_tiny_on_cuda_measures_every_row(tmp_path):
         assert graphs["failed"] is None and timed["replays"] > 0 and timed["prefetch_replays"] == 0, (graphs, timed)
         assert "skipped" not in r["rows"]["kvtier_eager"] and r["rows"]["kvtier_eager"]["cuda_graphs"]["replays"] == 0
         assert r["ratios"]["kvtier_eager_over_kvtier"] is not None
+    for r in data["decode"]:   # over a long decode through DecodeGraph: demoting steps replayed, later states
+        counts = r["rows"]["kvtier_graph"]["sustained"]["decode_graph"]   # captured the first step they are seen
+        assert counts["replays"] > 0 and counts["eager"] == counts["ordinary"] == 0, counts
     top = data["decode"][-1]["rows"]
     assert "skipped" not in top["kvtier_no_prefetch"] and "skipped" not in top["kvtier_side_prefetch"], top
     assert top["kvtier_no_prefetch"]["tiers"]["prefetch"]["pages"] == 0

@@ -72,6 +72,14 @@ def test_chat_json_parks_between_turns():
     turns = [json.loads(line) for line in result.output.splitlines() if line.startswith("{")]
     assert [t["turn"] for t in turns] == [1, 2]
     assert turns[-1]["parked"] == "disk" and turns[-1]["device"]["tokens"] == 0 and turns[-1]["disk"]["tokens"] > 0
+    assert "decode_graph" not in turns[-1]
+    stepped = run("chat", "--json", "--park", "disk", "--max-new-tokens", "8", "--decode-graph",
+                  input="Hello!\nAnd again?\n")
+    assert stepped.exit_code == 0, stepped.output
+    again = [json.loads(line) for line in stepped.output.splitlines() if line.startswith("{")]
+    assert [t["reply"] for t in again] == [t["reply"] for t in turns]
+    # on a CPU, recall is planned on the host: every step the ordinary way, none planned whole
+    assert again[-1]["decode_graph"]["ordinary"] > 0 and again[-1]["decode_graph"]["replays"] == 0
 
 
 def test_bench_prefetch_json():
@@ -147,6 +155,9 @@ def test_bench_launches_json():
     assert calls["attend_slabs"] >= 1 and calls["attend_pages"] == 2 and "merge_parts" not in calls
     assert parts["page choice"] <= 3 and "attention over the parts" not in parts   # a top-k
     assert data["ratio"] > 1
+    # a step replayed whole: what the host still does, and in how many states (a capture each) its steps ran
+    whole = data["decode_graph_host_us_per_layer_step"]
+    assert whole["planned_steps"] == whole["steps"] == 1 and whole["states"] == 1 and whole["total"] > 0, whole
 
 
 def test_bench_wrappers_json():

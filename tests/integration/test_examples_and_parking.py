@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvtier.errors import ConfigError
 from kvtier.integrations.chat import ChatSession
 
 pytestmark = pytest.mark.slow
@@ -37,6 +38,39 @@ def test_parked_conversation_is_bit_identical(fresh_attention, to):
         assert parked.cache.parked == to and parked.cache.stats()["device"]["tokens"] == 0
         assert torch.equal(parked.ids, plain.ids)
     parked.cache.close()
+    plain.cache.close()
+
+
+def test_a_conversation_stepped_by_decode_graph_is_bit_identical(fresh_attention):
+    """`ChatSession(decode_graph=True)`: each reply's steps through a `DecodeGraph` (planned whole and launched
+    eagerly here, recall planned on the device as on a GPU), parked between turns, give the same tokens as a
+    plain conversation, and the cache as the plain one leaves it."""
+    from kvtier import TieredCache
+
+    model, tok = fresh_attention
+
+    def gpu_path_cache():
+        cache = TieredCache(model.config, device_budget=0.2, host_budget=None, recall_pages=4)   # no disk pages
+        for engine in cache._engines:   # recall planned, pages chosen, entries scored and checked as on a GPU
+            engine.device_recall = engine.select_kernels = engine.defer_nan = True
+            engine.scorer.native_score = True   # KVP, the default model's scorer: its one-launch form
+        return cache
+
+    stepped = ChatSession(model, tok, cache=gpu_path_cache(), decode_graph=True)
+    plain = ChatSession(model, tok, cache=gpu_path_cache())
+    assert plain.decode_graph is None
+    for text in ["Tell me about the sea. " * 10, "And about rivers?"]:
+        assert stepped.ask(text, max_new_tokens=10) == plain.ask(text, max_new_tokens=10)
+        assert torch.equal(stepped.ids, plain.ids)
+        stepped.park("host")
+        plain.park("host")
+    s = stepped.decode_graph.stats()
+    assert s["eager"] > s["ordinary"] and s["failed"] is None, s   # most steps planned whole
+    a, b = stepped.cache.stats(), plain.cache.stats()
+    assert a["demotions"] == b["demotions"] and a["tokens_seen"] == b["tokens_seen"]
+    with pytest.raises(ConfigError, match="decode_graph='yes'"):
+        ChatSession(model, tok, decode_graph="yes")
+    stepped.cache.close()
     plain.cache.close()
 
 

@@ -7,13 +7,14 @@ replay repeat wherever its key does is held on the CPU (`tests/integration/test_
 from __future__ import annotations
 
 import copy
+import types
 import weakref
 
 import pytest
 import torch
 
 from kvtier import TieredCache, cache_kwargs
-from kvtier.engine.graphs import StepGraphs, StepKey
+from kvtier.engine.graphs import StepGraphs, StepKey, _Captured
 from kvtier.errors import ConfigError
 
 from tiny_models import tiny_llama
@@ -199,3 +200,63 @@ def test_a_decode_step_whose_write_fails_before_its_attention_is_not_taken(monke
                 got.append(logits)
     assert failed, "no decode step's write was left to its attention"
     assert torch.equal(torch.cat(got), want)
+
+
+class _StandIn(StepGraphs):
+    """`StepGraphs` with stand-ins for what needs CUDA (the capture, its stream): which step it runs how, and
+    what a failed capture turns off, are its own."""
+
+    def __init__(self, fail_at=(), **kwargs):
+        super().__init__(torch.device("cpu"), enabled=False, **kwargs)
+        self.enabled = True
+        self.fail_at, self.done, self.steps = set(fail_at), [], 0
+
+    def _aside(self, inputs, work):
+        self.done[-1] = "aside"
+        return work(*inputs)
+
+    def _record(self, inputs, work):
+        if self.steps in self.fail_at:
+            raise RuntimeError("refused during capture")
+        self.done[-1] = "capture"
+        return _Captured(types.SimpleNamespace(replay=lambda: None), tuple(map(torch.clone, inputs)),
+                         tuple(work(*inputs)))
+
+    def step(self, state):
+        self.done.append("eager")
+        self.run(lambda: StepKey((), (state,)), (torch.zeros(1),), lambda x: (x + 1,))
+        if self.done[-1] == "eager" and self.replays > self._replays:
+            self.done[-1] = "replay"
+        self._replays, self.steps = self.replays, self.steps + 1
+        return self.done[-1]
+
+    _replays = 0
+
+
+def _steps(graphs, states):
+    return [graphs.step(s) for s in states]
+
+
+def test_a_state_is_captured_its_second_step_or_at_once_after_a_first_capture():
+    """A layer's state is captured the second step in a row it is seen; a whole model's step (`at_once`) captures
+    its first state so, its first step a warm-up on the capture stream, and each later state the first step it
+    is seen."""
+    states = "AAABBBCD"
+    assert _steps(_StandIn(), states) == \
+        ["eager", "capture", "replay", "eager", "capture", "replay", "eager", "eager"]
+    assert _steps(_StandIn(warm_aside=True, at_once=True), states) == \
+        ["aside", "capture", "replay", "capture", "replay", "replay", "capture", "capture"]
+
+
+def test_a_capture_at_once_that_fails_falls_back_to_second_step_captures():
+    """A capture at a state's first step that fails is not final: the step runs eagerly on the capture stream
+    (a warm-up), the state is captured the next step, and so are later ones; a capture at a second step that
+    fails turns graphs off, as it always has."""
+    graphs = _StandIn(fail_at={3}, warm_aside=True, at_once=True)
+    assert _steps(graphs, "AAABBBCC") == \
+        ["aside", "capture", "replay", "aside", "capture", "replay", "aside", "capture"]
+    assert graphs.failed is None and graphs.at_once is False
+    graphs = _StandIn(fail_at={3, 4}, warm_aside=True, at_once=True)
+    assert _steps(graphs, "AAABBBCC") == \
+        ["aside", "capture", "replay", "aside", "eager", "eager", "eager", "eager"]
+    assert graphs.failed == "RuntimeError: refused during capture"

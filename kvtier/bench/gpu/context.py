@@ -133,6 +133,14 @@ def run_context(cfg: GpuBenchConfig, model: Any, context: int, scorer: Any, cloc
                 if demoting:   # one context is enough: where a demoting step's extra time goes
                     progress.say(f"{context:,} tokens: kvtier steps under cProfile until one demotes")
                     out["demotion_profile"], t = profile_demotion(model, cache, t, clock)
+            if whole and cfg.sustained_steps:   # what a long decode sees: demotions and the captures after them
+                progress.say(f"{context:,} tokens: {cfg.sustained_steps} steps through DecodeGraph, demotions "
+                             "included")
+                before = stepper.stats()
+                out["sustained"] = _growth(cfg, model, cache, t, layers, clock, progress, cfg.sustained_steps, stepper)
+                after = stepper.stats()
+                out["sustained"]["decode_graph"] = {k: after[k] - before[k] for k in
+                                                    ("replays", "captures", "eager", "ordinary")}
             if demoting and cfg.growth_steps:   # the steps that demote, and those that capture after, included
                 progress.say(f"memory growth: up to {cfg.growth_steps} kvtier decode steps at {context:,}")
                 out["growth"] = _growth(cfg, model, cache, t, layers, clock, progress)
@@ -205,6 +213,10 @@ def run_context(cfg: GpuBenchConfig, model: Any, context: int, scorer: Any, cloc
         for name in ("dynamic", "offloading", "kvtier"):
             other = rows[name].get("step_ms_median")
             row["ratios"][f"{name}_over_kvtier_graph"] = _r(other / graph_ms) if other and graph_ms else None
+        # over a long decode: DynamicCache's step against the mean of the sustained run's (demotions, captures)
+        mean = rows["kvtier_graph"].get("sustained", {}).get("step_ms_mean")
+        other = rows["dynamic"].get("step_ms_median")
+        row["ratios"]["dynamic_over_kvtier_graph_sustained"] = _r(other / mean) if other and mean else None
     for name, key in (("kvtier_eager", "kvtier_eager_over_kvtier"),
                       ("kvtier_side_prefetch", "kvtier_side_prefetch_over_kvtier"),
                       ("kvtier_no_prefetch", "kvtier_over_no_prefetch")):

@@ -54,12 +54,17 @@ def growth_allowance(cfg: GpuBenchConfig, layers: int, new_tokens: int) -> dict[
 
 
 def _growth(cfg: GpuBenchConfig, model: Any, cache: Any, token: torch.Tensor, layers: int, clock: Clock,
-            progress: Progress) -> dict[str, Any]:
+            progress: Progress, steps: int | None = None, stepper: Any = None) -> dict[str, Any]:
+    """`steps` decode steps (`cfg.growth_steps` by default) through `stepper` (the cache, or a `DecodeGraph` over
+    it), stopped at `cfg.growth_seconds`: memory before and after, and what the steps took, those that demote and
+    those that capture included (their mean is what a long decode sees)."""
+    steps = cfg.growth_steps if steps is None else steps
     before = memory_snapshot(cache, clock.device)
     seen0 = cache.get_seq_length()
     deadline = time.perf_counter() + cfg.growth_seconds
     demoted: list[bool] = []
-    times, _ = decode_steps(model, cache, token, cfg.growth_steps, clock, progress, "growth", deadline, demoted)
+    times, _ = decode_steps(model, cache if stepper is None else stepper, token, steps, clock, progress, "growth",
+                            deadline, demoted)
     split = {name: [t for t, d in zip(times, demoted) if d == flag] for name, flag in (("demoting", True),
                                                                                      ("other", False))}
     after = memory_snapshot(cache, clock.device)
@@ -70,11 +75,11 @@ def _growth(cfg: GpuBenchConfig, model: Any, cache: Any, token: torch.Tensor, la
     pools = delta.get("cache_device_reserved_bytes", 0) + delta.get("cache_index_bytes", 0)
     gpu = delta.get("gpu_allocated_bytes", pools)
     host = max(delta.get("pinned_allocator_bytes", 0), delta.get("cache_host_reserved_bytes", 0))
-    return {"steps": len(times), "steps_asked": cfg.growth_steps, "stopped_early": len(times) < cfg.growth_steps,
+    return {"steps": len(times), "steps_asked": steps, "stopped_early": len(times) < steps,
             "new_tokens": new, "before": before, "after": after, "growth": delta,
             "device_growth_bytes": gpu, "host_growth_bytes": host, "allowance": allow,
             "device_ok": gpu <= allow["device_bytes"], "host_ok": host <= allow["host_bytes"],
-            "step_ms_median": _r(_median(times) * 1e3),
+            "step_ms_median": _r(_median(times) * 1e3), "step_ms_mean": _r(sum(times) / len(times) * 1e3),
             # a step that demotes queues its copies to the host and more bookkeeping: its cost, next to the others
             "demoting_steps": len(split["demoting"]),
             "demoting_step_ms_median": _r(_median(split["demoting"]) * 1e3) if split["demoting"] else None,

@@ -102,7 +102,8 @@ def format_report(result: dict[str, Any]) -> str:
                 f"{_fmt(ra.get('offloading_over_kvtier_graph'), '.1f', 'x')}; timed steps "
                 + ", ".join(f"{v} {k}" for k, v in r.get("decode_graph_timed", {}).items())
                 + (f"; capture failed: {r['decode_graph']['failed']}" if r.get("decode_graph", {}).get("failed")
-                   else "")),
+                   else "")
+                + _sustained(r.get("sustained"), ra.get("dynamic_over_kvtier_graph_sustained"))),
             "kvtier_eager": lambda r: f"eager / kvtier {_fmt(ra.get('kvtier_eager_over_kvtier'), '.2f', 'x')}",
             "kvtier_side_prefetch": lambda r: (
                 f"side stream / in the step's graph {_fmt(ra.get('kvtier_side_prefetch_over_kvtier'), '.2f', 'x')}; "
@@ -197,7 +198,20 @@ def format_report(result: dict[str, Any]) -> str:
         verdict = {True: "PASS", False: "FAIL", None: "n/a"}[t["pass"]]
         lines.append(f"  {verdict:<5}{t['name']:<28}{_fmt(t['measured'], '.3g'):>8} {t['unit']:<9}"
                      f"(limit {t['threshold']:.3g})  {t['note']}"
-                     + (f" [stepped by DecodeGraph: {t['with_decode_graph']:.3g} {t['unit']}]"
+                     + (f" [stepped by DecodeGraph: {t['with_decode_graph']:.3g} {t['unit']}"
+                        + (f"; {t['with_decode_graph_sustained']:.3g} {t['unit']} over a long decode"
+                           if t.get("with_decode_graph_sustained") is not None else "") + "]"
                         if t.get("with_decode_graph") is not None else ""))
     lines.append(f"\ntotal {result['seconds']['total']:.1f} s")
     return "\n".join(lines)
+
+
+def _sustained(run: dict[str, Any] | None, ratio: float | None) -> str:
+    """The sustained run of the one-graph row, as a clause: its mean step (demotions and captures included)."""
+    if not run or not run.get("steps"):
+        return ""
+    counts = run.get("decode_graph", {})
+    return (f"; over {run['steps']} steps (demotions and captures included): mean {_fmt(run['step_ms_mean'], '.2f')} "
+            f"ms, Dyn / it {_fmt(ratio, '.2f', 'x')}, {run['demoting_steps']} demoting "
+            f"({_fmt(run.get('demoting_step_ms_median'), '.1f')} ms median), {counts.get('captures', 0)} captures, "
+            f"{counts.get('eager', 0)} eager, {counts.get('ordinary', 0)} ordinary")

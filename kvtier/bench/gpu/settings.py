@@ -31,6 +31,7 @@ class GpuBenchConfig:
     repeats: int = 3
     eager: bool = True                    # also a kvtier row with CUDA graphs off, at each context
     decode_graph: bool = True             # also a kvtier row stepped by DecodeGraph (the whole step one graph)
+    sustained_steps: int = 300            # then that row's steps over several demotions, captures included
     no_prefetch: bool = True              # also kvtier rows without prefetch and with it on the side stream,
                                           # at the largest context
     profile_steps: int = 0                # kvtier steps profiled (cProfile) after each kvtier row's timed ones
@@ -44,8 +45,8 @@ class GpuBenchConfig:
         if self.layers is not None and not 1 <= self.layers <= SHAPES[self.shape]["num_hidden_layers"]:
             raise ConfigError(f"layers={self.layers}; allowed: 1 to {SHAPES[self.shape]['num_hidden_layers']}")
         for name in ("steps", "warmup", "prefill_chunk", "fill_chunk", "copy_mib", "batch_mib", "repeats",
-                     "profile_steps"):
-            if getattr(self, name) < (0 if name in ("warmup", "profile_steps") else 1):
+                     "profile_steps", "sustained_steps"):
+            if getattr(self, name) < (0 if name in ("warmup", "profile_steps", "sustained_steps") else 1):
                 raise ConfigError(f"{name}={getattr(self, name)} is out of range")
 
     @property

@@ -40,7 +40,8 @@ def evaluate_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     out.append(_target("decode_vs_dynamic_gpu", "decode step no slower than DynamicCache all on the GPU "
                        "(DynamicCache step / kvtier step >= 1)", ratios.get("dynamic_over_kvtier"), "x", 1.0,
                        "higher", note if ratios.get("dynamic_over_kvtier") else _why(ref, "dynamic"), context=ctx,
-                       with_decode_graph=ratios.get("dynamic_over_kvtier_graph")))
+                       with_decode_graph=ratios.get("dynamic_over_kvtier_graph"),
+                       with_decode_graph_sustained=ratios.get("dynamic_over_kvtier_graph_sustained")))
     out.append(_target("decode_vs_offloading", ">= 15x faster than DynamicCache(offloading=True)",
                        ratios.get("offloading_over_kvtier"), "x", 15.0, "higher",
                        note if ratios.get("offloading_over_kvtier") else _why(ref, "offloading"), context=ctx,
