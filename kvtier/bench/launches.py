@@ -214,7 +214,7 @@ def _work_watched(cache: Any, enter: Callable[[], None], leave: Callable[[], Non
                                                                    getattr(e, "prefetch_graphs", None))
               if g is not None]
     for g in graphs:
-        def run(key, inputs, work, _run=g.run, _g=g):
+        def run(key, inputs, work, *rest, _run=g.run, _g=g, **kw):
             if keyed is not None and not (_g.enabled and _g.failed is None):
                 keyed(key)
 
@@ -224,7 +224,7 @@ def _work_watched(cache: Any, enter: Callable[[], None], leave: Callable[[], Non
                     return work(*args)
                 finally:
                     leave()
-            return _run(key, inputs, watched)
+            return _run(key, inputs, watched, *rest, **kw)
         g.run = run
     try:
         yield bool(graphs)

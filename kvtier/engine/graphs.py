@@ -86,14 +86,16 @@ class StepGraphs:
     """One layer's captured decode steps, by key; counts what ran how (`captures`, `replays`, `eager`)."""
 
     def __init__(self, device: torch.device, enabled: bool, switch: GraphSwitch | None = None, *,
-                 warm_aside: bool = False, collect: bool = False, passthrough: tuple[type, ...] = (),
+                 warm_aside: bool = False, gc_off: bool = False, passthrough: tuple[type, ...] = (),
                  at_once: bool = False) -> None:
         self.device = device
         # for a whole model's step: run a state's first (eager) step on the capture stream, as a warm-up of what
-        # its launches set up lazily (cuBLAS handles and workspaces), and collect garbage before a capture, so
-        # that no finalizer runs inside it (what `torch.cuda.graph` does before every capture); `passthrough`:
-        # exceptions of the work's own that are not a capture's failure (raised as they are, graphs left on)
-        self.warm_aside, self.collect, self.passthrough = warm_aside, collect, passthrough
+        # its launches set up lazily (cuBLAS handles and workspaces), and keep Python's garbage collector off
+        # during a capture, so that no finalizer of collected garbage runs inside it (`torch.cuda.graph` collects
+        # before every capture instead, which cost a process holding a model some 100-400 ms a capture on the CPU:
+        # a whole model's step is captured after every demotion); `passthrough`: exceptions of the work's own that
+        # are not a capture's failure (raised as they are, graphs left on)
+        self.warm_aside, self.gc_off, self.passthrough = warm_aside, gc_off, passthrough
         # once a capture succeeded, capture a state the first step it is seen (where states last: a whole model's
         # step changes state only at a demotion); a capture made so that fails is not final: that state's step
         # runs eagerly (on the capture stream, with `warm_aside`), and states are captured the second step
@@ -110,17 +112,18 @@ class StepGraphs:
         self.captures = self.replays = self.eager = 0
 
     def run(self, key: Callable[[], StepKey], inputs: tuple[torch.Tensor, ...],
-            work: Callable[..., tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+            work: Callable[..., tuple[torch.Tensor, ...]], lasting: bool = True) -> tuple[torch.Tensor, ...]:
         """``work(*inputs)``, replayed from a graph captured under ``key()`` where there is one (its outputs are
         then the graph's own tensors, rewritten by its next replay: read them within the step). `key` is
-        asked only where graphs are on."""
+        asked only where graphs are on. `lasting=False` says the state ends with this step: with `at_once`, it
+        is then not captured at its first step."""
         if not self.enabled or self.switch.failed is not None:
             self.eager += 1
             return work(*inputs)
         key = key()
         if self._graph is not None and self._graph[0] == key:
             captured = self._graph[1]
-        elif key != self._last_key and not (self.at_once and self.captures):
+        elif key != self._last_key and not (self.at_once and self.captures and lasting):
             self._last_key = key   # first seen: run eagerly, capture if the next step is alike
             self.eager += 1
             return self._aside(inputs, work) if self.warm_aside else work(*inputs)
@@ -168,7 +171,8 @@ class StepGraphs:
             captured = self._record(inputs, work)
         except Exception as e:   # noqa: BLE001 - any failure to capture leaves the eager path, which is exact
             self._graph = None
-            if isinstance(e, self.passthrough):
+            if isinstance(e, self.passthrough):   # the work's own: this step does not count as the state's sight
+                self._last_key = None
                 raise
             if not final:
                 self.at_once = False
@@ -193,10 +197,11 @@ class StepGraphs:
             self._pool = torch.cuda.graph_pool_handle()
         fixed = tuple(torch.empty_like(t) for t in inputs)
         graph = torch.cuda.CUDAGraph()
-        if self.collect:
-            gc.collect()
         self._stream.wait_stream(current)   # the capture reads what the step queued before it
         began = False
+        collecting = self.gc_off and gc.isenabled()
+        if collecting:
+            gc.disable()
         try:
             with torch.cuda.stream(self._stream):
                 graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
@@ -210,6 +215,8 @@ class StepGraphs:
                 self._release_failed_pool()
             raise
         finally:
+            if collecting:
+                gc.enable()
             current.wait_stream(self._stream)
         return _Captured(graph, fixed, outputs)
 

@@ -40,14 +40,16 @@ class StepMismatch(UnsupportedError):
 
 class SteadyStep:
     """One layer's planned decode step: its launches' arguments (`run`) and key, what `write` returns the model
-    (`placeholder`), whether its launches began (`launched`), and once they were issued or captured, their chosen
-    pages (`ids`)."""
+    (`placeholder`), whether it fills the pool's last slab (`fills_slab`: the next step adds one, so the state
+    under this step's key lasts one step), whether its launches began (`launched`), and once they were issued or
+    captured, their chosen pages (`ids`)."""
 
-    __slots__ = ("run", "_key", "placeholder", "how", "ids", "launched")
+    __slots__ = ("run", "_key", "placeholder", "how", "fills_slab", "ids", "launched")
 
     def __init__(self, run: tuple, key: Callable[[], StepKey], placeholder: tuple[torch.Tensor, torch.Tensor],
-                 how: tuple) -> None:
+                 how: tuple, fills_slab: bool = False) -> None:
         self.run, self._key, self.placeholder, self.how = run, key, placeholder, how
+        self.fills_slab = fills_slab
         self.ids: torch.Tensor | None = None
         self.launched = False
 
@@ -76,7 +78,8 @@ class SteadySteps:
         positions = self.shared.positions(self.seen, 1, self.device)
         run, _, recall_key = self._prepare_decode(scale, sinks, positions, in_step=True)
         key = lambda: self._decode_key(how[2:], run, recall_key())   # noqa: E731
-        return SteadyStep(run, key, self.pool.placeholder(self.pool.count + 1), how)
+        count = self.pool.count + 1
+        return SteadyStep(run, key, self.pool.placeholder(count), how, fills_slab=count == self.pool.capacity)
 
     def _steady_now(self, how: tuple) -> bool:
         """Whether the next decode step is steady: it recalls on the device, writes its entry in its attention
@@ -123,8 +126,8 @@ class SteadySteps:
 
     def demote_after_steady(self) -> None:
         """The end of the ordinary commit, once the planned step is taken: the demotion, if the step brought the
-        pool over its budget. It reads and changes only this layer's pool, index, table and host pages, which no
-        other layer's step touches, so it may come after every layer's launches rather than before the next
-        layer's; a demotion that fails leaves the layer as it was (`_demote`), over budget until its next step."""
+        pool over its budget. It reads and changes only this layer's pool, index, table, host pages and disk
+        pages, which no other layer's step reads, so it may come after every layer's launches rather than before
+        the next layer's (the caller runs it under the cache's guard, as the ordinary commit runs)."""
         self._demote()
 

@@ -70,7 +70,7 @@ class DecodeGraph:
         # lazily), later states are captured at once; a planned step the model calls otherwise than planned is
         # not a capture's failure
         self.graphs = StepGraphs(self.device, enabled and cache.settings.cuda_graphs, GraphSwitch(),
-                                 warm_aside=True, collect=True, passthrough=(StepMismatch,), at_once=True)
+                                 warm_aside=True, gc_off=True, passthrough=(StepMismatch,), at_once=True)
         cache._shared.step_graphs.add(self.graphs)   # let go when a layer lets its recall buffer go (park, reset)
         # every module's table of parameters and of buffers (the model's modules as they stand: one replaced
         # later needs a new DecodeGraph)
@@ -153,7 +153,10 @@ class DecodeGraph:
 
     def _step(self, token: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
         cache = self.cache
-        plans = self._plan() if token.shape[1] == 1 else None
+        plans = None
+        if token.shape[1] == 1:   # under the cache's guard: what planning makes is kept as plain tensors
+            plans = cache._state.guard(self._plan, "planning a decode step ", "a decode step could not be planned",
+                                       before=next(iter(cache._state.lengths()), 0))
         if plans is None:
             return self._ordinary(token, position_ids)
         engines = cache._engines
@@ -163,6 +166,7 @@ class DecodeGraph:
         else:   # left padding: the model's positions count the prompt's tokens, not the padding
             self._position.copy_(position_ids)
         ran: list[bool] = []   # each run of `work` this call: whether it was a capture's (nothing executed)
+        captures = self.graphs.captures
 
         def work(ids: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, ...]:
             ran.append(self.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
@@ -174,16 +178,20 @@ class DecodeGraph:
 
         for layer, step in zip(layers, plans):
             layer.steady = step
+        # a state whose step fills some layer's last slab lasts that step (the next adds a slab): not worth a
+        # capture at its first step
+        lasting = not any(step.fills_slab for step in plans)
         try:
-            outputs = self.graphs.run(lambda: self._key(plans, token), (token, self._position), work)
+            outputs = self.graphs.run(lambda: self._key(plans, token), (token, self._position), work,
+                                      lasting=lasting)
         except StepMismatch as e:
-            if self._failed(plans, ran, e):
+            if self._failed(plans, ran, e, self.graphs.captures > captures):
                 raise
             for engine in engines:   # planned from a step unlike this one: plan again after an ordinary one
                 engine._steady_how = None
             mismatch = True
         except BaseException as e:
-            self._failed(plans, ran, e)
+            self._failed(plans, ran, e, self.graphs.captures > captures)
             raise
         else:
             mismatch = False
@@ -201,34 +209,46 @@ class DecodeGraph:
             if len(missing) < len(plans):   # the other layers' launches ran: the device is ahead of the host
                 cache._state.break_with(error)
             raise error
-        for engine, step, ids in zip(engines, plans, outputs[1:]):
+        for step, ids in zip(plans, outputs[1:]):
             step.ids = ids
-            engine.take_steady(step)
-        # every layer's step is taken, so a demotion that fails leaves the cache whole: the layers after it stay
-        # over budget until their next commit demotes
-        for engine in engines:
-            engine.demote_after_steady()
+        self._take(plans)
         return outputs[0]
+
+    def _take(self, plans: list) -> None:
+        """Every layer's planned step taken on the host once its launches are queued, then every layer's
+        demotion, as the ordinary steps' commits make them (a layer's demotion reads and changes only that
+        layer, so it may follow every layer's launches); under the cache's guard, as the ordinary commit is: a
+        failure breaks the cache, and a resource's is a `CapacityError`."""
+        state, engines = self.cache._state, self.cache._engines
+
+        def take() -> None:
+            for engine, step in zip(engines, plans):
+                engine.take_steady(step)
+
+        state.guard(take, "taking a decode step planned whole ", "a decode step planned whole could not be taken")
+        for engine in engines:
+            state.guard(engine.demote_after_steady, f"layer {engine.layer_idx} commit ",
+                        f"layer {engine.layer_idx} could not place the step's entries")
 
     def _ordinary(self, token: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
         self.ordinary += 1
         return self.model(input_ids=token, position_ids=position_ids, use_cache=True,
                           **cache_kwargs(self.cache)).logits
 
-    def _failed(self, plans: list, ran: list[bool], error: BaseException) -> bool:
+    def _failed(self, plans: list, ran: list[bool], error: BaseException, captured: bool) -> bool:
         """After a planned step failed: whether the cache changed. A replay's or a run's launches that began in
         some layers but not all leave the device ahead of the host: the cache is broken. Where every layer's
-        launches were issued (the failure came after them), the steps are taken, as an ordinary step that fails
-        after its layers leaves them; where none began, or only a capture ran them, nothing changed."""
+        launches were issued (the failure came after them), the steps are taken and the demotions made, as an
+        ordinary step that fails after its layers leaves them; where none began, or only a capture ran them,
+        nothing changed. `captured`: a capture succeeded in this call, so its replay is what failed."""
         state = self.cache._state
-        if not ran:   # the replay: its launches may have run
+        if not ran or captured:   # the replay: its launches may have run
             state.break_with(error, "a decode step replayed from a CUDA graph ")
             return True
         if ran[-1] or not any(step.launched for step in plans):
             return False
         if all(step.ids is not None for step in plans):
-            for engine, step in zip(self.cache._engines, plans):
-                engine.take_steady(step)
+            self._take(plans)
             return True
         launched = sum(step.launched for step in plans)
         state.break_with(error, f"a decode step planned whole, after {launched} of {len(plans)} layers issued "

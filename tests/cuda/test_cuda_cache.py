@@ -6,6 +6,7 @@ parking and `SessionStore`, the hybrid (sliding-window) path, and whole decode s
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 
@@ -483,6 +484,7 @@ def test_whole_decode_steps_replayed_from_one_graph_equal_ordinary_ones(cuda_dev
     # the prompt and the first step ran the ordinary way, the first state's first step as a warm-up; every later
     # state (one a demotion: the demoting steps were replayed) was captured the first step it was seen
     assert g["ordinary"] == 2 and g["eager"] == 1, g
+    assert gc.isenabled()   # off during each capture only
     e = runs["planned, eager"][2]
     assert e["replays"] == e["captures"] == 0 and e["eager"] > 0, e
 

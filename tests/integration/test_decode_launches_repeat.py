@@ -255,7 +255,7 @@ def test_decode_steps_with_one_graph_key_issue_the_same_launches(default_model, 
     for owner, name in ((PageIndex, "note_reads"), (HostPool, "read_on")):
         monkeypatch.setattr(owner, name, outside_only(getattr(owner, name)))
 
-    def watched(self, key, inputs, work):
+    def watched(self, key, inputs, work, **kwargs):
         engine = next(e for e in cache._engines if self in (e.graphs, e.prefetch_graphs))
         k = ("step" if self is engine.graphs else "prefetch", key())
 
@@ -277,7 +277,7 @@ def test_decode_steps_with_one_graph_key_issue_the_same_launches(default_model, 
             by_key[engine.layer_idx, k][len(by_key[engine.layer_idx, k])] = tuple(launches)
             return out
 
-        return run(self, lambda: k, inputs, recorded)
+        return run(self, lambda: k, inputs, recorded, **kwargs)
 
     monkeypatch.setattr(StepGraphs, "run", watched)
     cache = TieredCache(model.config, device_budget=0.1, recall_pages=8)

@@ -18,7 +18,7 @@ import torch
 
 from kvtier import DecodeGraph, TieredCache, cache_kwargs
 from kvtier.engine.graphs import StepGraphs
-from kvtier.errors import BrokenCacheError, ConfigError, UnsupportedError
+from kvtier.errors import BrokenCacheError, CapacityError, ConfigError, UnsupportedError
 
 from tiny_models import random_kvp, tiny_llama
 
@@ -123,9 +123,9 @@ def test_keys_repeat_between_demotions():
         graph = DecodeGraph(model, cache)
         run = graph.graphs.run
 
-        def keyed(key, inputs, work):
+        def keyed(key, inputs, work, **kwargs):
             keys.append((cache.stats()["demotions"], key()))
-            return run(key, inputs, work)
+            return run(key, inputs, work, **kwargs)
 
         graph.graphs.run = keyed
         _decode(graph)
@@ -166,7 +166,7 @@ def test_a_planned_step_issues_the_same_launches_under_one_key(monkeypatch):
         graph = DecodeGraph(model, cache)
         run = graph.graphs.run
 
-        def watched(key, inputs, work):
+        def watched(key, inputs, work, **kwargs):
             k = key()
 
             def recorded(*given):
@@ -182,7 +182,7 @@ def test_a_planned_step_issues_the_same_launches_under_one_key(monkeypatch):
                 by_key.setdefault(k, []).append(tuple(launches))
                 return out
 
-            return run(key, inputs, recorded)
+            return run(key, inputs, recorded, **kwargs)
 
         graph.graphs.run = watched
         _decode(graph, steps=40)
@@ -225,37 +225,81 @@ def test_a_failure_among_the_launches_breaks_the_cache(monkeypatch):
         _decode(graph, steps=4)
 
 
-def test_a_demotion_after_a_planned_step_that_fails_leaves_the_cache_whole(monkeypatch):
-    """A planned step's demotions come once every layer's step is taken: one that fails (its copy down refused)
-    is raised, with every layer's step taken and the failing layer as it was before its demotion, over budget;
-    its next step demotes, and the cache goes on."""
+def test_a_demotion_after_a_planned_step_fails_as_the_ordinary_commits_does(monkeypatch):
+    """A planned step's demotions come once every layer's step is taken, under the cache's guard as the ordinary
+    commit is: one that fails (its copy down refused for want of room) is a `CapacityError` naming the layer, and
+    breaks the cache, every layer's step taken, exactly as the same failure in an ordinary step does."""
     from kvtier.engine.layer import LayerEngine
 
     model = tiny_llama()
-    with _cache(model) as cache:
-        graph = DecodeGraph(model, cache)
-        _decode(graph, steps=4)
-        real, failed = LayerEngine._to_host, []
+    real = LayerEngine._to_host
+    outcomes = {}
+    for graphed in (False, True):
+        with _cache(model) as cache:
+            step = DecodeGraph(model, cache) if graphed else _plain(model, cache)
+            _decode(step, steps=4)
+            failed = []
 
-        def refused_in_the_first_layer(self, *args, **kwargs):
-            if self.layer_idx == 0 and not failed:
-                failed.append(self.pool.count)
-                raise OSError("injected: no room for the copy down")
-            return real(self, *args, **kwargs)
+            def refused_in_the_first_layer(self, *args, **kwargs):
+                if self.layer_idx == 0 and not failed:
+                    failed.append(self.seen)
+                    raise OSError(28, "injected: no room for the copy down")
+                return real(self, *args, **kwargs)
 
-        monkeypatch.setattr(LayerEngine, "_to_host", refused_in_the_first_layer)
-        token, before = torch.tensor([[5]]), graph.stats()["eager"]
-        with pytest.raises(OSError, match="injected"):
-            for _ in range(200):
-                graph(token)
-        assert graph.stats()["eager"] > before   # the demoting step was planned whole and taken
-        first = cache._engines[0]
-        assert cache.broken is None and len({e.seen for e in cache._engines}) == 1
-        assert first.pool.count == failed[0] > first._device_budget()   # as it was before the demotion
-        graph(token)
-        assert all(e.pool.count <= e._device_budget() for e in cache._engines)
-        _decode(graph, steps=4)
-        assert cache.broken is None
+            monkeypatch.setattr(LayerEngine, "_to_host", refused_in_the_first_layer)
+            with pytest.raises(CapacityError, match="layer 0 could not place the step's entries") as raised:
+                for _ in range(200):
+                    step(torch.tensor([[5]]))
+            monkeypatch.setattr(LayerEngine, "_to_host", real)
+            assert "layer 0 commit failed" in cache.broken
+            with pytest.raises(BrokenCacheError):
+                step(torch.tensor([[5]]))
+            outcomes[graphed] = (str(raised.value), failed[0])
+            if graphed:   # the demoting step was planned whole, its launches taken in every layer
+                assert step.stats()["ordinary"] == 2 and len({e.seen for e in cache._engines}) == 1
+    assert outcomes[True] == outcomes[False]
+
+
+def test_a_failure_after_every_layer_of_a_demoting_step_leaves_the_ordinary_steps_cache(monkeypatch):
+    """A planned step that fails after every layer's launches (here in the model's last norm) takes every
+    layer's step and makes its demotions, as the ordinary step's commits had: the steps after give the same
+    logits."""
+    model = tiny_llama()
+    runs = {}
+    for graphed in (False, True):
+        with _cache(model) as cache:
+            step = DecodeGraph(model, cache) if graphed else _plain(model, cache)
+            out = [_decode(step, steps=4)]
+            first = cache._engines[0]
+            while not first.pool.count + 1 > first.cfg.device_tokens(first.seen + 1):   # until a step demotes
+                out.append(step(torch.tensor([[5]]))[:, -1:].clone())
+            hook = model.model.norm.register_forward_hook(lambda *_: (_ for _ in ()).throw(RuntimeError("after")))
+            demotions = cache.stats()["demotions"]
+            try:
+                with pytest.raises(RuntimeError, match="after"):
+                    step(torch.tensor([[7]]))
+            finally:
+                hook.remove()
+            assert cache.broken is None and cache.stats()["demotions"] > demotions
+            out.append(_decode(step, steps=8, prompt=torch.tensor([[9]])))
+            runs[graphed] = torch.cat(out)
+    assert torch.equal(runs[True], runs[False])
+
+
+def test_steps_under_inference_mode_leave_a_cache_usable_outside_it():
+    """What planning and the demotions after a planned step make is kept as plain tensors, as the ordinary
+    step's guard keeps them: steps under `torch.inference_mode()` may be followed by steps outside it."""
+    model = tiny_llama()
+    runs = {}
+    for graphed in (False, True):
+        with _cache(model) as cache:
+            step = DecodeGraph(model, cache) if graphed else _plain(model, cache)
+            with torch.inference_mode():
+                first = _decode(step, steps=30)
+            runs[graphed] = torch.cat([first, _decode(step, steps=30, prompt=torch.tensor([[5]]))])
+            if graphed:
+                assert step.stats()["eager"] > 40, step.stats()
+    assert torch.equal(runs[True], runs[False])
 
 
 def test_prompts_windows_and_refusals():

@@ -147,9 +147,9 @@ def test_decode_keys_repeat_until_a_demotion():
     keys: dict[tuple, list] = {}
     run = StepGraphs.run
 
-    def keyed(self, key, inputs, work):
+    def keyed(self, key, inputs, work, **kwargs):
         keys.setdefault((id(self), len(inputs)), []).append(key())
-        return run(self, key, inputs, work)
+        return run(self, key, inputs, work, **kwargs)
 
     with _on_the_gpu_path(TieredCache(model.config, device_budget=48, recall_pages=2)) as cache:
         StepGraphs.run = keyed
@@ -260,3 +260,15 @@ def test_a_capture_at_once_that_fails_falls_back_to_second_step_captures():
     assert _steps(graphs, "AAABBBCC") == \
         ["aside", "capture", "replay", "aside", "eager", "eager", "eager", "eager"]
     assert graphs.failed == "RuntimeError: refused during capture"
+
+
+def test_a_state_that_ends_with_its_step_is_not_captured_at_once():
+    """A state the caller says ends with its step (`lasting=False`: the step fills the pool's last slab, so the
+    next adds one) runs eagerly rather than be captured for one replay; the next state is captured at once."""
+    graphs = _StandIn(warm_aside=True, at_once=True)
+    done = _steps(graphs, "AAA")
+    graphs.done.append("eager")
+    graphs.run(lambda: StepKey((), ("B",)), (torch.zeros(1),), lambda x: (x + 1,), lasting=False)
+    graphs.steps += 1
+    done += [graphs.done[-1]] + _steps(graphs, "CC")
+    assert done == ["aside", "capture", "replay", "aside", "capture", "replay"]
