@@ -32,7 +32,6 @@ the same key issue the same launches (`tests/integration/test_decode_launches_re
 
 from __future__ import annotations
 
-import functools
 from typing import Callable
 
 import torch
@@ -42,6 +41,21 @@ from ..recall import grouped, select_pages
 from ..scoring import checked_scores
 from .attention import finish_with_lse, merge_with_lse, sink_part
 from .graphs import StepKey, shapes
+
+
+class _Once:
+    """``make()`` made on the first call and kept (`functools.cache` of a new lambda each step cost the host
+    some 10 us a layer: it wraps and copies the function's metadata)."""
+
+    __slots__ = ("make", "value")
+
+    def __init__(self, make: Callable[[], StepKey]) -> None:
+        self.make, self.value = make, None
+
+    def __call__(self) -> StepKey:
+        if self.make is not None:
+            self.value, self.make = self.make(), None
+        return self.value
 
 
 class DeviceDecoding:
@@ -93,7 +107,7 @@ class DeviceDecoding:
         run = (scale, sinks, buf, sources, spare, self.pool.counted(1), self.pool.addresses(),
                self.index.bounds.addresses(self.device), self.index.codes.addresses(self.device),
                positions, spare and in_step)
-        return run, sources, functools.cache(lambda: self._recall_key(buf, sources))
+        return run, sources, _Once(lambda: self._recall_key(buf, sources))
 
     def _decoded(self, ids: torch.Tensor, writes: bool) -> None:
         """The host's part of a decode step after its launches are queued: the NaN check's buffer noted, the
