@@ -22,7 +22,8 @@ from .format import human_bytes
 @click.option("--model", default=None, help="A Hugging Face id or local path (default: the packaged model).")
 @click.option("--decode-graph", is_flag=True,
               help="Step each reply through DecodeGraph: on CUDA, each steady decode step (the model's launches and "
-                   "the cache's) replayed as one CUDA graph; the same replies.")
+                   "the cache's) replayed as one CUDA graph; the same replies. Steps replay while every demoted page "
+                   "is in host memory: with --host-budget none, or until a layer first spills pages to disk.")
 @click.option("--threads", default=1, show_default=True, type=THREADS)
 @click.option("--json", "as_json", is_flag=True, help="One JSON line per turn instead of text.")
 @user_errors
