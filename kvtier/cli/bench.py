@@ -353,8 +353,8 @@ def wrappers(contexts: str, device_budget: float, calls: int, threads: int, as_j
 def gpu(contexts: str, million: bool, million_context: str, million_layers: str, device_budget: str,
         recall_pages: int, layers: int | None, shape: str, steps: int, warmup: int, growth_steps: int,
         growth_seconds: float, prefill_chunk: int, copy_mib: int, batch_mib: int, eager: bool, decode_graph: bool,
-        sustained_steps: int, no_prefetch: bool, profile_steps: int, device: str, threads: int | None, seed: int, out_path: str,
-        quiet: bool) -> None:
+        sustained_steps: int, no_prefetch: bool, profile_steps: int, device: str, threads: int | None, seed: int,
+        out_path: str, quiet: bool) -> None:
     """Demotion/recall GB/s vs a raw pinned copy; decode step of the Llama-3.1-8B shape (random weights, bf16,
     batch 1) with kvtier vs DynamicCache on the GPU vs DynamicCache(offloading=True); a synthetic 1M row; KVP
     scoring as a fraction of prefill. Prints a table and writes JSON with each target's pass/fail."""

@@ -11,16 +11,17 @@ bookkeeping outside it), and everything it reads outside its inputs must stay al
 
 A state is captured the second step in a row it is seen (a state that lasts one step is not worth a capture; a whole
 model's step, whose state lasts from one demotion to the next, is captured the first step once a capture has
-succeeded: `at_once`), on a side stream, without the synchronisation and cache emptying `torch.cuda.graph` does (a layer captures again after
-each demotion), and replaces the layer's graph before it (a state does not come back: a layer's page count only
-grows). Each layer's graphs draw on a memory pool of their own. A pool shared by every layer would hold less, but
-a graph captured after another may place its outputs where the earlier one keeps its temporaries, and a layer's
-outputs are read after the next layer's replay (the prefetch on its side stream copies the short list in,
-`last_recall` reads the choice): they would be overwritten. A layer's prefetch (its plan and copy, on the side
-stream) is replayed from graphs of its own likewise, with a pool of its own: it runs beside the next layers' work.
-Within a layer, a replay comes only once the step before is done with its outputs (its prefetch is waited for
-first). A capture that fails turns the cache's graphs off for good (logged, the reason kept): the work then runs
-eagerly, as it does wherever graphs are off, on a CPU, or without CUDA.
+succeeded: `at_once`), on a side stream, without the synchronisation and cache emptying `torch.cuda.graph` does (a
+layer captures again after each demotion), and replaces the layer's graph before it (a state does not come back: a
+layer's page count only grows). Each layer's graphs draw on a memory pool of their own. A pool shared by every layer
+would hold less, but a graph captured after another may place its outputs where the earlier one keeps its
+temporaries, and a layer's outputs are read after the next layer's replay (the prefetch on its side stream copies
+the short list in, `last_recall` reads the choice): they would be overwritten. A layer's prefetch (its plan and
+copy, on the side stream) is replayed from graphs of its own likewise, with a pool of its own: it runs beside the
+next layers' work. Within a layer, a replay comes only once the step before is done with its outputs (its prefetch
+is waited for first). A capture that fails turns the cache's graphs off for good (logged, the reason kept; one at a
+state's first step only ends `at_once`): the work then runs eagerly, as it does wherever graphs are off, on a CPU, or
+without CUDA.
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ from kvtier.cli import main
 from kvtier.native import kernel_status as kvtier_native_status
 
 TINY = ["bench", "gpu", "--shape", "tiny", "--layers", "2", "--contexts", "1K,2K", "--million-context", "8K",
-        "--steps", "2", "--warmup", "1", "--growth-steps", "24", "--sustained-steps", "20", "--copy-mib", "8", "--batch-mib", "1",
-        "--prefill-chunk", "512", "--threads", "1", "--profile-steps", "1"]
+        "--steps", "2", "--warmup", "1", "--growth-steps", "24", "--sustained-steps", "20", "--copy-mib", "8",
+        "--batch-mib", "1", "--prefill-chunk", "512", "--threads", "1", "--profile-steps", "1"]
 TARGETS = {"demotion_vs_raw_copy", "recall_vs_raw_copy", "decode_vs_dynamic_gpu", "decode_vs_offloading",
            "million_gpu_bytes", "million_decode_vs_dynamic", "no_device_memory_growth", "no_host_memory_growth",
            "under_5_minutes"}
