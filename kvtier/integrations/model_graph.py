@@ -219,16 +219,16 @@ class DecodeGraph:
         demotion, as the ordinary steps' commits make them (a layer's demotion reads and changes only that
         layer, so it may follow every layer's launches); under the cache's guard, as the ordinary commit is: a
         failure breaks the cache, and a resource's is a `CapacityError`."""
-        state, engines = self.cache._state, self.cache._engines
+        cache = self.cache
 
         def take() -> None:
-            for engine, step in zip(engines, plans):
+            for engine, step in zip(cache._engines, plans):
                 engine.take_steady(step)
 
-        state.guard(take, "taking a decode step planned whole ", "a decode step planned whole could not be taken")
-        for engine in engines:
-            state.guard(engine.demote_after_steady, f"layer {engine.layer_idx} commit ",
-                        f"layer {engine.layer_idx} could not place the step's entries")
+        cache._state.guard(take, "taking a decode step planned whole ",
+                           "a decode step planned whole could not be taken")
+        for engine in cache._engines:
+            cache.layers[engine.layer_idx].demote_after_steady()
 
     def _ordinary(self, token: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
         self.ordinary += 1

@@ -278,11 +278,17 @@ class TieredLayer(OneSequence, CacheLayerMixin):
 
     def commit(self, query: torch.Tensor | None = None, scaling: float | None = None) -> None:
         """The engine's `commit`; a failure breaks the cache (this layer already took the step)."""
-        engine = self.engine
         if self.steady is not None:   # taken by `take_steady` once the step's launches are queued
             return
-        self._state.guard(lambda: engine.commit(query, scaling), f"layer {engine.layer_idx} commit ",
-                          f"layer {engine.layer_idx} could not place the step's entries")
+        self._committing(lambda: self.engine.commit(query, scaling))
+
+    def demote_after_steady(self) -> None:
+        """The engine's `demote_after_steady` (the end of a planned step's commit), guarded as `commit` is."""
+        self._committing(self.engine.demote_after_steady)
+
+    def _committing(self, run: Callable[[], None]) -> None:
+        i = self.engine.layer_idx
+        self._state.guard(run, f"layer {i} commit ", f"layer {i} could not place the step's entries")
 
     def get_seq_length(self, *args: Any) -> int:
         return self.engine.seen
