@@ -40,22 +40,7 @@ from .. import native
 from ..recall import grouped, select_pages
 from ..scoring import checked_scores
 from .attention import finish_with_lse, merge_with_lse, sink_part
-from .graphs import StepKey, shapes
-
-
-class _Once:
-    """``make()`` made on the first call and kept (`functools.cache` of a new lambda each step cost the host
-    some 10 us a layer: it wraps and copies the function's metadata)."""
-
-    __slots__ = ("make", "value")
-
-    def __init__(self, make: Callable[[], StepKey]) -> None:
-        self.make, self.value = make, None
-
-    def __call__(self) -> StepKey:
-        if self.make is not None:
-            self.value, self.make = self.make(), None
-        return self.value
+from .graphs import KeyOnce, StepKey, shapes
 
 
 class DeviceDecoding:
@@ -107,7 +92,7 @@ class DeviceDecoding:
         run = (scale, sinks, buf, sources, spare, self.pool.counted(1), self.pool.addresses(),
                self.index.bounds.addresses(self.device), self.index.codes.addresses(self.device),
                positions, spare and in_step)
-        return run, sources, _Once(lambda: self._recall_key(buf, sources))
+        return run, sources, KeyOnce(lambda: self._recall_key(buf, sources))
 
     def _decoded(self, ids: torch.Tensor, writes: bool) -> None:
         """The host's part of a decode step after its launches are queued: the NaN check's buffer noted, the

@@ -70,6 +70,22 @@ class StepKey:
         return f"StepKey({len(self.held)} held, values={self.values!r})"
 
 
+class KeyOnce:
+    """A `StepKey` made on the first call and kept: a step's key is asked only where a graph may stand for the
+    step, and then more than once (`functools.cache` of a new function each step cost the host some 10 us a
+    layer: it wraps and copies the function's metadata)."""
+
+    __slots__ = ("make", "value")
+
+    def __init__(self, make: Callable[[], StepKey]) -> None:
+        self.make, self.value = make, None
+
+    def __call__(self) -> StepKey:
+        if self.make is not None:
+            self.value, self.make = self.make(), None
+        return self.value
+
+
 class GraphSwitch:
     """Whether a cache's layers may still capture: off for all of them once a capture failed in one (a failure
     is rarely particular to a layer, and each failed capture costs a warning and a step)."""

@@ -30,7 +30,7 @@ import torch
 
 from ..errors import UnsupportedError
 from ..scoring import capturable
-from .graphs import StepKey, shapes
+from .graphs import KeyOnce, StepKey, shapes
 
 
 class StepMismatch(UnsupportedError):
@@ -48,7 +48,7 @@ class SteadyStep:
 
     def __init__(self, run: tuple, key: Callable[[], StepKey], placeholder: tuple[torch.Tensor, torch.Tensor],
                  how: tuple, fills_slab: bool = False) -> None:
-        self.run, self._key, self.placeholder, self.how = run, key, placeholder, how
+        self.run, self._key, self.placeholder, self.how = run, KeyOnce(key), placeholder, how
         self.fills_slab = fills_slab
         self.ids: torch.Tensor | None = None
         self.launched = False
@@ -56,9 +56,7 @@ class SteadyStep:
     @property
     def key(self) -> StepKey:
         """`_decode_key` of the step, made on first use (only where a graph may stand for the step)."""
-        if callable(self._key):
-            self._key = self._key()
-        return self._key
+        return self._key()
 
 
 class SteadySteps:
