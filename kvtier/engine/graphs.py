@@ -72,8 +72,8 @@ class StepKey:
 
 class KeyOnce:
     """A `StepKey` made on the first call and kept: a step's key is asked only where a graph may stand for the
-    step, and then more than once (`functools.cache` of a new function each step cost the host some 10 us a
-    layer: it wraps and copies the function's metadata)."""
+    step, and then more than once (`functools.cache` of a new function each step would also wrap and copy the
+    function's metadata, in every layer)."""
 
     __slots__ = ("make", "value")
 
@@ -109,8 +109,8 @@ class StepGraphs:
         # for a whole model's step: run a state's first (eager) step on the capture stream, as a warm-up of what
         # its launches set up lazily (cuBLAS handles and workspaces), and keep Python's garbage collector off
         # during a capture, so that no finalizer of collected garbage runs inside it (`torch.cuda.graph` collects
-        # before every capture instead, which cost a process holding a model some 100-400 ms a capture on the CPU:
-        # a whole model's step is captured after every demotion); `passthrough`: exceptions of the work's own that
+        # before every capture instead, a walk over every Python object of a process holding a model, and a
+        # whole model's step is captured after every demotion); `passthrough`: exceptions of the work's own that
         # are not a capture's failure (raised as they are, graphs left on)
         self.warm_aside, self.gc_off, self.passthrough = warm_aside, gc_off, passthrough
         # once a capture succeeded, capture a state the first step it is seen (where states last: a whole model's
