@@ -104,6 +104,7 @@ class LaunchCounter(TorchDispatchMode):
         self.host_reads = 0
         self.in_work = False   # inside a decode step's launches-only work (what a CUDA graph replays)
         self.captured = 0      # launches counted there (tensor ops; the native calls are counted apart)
+        self.counted = 0       # every launch counted (tensor ops)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
@@ -124,6 +125,7 @@ class LaunchCounter(TorchDispatchMode):
         self.ops[name] += 1
         self.host_reads += name in HOST_READS
         self.captured += self.in_work
+        self.counted += 1
 
 
 @dataclass
@@ -139,6 +141,7 @@ class LaunchCount:
     captured: int | None = None     # launches in the steps' launches-only work (None: the cache has none)
     captured_host_us: float | None = None   # `time_cache_host`'s share of it
     key_host_us: float | None = None        # and the host time of the graphs' keys, beside it
+    demotion: dict[str, int] | None = None  # a layer's demotions: how many, their launches and native calls
 
     @property
     def total(self) -> int:
@@ -162,7 +165,17 @@ class LaunchCount:
                 # what a replay costs the host beside it: the key saying which graph stands for the step
                 "graph_key_host_us_per_layer_step": (None if self.key_host_us is None
                                                      else round(self.key_host_us, 1)),
-                "top_ops_per_layer_step": {k: round(v / per, 1) for k, v in Counter(self.ops).most_common(12)}}
+                "top_ops_per_layer_step": {k: round(v / per, 1) for k, v in Counter(self.ops).most_common(12)},
+                # what one layer's demotion launches (its tensor ops and native calls; on a GPU both are launches)
+                "demotions": None if self.demotion is None else self.demotion["demotions"],
+                "launches_per_demotion": _per_demotion(self.demotion, "ops", "native"),
+                "native_calls_per_demotion": _per_demotion(self.demotion, "native")}
+
+
+def _per_demotion(demotion: dict[str, int] | None, *keys: str) -> float | None:
+    if not demotion or not demotion["demotions"]:
+        return None
+    return round(sum(demotion[k] for k in keys) / demotion["demotions"], 1)
 
 
 def count_launches(model: Any, input_ids: torch.Tensor, make_cache: Callable[[], Any], name: str, steps: int,
@@ -187,7 +200,7 @@ def count_launches(model: Any, input_ids: torch.Tensor, make_cache: Callable[[],
                 counter.in_work = False
                 native_in_work[0] += sum(_native_calls().values())
 
-            with _work_watched(cache, enter, leave) as watched:
+            with _work_watched(cache, enter, leave) as watched, _demotions_watched(cache, counter) as demotion:
                 for _ in range(steps):
                     nxt = logits.argmax(-1, keepdim=True)
                     tokens.append(nxt)
@@ -200,7 +213,32 @@ def count_launches(model: Any, input_ids: torch.Tensor, make_cache: Callable[[],
     calls = {op: after[op] - before.get(op, 0) for op in after if after[op] - before.get(op, 0)}
     layers = model.config.get_text_config().num_hidden_layers
     return LaunchCount(name, layers, steps, dict(counter.parts), calls, counter.host_reads, dict(counter.ops),
-                       captured=counter.captured + native_in_work[0] if watched else None), torch.cat(tokens, dim=1)
+                       captured=counter.captured + native_in_work[0] if watched else None,
+                       demotion=demotion if hasattr(cache, "_engines") else None), torch.cat(tokens, dim=1)
+
+
+@contextlib.contextmanager
+def _demotions_watched(cache: Any, counter: LaunchCounter) -> Iterator[dict[str, int]]:
+    """Counts, while within, the demotions of `cache`'s layers and what each launched (`counter`'s tensor ops
+    and the native calls made within it); yields the counts (filled in as they come), put back on leaving."""
+    got = {"demotions": 0, "ops": 0, "native": 0}
+    engines = getattr(cache, "_engines", [])
+    for engine in engines:
+        def demote(_real=engine._demote, _counters=engine.counters) -> None:
+            before, ops, calls = _counters.demotions, counter.counted, sum(_native_calls().values())
+            try:
+                _real()
+            finally:
+                if _counters.demotions > before:
+                    got["demotions"] += _counters.demotions - before
+                    got["ops"] += counter.counted - ops
+                    got["native"] += sum(_native_calls().values()) - calls
+        engine._demote = demote
+    try:
+        yield got
+    finally:
+        for engine in engines:
+            engine.__dict__.pop("_demote", None)
 
 
 @contextlib.contextmanager

@@ -253,6 +253,10 @@ def launches(context: str, steps: int, demote_pages: str, prefetch_at: str, devi
                    f"{r['cache_host_us_per_layer_step']:.1f} us of host time in the cache's code")
         for part, n in r["by_part_per_layer_step"].items():
             click.echo(f"      {part:<28}{n:>8.1f}")
+        if r["launches_per_demotion"] is not None:
+            click.echo(f"      a layer's demotion ({r['demotions']} in the steps counted): "
+                       f"{r['launches_per_demotion']:.1f} launches, of which {r['native_calls_per_demotion']:.1f} "
+                       "native calls")
         if r["captured_launches_per_layer_step"] is not None:
             click.echo(f"      of all: in the work a CUDA graph replays (cuda_graphs=True): "
                        f"{r['captured_launches_per_layer_step']:.1f} launches, "

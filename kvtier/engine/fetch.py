@@ -203,12 +203,17 @@ class PageFetching:
         """Pages ``(heads[i], pids[i])`` from the host and disk tiers to the device.
 
         Returns ``(order, k, v)``: the pages come in the order ``order`` of the request (by tier and slot,
-        so gathers run over the same slab), ``[n, page_size, dim]`` each.
+        so gathers run over the same slab; on CUDA, with every page in host memory, as asked: one kernel reads
+        them wherever they lie, and sorting thousands of pages would cost the host more than the copy),
+        ``[n, page_size, dim]`` each.
         """
         P, D = self.cfg.page_size, self.head_dim
         tier, slot = self.table.lookup(heads, pids)
-        order = np.lexsort((slot, tier))
-        tier, slot = tier[order], slot[order]
+        if self.device.type == "cuda" and not (tier == DISK).any():
+            order = np.arange(len(pids))
+        else:
+            order = np.lexsort((slot, tier))
+            tier, slot = tier[order], slot[order]
         on_host, on_disk = np.flatnonzero(tier == HOST), np.flatnonzero(tier == DISK)
         if self.device.type == "cuda":
             k_dev, v_dev = self._bring_up_cuda(slot, on_host, on_disk)

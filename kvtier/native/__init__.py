@@ -11,6 +11,7 @@ neither cupy nor anything CUDA. The CUDA sources live in the repository's top-le
 - `plan_recall`: a recall step's plan (which wanted pages are missing, which slots they take, the copy's
   rows) and its bookkeeping (prefetch flags, counters), made on the device in one launch;
 - `scatter_pages`: contiguous pages into distinct rows of a slab storage (the recall buffer's free slots);
+- `index_pages`: the recall index of a demotion's pages (key bounds written in place, 2-bit key codes out);
 - `pack_entries`: chosen entries of the device pool into contiguous pages (demotion staging);
 - `move_entries`: entries of the device pool onto others of the same heads (filling a demotion's holes);
 - `page_upper_bounds`: the key-bound upper bound of every demoted page for a block of queries;
@@ -29,12 +30,12 @@ its twin (`kvtier.native.twins`) otherwise, on whatever device the tensors are; 
 
 from .loader import backend, build_failed, reset_stats, sources
 from .loader import status as kernel_status
-from .ops import (attend_chunk, attend_pages, attend_slabs, code_logits, gather_pages, kvp_score, merge_parts,
-                  move_entries, pack_entries, page_upper_bounds, plan_recall, rank_pages, rank_pages_tile, recall_pages,
-                  scatter_pages, slab_addresses)
+from .ops import (attend_chunk, attend_pages, attend_slabs, code_logits, gather_pages, index_pages, kvp_score,
+                  merge_parts, move_entries, pack_entries, page_upper_bounds, plan_recall, rank_pages,
+                  rank_pages_tile, recall_pages, scatter_pages, slab_addresses)
 from .twins import ATTEND_ROWS, MLPWeights, RecallPlan
 
 __all__ = ["ATTEND_ROWS", "MLPWeights", "RecallPlan", "attend_chunk", "attend_pages", "attend_slabs", "backend",
-           "build_failed", "code_logits", "gather_pages", "kernel_status", "kvp_score", "merge_parts",
-           "move_entries", "pack_entries", "page_upper_bounds", "plan_recall", "rank_pages", "rank_pages_tile", "recall_pages", "reset_stats",
-           "scatter_pages", "slab_addresses", "sources"]
+           "build_failed", "code_logits", "gather_pages", "index_pages", "kernel_status", "kvp_score", "merge_parts",
+           "move_entries", "pack_entries", "page_upper_bounds", "plan_recall", "rank_pages", "rank_pages_tile",
+           "recall_pages", "reset_stats", "scatter_pages", "slab_addresses", "sources"]

@@ -62,6 +62,19 @@ def _check_layout(slabs: Sequence[torch.Tensor], rows_per_slab: int, row_shape: 
                          f"{slab.dtype}; allowed: pages of {list(slab.shape[1:])} {slab.dtype}")
 
 
+def _check_pair(pair: tuple[Sequence[torch.Tensor], torch.Tensor, torch.Tensor | None] | None,
+                slabs: Sequence[torch.Tensor], rows_per_slab: int, out: torch.Tensor, what: str) -> None:
+    """A copy's second storage and output (values beside keys) laid out as its first."""
+    if pair is None:
+        return
+    if (len(pair[0]) != len(slabs) or pair[1].shape != out.shape or pair[1].dtype != out.dtype
+            or pair[1].device != out.device):
+        raise ValueError(f"{what}: a pair of {len(pair[0])} slabs into {list(pair[1].shape)} {pair[1].dtype} on "
+                         f"{pair[1].device}; allowed: {len(slabs)} slabs into {list(out.shape)} {out.dtype} on "
+                         f"{out.device}")
+    _check_layout(pair[0], rows_per_slab, tuple(out.shape[1:]), out.dtype, f"{what} pair")
+
+
 def _why_not(device: torch.device, tensors: Sequence[torch.Tensor]) -> str | None:
     """Why the kernel cannot take these tensors on `device` (None if it can).
 
@@ -136,12 +149,15 @@ def _grid(n: int) -> tuple[int]:
 
 # ---------------------------------------------------------------------------------------------- copies
 def gather_pages(slabs: Sequence[torch.Tensor], rows_per_slab: int, rows: np.ndarray | torch.Tensor,
-                 out: torch.Tensor, addresses: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor, addresses: torch.Tensor | None = None,
+                 pair: tuple[Sequence[torch.Tensor], torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
     """``out[i] = row rows[i]`` of a slab storage (`kvtier.tiers.slabs.SlabRows`), ``out`` ``[n, *row]``.
 
     On CUDA the slabs may be pinned host memory: the kernel then reads the pages through the mapping,
     straight into `out` in device memory (no staging, no copy call per page). `addresses`: the slabs'
-    `slab_addresses` on `out`'s device, when the caller keeps them.
+    `slab_addresses` on `out`'s device, when the caller keeps them. `pair`, ``(slabs, out, addresses)`` of a
+    second storage laid out as the first (a layer's values beside its keys), is gathered by the same rows in the
+    same launch.
     """
     r_np, r = _host_rows(rows)
     row_shape = tuple(out.shape[1:])
@@ -149,23 +165,38 @@ def gather_pages(slabs: Sequence[torch.Tensor], rows_per_slab: int, rows: np.nda
     _check_rows(r_np, len(slabs) * rows_per_slab, "gather_pages")
     if out.shape[0] != r.shape[0]:
         raise ValueError(f"gather_pages: out has {out.shape[0]} rows for {r.shape[0]} requested; allowed: as many")
+    _check_pair(pair, slabs, rows_per_slab, out, "gather_pages")
     if r.shape[0] == 0:
         return out
-    why = _why_not(out.device, [out, *slabs[:1]]) or (None if r_np is not None else "rows are on the device")
+    why = _why_not(out.device, [out, *slabs[:1]] if pair is None else [out, *slabs[:1], pair[1], *pair[0][:1]])
+    if why is None and r_np is None:
+        why = "rows are on the device"
     if why is None:
         k = loader.kernel("gather_pages", "kvtier_gather_pages", out.device)
         base = _addresses(slabs, out.device, addresses) if k is not None else None
-        if base is not None:
-            rows_d = r.to(out.device)
+        base2 = _addresses(pair[0], out.device, pair[2]) if k is not None and pair is not None else None
+        if base is not None and (pair is None or base2 is not None):
+            rows_d = _rows_on(r, out.device)
             row_bytes = out[0].numel() * out.element_size()
-            loader.launch(k, out.device, _grid(r.shape[0]), (_THREADS,),
+            loader.launch(k, out.device, _grid(r.shape[0] * (1 if pair is None else 2)), (_THREADS,),
                           (_u64(base.data_ptr()), _i64(rows_per_slab), _u64(rows_d.data_ptr()),
-                           _u64(out.data_ptr()), _i64(r.shape[0]), _i64(row_bytes)))
+                           _u64(out.data_ptr()), _i64(r.shape[0]), _i64(row_bytes), _ptr(base2),
+                           _u64(0 if pair is None else pair[1].data_ptr())))
             loader.record("gather_pages", "kernel")
             return out
         why = loader.build_error("gather_pages", out.device) or "a slab is not reachable from the device"
     loader.record("gather_pages", "twin", why)
+    if pair is not None:
+        twins.gather_pages(pair[0], rows_per_slab, r, pair[1])
     return twins.gather_pages(slabs, rows_per_slab, r, out)
+
+
+def _rows_on(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host rows (int64) on `device` for a kernel to read: through pinned memory without a wait on CUDA (a
+    pageable copy would stall the host until the copy is done)."""
+    if device.type != "cuda" or rows.device == device:
+        return rows.to(device)
+    return rows.pin_memory().to(device, non_blocking=True)
 
 
 def recall_pages(slabs: Sequence[torch.Tensor], rows_per_slab: int, src_rows: torch.Tensor, dst_rows: torch.Tensor,
@@ -186,13 +217,7 @@ def recall_pages(slabs: Sequence[torch.Tensor], rows_per_slab: int, src_rows: to
                          f"count {list(count.shape)}; allowed: [heads, r], [heads, r] and [heads]")
     row_shape = tuple(out.shape[1:])
     _check_layout(slabs, rows_per_slab, row_shape, out.dtype, "recall_pages")
-    if pair is not None:
-        if (len(pair[0]) != len(slabs) or pair[1].shape != out.shape or pair[1].dtype != out.dtype
-                or pair[1].device != out.device):
-            raise ValueError(f"recall_pages: a pair of {len(pair[0])} slabs into {list(pair[1].shape)} "
-                             f"{pair[1].dtype} on {pair[1].device}; allowed: {len(slabs)} slabs into "
-                             f"{list(out.shape)} {out.dtype} on {out.device}")
-        _check_layout(pair[0], rows_per_slab, row_shape, out.dtype, "recall_pages pair")
+    _check_pair(pair, slabs, rows_per_slab, out, "recall_pages")
     if heads * r == 0 or not slabs:
         return out
     src_rows, dst_rows, count = _as(src_rows, torch.int64), _as(dst_rows, torch.int64), _as(count, torch.int64)
@@ -301,7 +326,7 @@ def scatter_pages(slabs: Sequence[torch.Tensor], rows_per_slab: int, rows: np.nd
         k = loader.kernel("scatter_pages", "kvtier_scatter_pages", device)
         base = _addresses(slabs, device, addresses) if k is not None else None
         if base is not None:
-            rows_d = r.to(device)
+            rows_d = _rows_on(r, device)
             row_bytes = values[0].numel() * values.element_size()
             loader.launch(k, device, _grid(r.shape[0]), (_THREADS,),
                           (_u64(base.data_ptr()), _i64(rows_per_slab), _u64(rows_d.data_ptr()),
@@ -311,6 +336,47 @@ def scatter_pages(slabs: Sequence[torch.Tensor], rows_per_slab: int, rows: np.nd
         why = loader.build_error("scatter_pages", device) or "a slab is not reachable from the device"
     loader.record("scatter_pages", "twin", why)
     twins.scatter_pages(slabs, rows_per_slab, r, values)
+
+
+def index_pages(keys: torch.Tensor, bounds: Sequence[torch.Tensor], rows_per_slab: int, first: int,
+                addresses: torch.Tensor | None = None) -> torch.Tensor:
+    """The recall index of new pages in one launch: their key bounds written into rows ``first ..`` of the
+    `bounds` storage (row ``first + j * heads + h`` = ``[hi, lo]`` of page j of head h), and their 2-bit key
+    codes returned, ``[m * heads, page_size, ceil(dim / 4)]`` uint8 on the keys' device.
+
+    `keys` ``[heads, m, page_size, dim]`` in the cache's dtype (the bounds storage's), channels contiguous; every
+    entry valid. `addresses`: as for `gather_pages`. The bounds are the keys' own elements and the codes follow
+    `kvtier.recall.codes` (``native/index_pages.cu`` states each rounding).
+    """
+    if keys.dim() != 4:
+        raise ValueError(f"index_pages: keys {list(keys.shape)}; allowed: [heads, pages, page_size, dim]")
+    H, m, P, D = keys.shape
+    _check_layout(bounds, rows_per_slab, (2 * D,), keys.dtype, "index_pages")
+    if first < 0 or (first + m * H > len(bounds) * rows_per_slab and m * H):
+        raise IndexError(f"index_pages: rows {first} to {first + m * H - 1}; allowed: 0 to "
+                         f"{len(bounds) * rows_per_slab - 1} ({len(bounds) * rows_per_slab} rows in the storage)")
+    if m * H == 0:
+        return torch.empty(0, P, -(-D // twins.CODES_PER_BYTE), dtype=torch.uint8, device=keys.device)
+    device = keys.device
+    why = _why_not(device, [bounds[0]])
+    suffix = DTYPE_SUFFIX.get(keys.dtype)
+    if why is None and (suffix is None or keys.stride(3) != 1 or bounds[0].device != device):
+        why = "keys of another dtype, channels not contiguous, or bounds on another device"
+    if why is None:
+        k = loader.kernel("index_pages", f"kvtier_index_pages_{suffix}", device)
+        base = _addresses(bounds, device, addresses) if k is not None else None
+        if base is not None:
+            width = -(-D // twins.CODES_PER_BYTE)
+            codes = torch.empty(m * H, P, width, dtype=torch.uint8, device=device)
+            loader.launch(k, device, _grid(-(-(m * H * width) // _THREADS)), (_THREADS,),
+                          (_u64(keys.data_ptr()), _i64(keys.stride(0)), _i64(keys.stride(1)), _i64(keys.stride(2)),
+                           _i64(H), _i64(m * H), np.int32(P), np.int32(D), _u64(base.data_ptr()),
+                           _i64(rows_per_slab), _i64(first), _u64(codes.data_ptr())))
+            loader.record("index_pages", "kernel")
+            return codes
+        why = loader.build_error("index_pages", device) or "a slab is not reachable from the device"
+    loader.record("index_pages", "twin", why)
+    return twins.index_pages(keys, bounds, rows_per_slab, first)
 
 
 def _entry_layout(slabs: Sequence[torch.Tensor], what: str) -> tuple[int, int, int]:

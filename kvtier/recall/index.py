@@ -14,8 +14,7 @@ import torch
 from .. import native
 from ..tiers.slabs import SlabRows
 from ..transfer.read_mark import ReadMark
-from .bounds import page_bounds, round_outward
-from .codes import code_width, encode
+from .codes import code_width
 
 PAGES_PER_SLAB = 1024
 _CHUNK_ELEMENTS = 1 << 22    # query rows x pages per bound product, bounds the working memory
@@ -64,15 +63,15 @@ class PageIndex:
         self.codes.write_from(rows, codes, transfer, jobs)
 
     def _stage(self, k_pages: torch.Tensor) -> torch.Tensor:
-        """Write the bounds of the next pages past the indexed ones; return their codes ``[m * heads, ...]``."""
-        full = torch.full(k_pages.shape[:2], self.page_size, device=k_pages.device)
-        lo, hi = round_outward(*page_bounds(k_pages, full), self.dtype)
-        codes = encode(k_pages, lo, hi)
+        """Write the bounds of the next pages past the indexed ones; return their codes ``[m * heads, ...]``
+        (`kvtier.native.index_pages`: one launch where kernels run)."""
         m, H = k_pages.shape[1], self.heads
+        if k_pages.dtype != self.dtype:   # the index keeps the cache's elements
+            k_pages = k_pages.to(self.dtype)
         for part in (self.bounds, self.codes):
             part.ensure((self.n + m) * H)
-        self.bounds.write_range(self.n * H, torch.cat([hi, lo], dim=-1).transpose(0, 1).reshape(m * H, -1))
-        return codes.transpose(0, 1).reshape(m * H, self.page_size, -1)
+        return native.index_pages(k_pages, self.bounds.slabs, self.bounds.rows_per_slab, self.n * H,
+                                  addresses=self.bounds.addresses(self.device))
 
     def commit(self, pages: int) -> None:
         """Count `pages` staged pages as indexed."""

@@ -91,9 +91,9 @@ class HostPool:
         rows = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64))
         if out is None:
             return self.k.gather(rows), self.v.gather(rows)
-        k, v = self.k.gather(rows, out=out[0]), self.v.gather(rows, out=out[1])
-        self.read_on(k.device)
-        return k, v
+        self.k.gather(rows, out=out[0], pair=(self.v, out[1]))   # keys and values in one launch
+        self.read_on(out[0].device)
+        return out
 
     def read_on(self, device: torch.device) -> None:
         """Note that kernels queued on `device`'s current stream read the slabs: `store` waits for them."""

@@ -63,13 +63,16 @@ class SlabRows:
             self._addresses = (device, len(self.slabs), native.slab_addresses(self.slabs, device))
         return self._addresses[2]
 
-    def gather(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def gather(self, rows: torch.Tensor, out: torch.Tensor | None = None,
+               pair: tuple[SlabRows, torch.Tensor] | None = None) -> torch.Tensor:
         """Rows ``[n]`` (int64, on the host or this storage's device) as ``[n, *row_shape]`` (into `out` when
         given, which may live on a CUDA device while the slabs are pinned host memory: a kernel then reads
-        the rows through the mapping, with no staging copy)."""
+        the rows through the mapping, with no staging copy). `pair`, ``(storage, its out)`` of a storage laid
+        out as this one (values beside keys): the same rows of it into its out, in the same launch."""
         if out is None:
             out = torch.empty((rows.shape[0], *self.row_shape), dtype=self.dtype, device=self.device)
-        return native.gather_pages(self.slabs, self.rows_per_slab, rows, out, self.addresses(out.device))
+        both = None if pair is None else (pair[0].slabs, pair[1], pair[0].addresses(out.device))
+        return native.gather_pages(self.slabs, self.rows_per_slab, rows, out, self.addresses(out.device), pair=both)
 
     def scatter(self, rows: torch.Tensor, values: torch.Tensor) -> None:
         """Write ``values`` ``[n, *row_shape]`` at distinct rows ``[n]``."""

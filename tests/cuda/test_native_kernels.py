@@ -93,6 +93,15 @@ def test_gather_pages_kernel_is_the_twin(kernels, dtype, page_size, dim, pinned)
     cpu_slabs = [t.cpu() for t in s.slabs]
     want = twins.gather_pages(cpu_slabs, 5, torch.from_numpy(rows), torch.empty(out.shape, dtype=dtype))
     assert torch.equal(_bits(out), _bits(want))
+    s2 = _storage(5, 4, (page_size, dim), dtype, where, pin=pinned, seed=dim + 1)   # values beside keys
+    out, out2 = _poison(out.shape, dtype, kernels), _poison(out.shape, dtype, kernels)
+    launches = _Launches("gather_pages")
+    native.gather_pages(s.slabs, 5, rows, out, s.addresses(kernels), pair=(s2.slabs, out2, s2.addresses(kernels)))
+    torch.cuda.synchronize()
+    launches.check(1)
+    want2 = twins.gather_pages([t.cpu() for t in s2.slabs], 5, torch.from_numpy(rows),
+                               torch.empty(out.shape, dtype=dtype))
+    assert torch.equal(_bits(out), _bits(want)) and torch.equal(_bits(out2), _bits(want2))
 
 
 @pytest.mark.parametrize("row_shape,dtype", [((3, 5), torch.uint8), ((3,), torch.int16), ((1, 16), torch.uint8)])
@@ -154,7 +163,7 @@ def test_host_pool_loads_pinned_pages_straight_into_device_memory(kernels, dtype
     out = (_poison((5, 16, 64), dtype, kernels), _poison((5, 16, 64), dtype, kernels))
     launches = _Launches("gather_pages")
     pool.load(pick, out=out)
-    launches.check(2)
+    launches.check(1)   # keys and values in one launch
     assert torch.equal(_bits(out[0]), _bits(k[[12, 3, 7, 0, 8]]))
     assert torch.equal(_bits(out[1]), _bits(-k[[12, 3, 7, 0, 8]]))
     pool.free(pick)
@@ -231,6 +240,51 @@ def test_move_entries_kernel_is_the_twin_on_every_kind_of_slab(kernels, slab_tok
                     (pools[1].k, pools[1].v, pools[1].pos, pools[1].score)):
         got = twins.pack_entries([t.cpu() for t in a], every)
         assert torch.equal(_bits(got), _bits(twins.pack_entries(b, every)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim,page_size", [(128, 16), (40, 16), (6, 3)])
+@pytest.mark.parametrize("nan", [False, True], ids=["finite", "with-nan"])
+def test_index_pages_kernel_is_the_twin(kernels, dtype, dim, page_size, nan):
+    """A demotion's recall index in one launch: the bounds rows written across two slabs of the index's storage
+    and the codes, the same bytes as the twin's on the CPU (a NaN key: NaN bounds in both, of either payload)."""
+    H, m, rows_per_slab, first = 8, 37, 64, 50
+    g = torch.Generator().manual_seed(dim + page_size)
+    keys = torch.randn(H, m, page_size, dim, generator=g) * 4
+    keys = torch.where(torch.rand(keys.shape, generator=g) < 0.1, torch.round(keys), keys)   # ties, zeros
+    if nan:
+        keys[3, 5, 1, 2] = float("nan")
+        keys[0, 0, 0, :] = float("inf")
+    keys = keys.to(dtype)
+    slabs = [_poison((rows_per_slab, 2 * dim), dtype, kernels) for _ in range(6)]
+    ref = [s.cpu() for s in slabs]
+    launches = _Launches("index_pages")
+    codes = native.index_pages(keys.to(kernels), slabs, rows_per_slab, first)
+    launches.check(1)
+    want = twins.index_pages(keys, ref, rows_per_slab, first)
+    assert torch.equal(codes.cpu(), want)
+    got, ref_rows = torch.cat(slabs).cpu().float(), torch.cat(ref).float()
+    assert torch.equal(torch.isnan(got), torch.isnan(ref_rows))
+    assert torch.equal(got.nan_to_num(0.0).view(torch.int32), ref_rows.nan_to_num(0.0).view(torch.int32))
+    if not nan:
+        assert torch.equal(_bits(torch.cat(slabs)), _bits(torch.cat(ref)))
+
+
+def test_recall_index_stages_pages_in_one_launch(kernels):
+    """`PageIndex.stage` (a demotion's index update) launches the kernel once and keeps what the CPU's index
+    keeps for the same pages."""
+    H, P, D, m = 8, 16, 128, 40
+    keys = torch.randn(H, m, P, D).to(torch.bfloat16)
+    indexes = [PageIndex(H, P, D, torch.bfloat16, d, pin=d.type == "cuda", pages_per_slab=32)
+               for d in (kernels, torch.device("cpu"))]
+    launches = _Launches("index_pages")
+    indexes[0].add(keys.to(kernels))
+    launches.check(1)
+    indexes[1].add(keys)
+    a, b = indexes[0].state(), indexes[1].state()
+    assert torch.equal(_bits(a["bounds"]), _bits(b["bounds"])) and torch.equal(a["codes"], b["codes"])
+    for index in indexes:
+        index.release()
 
 
 # ---------------------------------------------------------------------------------------- page selection

@@ -87,14 +87,20 @@ def test_bandwidth_rows(cpu_run):
     assert "LayerEngine._to_host" in bw["method"] and "_bring_up" in bw["method"]
     assert bw["raw_copy"]["bytes"] == 8 * 2**20 and bw["raw_copy"]["pinned"] is False
     assert bw["raw_copy"]["host_to_device_gbps"] > 0
-    for key in ("demotion", "demotion_commit", "recall", "recall_step"):
+    for key in ("demotion", "demotion_commit", "recall", "recall_step", "recall_device"):
         row = bw["tiers"][key]
         assert row["bytes"] > 0 and row["gbps"] > 0, key
-    for key in ("demotion", "recall", "recall_step"):   # the host's share apart; no device clock on a CPU
-        row = bw["tiers"][key]
+    for key in ("demotion", "recall", "recall_step", "recall_device"):   # the host's share apart; no device clock
+        row = bw["tiers"][key]                                           # on a CPU
         assert 0 < row["issue_seconds"] <= row["seconds"] and row["device_seconds"] is None, row
     # one step's recall: recall_pages (64) pages for each of the 2 KV heads
     assert bw["tiers"]["recall_step"]["pages"] == 128
+    # a decode step's own recall (planned on the device) at the batch size, as many pages as the host-planned one
+    assert bw["tiers"]["recall_device"]["pages"] == bw["tiers"]["recall"]["pages"]
+    # recall's target is judged on the slower of its two paths
+    recall = next(t for t in cpu_run[1]["targets"] if t["name"] == "recall_vs_raw_copy")
+    by = recall["by_path"]
+    assert set(by) == {"recall", "recall_device"} and recall["measured"] == pytest.approx(min(by.values()), rel=1e-3)
 
 
 def test_decode_rows_and_ratios(cpu_run):
@@ -201,7 +207,7 @@ def test_tiny_on_cuda_measures_every_row(tmp_path):
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     assert data["bandwidth"]["raw_copy"]["pinned"] is True and data["bandwidth"]["tiers"]["pinned"] is True
-    for key in ("demotion", "recall", "recall_step"):   # timed by the device's events too
+    for key in ("demotion", "recall", "recall_step", "recall_device"):   # timed by the device's events too
         row = data["bandwidth"]["tiers"][key]
         assert 0 < row["device_seconds"] and row["device_gbps"] > 0, row
     for r in data["decode"]:

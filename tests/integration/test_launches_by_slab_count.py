@@ -44,6 +44,10 @@ def test_launches_of_decode_steps_and_demotions_do_not_grow_with_slabs(default_m
     assert many.native_calls == one.native_calls
     demotions = many.native_calls["move_entries"] // 4   # one launch per kind of slab: keys, values, positions,
     assert demotions >= len(model.model.layers)          # scores; every layer demoted in the 16 steps
+    # each demotion, counted where it happens: the entries packed (keys, values), the pool's holes filled (four
+    # kinds) and the pages indexed, one native launch each
+    assert one.demotion["demotions"] == many.demotion["demotions"] == demotions
+    assert one.demotion["native"] == many.demotion["native"] == 7 * demotions
     differ = Counter(many.ops)
     differ.subtract(one.ops)
     differ = +differ | Counter({op: -n for op, n in differ.items() if n < 0})

@@ -25,6 +25,7 @@ ARCH = "sm_90"
 KERNELS = {
     "gather_pages": ["kvtier_gather_pages"],
     "scatter_pages": ["kvtier_scatter_pages"],
+    "index_pages": ["kvtier_index_pages_f32", "kvtier_index_pages_f16", "kvtier_index_pages_bf16"],
     "recall_pages": ["kvtier_recall_pages"],
     "plan_recall": ["kvtier_plan_recall"],
     "pack_entries": ["kvtier_pack_entries", "kvtier_move_entries"],
@@ -38,7 +39,7 @@ KERNELS = {
                      "kvtier_attend_combine"],
 }
 # float arithmetic the twins follow op by op
-FLOAT_SOURCES = ("page_select", "rank_pages", "kvp_score", "merge_parts", "attend_slabs")
+FLOAT_SOURCES = ("index_pages", "page_select", "rank_pages", "kvp_score", "merge_parts", "attend_slabs")
 
 
 def _nvcc() -> str | None:

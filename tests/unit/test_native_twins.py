@@ -106,6 +106,13 @@ def test_copies_refuse_bad_rows_naming_them():
         native.gather_pages(s.slabs, 4, np.array([1]), torch.empty(1, 3, 2))
     with pytest.raises(ValueError, match="out has 3 rows for 1 requested"):
         native.gather_pages(s.slabs, 4, np.array([1]), torch.empty(3, 2, 3))
+    with pytest.raises(ValueError, match=r"a pair of 2 slabs into \[2, 2, 3\] torch.float32 on cpu; allowed: 2 "
+                       r"slabs into \[1, 2, 3\]"):
+        native.gather_pages(s.slabs, 4, np.array([1]), torch.empty(1, 2, 3), pair=(s.slabs, torch.empty(2, 2, 3), None))
+    with pytest.raises(ValueError, match=r"index_pages: keys \[2, 3, 4\]; allowed: \[heads, pages, page_size, dim\]"):
+        native.index_pages(torch.zeros(2, 3, 4), [torch.zeros(8, 8)], 8, 0)
+    with pytest.raises(IndexError, match=r"index_pages: rows 6 to 9; allowed: 0 to 7"):
+        native.index_pages(torch.zeros(2, 2, 4, 4), [torch.zeros(8, 8)], 8, 6)
 
 
 @pytest.fixture(params=["grouped on the host", "read nothing back"])
@@ -386,7 +393,7 @@ def test_without_cuda_every_op_runs_its_twin_and_says_why(monkeypatch):
 def test_every_kernel_the_ops_launch_is_in_the_shipped_sources():
     names = {p.stem for p in native.sources()}
     assert names == {"gather_pages", "scatter_pages", "recall_pages", "plan_recall", "pack_entries", "page_select",
-                     "rank_pages", "kvp_score", "merge_parts", "attend_slabs"}
+                     "rank_pages", "kvp_score", "merge_parts", "attend_slabs", "index_pages"}
     ops_text = (loader.SOURCE_DIR.parent / "ops.py").read_text()
     for src, kernel in [("gather_pages", "kvtier_gather_pages"), ("scatter_pages", "kvtier_scatter_pages"),
                         ("recall_pages", "kvtier_recall_pages"), ("plan_recall", "kvtier_plan_recall"),
@@ -401,14 +408,16 @@ def test_every_kernel_the_ops_launch_is_in_the_shipped_sources():
                         ("attend_slabs", "kvtier_attend_chunks_f32"), ("attend_slabs", "kvtier_attend_chunks_bf16"),
                         ("attend_slabs", "kvtier_attend_chunks_f16"), ("attend_slabs", "kvtier_attend_chunks_wide_f32"),
                         ("attend_slabs", "kvtier_attend_chunks_wide_bf16"),
-                        ("attend_slabs", "kvtier_attend_chunks_wide_f16"), ("attend_slabs", "kvtier_attend_combine")]:
+                        ("attend_slabs", "kvtier_attend_chunks_wide_f16"), ("attend_slabs", "kvtier_attend_combine"),
+                        ("index_pages", "kvtier_index_pages_f32"), ("index_pages", "kvtier_index_pages_f16"),
+                        ("index_pages", "kvtier_index_pages_bf16")]:
         text = loader.source(src)
         assert (f'extern "C" __global__ void {kernel}(' in text or f"KV_UPPER_BOUNDS({kernel}," in text
                 or f"KV_RANK_PAGES({kernel}," in text or f"KV_KVP_SCORE({kernel}," in text
-                or f"KV_ATTEND_CHUNKS({kernel}," in text)
+                or f"KV_ATTEND_CHUNKS({kernel}," in text or f"KV_INDEX_PAGES({kernel}," in text)
         assert kernel in ops_text or kernel.rsplit("_", 1)[0] + "_{suffix}" in ops_text
         assert "#include" not in text   # headers inlined: NVRTC sees one self-contained text
-    with pytest.raises(FileNotFoundError, match="shipped: attend_slabs, gather_pages"):
+    with pytest.raises(FileNotFoundError, match="shipped: attend_slabs, gather_pages, index_pages"):
         loader.source("nope")
 
 
@@ -478,12 +487,13 @@ def _i64(addr: int, i: int) -> int:
 def _run_as_the_kernel(name: str, grid: tuple, args: tuple, block: tuple = (128,)) -> None:
     """What kernel `name` does with `args`, replayed on host memory with the twins' arithmetic."""
     if name in ("kvtier_gather_pages", "kvtier_scatter_pages"):
-        slabs, per, rows, flat, n, row_bytes = args
-        for i in range(int(n)):
-            r = _i64(rows, i)
-            row = _mem(_u64(slabs, r // int(per)) + (r % int(per)) * int(row_bytes), row_bytes)
-            page = _mem(int(flat) + i * int(row_bytes), row_bytes)
-            (page if name == "kvtier_gather_pages" else row)[:] = row if name == "kvtier_gather_pages" else page
+        slabs, per, rows, flat, n, row_bytes, *pair = args   # a gather's second storage (0: none)
+        for storage, into in ((slabs, flat), *([tuple(pair)] if pair and int(pair[0]) else [])):
+            for i in range(int(n)):
+                r = _i64(rows, i)
+                row = _mem(_u64(storage, r // int(per)) + (r % int(per)) * int(row_bytes), row_bytes)
+                page = _mem(int(into) + i * int(row_bytes), row_bytes)
+                (page if name == "kvtier_gather_pages" else row)[:] = row if name == "kvtier_gather_pages" else page
     elif name == "kvtier_recall_pages":
         slabs, per, total, src, dst, count, heads, r, out, out_rows, row_bytes, slabs2, out2 = (int(a) for a in args)
         for storage, into in ((slabs, out), (slabs2, out2)) if slabs2 else ((slabs, out),):
@@ -659,6 +669,15 @@ def _run_as_the_kernel(name: str, grid: tuple, args: tuple, block: tuple = (128,
             _tensor(int(part_a), (H, chunks, R, D), torch.float32)[:, :used].copy_(a)
             _tensor(int(part_m), (H, chunks, R), torch.float32)[:, :used].copy_(m)
             _tensor(int(part_l), (H, chunks, R), torch.float32)[:, :used].copy_(l_)
+    elif name.startswith("kvtier_index_pages_"):
+        keys, k_head, k_page, k_entry, heads, cells, page, dim, table, per, first, codes = (int(a) for a in args)
+        H, m, dtype = heads, cells // heads, _OF_SUFFIX[name.rsplit("_", 1)[1]]
+        assert m * H == cells and int(grid[0]) * block[0] >= cells * -(-dim // 4)
+        span = (H - 1) * k_head + (m - 1) * k_page + (page - 1) * k_entry + dim
+        k = _tensor(keys, (span,), dtype).as_strided((H, m, page, dim), (k_head, k_page, k_entry, 1))
+        slabs = [_tensor(_u64(table, i), (per, 2 * dim), dtype) for i in range(-(-(first + cells) // per))]
+        got = twins.index_pages(k, slabs, per, first)
+        _tensor(codes, (cells, page, -(-dim // 4)), torch.uint8).copy_(got)
     elif name == "kvtier_attend_combine":
         (part_a, part_m, part_l, chunks, count, count_at, chunk, rows, dim, xo, xo_h, xo_r, xl, xl_h, xl_r, out,
          lse) = (int(a) for a in args)
@@ -727,8 +746,10 @@ def test_every_kernel_has_a_signature_to_check_launches_against():
                          "kvtier_rank_pages_bf16", "kvtier_kvp_score_f32", "kvtier_kvp_score_f16",
                          "kvtier_kvp_score_bf16", "kvtier_merge_parts", "kvtier_attend_chunks_f32",
                          "kvtier_attend_chunks_f16", "kvtier_attend_chunks_bf16", "kvtier_attend_chunks_wide_f32",
-                         "kvtier_attend_chunks_wide_f16", "kvtier_attend_chunks_wide_bf16", "kvtier_attend_combine"}
-    assert sigs["kvtier_gather_pages"] == [np.uint64, np.int64, np.uint64, np.uint64, np.int64, np.int64]
+                         "kvtier_attend_chunks_wide_f16", "kvtier_attend_chunks_wide_bf16", "kvtier_attend_combine",
+                         "kvtier_index_pages_f32", "kvtier_index_pages_f16", "kvtier_index_pages_bf16"}
+    assert sigs["kvtier_gather_pages"] == [np.uint64, np.int64, np.uint64, np.uint64, np.int64, np.int64, np.uint64,
+                                           np.uint64]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -738,6 +759,11 @@ def test_ops_launch_each_kernel_with_arguments_that_give_the_twins_result(replay
     out = torch.full((6, 16, 64), float("nan"), dtype=dtype)
     native.gather_pages(s.slabs, 5, rows, out)
     assert torch.equal(_bits(out), _bits(torch.stack([_row(s, int(r)) for r in rows])))
+    s2 = _storage(5, 3, (16, 64), dtype, seed=13)   # a second storage (values beside keys) in the same launch
+    out, out2 = torch.full_like(out, float("nan")), torch.full_like(out, float("nan"))
+    native.gather_pages(s.slabs, 5, rows, out, pair=(s2.slabs, out2, None))
+    assert torch.equal(_bits(out), _bits(torch.stack([_row(s, int(r)) for r in rows])))
+    assert torch.equal(_bits(out2), _bits(torch.stack([_row(s2, int(r)) for r in rows])))
     values = torch.randn(3, 16, 64).to(dtype)
     native.scatter_pages(s.slabs, 5, np.array([9, 1, 13]), values)
     assert all(torch.equal(_row(s, r), values[i]) for i, r in enumerate([9, 1, 13]))
@@ -761,7 +787,13 @@ def test_ops_launch_each_kernel_with_arguments_that_give_the_twins_result(replay
 
     H, D = 2, 64
     index = PageIndex(H, 16, D, dtype, torch.device("cpu"), pages_per_slab=4)
-    index.add(torch.randn(H, 10, 16, D))
+    keys = torch.randn(H, 10, 16, D).to(dtype)
+    index.add(keys)                                    # bounds and codes replayed as the kernel makes them
+    twin = PageIndex(H, 16, D, dtype, torch.device("cpu"), pages_per_slab=4)
+    with monkeypatch.context() as m:
+        m.setattr(ops, "_why_not", lambda device, tensors: "twin")
+        twin.add(keys)
+    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(index.state().values(), twin.state().values()))
     spans = [b for _, b in index.bounds.spans(index.n * H)]
     q = torch.randn(H, 3, D)
     got = native.page_upper_bounds(q, spans, H)
@@ -776,7 +808,7 @@ def test_ops_launch_each_kernel_with_arguments_that_give_the_twins_result(replay
     suffix = _SUFFIX[dtype]
     ran = [name for name, _, _ in replayed_kernels]
     assert set(ran) == {"kvtier_gather_pages", "kvtier_scatter_pages", "kvtier_pack_entries", "kvtier_move_entries",
-                        f"kvtier_page_upper_bounds_{suffix}", "kvtier_code_logits"}
+                        f"kvtier_page_upper_bounds_{suffix}", "kvtier_code_logits", f"kvtier_index_pages_{suffix}"}
     assert ran.count(f"kvtier_page_upper_bounds_{suffix}") == len(spans) == 3
 
 

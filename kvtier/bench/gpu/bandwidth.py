@@ -56,7 +56,8 @@ def tier_bandwidth(cfg: GpuBenchConfig, device: torch.device, progress: Progress
       entries, gathering them on the device, then the above);
     - ``recall``: ``LayerEngine._bring_up`` of ``batch_mib`` of random host pages (gather into pinned
       staging, host->device copies), and ``recall_step`` the same for one step's worth
-      (``recall_pages`` pages per KV head).
+      (``recall_pages`` pages per KV head); ``recall_device`` a decode step's own recall at the batch size
+      (planned on the device, keys and values in one launch).
     """
     from ...config import ModelShape, TieredCacheConfig
     from ...engine.layer import LayerEngine
@@ -128,11 +129,36 @@ def tier_bandwidth(cfg: GpuBenchConfig, device: torch.device, progress: Progress
             nbytes = pages * page_bytes
             out[name] = {"bytes": nbytes, "pages": pages, **_parts(nbytes, times)}
             progress.say(f"{name} (_bring_up, {pages} pages): {out[name]['gbps']} GB/s")
+        out["recall_device"] = _device_planned_recall(engine, cfg, clock, streams, rng)
+        progress.say(f"recall (planned on the device): {out['recall_device']['gbps']} GB/s")
         out["pinned"] = engine.pin
         return out
     finally:
         engine.close()
         shared.close()
+
+
+def _device_planned_recall(engine: Any, cfg: GpuBenchConfig, clock: Clock, streams: list,
+                           rng: np.random.Generator) -> dict[str, Any]:
+    """A decode step's own recall, where every demoted page is in host memory, at the batch size: random
+    distinct pages of each head planned on the device into an empty recall buffer of as many slots, then keys
+    and values copied by one kernel from the pinned slabs (`LayerEngine._plan_and_copy`)."""
+    from ...recall.buffer import RecallBuffer
+
+    H, P, D = engine.heads, engine.cfg.page_size, engine.head_dim
+    n = engine.table.n
+    w = int(min(n, max(1, cfg.batch_mib * MiB // engine.host.page_bytes() // H)))
+    sources = engine._sources()   # the host slots' mirror, made once the table changes (not per step)
+    times = []
+    for r in range(cfg.repeats + 1):
+        want = torch.from_numpy(np.stack([np.sort(rng.choice(n, w, replace=False)) for _ in range(H)]))
+        want = want.to(engine.device)
+        buf = RecallBuffer(H, w, P, D, engine.dtype, engine.device, on_device=True)
+        t = clock.time_parts(lambda: engine._plan_and_copy(buf, want, sources, spare=False), streams)
+        if r:
+            times.append(t)
+    nbytes = w * H * engine.host.page_bytes()
+    return {"bytes": nbytes, "pages": w * H, **_parts(nbytes, times)}
 
 
 def _parts(nbytes: int, runs: list[dict[str, float | None]]) -> dict[str, Any]:
@@ -152,8 +178,9 @@ def measure_bandwidth(cfg: GpuBenchConfig, device: torch.device, progress: Progr
     out: dict[str, Any] = {
         "method": ("raw: one copy_ of one buffer (pinned on CUDA), CUDA events, median of the repeats; kvtier: "
                    "the engine's own batch moves timed directly (LayerEngine._to_host for demotion, "
-                   "LayerEngine._bring_up for recall, LayerEngine.commit end to end), synchronised before and "
-                   "after, on one layer of the model's shape filled with random K/V; not derived from "
+                   "LayerEngine._bring_up for recall planned on the host, LayerEngine._plan_and_copy for a "
+                   "decode step's recall planned on the device, LayerEngine.commit end to end), synchronised "
+                   "before and after, on one layer of the model's shape filled with random K/V; not derived from "
                    "stats() counters, which have no per-direction time"),
         "raw_copy": _attempt("raw copy", lambda: raw_copy(cfg.copy_mib * MiB, device, cfg.repeats), device, progress),
         "raw_copy_batch": _attempt("raw copy (batch size)",

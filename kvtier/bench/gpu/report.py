@@ -48,8 +48,11 @@ def format_report(result: dict[str, Any]) -> str:
         for key, label, ref in (("demotion", "demotion (_to_host)", "device_to_host_gbps"),
                                 ("demotion_commit", "demotion (commit, end to end)", "device_to_host_gbps"),
                                 ("recall", "recall (_bring_up)", "host_to_device_gbps"),
+                                ("recall_device", "recall (planned on the device)", "host_to_device_gbps"),
                                 ("recall_step", "recall, one step's pages", "host_to_device_gbps")):
-            r = tiers[key]
+            r = tiers.get(key)
+            if r is None:
+                continue
             share = r["gbps"] / raw[ref] if r.get("gbps") and raw.get(ref) else None
             lines.append(f"  {label:<32}{r['bytes'] / MiB:>9.2f} MiB {_fmt(r['gbps'], '8.2f')}  "
                          f"{_fmt(None if share is None else share * 100, '.0f', '% of raw')}"
