@@ -102,10 +102,10 @@ def test_source_compiles_with_nvcc_without_warnings(src: Path, as_loaded: bool, 
 def _nvrtc() -> ctypes.CDLL | None:
     """The NVRTC library: from the nvidia-cuda-nvrtc wheels cupy uses, the loader path, or CUDA_HOME."""
     candidates = []
-    try:
-        import nvidia.cuda_nvrtc as wheel   # the wheel cupy and CUDA builds of torch install
-        for root in wheel.__path__:
-            candidates += sorted(glob.glob(os.path.join(root, "lib", "libnvrtc.so*")))
+    try:   # the nvidia-cuda-nvrtc wheels (the test extra; cupy's and CUDA builds of torch): nvidia/<part>/lib
+        import nvidia
+        for root in nvidia.__path__:
+            candidates += sorted(glob.glob(os.path.join(root, "*", "lib", "libnvrtc.so*")))
     except ImportError:
         pass
     name = ctypes.util.find_library("nvrtc")
@@ -135,7 +135,7 @@ def test_source_compiles_with_nvrtc_as_the_loader_gives_it(src: Path):
     assert lib.nvrtcCreateProgram(ctypes.byref(prog), loader.source(src.stem).encode(), src.name.encode(),
                                   0, None, None) == 0
     try:
-        opts = [f"-arch=compute_{ARCH[3:]}", "-std=c++14", *loader.OPTIONS]
+        opts = [f"-arch=compute_{ARCH[3:]}", *loader.OPTIONS]   # as cupy compiles: its default standard
         arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
         result = lib.nvrtcCompileProgram(prog, len(opts), arr)
         size = ctypes.c_size_t()
