@@ -140,7 +140,7 @@ def test_a_planned_step_issues_the_same_launches_under_one_key(monkeypatch):
     """What a captured step stands for: two steps with one key issue the same launches (the model's and every
     layer's, the native ones as one call each) with the same arguments at the same addresses, the step's inputs
     (the token and its position, copied into a graph's buffers) and what the step made aside; and the launches
-    change no host state of any layer."""
+    change no host state of any layer and read nothing back to the host."""
     from test_decode_launches_repeat import _NATIVE_OPS, StepRecorder, _host_state, _recorded
 
     from kvtier import native
@@ -186,6 +186,11 @@ def test_a_planned_step_issues_the_same_launches_under_one_key(monkeypatch):
 
         graph.graphs.run = watched
         _decode(graph, steps=40)
+    from kvtier.bench.launches import HOST_READS
+
+    # nothing in the step reads back to the host (a capture refuses a sync): the model's ops nor the cache's
+    reads = {x[0] for launches in by_key.values() for step in launches for x in step if x[0] in HOST_READS}
+    assert not reads, reads
     repeated = 0
     for launches in by_key.values():
         first = launches[0]
