@@ -1,8 +1,8 @@
 """The host tier: pages of demoted entries in host memory (pinned on CUDA machines), in fixed-size slabs.
 
 A page is ``page_size`` entries of one KV head, keys and values each contiguous, so a recall moves whole
-blocks. Slots are shared by all heads of a layer and handed out from a free list; the pool grows a slab at a
-time (about `slab_bytes` each) and never copies what it holds.
+blocks. Slots are shared by all heads of a layer, handed out from the freed ones, then from the never used ones
+in order; the pool grows a slab at a time (about `slab_bytes` each) and never copies what it holds.
 
 `load` into device memory lets a kernel read pinned pages through their mapping, after the call returns
 (in stream order); the pool then waits for those reads before it overwrites a slot or lets its slabs go.
@@ -34,21 +34,26 @@ class HostPool:
         per_slab = max(1, slab_bytes // page_bytes)
         self.k = SlabRows((page_size, head_dim), dtype, "cpu", per_slab, pin)
         self.v = SlabRows((page_size, head_dim), dtype, "cpu", per_slab, pin)
-        self._free: list[int] = []      # a stack: the lowest free slot on top
+        self._free: list[int] = []      # slots freed for reuse, a stack: the lowest on top
+        self._next = 0                  # slots from here on were never handed out (or all freed by `clear`)
         self._used = 0
         self._reads = ReadMark()   # the end of the last device read of the slabs
         self._written = 0    # slots from here on have never held a page (so no device read of them is queued)
 
     def _take(self, n: int) -> np.ndarray:
-        if len(self._free) < n:
-            old = self.k.capacity
-            self.k.ensure(old + n - len(self._free))
+        """`n` slots: freed ones first, lowest first, then never used ones in order (a range: a demotion's batch of
+        thousands of pages costs no Python loop, and its copies down run over consecutive slots)."""
+        reuse = min(n, len(self._free))
+        fresh = n - reuse
+        if fresh:
+            self.k.ensure(self._next + fresh)
             self.v.ensure(self.k.capacity)
-            self._free[:0] = range(self.k.capacity - 1, old - 1, -1)
-        # the top `n` of the stack, as popping them one by one would hand them out (a batch of thousands of pages
-        # is one slice, not a Python loop)
-        slots = np.array(self._free[len(self._free) - n:][::-1], dtype=np.int64)
-        del self._free[len(self._free) - n:]
+        slots = np.empty(n, dtype=np.int64)
+        if reuse:   # the top of the stack, as popping them one by one would hand them out
+            slots[:reuse] = self._free[len(self._free) - reuse:][::-1]
+            del self._free[len(self._free) - reuse:]
+        slots[reuse:] = np.arange(self._next, self._next + fresh)
+        self._next += fresh
         self._used += n
         return slots
 
@@ -101,8 +106,14 @@ class HostPool:
             self._reads.note(device)
 
     def free(self, slots: np.ndarray) -> None:
-        self._free.extend(np.sort(np.asarray(slots, dtype=np.int64))[::-1].tolist())
-        self._used -= len(slots)
+        s = np.sort(np.asarray(slots, dtype=np.int64))
+        self._used -= len(s)
+        # the last slots handed out go back to the never-used range (a failed demotion's, given back at once,
+        # leaves the pool as it was); the others onto the stack, the lowest on top
+        back = s[::-1] == np.arange(self._next - 1, self._next - 1 - len(s), -1)
+        n = len(s) if back.all() else int(np.argmin(back))
+        self._next -= n
+        self._free.extend(s[:len(s) - n][::-1].tolist())
 
     def pages(self) -> int:
         return self._used
@@ -120,11 +131,10 @@ class HostPool:
     def clear(self) -> None:
         """Forget every page (the slabs stay for reuse)."""
         self._settle()
-        self._free = list(range(self.k.capacity - 1, -1, -1))
-        self._used = 0
+        self._free, self._next, self._used = [], 0, 0
 
     def close(self) -> None:
         self._settle()
         self.k.close()
         self.v.close()
-        self._free, self._used = [], 0
+        self._free, self._next, self._used = [], 0, 0

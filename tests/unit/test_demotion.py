@@ -13,7 +13,8 @@ from kvtier.placement.page_table import HOST
 
 
 def _state(engine):
-    return (engine.table.n, engine.host.pages(), engine.index.n, list(engine.host._free), engine.table.version)
+    return (engine.table.n, engine.host.pages(), engine.index.n, list(engine.host._free), engine.host._next,
+            engine.table.version)
 
 
 def _fill(engine, g, tokens=60):
