@@ -10,7 +10,8 @@
 //   code[p, d]   = (k[h, j, p, d] - lo[d]) / step[d] rounded half to even, clamped to 0 .. 3, 0 for NaN
 // bounds row first + j * heads + h = [hi, lo]; codes row j * heads + h = page_size rows of ceil(dim / 4)
 // bytes, channel 4b + i in bits 2i .. 2i + 1 of byte b (channels past dim: code 0). Each rounding is
-// float32's own (the _rn intrinsics, no fused multiply-add); the twin (twins.index_pages) gives the same bits.
+// float32's own (the _rn intrinsics, no fused multiply-add); the twin (twins.index_pages) gives the same bits,
+// a NaN bound's payload aside (the kernel keeps a NaN key's own; any NaN stands for any other).
 // One thread per code byte: four channels of one page, read for the bounds, then again for the codes.
 #include "kvtier_native.cuh"
 

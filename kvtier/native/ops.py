@@ -196,6 +196,9 @@ def _rows_on(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
     pageable copy would stall the host until the copy is done)."""
     if device.type != "cuda" or rows.device == device:
         return rows.to(device)
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("host rows copied during a CUDA graph capture would be read from a temporary the graph "
+                           "outlives; allowed: rows on the device, or a call outside the capture")
     return rows.pin_memory().to(device, non_blocking=True)
 
 

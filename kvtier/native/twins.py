@@ -103,7 +103,8 @@ CODES_PER_BYTE = 4
 def index_pages(keys: torch.Tensor, bounds: Sequence[torch.Tensor], rows_per_slab: int, first: int) -> torch.Tensor:
     """The recall index of pages ``keys`` ``[heads, m, page_size, dim]`` (twin of ``kvtier_index_pages``, whose
     header in ``native/index_pages.cu`` states the rule): bounds rows ``first + j * heads + h`` = ``[hi, lo]``
-    written into the `bounds` storage; returns the codes ``[m * heads, page_size, ceil(dim / 4)]`` uint8."""
+    written into the `bounds` storage; returns the codes ``[m * heads, page_size, ceil(dim / 4)]`` uint8. A NaN
+    bound's payload may differ from the kernel's (it keeps the NaN key's own)."""
     H, m, P, D = keys.shape
     k = keys.float()
     zero = torch.zeros((), device=k.device)

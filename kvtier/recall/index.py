@@ -14,7 +14,8 @@ import torch
 from .. import native
 from ..tiers.slabs import SlabRows
 from ..transfer.read_mark import ReadMark
-from .codes import code_width
+from .bounds import page_bounds, round_outward
+from .codes import code_width, encode
 
 PAGES_PER_SLAB = 1024
 _CHUNK_ELEMENTS = 1 << 22    # query rows x pages per bound product, bounds the working memory
@@ -66,10 +67,13 @@ class PageIndex:
         """Write the bounds of the next pages past the indexed ones; return their codes ``[m * heads, ...]``
         (`kvtier.native.index_pages`: one launch where kernels run)."""
         m, H = k_pages.shape[1], self.heads
-        if k_pages.dtype != self.dtype:   # the index keeps the cache's elements
-            k_pages = k_pages.to(self.dtype)
         for part in (self.bounds, self.codes):
             part.ensure((self.n + m) * H)
+        if k_pages.dtype != self.dtype:   # keys of another dtype than the cache's: bounds rounded outward to it
+            lo, hi = round_outward(*page_bounds(k_pages, torch.full(k_pages.shape[:2], self.page_size,
+                                                                    device=k_pages.device)), self.dtype)
+            self.bounds.write_range(self.n * H, torch.cat([hi, lo], dim=-1).transpose(0, 1).reshape(m * H, -1))
+            return encode(k_pages, lo, hi).transpose(0, 1).reshape(m * H, self.page_size, -1)
         return native.index_pages(k_pages, self.bounds.slabs, self.bounds.rows_per_slab, self.n * H,
                                   addresses=self.bounds.addresses(self.device))
 

@@ -103,6 +103,23 @@ def test_bandwidth_rows(cpu_run):
     assert set(by) == {"recall", "recall_device"} and recall["measured"] == pytest.approx(min(by.values()), rel=1e-3)
 
 
+def test_recall_judged_on_the_path_measured_when_the_other_failed(cpu_run):
+    """A failed device-planned recall is a skipped row of its own: the other batches stand, and the recall target
+    says it was judged without it."""
+    import copy
+
+    from kvtier.bench.gpu.report import format_report
+
+    data = copy.deepcopy(cpu_run[1])
+    data["bandwidth"]["tiers"]["recall_device"] = {"skipped": "RuntimeError: injected"}
+    data["targets"] = evaluate_targets(data)
+    recall = next(t for t in data["targets"] if t["name"] == "recall_vs_raw_copy")
+    assert recall["measured"] == pytest.approx(recall["by_path"]["recall"])
+    assert recall["by_path"]["recall_device"] is None
+    assert "judged without recall_device" in recall["note"] and "injected" in recall["note"]
+    assert "recall (planned on the device)  skipped (RuntimeError: injected)" in format_report(data)
+
+
 def test_decode_rows_and_ratios(cpu_run):
     rows = cpu_run[1]["decode"]
     assert [r["context"] for r in rows] == [1024, 2048]

@@ -390,6 +390,13 @@ def test_without_cuda_every_op_runs_its_twin_and_says_why(monkeypatch):
         assert ops["gather_pages"]["why"] == "no CUDA device"
 
 
+def test_host_rows_are_not_copied_inside_a_graph_capture(monkeypatch):
+    """A kernel's host rows go up through a pinned temporary, which a captured graph would outlive: refused."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="during a CUDA graph capture"):
+        ops._rows_on(torch.arange(3), torch.device("cuda"))
+
+
 def test_every_kernel_the_ops_launch_is_in_the_shipped_sources():
     names = {p.stem for p in native.sources()}
     assert names == {"gather_pages", "scatter_pages", "recall_pages", "plan_recall", "pack_entries", "page_select",

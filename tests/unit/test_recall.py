@@ -68,6 +68,20 @@ def test_page_index_bounds_hold_across_slabs_and_dtypes(seed, page_size, slab, d
         assert torch.equal(p_codes[h], encode_codes(keys[h, ids[h]], lo[h, ids[h]], hi[h, ids[h]]))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_keys_of_another_dtype_are_bounded_outward_in_the_index(dtype):
+    """Keys finer than the index's dtype (float32 into a half-precision index): the stored bounds still hold every
+    key, rounded outward, and the codes are those of the keys as given."""
+    g = torch.Generator().manual_seed(7)
+    keys = torch.randn(3, 9, 16, 32, generator=g) * 3
+    index = PageIndex(3, 16, 32, dtype, torch.device("cpu"), pages_per_slab=4)
+    index.add(keys)
+    lo, hi, codes = index.pick(torch.arange(9).expand(3, 9))
+    assert lo.dtype == hi.dtype == dtype
+    assert (lo.float()[:, :, None] <= keys).all() and (hi.float()[:, :, None] >= keys).all()
+    assert torch.equal(codes, encode_codes(keys, lo, hi))
+
+
 @pytest.mark.parametrize("shortlist", [1, 8])
 def test_selector_picks_the_page_holding_the_matching_key(shortlist):
     g = torch.Generator().manual_seed(0)

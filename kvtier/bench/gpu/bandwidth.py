@@ -129,8 +129,10 @@ def tier_bandwidth(cfg: GpuBenchConfig, device: torch.device, progress: Progress
             nbytes = pages * page_bytes
             out[name] = {"bytes": nbytes, "pages": pages, **_parts(nbytes, times)}
             progress.say(f"{name} (_bring_up, {pages} pages): {out[name]['gbps']} GB/s")
-        out["recall_device"] = _device_planned_recall(engine, cfg, clock, streams, rng)
-        progress.say(f"recall (planned on the device): {out['recall_device']['gbps']} GB/s")
+        out["recall_device"] = _attempt("recall (planned on the device)",
+                                        lambda: _device_planned_recall(engine, cfg, clock, streams, rng),
+                                        device, progress)
+        progress.say(f"recall (planned on the device): {out['recall_device'].get('gbps')} GB/s")
         out["pinned"] = engine.pin
         return out
     finally:

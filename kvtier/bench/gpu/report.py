@@ -53,6 +53,9 @@ def format_report(result: dict[str, Any]) -> str:
             r = tiers.get(key)
             if r is None:
                 continue
+            if r.get("skipped"):
+                lines.append(f"  {label:<32}skipped ({r['skipped']})")
+                continue
             share = r["gbps"] / raw[ref] if r.get("gbps") and raw.get(ref) else None
             lines.append(f"  {label:<32}{r['bytes'] / MiB:>9.2f} MiB {_fmt(r['gbps'], '8.2f')}  "
                          f"{_fmt(None if share is None else share * 100, '.0f', '% of raw')}"

@@ -33,10 +33,12 @@ def evaluate_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
         what = " and ".join(moves).replace("_", " ")
         extra = {"by_path": {m: _r(g / base, 4) if g and base else None for m, g in each.items()}} \
             if len(moves) > 1 else {}
+        missing = [m for m in moves if not each.get(m)]
+        note = (f"not measured ({tiers.get('skipped') or raw.get('skipped')})" if not (got and base) else
+                f"judged without {', '.join(missing)} (not measured: "
+                f"{'; '.join(str((tiers.get(m) or {}).get('skipped')) for m in missing)})" if missing else "")
         out.append(_target(name, f"{what} batch >= 90% of the raw pinned copy ({direction[:-5].replace('_', ' ')})",
-                           got / base if got and base else None, "fraction", 0.9, "higher",
-                           "" if got and base else f"not measured ({tiers.get('skipped') or raw.get('skipped')})",
-                           **extra))
+                           got / base if got and base else None, "fraction", 0.9, "higher", note, **extra))
     rows = [r for r in result.get("decode", []) if "rows" in r]
     ref = next((r for r in rows if r["context"] == TARGET_CONTEXT), rows[-1] if rows else None)
     note = "" if ref is None or ref["context"] == TARGET_CONTEXT else \
