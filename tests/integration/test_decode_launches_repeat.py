@@ -237,7 +237,7 @@ def test_decode_steps_with_one_graph_key_issue_the_same_launches(default_model, 
     from kvtier.tiers.host import HostPool
 
     model, tok = default_model
-    task = make_needle_task(tok, 1500, depth=0.3, seed=5)
+    task = make_needle_task(tok, 900, depth=0.3, seed=5)
     recorder: list[StepRecorder | None] = [None]
     for name in _NATIVE_OPS:
         monkeypatch.setattr(native, name, _recorded(recorder, name))
