@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from . import loader, twins
+from .layout import CODES_PER_BYTE
 
 _THREADS = 128
 _MAX_BLOCKS = 1 << 20   # grid-stride loops cover the rest
@@ -359,7 +360,7 @@ def index_pages(keys: torch.Tensor, bounds: Sequence[torch.Tensor], rows_per_sla
         raise IndexError(f"index_pages: rows {first} to {first + m * H - 1}; allowed: 0 to "
                          f"{len(bounds) * rows_per_slab - 1} ({len(bounds) * rows_per_slab} rows in the storage)")
     if m * H == 0:
-        return torch.empty(0, P, -(-D // twins.CODES_PER_BYTE), dtype=torch.uint8, device=keys.device)
+        return torch.empty(0, P, -(-D // CODES_PER_BYTE), dtype=torch.uint8, device=keys.device)
     device = keys.device
     why = _why_not(device, [bounds[0]])
     suffix = DTYPE_SUFFIX.get(keys.dtype)
@@ -369,7 +370,7 @@ def index_pages(keys: torch.Tensor, bounds: Sequence[torch.Tensor], rows_per_sla
         k = loader.kernel("index_pages", f"kvtier_index_pages_{suffix}", device)
         base = _addresses(bounds, device, addresses) if k is not None else None
         if base is not None:
-            width = -(-D // twins.CODES_PER_BYTE)
+            width = -(-D // CODES_PER_BYTE)
             codes = torch.empty(m * H, P, width, dtype=torch.uint8, device=device)
             loader.launch(k, device, _grid(-(-(m * H * width) // _THREADS)), (_THREADS,),
                           (_u64(keys.data_ptr()), _i64(keys.stride(0)), _i64(keys.stride(1)), _i64(keys.stride(2)),

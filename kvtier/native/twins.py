@@ -19,6 +19,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from .layout import CODE_LEVELS, pack_codes, write_rows
+
 LANES = 32                   # threads of a warp: the upper-bound sum is split over them
 _CHUNK_ELEMENTS = 1 << 22    # elements of a twin's largest temporary
 
@@ -85,21 +87,7 @@ def scatter_pages(slabs: Sequence[torch.Tensor], rows_per_slab: int, rows: torch
         slabs[s].index_copy_(0, off, torch.index_select(values, 0, pos))
 
 
-def write_rows(slabs: Sequence[torch.Tensor], rows_per_slab: int, first: int, values: torch.Tensor) -> None:
-    """Rows ``first ..`` of the storage ``= values`` ``[n, *row]``, slab by slab (no index tensor)."""
-    done, n = 0, values.shape[0]
-    while done < n:
-        s, o = divmod(first + done, rows_per_slab)
-        take = min(n - done, rows_per_slab - o)
-        slabs[s][o:o + take].copy_(values[done:done + take], non_blocking=True)
-        done += take
-
-
 # ------------------------------------------------------------------------------------------ recall index
-CODE_LEVELS = 3     # 2-bit codes 0 .. 3 between a channel's bounds
-CODES_PER_BYTE = 4
-
-
 def index_pages(keys: torch.Tensor, bounds: Sequence[torch.Tensor], rows_per_slab: int, first: int) -> torch.Tensor:
     """The recall index of pages ``keys`` ``[heads, m, page_size, dim]`` (twin of ``kvtier_index_pages``, whose
     header in ``native/index_pages.cu`` states the rule): bounds rows ``first + j * heads + h`` = ``[hi, lo]``
@@ -112,11 +100,7 @@ def index_pages(keys: torch.Tensor, bounds: Sequence[torch.Tensor], rows_per_sla
     lo, hi = torch.where(lo == 0, zero, lo), torch.where(hi == 0, zero, hi)
     step = ((hi - lo) / torch.full_like(lo, float(CODE_LEVELS))).clamp_(min=torch.finfo(torch.float32).tiny)
     c = ((k - lo[:, :, None]) / step[:, :, None]).round_().clamp_(0, CODE_LEVELS).nan_to_num_(0).to(torch.uint8)
-    pad = -D % CODES_PER_BYTE
-    if pad:
-        c = torch.cat([c, c.new_zeros(*c.shape[:-1], pad)], dim=-1)
-    c = c.view(H, m, P, -1, CODES_PER_BYTE)
-    codes = c[..., 0] | (c[..., 1] << 2) | (c[..., 2] << 4) | (c[..., 3] << 6)
+    codes = pack_codes(c)
     rows = torch.cat([hi, lo], dim=-1).to(bounds[0].dtype if bounds else keys.dtype)
     write_rows(bounds, rows_per_slab, first, rows.transpose(0, 1).reshape(m * H, 2 * D))
     return codes.transpose(0, 1).reshape(m * H, P, -1)

@@ -13,8 +13,10 @@ import sys
 import torch
 import torch.nn.functional as F
 
-LEVELS = 3          # codes 0..3
-PER_BYTE = 4        # 2 bits each
+from ..native.layout import CODE_LEVELS, CODES_PER_BYTE, pack_codes
+
+LEVELS = CODE_LEVELS        # codes 0..3
+PER_BYTE = CODES_PER_BYTE    # 2 bits each
 _SHIFTS = (0, 2, 4, 6)
 
 
@@ -29,14 +31,8 @@ def _step(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
 
 def encode(k_pages: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
     """Codes of ``k_pages`` ``[..., page, dim]`` within ``lo, hi`` ``[..., dim]``: uint8 ``[..., page, ceil(dim/4)]``."""
-    dim = k_pages.shape[-1]
     c = ((k_pages.float() - lo.float()[..., None, :]) / _step(lo, hi)[..., None, :]).round_().clamp_(0, LEVELS)
-    c = c.to(torch.uint8)
-    pad = code_width(dim) * PER_BYTE - dim
-    if pad:
-        c = torch.cat([c, c.new_zeros(*c.shape[:-1], pad)], dim=-1)
-    c = c.view(*c.shape[:-1], -1, PER_BYTE)
-    return c[..., 0] | (c[..., 1] << 2) | (c[..., 2] << 4) | (c[..., 3] << 6)
+    return pack_codes(c.to(torch.uint8))
 
 
 _TABLES: dict[torch.device, torch.Tensor] = {}

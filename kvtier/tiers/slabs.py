@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from .. import native
+from ..native.layout import write_rows
 from ..errors import CapacityError
 
 
@@ -83,12 +84,7 @@ class SlabRows:
     def write_range(self, start: int, values: torch.Tensor) -> None:
         """Rows ``[start, start + n)`` = ``values`` ``[n, *row_shape]``, copied slab by slab on the current stream
         (no index tensor, nothing read back)."""
-        n, done = values.shape[0], 0
-        while done < n:
-            s, o = divmod(start + done, self.rows_per_slab)
-            take = min(n - done, self.rows_per_slab - o)
-            self.slabs[s][o:o + take].copy_(values[done:done + take], non_blocking=True)
-            done += take
+        write_rows(self.slabs, self.rows_per_slab, start, values)
 
     def write_from(self, rows: np.ndarray, values: torch.Tensor, transfer, jobs: list[int]) -> None:
         """Start copying ``values`` ``[n, *row_shape]`` (from any device) into `rows` ``[n]`` through `transfer`
