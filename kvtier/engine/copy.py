@@ -45,7 +45,7 @@ def copy_layer(src: LayerEngine, dst: LayerEngine) -> None:
     if src._nan is not None:        # a NaN-score check still waiting (CUDA) waits in the copy too
         dst._nan = dst._nan_buf = src._nan.clone()
     if src.readahead is not None and dst.readahead is not None:
-        for name in ("hits", "misses", "read_ahead"):
+        for name in ("hits", "misses", "read_ahead", "steps_paused"):
             setattr(dst.readahead, name, getattr(src.readahead, name))
 
 

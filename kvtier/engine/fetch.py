@@ -217,17 +217,14 @@ class PageFetching:
         on_host, on_disk = np.flatnonzero(tier == HOST), np.flatnonzero(tier == DISK)
         if self.device.type == "cuda":
             k_dev, v_dev = self._bring_up_cuda(slot, on_host, on_disk)
-        else:   # host memory is the device's: gather straight into the pages attention reads
+        else:   # host memory is the device's: gather and read straight into the pages attention reads
             k_dev = torch.empty(len(pids), P, D, dtype=self.dtype)
             v_dev = torch.empty_like(k_dev)
-            if len(on_disk) == 0:
-                self.host.load(slot, out=(k_dev, v_dev))
-            else:
-                if len(on_host):
-                    rows = torch.from_numpy(on_host)
-                    k_dev[rows], v_dev[rows] = self.host.load(slot[on_host])
-                rows = torch.from_numpy(on_disk)
-                k_dev[rows], v_dev[rows] = self._load_disk(slot[on_disk])
+            a = len(on_host)   # sorted by tier: the host's pages, then the disk's
+            if a:
+                self.host.load(slot[:a], out=(k_dev[:a], v_dev[:a]))
+            if len(on_disk):
+                self._load_disk(slot[a:], out=(k_dev[a:], v_dev[a:]))
         page_bytes = self.host.page_bytes()
         c = self.counters
         c.bytes_moved["host_to_device"] += len(on_host) * page_bytes
@@ -257,7 +254,7 @@ class PageFetching:
             v_dev.index_copy_(0, rows, hv)
         sk = torch.empty(len(on_disk), P, D, dtype=self.dtype, pin_memory=True)
         sv = torch.empty_like(sk, pin_memory=True)
-        sk[:], sv[:] = self._load_disk(slot[on_disk])
+        self._load_disk(slot[on_disk], out=(sk, sv))
         dk = torch.empty(sk.shape, dtype=self.dtype, device=self.device)
         dv = torch.empty_like(dk)
         self.transfer.wait([self.transfer.submit(dk, sk), self.transfer.submit(dv, sv)])
@@ -266,12 +263,11 @@ class PageFetching:
         v_dev.index_copy_(0, rows, dv)
         return k_dev, v_dev
 
-    def _load_disk(self, slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    def _load_disk(self, slots: np.ndarray, out: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Disk pages at `slots` into `out` (through the read-ahead ring, where there is one)."""
         t0 = time.perf_counter()
         try:
-            if self.readahead is not None:
-                return self.readahead.load(slots)
-            return self.disk.load(slots)
+            (self.readahead or self.disk).load(slots, out=out)
         finally:
             self.counters.disk_wait_seconds += time.perf_counter() - t0
 
@@ -279,11 +275,14 @@ class PageFetching:
         """Start reading the short-listed disk pages that were not taken: the likeliest next ones."""
         if self.readahead is None or shortlist is ids:
             return
-        H, m = shortlist.shape
-        cand = shortlist.cpu().numpy()
-        taken = ids.cpu().numpy()
-        heads = np.repeat(np.arange(H), m)
-        pids = cand.reshape(-1)
-        keep = ~np.concatenate([np.isin(cand[h], taken[h]) for h in range(H)])
-        tier, slot = self.table.lookup(heads[keep], pids[keep])
-        self.readahead.prefetch(slot[tier == DISK])
+
+        def candidates() -> np.ndarray:
+            H, n = shortlist.shape[0], self.table.n
+            # best ranked first across heads (rank-major), so that a capped read ahead takes every head's best
+            cand = (shortlist.cpu().numpy().T + np.arange(H) * n).reshape(-1)
+            taken = ids.cpu().numpy() + np.arange(H)[:, None] * n
+            cand = cand[~np.isin(cand, taken)]
+            tier, slot = self.table.lookup(cand // n, cand % n)
+            return slot[tier == DISK]
+
+        self.readahead.offer(candidates)

@@ -634,7 +634,7 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
                        "index_bytes": self.index_bytes()},
             "host": {"tokens": host_tokens, "bytes": host_bytes,
                      "reserved_bytes": (0 if self.host is None else self.host.reserved_bytes()) +
-                     (0 if self.readahead is None else self.readahead.pool.reserved_bytes())},
+                     (0 if self.readahead is None else self.readahead.reserved_bytes())},
             "disk": {"tokens": disk_tokens, "bytes": disk_bytes},
         }
 

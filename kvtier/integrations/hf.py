@@ -272,7 +272,8 @@ class TieredCache(OneSequence, Cache):
         from the pools), ``bytes`` held (host bytes include the 2-bit key codes of the recall index and the
         disk pages kept for read-ahead), ``reserved_bytes`` allocated; ``device.index_bytes``: the key bounds
         of the demoted pages, 1/16 of their K+V size at 16 entries a page. ``read_ahead``: disk pages served
-        from host memory (``hits``) or read on demand (``misses``), and the ``hit_rate``.
+        from host memory (``hits``) or read on demand (``misses``), the ``hit_rate``, and the layer steps that
+        skipped reading ahead where it did not pay (``steps_paused``).
         Budgets and the tier figures count the tiered (full-attention) layers only; ``window`` gives the
         sliding-window layers, which keep transformers' own window on the device.
         ``bytes_moved`` per direction,
@@ -340,7 +341,10 @@ class TieredCache(OneSequence, Cache):
             "transfer_wait_seconds": wait,
             "read_ahead": {"hits": hits, "misses": misses, "pages_read_ahead": sum(r.read_ahead for r in ahead),
                            "hit_rate": hits / (hits + misses) if hits + misses else None,
-                           "pages_held": sum(r.pages() for r in ahead)},
+                           "pages_held": sum(r.pages() for r in ahead),
+                           # layer steps that skipped reading ahead: where it did not pay (a disk that answers
+                           # from the page cache), it pauses for a while
+                           "steps_paused": sum(r.steps_paused for r in ahead)},
             "parked": self.parked,
             "mode": s.mode,
             "scorer": s.scorer_name,

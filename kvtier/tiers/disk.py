@@ -28,6 +28,8 @@ CHUNK = 4096  # slots per chunk of the in-memory per-slot arrays
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _SEED = struct.Struct("<QI")
 _MIN_TASK_BYTES = 1 << 20  # I/O is split across threads in pieces of at least this much
+_RUN_RECORDS = 256  # records read at most by one call (into a scratch buffer of that many)
+_READ_GAP = 3  # pages to read are read in one call when at most this many records apart (dropping those between)
 _FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 _FLAGS = (os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") and os.sysconf("SC_IOV_MAX") > 0 else 16
@@ -59,29 +61,36 @@ def _transfer(op, fd: int, bufs: list, offset: int) -> int:
     return done
 
 
-class _Column:
-    """A per-slot array grown in chunks of `CHUNK` slots (never reallocated or copied)."""
+_META = np.dtype([("crc", np.uint32), ("gen", np.uint32), ("used", np.bool_)])   # what the store keeps of a slot
 
-    def __init__(self, dtype) -> None:
-        self.dtype, self.chunks = np.dtype(dtype), []
+
+class _SlotMeta:
+    """Each slot's CRC, write generation and use, in chunks of `CHUNK` slots (grown, never reallocated or
+    copied); one lookup reads all three."""
+
+    def __init__(self) -> None:
+        self.chunks: list[np.ndarray] = []
 
     def grow(self, slots: int) -> None:
-        self.chunks += [np.zeros(CHUNK, self.dtype) for _ in range(len(self.chunks), -(-slots // CHUNK))]
+        self.chunks += [np.zeros(CHUNK, _META) for _ in range(len(self.chunks), -(-slots // CHUNK))]
 
     def _parts(self, slots: np.ndarray) -> list:
         c, o = np.divmod(slots, CHUNK)
+        if len(c) and c.min() == c.max():   # the usual case: a layer's pages lie close together
+            return [(self.chunks[int(c[0])], slice(None), o)]
         return [(self.chunks[i], c == i, o[c == i]) for i in np.unique(c)]
 
     def get(self, slots: np.ndarray) -> np.ndarray:
-        out = np.empty(len(slots), self.dtype)
+        out = np.empty(len(slots), _META)
         for chunk, m, o in self._parts(slots):
             out[m] = chunk[o]
         return out
 
-    def set(self, slots: np.ndarray, values) -> None:
-        values = np.broadcast_to(np.asarray(values, self.dtype), slots.shape)
+    def set(self, slots: np.ndarray, **fields) -> None:
         for chunk, m, o in self._parts(slots):
-            chunk[o] = values[m]
+            for name, values in fields.items():
+                values = np.broadcast_to(np.asarray(values, _META[name]), slots.shape)
+                chunk[name][o] = values[m]
 
 
 class DiskStore:
@@ -119,7 +128,7 @@ class DiskStore:
         self._kv_bytes = page_size * head_dim * torch.empty((), dtype=dtype).element_size()
         self.payload_size = 2 * self._kv_bytes
         self.record_size = -(-self.payload_size // ALIGN) * ALIGN
-        self._crc, self._gen, self._used = _Column(np.uint32), _Column(np.uint32), _Column(np.bool_)
+        self._meta = _SlotMeta()
         self._free: list[int] = []  # heap of freed slots below `_next`; slots >= `_next` were never handed out
         self._next = self._count = 0
         try:
@@ -141,24 +150,34 @@ class DiskStore:
                 self._pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix="kvtier-disk")
             return self._pool
 
-    def _check_used(self, slots: np.ndarray) -> None:
-        """Raise unless every slot holds a page (call with the lock held)."""
+    def _check_used(self, slots: np.ndarray) -> np.ndarray:
+        """What the store keeps of `slots` (`_META`); raises unless every slot holds a page (call with the lock
+        held)."""
         bad = (slots < 0) | (slots >= self._next)
-        if bad.any() or (bad := ~self._used.get(slots)).any():
+        if bad.any() or (bad := ~(meta := self._meta.get(slots))["used"]).any():
             raise CorruptPageError(f"slot {int(slots[np.flatnonzero(bad)[0]])} of {self.path} holds no page")
+        return meta
 
-    def _plan(self, slots: np.ndarray, iov_per_record: int) -> tuple[np.ndarray, np.ndarray, list]:
+    def _plan(self, slots: np.ndarray, cap: int, gap: int = 0) -> tuple[np.ndarray, np.ndarray, list]:
         """Sort `slots`; cut them into one task per thread, each a list of runs ``(lo, hi)`` of sorted
-        positions whose slots are consecutive (one syscall each)."""
+        positions (one syscall each) whose slots are consecutive, or (reads: `gap` > 0) at most `gap` records
+        apart, the records between them read and dropped; a run spans at most `cap` records."""
         order = np.argsort(slots, kind="stable")
         s, n = slots[order], len(slots)
         step = max(-(-n // self.io_threads), -(-_MIN_TASK_BYTES // self.record_size))
-        cap = max(1, _IOV_MAX // iov_per_record)
         tasks = []
         for a in range(0, n, step):
             b = min(a + step, n)
-            edges = [a, *(np.flatnonzero(np.diff(s[a:b]) != 1) + a + 1).tolist(), b]
-            tasks.append([(x, min(x + cap, hi)) for lo, hi in zip(edges, edges[1:]) for x in range(lo, hi, cap)])
+            part = s[a:b]
+            apart = np.diff(part) > 1 + gap if gap else np.diff(part) != 1
+            cut = np.flatnonzero(apart) + 1
+            runs = []
+            for lo, hi in zip([0, *cut.tolist()], [*cut.tolist(), b - a]):
+                # a run whose span passes `cap` records is cut where it does
+                pieces = (part[lo:hi] - part[lo]) // cap
+                inner = (np.flatnonzero(np.diff(pieces)) + lo + 1).tolist()
+                runs += [(x + a, y + a) for x, y in zip([lo, *inner], [*inner, hi])]
+            tasks.append(runs)
         return order, s, tasks
 
     def _run(self, fn, tasks: list) -> None:
@@ -194,12 +213,11 @@ class DiskStore:
             reused = [heapq.heappop(self._free) for _ in range(min(n, len(self._free)))]
             lo, hi = self._next, self._next + n - len(reused)
             self._next = hi
-            for c in (self._crc, self._gen, self._used):
-                c.grow(hi)
+            self._meta.grow(hi)
             slots = np.array(reused + list(range(lo, hi)), dtype=np.int64)
-            gens = self._gen.get(slots) + np.uint32(1)
+            gens = self._meta.get(slots)["gen"] + np.uint32(1)
         crcs = np.empty(n, np.uint32)
-        order, s, tasks = self._plan(slots, 1)
+        order, s, tasks = self._plan(slots, _IOV_MAX)
 
         def write(runs: list) -> None:
             for a, b in runs:
@@ -228,8 +246,7 @@ class DiskStore:
                     heapq.heappush(self._free, slot)
             raise
         with self._lock:
-            for column, values in ((self._crc, crcs), (self._gen, gens), (self._used, True)):
-                column.set(slots, values)
+            self._meta.set(slots, crc=crcs, gen=gens, used=True)
             self._count += n
         return slots
 
@@ -242,7 +259,7 @@ class DiskStore:
             self._check_used(slots)
             if len(np.unique(slots)) != len(slots):
                 raise CorruptPageError(f"a slot is freed twice in one call to {self.path}")
-            self._used.set(slots, False)
+            self._meta.set(slots, used=False)
             self._count -= len(slots)
             for slot in slots.tolist():
                 heapq.heappush(self._free, slot)
@@ -253,34 +270,40 @@ class DiskStore:
         slots = np.asarray(slots, dtype=np.int64).reshape(-1)
         n, P, D, kb, rs = len(slots), self.page_size, self.head_dim, self._kv_bytes, self.record_size
         with self._lock:
-            self._check_used(slots)
-            crcs, gens = self._crc.get(slots), self._gen.get(slots)
+            meta = self._check_used(slots)
+        crcs, gens = meta["crc"], meta["gen"]
         if out is not None and (len(out) != 2 or any(tuple(t.shape) != (n, P, D) for t in out)):
             raise CapacityError(f"out must be two tensors [{n}, {P}, {D}]; got {[tuple(t.shape) for t in out]}")
         direct = out is not None and all(t.device.type == "cpu" and t.dtype == self.dtype and t.is_contiguous()
                                          for t in out)
         kv = out if direct else [torch.empty((n, P, D), dtype=self.dtype) for _ in range(2)]
         kn, vn = (t.detach().view(torch.uint8).reshape(n, kb).numpy() for t in kv)  # the reads land in `kv`
-        pad = rs - self.payload_size
-        order, s, tasks = self._plan(slots, 3 if pad else 2)
+        pay = self.payload_size
+        order, s, tasks = self._plan(slots, _RUN_RECORDS, _READ_GAP)
+        at, want, gen = slots.tolist(), crcs.tolist(), gens.tolist()
 
         def read(runs: list) -> None:
-            scratch = [np.empty(pad, np.uint8)] if pad else []  # the padding is read and dropped
+            # a run is one read into scratch (records whole, padding and gaps and all), checked, then copied
+            # out; a bad run leaves its pages in `kv` as they were
+            scratch = np.empty((max(int(s[b - 1] - s[a]) + 1 for a, b in runs), rs), np.uint8)
             for a, b in runs:
-                idx, first = order[a:b], int(s[a])
+                idx, first, last = order[a:b], int(s[a]), int(s[b - 1])
+                buf, rows = scratch[:last - first + 1], s[a:b] - first
                 try:
-                    done = _transfer(os.preadv, fd, [x for r in idx for x in (kn[r], vn[r], *scratch)], first * rs)
+                    done = _transfer(os.preadv, fd, [buf], first * rs)
                 except OSError as e:
-                    raise CorruptPageError(f"could not read slots {first}..{int(s[b - 1])} of {self.path}: "
+                    raise CorruptPageError(f"could not read slots {first}..{last} of {self.path}: "
                                            f"{_oserr(e)}") from e
-                if done != (b - a) * rs:
+                if done != len(buf) * rs:
                     raise CorruptPageError(f"page missing or truncated in {self.path} at slot "
-                                           f"{int(s[a + done // rs])} (the file ends at byte {first * rs + done})")
-                for r in idx:
-                    got = zlib.crc32(vn[r], zlib.crc32(kn[r], _seed(int(slots[r]), int(gens[r]))))
-                    if got != crcs[r]:
-                        raise CorruptPageError(f"checksum mismatch in {self.path} at slot {int(slots[r])}: "
-                                               f"expected {int(crcs[r]):#010x}, read {got:#010x}")
+                                           f"{first + done // rs} (the file ends at byte {first * rs + done})")
+                for j, r in zip(rows.tolist(), idx.tolist()):
+                    got = zlib.crc32(buf[j, :pay], _seed(at[r], gen[r]))
+                    if got != want[r]:
+                        raise CorruptPageError(f"checksum mismatch in {self.path} at slot {at[r]}: "
+                                               f"expected {want[r]:#010x}, read {got:#010x}")
+                kn[idx] = buf[rows, :kb]
+                vn[idx] = buf[rows, kb:pay]
 
         def finish() -> tuple[torch.Tensor, torch.Tensor]:
             return (out[0].copy_(kv[0]), out[1].copy_(kv[1])) if out is not None and not direct else (kv[0], kv[1])
@@ -300,34 +323,20 @@ class DiskStore:
         self._run(read, tasks)
         return finish()
 
-    def load_async(self, slots: np.ndarray) -> Future:
-        """`load` (without `out`) on the I/O threads, for read-ahead: a future of ``(k, v)`` or of the error."""
-        result: Future = Future()
-        try:
-            tasks, read, finish = self._start_read(slots, None)
-            futures = [self._executor().submit(read, t) for t in tasks]
-        except Exception as e:
-            result.set_exception(e)
-            return result
-        left, lock = [len(futures)], threading.Lock()
+    def load_async(self, slots: np.ndarray, out: tuple[torch.Tensor, torch.Tensor] | None = None) -> Future:
+        """`load` on one I/O thread, checks and planning included (the caller's thread only queues it), for
+        reading ahead: a future of ``(k, v)`` or of the error. `out` must not be read or written until the
+        future is done."""
+        slots = np.array(slots, dtype=np.int64).reshape(-1)   # a copy: the caller may reuse its array
+        self._check_open()
 
-        def done(_=None) -> None:
-            with lock:
-                left[0] -= 1
-                if left[0] > 0:
-                    return
-            try:
-                for f in futures:
-                    f.result()
-                result.set_result(finish())
-            except Exception as e:
-                result.set_exception(e)
+        def load() -> tuple[torch.Tensor, torch.Tensor]:
+            tasks, read, finish = self._start_read(slots, out)
+            for task in tasks:   # in this thread: a task waiting for others on the same threads could starve
+                read(task)
+            return finish()
 
-        for f in futures:
-            f.add_done_callback(done)
-        if not futures:
-            done()
-        return result
+        return self._executor().submit(load)
 
     def pages(self) -> int:
         """Slots in use."""

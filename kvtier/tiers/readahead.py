@@ -1,132 +1,228 @@
-"""A small host cache of disk pages, filled by recall and by reading ahead.
+"""Disk pages read ahead of need into a small ring of host memory.
 
-Recall asks for the same pages step after step, and the pages it short-listed but did not take are the
-likeliest to be wanted next. Both are kept here, keyed by their disk slot, in host memory counted in the
-host budget: a hit costs a host gather instead of a read and a checksum. Reads ahead run on the disk
-store's I/O threads while the model computes; a page read ahead is used only once its read has finished
-and been verified.
+A decode step short-lists more pages than it takes, and the pages it did not take are the likeliest to be
+wanted next. Those on disk are read ahead on the disk store's I/O threads while the model computes, straight
+into a ring of page slots in host memory (counted in the host budget), and served once their read has
+finished and been verified; newer reads take the place of the oldest pages. Pages recalled on demand are not
+kept here: the recall buffer already holds what a step took, and a page cached on demand would push out a
+page read ahead before its use.
+
+Reading ahead costs the decoding thread a little every step (choosing the pages, queueing the reads) and pays
+only where a read on demand is slow. Where the disk answers from the operating system's page cache, a demand
+read costs about what a hit does, and reading ahead is a loss. So the ring measures both sides over a window
+of steps (the time spent reading ahead; the hits times what a demand read of a page costs more than a hit)
+and pauses reading ahead for a while when it did not pay, then tries again.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import time
+from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from .host import HostPool
+from .slabs import SlabRows
+
+
+@dataclass
+class _Read:
+    """A read ahead under way: disk `slots` into ring positions ``first .. first + len(slots)``."""
+    slots: np.ndarray
+    first: int
+    future: Future
+
+    def overlaps(self, a: int, b: int) -> bool:
+        return self.first < b and a < self.first + len(self.slots)
+
+
+@dataclass
+class _Payoff:
+    """What reading ahead cost and saved over the current window of steps."""
+    steps: int = 0
+    spent: float = 0.0          # seconds the decoding thread spent choosing and queueing reads ahead
+    hits: int = 0
+    hit_seconds: float = 0.0    # serving those hits from the ring
+    demand_pages: int = 0
+    demand_seconds: float = 0.0  # reading pages on demand
+
+    def pays(self, demand_cost: float) -> bool:
+        """Whether the window's hits saved more than reading ahead cost (`demand_cost`: seconds a page read on
+        demand takes, measured in this window or before)."""
+        hit_cost = self.hit_seconds / self.hits if self.hits else 0.0
+        return self.hits * max(0.0, demand_cost - hit_cost) >= self.spent
 
 
 class DiskReadAhead:
-    """Up to `capacity` disk pages (of one layer) kept in host memory, least recently used dropped first."""
+    """Up to `capacity` disk pages (of one layer) read ahead into host memory; the oldest are replaced first.
+
+    At most half of the ring is read ahead a step, so a page read ahead stays at least until the step after
+    next. The ring is allocated at the first read ahead (pinned where `pin`) and released by `close`. Each
+    `offer` is a step: every `WINDOW` steps reading ahead is judged (`_Payoff`), and where it did not pay
+    (`adaptive`) paused for `PAUSE` steps, twice as long each time it fails again (up to `MAX_PAUSE`).
+    """
+
+    WINDOW, PAUSE, MAX_PAUSE = 8, 64, 1024
+    adaptive = True
 
     def __init__(self, disk, capacity: int, page_size: int, head_dim: int, dtype: torch.dtype,
                  pin: bool) -> None:
         self.disk, self.capacity = disk, max(0, int(capacity))
-        self.pool = HostPool(page_size, head_dim, dtype, pin)
-        self._where: OrderedDict[int, int] = OrderedDict()     # disk slot -> host slot, oldest first
-        self._pending: dict[int, tuple[Future, int]] = {}      # disk slot -> (read, index in it)
+        self.page_size, self.head_dim, self.dtype = page_size, head_dim, dtype
+        self.k = SlabRows((page_size, head_dim), dtype, "cpu", max(1, self.capacity), pin)
+        self.v = SlabRows((page_size, head_dim), dtype, "cpu", max(1, self.capacity), pin)
+        self._where: dict[int, int] = {}                     # disk slot -> ring position, read and verified
+        self._at = np.full(self.capacity, -1, dtype=np.int64)   # disk slot held or being read at each position
+        self._reads: list[_Read] = []                        # reads under way, oldest first
+        self._head = 0                                       # the next position a read ahead fills
         self.hits = self.misses = self.read_ahead = 0
+        self.steps_paused = 0                                # steps whose reading ahead was skipped
+        self._window, self._paused, self._demand_cost = _Payoff(), 0, 0.0
+        self._pause = self.PAUSE                             # the next pause, in steps
 
-    def _insert(self, slots: np.ndarray, k: torch.Tensor, v: torch.Tensor, recent: bool) -> None:
-        keep = [i for i, s in enumerate(slots.tolist()) if s not in self._where]
-        if not keep or self.capacity == 0:
-            return
-        keep = keep[-self.capacity:]
-        over = len(self._where) + len(keep) - self.capacity
-        if over > 0:
-            old = [self._where.popitem(last=False)[1] for _ in range(over)]
-            self.pool.free(np.array(old, dtype=np.int64))
-        idx = torch.tensor(keep)
-        host = self.pool.store(k[idx], v[idx])
-        for s, h in zip(slots[keep].tolist(), host.tolist()):
-            self._where[s] = h
-            if not recent:
-                self._where.move_to_end(s, last=False)
-
-    def _collect(self, wanted: set[int]) -> None:
-        """Take finished reads ahead into the cache (waiting for those that hold a wanted page)."""
-        for fut in {f for f, _ in self._pending.values()}:
-            slots = np.array([s for s, (f, _) in self._pending.items() if f is fut], dtype=np.int64)
-            if not fut.done() and not wanted.intersection(slots.tolist()):
+    def _collect(self, wait: Callable[[_Read], bool]) -> None:
+        """Serve the reads ahead that have finished, and those `wait` names once they finish."""
+        left = []
+        for read in self._reads:
+            if not read.future.done() and not wait(read):
+                left.append(read)
                 continue
-            for s in slots.tolist():
-                del self._pending[s]
+            b = read.first + len(read.slots)
             try:
-                k, v = fut.result()
-            except Exception:   # a failed read ahead is retried by the demand read, which raises properly
+                read.future.result()
+            except (Exception, CancelledError):   # a failed read ahead is retried by the demand read, which raises
+                self._at[read.first:b] = -1
                 continue
-            order = [self._pending_index(fut, s) for s in slots.tolist()]
-            self._insert(slots, k[order], v[order], recent=False)
+            self._where.update(zip(read.slots.tolist(), range(read.first, b)))
+        self._reads = left
 
-    def _pending_index(self, fut: Future, slot: int) -> int:
-        return fut.kvtier_slots.index(slot)   # type: ignore[attr-defined]
+    def _wait_for(self, slots: np.ndarray) -> None:
+        """Finish the reads ahead that hold any of `slots`."""
+        wanted = set(slots.tolist())
+        self._collect(lambda read: not wanted.isdisjoint(read.slots.tolist()))
 
-    def load(self, slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pages at disk `slots` ``[n]``: from the cache where held, else read (and kept)."""
-        self._collect(set(slots.tolist()))
-        hit = np.array([s in self._where for s in slots.tolist()], dtype=bool)
+    def load(self, slots: np.ndarray, out: tuple[torch.Tensor, torch.Tensor] | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pages at disk `slots` ``[n]``, in their order: from the ring where read ahead, else from the disk
+        (`DiskStore.load`, which raises on a bad page). Into `out` when given (e.g. the rows attention reads)."""
+        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+        n = len(slots)
+        self._wait_for(slots)
+        where = self._where
+        pos = np.fromiter((where.get(s, -1) for s in slots.tolist()), dtype=np.int64, count=n)
+        hit = pos >= 0
         n_hit = int(hit.sum())
         self.hits += n_hit
-        self.misses += len(slots) - n_hit
-        if n_hit == len(slots):
-            host = np.array([self._where[s] for s in slots.tolist()], dtype=np.int64)
-            for s in slots.tolist():
-                self._where.move_to_end(s)
-            return self.pool.load(host)
-        k = torch.empty(len(slots), self.pool.page_size, self.pool.head_dim, dtype=self.pool.dtype)
-        v = torch.empty_like(k)
-        if n_hit:
+        self.misses += n - n_hit
+        if out is None:
+            k = torch.empty(n, self.page_size, self.head_dim, dtype=self.dtype)
+            out = (k, torch.empty_like(k))
+        w, t0 = self._window, time.perf_counter()
+        if n_hit == n:
+            self.k.gather(torch.from_numpy(pos), out=out[0], pair=(self.v, out[1]))
+        elif n_hit:
+            held = torch.from_numpy(pos[hit])
             rows = torch.from_numpy(np.flatnonzero(hit))
-            host = np.array([self._where[s] for s in slots[hit].tolist()], dtype=np.int64)
-            k[rows], v[rows] = self.pool.load(host)
-            for s in slots[hit].tolist():
-                self._where.move_to_end(s)
-        miss = slots[~hit]
-        mk, mv = self.disk.load(miss)
-        rows = torch.from_numpy(np.flatnonzero(~hit))
-        k[rows], v[rows] = mk, mv
-        self._insert(miss, mk, mv, recent=True)
-        return k, v
+            out[0][rows], out[1][rows] = self.k.gather(held), self.v.gather(held)
+        t1 = time.perf_counter()
+        if n_hit < n:
+            if n_hit:
+                rows = torch.from_numpy(np.flatnonzero(~hit))
+                out[0][rows], out[1][rows] = self.disk.load(slots[~hit])
+            else:
+                self.disk.load(slots, out=out)
+            w.demand_pages += n - n_hit
+            w.demand_seconds += time.perf_counter() - t1
+        w.hits += n_hit
+        w.hit_seconds += t1 - t0
+        return out
+
+    def offer(self, candidates: Callable[[], np.ndarray]) -> None:
+        """A step's chance to read ahead: the disk slots `candidates()` gives (best first), unless reading ahead
+        is paused because it did not pay (then `candidates` is not called)."""
+        if self.capacity == 0:
+            return
+        if self._paused:
+            self._paused -= 1
+            self.steps_paused += 1
+            if not self._paused:   # the next window judges reading ahead afresh
+                self._window = _Payoff()
+            return
+        t0 = time.perf_counter()
+        self.prefetch(candidates())
+        w = self._window
+        w.spent += time.perf_counter() - t0
+        w.steps += 1
+        if w.steps < self.WINDOW:
+            return
+        if w.demand_pages:
+            self._demand_cost = w.demand_seconds / w.demand_pages
+        if not self.adaptive or w.pays(self._demand_cost):
+            self._pause = self.PAUSE
+        else:
+            self._paused, self._pause = self._pause, min(2 * self._pause, self.MAX_PAUSE)
+        self._window = _Payoff()
 
     def prefetch(self, slots: np.ndarray) -> None:
-        """Start reading pages at disk `slots` that are neither cached nor on their way."""
-        todo = [s for s in dict.fromkeys(slots.tolist()) if s not in self._where and s not in self._pending]
-        # at most a quarter of the cache a step: pages read ahead replace the least recently used ones
-        todo = todo[:max(0, max(1, self.capacity // 4) - len(self._pending))]
-        if not todo:
+        """Start reading pages at disk `slots` (best first) that are neither held nor on their way."""
+        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+        first = np.unique(slots, return_index=True)[1]
+        slots = slots[np.sort(first)]
+        slots = slots[~np.isin(slots, self._at)]
+        self._collect(lambda read: False)
+        under_way = sum(len(r.slots) for r in self._reads)
+        n = min(len(slots), self.capacity // 2 - under_way)
+        if n <= 0:
             return
-        fut = self.disk.load_async(np.array(todo, dtype=np.int64))
-        fut.kvtier_slots = todo   # type: ignore[attr-defined]
-        for i, s in enumerate(todo):
-            self._pending[s] = (fut, i)
-        self.read_ahead += len(todo)
+        if self._head + n > self.capacity:   # runs do not wrap: the tail's pages stay until the next lap
+            self._head = 0
+        a, b = self._head, self._head + n
+        self._collect(lambda read: read.overlaps(a, b))   # a read into these positions lands first
+        for s in self._at[a:b].tolist():
+            if s >= 0:
+                self._where.pop(s, None)
+        self.k.ensure(self.capacity)
+        self.v.ensure(self.capacity)
+        self._at[a:b] = slots[:n]
+        future = self.disk.load_async(slots[:n], out=(self.k.slabs[0][a:b], self.v.slabs[0][a:b]))
+        self._reads.append(_Read(slots[:n], a, future))
+        self._head = b
+        self.read_ahead += n
 
     def forget(self, slots: np.ndarray) -> None:
-        """Drop cached copies of disk slots that are being freed (their next content is another page)."""
-        self._collect(set(slots.tolist()))   # no read may land after its slot was reused
-        drop = [self._where.pop(s) for s in slots.tolist() if s in self._where]
-        if drop:
-            self.pool.free(np.array(drop, dtype=np.int64))
+        """Drop the pages of disk slots that are being freed (their next content is another page)."""
+        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+        self._wait_for(slots)   # no read may land after its slot was reused
+        for s in slots.tolist():
+            p = self._where.pop(s, None)
+            if p is not None:
+                self._at[p] = -1
 
     def clear(self) -> None:
-        """Drop every cached page (reads under way are let finish and dropped too)."""
-        self.forget(np.array(list(self._where) + list(self._pending), dtype=np.int64))
+        """Drop every page (reads under way are let finish and dropped too)."""
+        self._collect(lambda read: True)
+        self._where.clear()
+        self._at[:] = -1
+        self._head = 0
 
     def pages(self) -> int:
         return len(self._where)
 
+    def page_bytes(self) -> int:
+        return 2 * self.page_size * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
     def nbytes(self) -> int:
-        return self.pool.nbytes()
+        """Bytes of the pages held."""
+        return self.pages() * self.page_bytes()
+
+    def reserved_bytes(self) -> int:
+        """Bytes of the ring (none before the first read ahead)."""
+        return self.k.nbytes() + self.v.nbytes()
 
     def close(self) -> None:
-        for fut, _ in list(self._pending.values()):
-            fut.cancel()
-            try:
-                fut.result()
-            except (Exception, CancelledError):  # the store is closing: nothing is left to read into
-                pass
-        self._pending.clear()
-        self._where.clear()
-        self.pool.close()
+        """Wait for the reads under way (they write into the ring), then let the ring go."""
+        self.clear()
+        self.k.close()
+        self.v.close()

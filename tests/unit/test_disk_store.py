@@ -167,6 +167,29 @@ def test_stale_or_misplaced_record_is_rejected(make):
         store.load(np.array([other]))
 
 
+def test_reads_across_gaps_duplicates_and_long_runs(make, monkeypatch):
+    """Pages a few records apart are read in one call (the records between read and dropped, whatever they
+    hold: a freed, damaged page here); a page asked twice comes twice; runs longer than a read's cap are cut;
+    every page still comes back as written, in the order asked."""
+    import kvtier.tiers.disk as disk_module
+
+    monkeypatch.setattr(disk_module, "_RUN_RECORDS", 4)
+    store = make(page_size=4, head_dim=8, dtype=torch.float32)
+    k, v = pages(30, store)
+    slots = store.store(k, v)
+    store.free(slots[[6]])
+    overwrite(store, int(slots[6]), b"\xff" * 64)
+    reads = []
+    transfer = disk_module._transfer
+    monkeypatch.setattr(disk_module, "_transfer", lambda *a: reads.append(a[3]) or transfer(*a))
+    ask = np.array([9, 5, 7, 5, 20, 0, 1, 2, 3, 4, 24, 29])
+    got = store.load(slots[ask])
+    assert same(got[0], k[ask]) and same(got[1], v[ask])
+    rs = store.record_size
+    # 0-3 (cap 4), 4-7 (5 twice, 6 freed and damaged: read, dropped), 9 (8 apart from 5: cap), 20-29 in pieces
+    assert sorted(reads) == [0, 4 * rs, 9 * rs, 20 * rs, 24 * rs, 29 * rs]
+
+
 def test_flipped_byte_truncated_file_and_free_slot(make):
     store = make()
     k, v = pages(3, store)

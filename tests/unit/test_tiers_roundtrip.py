@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -187,19 +188,73 @@ def test_recall_through_the_read_ahead_cache_is_bit_exact(make_engine, watch_fet
     assert engine.counters.pages_recalled["disk"] > 0
 
 
-def test_read_ahead_runs_once_its_cache_is_full(make_engine, watch_fetches):
-    """The read-ahead cache holds about one step's recall, which the first recall's own disk pages fill;
-    short-listed pages are still read ahead (replacing the least recently used), so reading ahead goes on
-    in a steady decode."""
+def test_read_ahead_goes_on_in_a_steady_decode(make_engine, watch_fetches, monkeypatch):
+    """The ring is small (about half a step's recall here); every step reads ahead short-listed disk pages
+    that were not taken, replacing the oldest, and never holds more than its capacity (its pay-off rule off:
+    the temporary folder's disk answers from memory)."""
+    from kvtier.tiers.readahead import DiskReadAhead
+
+    monkeypatch.setattr(DiskReadAhead, "adaptive", False)
     engine = make_engine(heads=2, head_dim=8, device_budget=32, host_budget=64, page_size=4, recall_pages=3)
     _decode_with_few_recall_pages(engine, watch_fetches)
-    assert engine.readahead.pages() == engine.readahead.capacity
-    assert engine.readahead.read_ahead > 0, "no short-listed disk page was ever read ahead"
+    ra = engine.readahead
+    assert ra.read_ahead > ra.capacity * 50, "reading ahead stopped once the ring was full"
+    assert 0 < ra.pages() <= ra.capacity and ra.hits > 0
 
 
-def test_read_ahead_cache_serves_verified_pages(tmp_path):
-    """The read-ahead cache on its own: pages read ahead are served from memory, bit-exact; demand reads
-    are kept too; the least recently used go first; forgotten slots are read again."""
+def _steps_with_read_ahead(ra, slots, steps, use):
+    """`steps` steps: each offers two new slots to read ahead, then loads one page read ahead (if `use`)
+    and one not; returns the steps whose candidates were asked for."""
+    asked = []
+    for t in range(steps):
+        ahead = slots[2 * t % len(slots):2 * t % len(slots) + 2]
+        ra.offer(lambda: (asked.append(t), ahead)[1])
+        wanted = [ahead[0]] if use else []
+        ra.load(np.array(wanted + [slots[(2 * t + 7) % len(slots)]]))
+    return asked
+
+
+def test_read_ahead_pauses_where_it_does_not_pay(tmp_path, monkeypatch):
+    """Reading ahead is judged every `WINDOW` steps: it goes on where the hits save more than it costs (a
+    slow disk), and pauses for `PAUSE` steps, then tries again, where nothing it read was used; each pause
+    after another loss is twice as long, up to `MAX_PAUSE`."""
+    from kvtier.tiers.disk import DiskStore
+    from kvtier.tiers.readahead import DiskReadAhead
+
+    monkeypatch.setattr(DiskReadAhead, "WINDOW", 4)
+    monkeypatch.setattr(DiskReadAhead, "PAUSE", 6)
+    monkeypatch.setattr(DiskReadAhead, "MAX_PAUSE", 12)
+    disk = DiskStore(str(tmp_path), 4, 8, torch.float32)
+    try:
+        k = torch.randn(40, 4, 8)
+        slots = disk.store(k, k)
+        slow = DiskReadAhead(disk, 8, 4, 8, torch.float32, pin=False)
+        load = disk.load
+
+        def slow_load(*args, **kwargs):   # a cold disk: each read on demand waits for the device
+            time.sleep(0.02)
+            return load(*args, **kwargs)
+
+        monkeypatch.setattr(disk, "load", slow_load)
+        assert len(_steps_with_read_ahead(slow, slots, 12, use=True)) == 12
+        assert slow.steps_paused == 0 and slow.hits == 12
+        slow.close()
+        monkeypatch.setattr(disk, "load", load)
+        idle = DiskReadAhead(disk, 8, 4, 8, torch.float32, pin=False)
+        asked = _steps_with_read_ahead(idle, slots, 16, use=False)
+        # steps 0-3 judged (no hit: a loss), 4-9 paused, 10-13 judged again, then paused twice as long
+        assert asked == [0, 1, 2, 3, 10, 11, 12, 13] and idle.steps_paused == 8
+        assert _steps_with_read_ahead(idle, slots, 16, use=False) == [10, 11, 12, 13]
+        idle.close()
+    finally:
+        disk.close()
+
+
+def test_read_ahead_ring_serves_verified_pages(tmp_path):
+    """The ring on its own: pages read ahead are served from memory, bit-exact, in the order asked and into
+    the rows given; at most half the ring is read a call; demand reads are not kept; newer reads replace the
+    oldest; forgotten slots are read again; a page that fails its check is an error, not a wrong page."""
+    from kvtier.errors import CorruptPageError
     from kvtier.tiers.disk import DiskStore
     from kvtier.tiers.readahead import DiskReadAhead
 
@@ -209,25 +264,40 @@ def test_read_ahead_cache_serves_verified_pages(tmp_path):
         k, v = torch.randn(20, 4, 8, generator=g), torch.randn(20, 4, 8, generator=g)
         slots = disk.store(k, v)
         ra = DiskReadAhead(disk, 8, 4, 8, torch.float32, pin=False)
-        ra.prefetch(slots[[3, 5, 7, 9, 11]])
-        assert ra.read_ahead == 2          # at most a quarter of the capacity is read ahead a step
-        got = ra.load(slots[[5, 3]])
-        assert torch.equal(got[0], k[[5, 3]]) and torch.equal(got[1], v[[5, 3]])
-        assert ra.hits == 2 and ra.misses == 0
-        got = ra.load(slots[[0, 1, 7, 2]])
-        assert torch.equal(got[0], k[[0, 1, 7, 2]]) and torch.equal(got[1], v[[0, 1, 7, 2]])
-        assert ra.hits == 2 and ra.misses == 4 and ra.pages() == 6
-        ra.load(slots[[12, 13, 14]])       # over capacity: the least recently used (5) goes
-        assert ra.pages() == 8
+        ra.prefetch(slots[[3, 5, 3, 7, 9, 11, 13]])
+        assert ra.read_ahead == 4          # at most half the ring a call, each page once, best first
+        ra.prefetch(slots[[3, 5]])         # held or on their way: nothing to read
+        assert ra.read_ahead == 4
+        out = torch.full((2, 4, 8), float("nan")), torch.full((2, 4, 8), float("nan"))
+        got = ra.load(slots[[9, 3]], out=out)
+        assert got[0] is out[0] and torch.equal(out[0], k[[9, 3]]) and torch.equal(out[1], v[[9, 3]])
+        assert (ra.hits, ra.misses, ra.pages()) == (2, 0, 4)
+        got = ra.load(slots[[0, 5, 1]])    # a mix: 5 from the ring, 0 and 1 from the disk, not kept
+        assert torch.equal(got[0], k[[0, 5, 1]]) and torch.equal(got[1], v[[0, 5, 1]])
+        assert (ra.hits, ra.misses, ra.pages()) == (3, 2, 4)
+        ra.prefetch(slots[[0, 1, 2, 4]])
+        ra.load(slots[[2]])                # waits for that read
+        ra.prefetch(slots[[6, 8, 10, 12]])   # the ring is full: these replace the oldest (3, 5, 7, 9)
+        ra.load(slots[[6]])
+        assert ra.pages() == 8 and ra.read_ahead == 12
         hits, misses = ra.hits, ra.misses
-        ra.load(slots[[3, 7, 0]])
-        assert (ra.hits, ra.misses) == (hits + 3, misses)
-        got = ra.load(slots[[5]])
-        assert (ra.hits, ra.misses) == (hits + 3, misses + 1) and torch.equal(got[0], k[[5]])
+        got = ra.load(slots[[12, 3, 0]])
+        assert (ra.hits, ra.misses) == (hits + 2, misses + 1)
+        assert torch.equal(got[0], k[[12, 3, 0]]) and torch.equal(got[1], v[[12, 3, 0]])
         ra.forget(slots[[12]])
         assert ra.pages() == 7
-        got = ra.load(slots[[12, 14]])
-        assert torch.equal(got[0], k[[12, 14]]) and torch.equal(got[1], v[[12, 14]])
+        got = ra.load(slots[[12, 10]])
+        assert (ra.hits, ra.misses) == (hits + 3, misses + 2) and torch.equal(got[0], k[[12, 10]])
+        # a record changed on disk after it was written: neither the read ahead nor the demand read serve it
+        rs = disk.record_size
+        with open(disk.path, "r+b") as f:
+            f.seek(int(slots[15]) * rs + 5)
+            f.write(b"\xff\xff")
+        ra.prefetch(slots[[15]])
+        with pytest.raises(CorruptPageError, match="checksum"):
+            ra.load(slots[[15]])
+        assert int(slots[15]) not in ra._where
         ra.close()
+        assert ra.reserved_bytes() == 0 and ra.pages() == 0
     finally:
         disk.close()
