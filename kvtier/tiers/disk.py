@@ -15,6 +15,7 @@ import heapq
 import os
 import struct
 import threading
+import time
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
@@ -29,6 +30,7 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _SEED = struct.Struct("<QI")
 _MIN_TASK_BYTES = 1 << 20  # I/O is split across threads in pieces of at least this much
 _RUN_RECORDS = 256  # records read at most by one call (into a scratch buffer of that many)
+_SCRATCH_RECORDS = 1024  # records read into one scratch buffer before they are checked and copied out
 _READ_GAP = 3  # pages to read are read in one call when at most this many records apart (dropping those between)
 _FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 _FLAGS = (os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
@@ -62,6 +64,18 @@ def _transfer(op, fd: int, bufs: list, offset: int) -> int:
 
 
 _META = np.dtype([("crc", np.uint32), ("gen", np.uint32), ("used", np.bool_)])   # what the store keeps of a slot
+
+
+def _batches(runs: list, s: np.ndarray, records: int) -> list:
+    """`runs` ``(lo, hi)`` of sorted slots `s` in consecutive batches spanning about `records` records each."""
+    out, batch, size = [], [], 0
+    for lo, hi in runs:
+        batch.append((lo, hi))
+        size += int(s[hi - 1] - s[lo]) + 1
+        if size >= records:
+            out.append(batch)
+            batch, size = [], 0
+    return out + [batch] if batch else out
 
 
 class _SlotMeta:
@@ -169,15 +183,13 @@ class DiskStore:
         for a in range(0, n, step):
             b = min(a + step, n)
             part = s[a:b]
-            apart = np.diff(part) > 1 + gap if gap else np.diff(part) != 1
-            cut = np.flatnonzero(apart) + 1
-            runs = []
-            for lo, hi in zip([0, *cut.tolist()], [*cut.tolist(), b - a]):
-                # a run whose span passes `cap` records is cut where it does
-                pieces = (part[lo:hi] - part[lo]) // cap
-                inner = (np.flatnonzero(np.diff(pieces)) + lo + 1).tolist()
-                runs += [(x + a, y + a) for x, y in zip([lo, *inner], [*inner, hi])]
-            tasks.append(runs)
+            d = np.diff(part)
+            apart = d > 1 + gap if gap else d != 1
+            # and a run whose span passes `cap` records is cut where it does
+            first = np.r_[0, np.flatnonzero(apart) + 1]
+            piece = (part - part[first][np.r_[0, np.cumsum(apart)]]) // cap
+            edges = [0, *(np.flatnonzero(apart | (np.diff(piece) != 0)) + 1).tolist(), b - a]
+            tasks.append([(x + a, y + a) for x, y in zip(edges, edges[1:])])
         return order, s, tasks
 
     def _run(self, fn, tasks: list) -> None:
@@ -283,27 +295,33 @@ class DiskStore:
         at, want, gen = slots.tolist(), crcs.tolist(), gens.tolist()
 
         def read(runs: list) -> None:
-            # a run is one read into scratch (records whole, padding and gaps and all), checked, then copied
-            # out; a bad run leaves its pages in `kv` as they were
-            scratch = np.empty((max(int(s[b - 1] - s[a]) + 1 for a, b in runs), rs), np.uint8)
-            for a, b in runs:
-                idx, first, last = order[a:b], int(s[a]), int(s[b - 1])
-                buf, rows = scratch[:last - first + 1], s[a:b] - first
-                try:
-                    done = _transfer(os.preadv, fd, [buf], first * rs)
-                except OSError as e:
-                    raise CorruptPageError(f"could not read slots {first}..{last} of {self.path}: "
-                                           f"{_oserr(e)}") from e
-                if done != len(buf) * rs:
-                    raise CorruptPageError(f"page missing or truncated in {self.path} at slot "
-                                           f"{first + done // rs} (the file ends at byte {first * rs + done})")
-                for j, r in zip(rows.tolist(), idx.tolist()):
-                    got = zlib.crc32(buf[j, :pay], _seed(at[r], gen[r]))
+            # each run is one read into scratch (records whole, padding and gaps and all); a batch of runs is
+            # checked, then copied out at once, so a bad page leaves its batch's pages in `kv` as they were
+            for batch in _batches(runs, s, _SCRATCH_RECORDS):
+                lo, hi = batch[0][0], batch[-1][1]
+                firsts = [int(s[x]) for x, _ in batch]
+                spans = [int(s[y - 1]) - f + 1 for (_, y), f in zip(batch, firsts)]
+                scratch = np.empty((sum(spans), rs), np.uint8)
+                row, base = np.empty(hi - lo, np.int64), 0
+                for (x, y), first, span in zip(batch, firsts, spans):
+                    try:
+                        done = _transfer(os.preadv, fd, [scratch[base:base + span]], first * rs)
+                    except OSError as e:
+                        raise CorruptPageError(f"could not read slots {first}..{first + span - 1} of {self.path}: "
+                                               f"{_oserr(e)}") from e
+                    if done != span * rs:
+                        raise CorruptPageError(f"page missing or truncated in {self.path} at slot "
+                                               f"{first + done // rs} (the file ends at byte {first * rs + done})")
+                    row[x - lo:y - lo] = s[x:y] + (base - first)
+                    base += span
+                idx = order[lo:hi]
+                for j, r in zip(row.tolist(), idx.tolist()):
+                    got = zlib.crc32(scratch[j, :pay], _seed(at[r], gen[r]))
                     if got != want[r]:
                         raise CorruptPageError(f"checksum mismatch in {self.path} at slot {at[r]}: "
                                                f"expected {want[r]:#010x}, read {got:#010x}")
-                kn[idx] = buf[rows, :kb]
-                vn[idx] = buf[rows, kb:pay]
+                kn[idx] = scratch[row, :kb]
+                vn[idx] = scratch[row, kb:pay]
 
         def finish() -> tuple[torch.Tensor, torch.Tensor]:
             return (out[0].copy_(kv[0]), out[1].copy_(kv[1])) if out is not None and not direct else (kv[0], kv[1])
@@ -323,18 +341,24 @@ class DiskStore:
         self._run(read, tasks)
         return finish()
 
-    def load_async(self, slots: np.ndarray, out: tuple[torch.Tensor, torch.Tensor] | None = None) -> Future:
+    def load_async(self, slots: np.ndarray, out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   cpu: list | None = None) -> Future:
         """`load` on one I/O thread, checks and planning included (the caller's thread only queues it), for
         reading ahead: a future of ``(k, v)`` or of the error. `out` must not be read or written until the
-        future is done."""
+        future is done. The thread's CPU seconds for the read join `cpu`, where given."""
         slots = np.array(slots, dtype=np.int64).reshape(-1)   # a copy: the caller may reuse its array
         self._check_open()
 
         def load() -> tuple[torch.Tensor, torch.Tensor]:
-            tasks, read, finish = self._start_read(slots, out)
-            for task in tasks:   # in this thread: a task waiting for others on the same threads could starve
-                read(task)
-            return finish()
+            t0 = time.thread_time()
+            try:
+                tasks, read, finish = self._start_read(slots, out)
+                for task in tasks:   # in this thread: a task waiting for others on the same threads could starve
+                    read(task)
+                return finish()
+            finally:
+                if cpu is not None:
+                    cpu.append(time.thread_time() - t0)
 
         return self._executor().submit(load)
 

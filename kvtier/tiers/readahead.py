@@ -7,11 +7,13 @@ finished and been verified; newer reads take the place of the oldest pages. Page
 kept here: the recall buffer already holds what a step took, and a page cached on demand would push out a
 page read ahead before its use.
 
-Reading ahead costs the decoding thread a little every step (choosing the pages, queueing the reads) and pays
-only where a read on demand is slow. Where the disk answers from the operating system's page cache, a demand
-read costs about what a hit does, and reading ahead is a loss. So the ring measures both sides over a window
-of steps (the time spent reading ahead; the hits times what a demand read of a page costs more than a hit)
-and pauses reading ahead for a while when it did not pay, then tries again.
+Reading ahead costs the decoding thread a little every step (choosing the pages, queueing the reads), and the
+reads' own work on the I/O threads competes with the model's for the CPU and the interpreter; it pays only
+where a read on demand is slow. Where the disk answers from the operating system's page cache, a demand read
+costs about what a hit does, and reading ahead is a loss. So the ring measures both sides over a window of
+steps (the decoding thread's time spent on it and the I/O threads' CPU time for its reads; the hits times what
+a demand read of a page costs more than a hit) and pauses reading ahead for a while when it did not pay, then
+tries again.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -29,10 +31,12 @@ from .slabs import SlabRows
 
 @dataclass
 class _Read:
-    """A read ahead under way: disk `slots` into ring positions ``first .. first + len(slots)``."""
+    """A read ahead under way: disk `slots` into ring positions ``first .. first + len(slots)``; `cpu` gets the
+    I/O thread's CPU seconds for it."""
     slots: np.ndarray
     first: int
     future: Future
+    cpu: list = field(default_factory=list)
 
     def overlaps(self, a: int, b: int) -> bool:
         return self.first < b and a < self.first + len(self.slots)
@@ -42,7 +46,7 @@ class _Read:
 class _Payoff:
     """What reading ahead cost and saved over the current window of steps."""
     steps: int = 0
-    spent: float = 0.0          # seconds the decoding thread spent choosing and queueing reads ahead
+    spent: float = 0.0          # seconds spent choosing, queueing (decoding thread) and reading (I/O thread)
     hits: int = 0
     hit_seconds: float = 0.0    # serving those hits from the ring
     demand_pages: int = 0
@@ -92,6 +96,7 @@ class DiskReadAhead:
             b = read.first + len(read.slots)
             try:
                 read.future.result()
+                self._window.spent += sum(read.cpu)   # the I/O thread's work competes with the model's
             except (Exception, CancelledError):   # a failed read ahead is retried by the demand read, which raises
                 self._at[read.first:b] = -1
                 continue
@@ -186,8 +191,9 @@ class DiskReadAhead:
         self.k.ensure(self.capacity)
         self.v.ensure(self.capacity)
         self._at[a:b] = slots[:n]
-        future = self.disk.load_async(slots[:n], out=(self.k.slabs[0][a:b], self.v.slabs[0][a:b]))
-        self._reads.append(_Read(slots[:n], a, future))
+        read = _Read(slots[:n], a, None)
+        read.future = self.disk.load_async(slots[:n], out=(self.k.slabs[0][a:b], self.v.slabs[0][a:b]), cpu=read.cpu)
+        self._reads.append(read)
         self._head = b
         self.read_ahead += n
 

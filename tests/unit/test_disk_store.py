@@ -13,6 +13,8 @@ import threading
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvtier.errors import CapacityError, CorruptPageError
 from kvtier.tiers.disk import DiskStore
@@ -188,6 +190,26 @@ def test_reads_across_gaps_duplicates_and_long_runs(make, monkeypatch):
     rs = store.record_size
     # 0-3 (cap 4), 4-7 (5 twice, 6 freed and damaged: read, dropped), 9 (8 apart from 5: cap), 20-29 in pieces
     assert sorted(reads) == [0, 4 * rs, 9 * rs, 20 * rs, 24 * rs, 29 * rs]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 60), min_size=1, max_size=80), st.integers(1, 9), st.integers(0, 4),
+       st.integers(1, 4))
+def test_read_plan_covers_every_page_in_bounded_runs(tmp_path_factory, slots, cap, gap, threads):
+    """`_plan`'s runs, over all tasks, are the sorted positions in order, each once; within a run the slots
+    rise by 1 (writes) or by at most ``1 + gap`` (reads), and span fewer than `cap` records."""
+    store = DiskStore(str(tmp_path_factory.mktemp("plan")), 4, 8, torch.float32, io_threads=threads)
+    try:
+        order, s, tasks = store._plan(np.array(slots, dtype=np.int64), cap, gap)
+        assert s.tolist() == sorted(slots) and sorted(order.tolist()) == list(range(len(slots)))
+        runs = [r for task in tasks for r in task]
+        assert [x for lo, hi in runs for x in range(lo, hi)] == list(range(len(slots)))
+        for lo, hi in runs:
+            d = np.diff(s[lo:hi])
+            assert ((d >= 0) & (d <= 1 + gap)).all() if gap else (d == 1).all()
+            assert s[hi - 1] - s[lo] < cap
+    finally:
+        store.close()
 
 
 def test_flipped_byte_truncated_file_and_free_slot(make):
