@@ -30,9 +30,11 @@ class DecodeResult:
 
 @torch.no_grad()
 def time_decode(model: Any, input_ids: torch.Tensor, cache: Any, new_tokens: int, warmup: int = 0,
-                before_timing: Callable[[], None] | None = None) -> tuple[float, torch.Tensor]:
+                before_timing: Callable[[], None] | None = None,
+                before_step: Callable[[], None] | None = None) -> tuple[float, torch.Tensor]:
     """Prefill `input_ids` into `cache`, then time `new_tokens` greedy decode steps (after `warmup` untimed
-    ones, then `before_timing`); returns the seconds and the timed steps' tokens."""
+    ones, then `before_timing`; `before_step` runs before each timed step, outside the timing); returns the
+    seconds and the timed steps' tokens."""
     logits = model(input_ids, **cache_kwargs(cache)).logits[:, -1]
     for _ in range(warmup):
         logits = model(logits.argmax(-1, keepdim=True), **cache_kwargs(cache)).logits[:, -1]
@@ -41,23 +43,40 @@ def time_decode(model: Any, input_ids: torch.Tensor, cache: Any, new_tokens: int
     out = []
     sync = torch.cuda.synchronize if input_ids.is_cuda else (lambda: None)
     sync()
-    start = time.perf_counter()
+    seconds, start = 0.0, time.perf_counter()
     for _ in range(new_tokens):
+        if before_step is not None:   # outside the timing
+            sync()
+            seconds += time.perf_counter() - start
+            before_step()
+            sync()
+            start = time.perf_counter()
         nxt = logits.argmax(-1, keepdim=True)
         out.append(nxt)
         logits = model(nxt, **cache_kwargs(cache)).logits[:, -1]
     sync()
-    return time.perf_counter() - start, torch.cat(out, dim=1)
+    return seconds + time.perf_counter() - start, torch.cat(out, dim=1)
+
+
+def drop_cached_disk(cache: Any) -> None:
+    """A cold disk for the next step: the cache's page file (if it has one) dropped from the page cache."""
+    shared = getattr(cache, "_shared", None)
+    store = None if shared is None else shared.disk_store
+    if store is not None:
+        store.drop_cached()
 
 
 def compare_decode(model: Any, input_ids: torch.Tensor, caches: dict[str, Callable[[], Any]], new_tokens: int,
-                   rounds: int = 3, progress: Callable[[str], None] | None = None) -> list[DecodeResult]:
-    """Time each cache factory `rounds` times, interleaved; returns one result per cache."""
+                   rounds: int = 3, progress: Callable[[str], None] | None = None,
+                   before_step: Callable[[Any], None] | None = None) -> list[DecodeResult]:
+    """Time each cache factory `rounds` times, interleaved; returns one result per cache. `before_step(cache)`
+    runs before each timed step, outside the timing (every cache gets it, so the steps compare alike)."""
     results = {name: DecodeResult(name, [], new_tokens, None) for name in caches}
     for r in range(rounds):
         for name, factory in caches.items():
             cache = factory()
-            seconds, _ = time_decode(model, input_ids, cache, new_tokens)
+            step = None if before_step is None else (lambda c=cache: before_step(c))
+            seconds, _ = time_decode(model, input_ids, cache, new_tokens, before_step=step)
             results[name].seconds.append(seconds)
             if hasattr(cache, "stats"):
                 results[name].stats = cache.stats()

@@ -9,7 +9,7 @@ from typing import Callable
 import click
 import torch
 
-from .common import (THREADS, check_cache_options, check_device, check_model, check_scorer, load,
+from .common import (THREADS, bad_option, check_cache_options, check_device, check_model, check_scorer, load,
                      parse_budget, parse_demote_pages, set_threads, tiered_row_name, user_errors)
 
 
@@ -67,7 +67,7 @@ def _needle_bench_options(*own: Callable) -> Callable[[Callable], Callable]:
 
 def _needle_budget(context: str, device_budget: str, recall_pages: int) -> tuple[int, float | int]:
     """The prompt's tokens and the device budget, checked (a needle bench needs a device tier)."""
-    from .common import bad_option, parse_context
+    from .common import parse_context
 
     tokens = parse_context(context, "--context", 256)
     budget = parse_budget(device_budget, "--device-budget")
@@ -94,19 +94,25 @@ def _needle_budget(context: str, device_budget: str, recall_pages: int) -> tuple
 @click.option("--device", default="cpu", show_default=True, help="Where the model runs (cpu, cuda).")
 @click.option("--threads", default=1, show_default=True, type=THREADS, help="torch CPU threads.")
 @_DEMOTE_PAGES
+@click.option("--cold-disk", is_flag=True,
+              help="Before each timed step, drop the disk tier's file from the page cache (Linux), so that disk "
+                   "pages are read from the device, not from memory; outside the timing.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @user_errors
 def decode(context: int, new_tokens: int, rounds: int, device_budget: str, host_budget: str, recall_pages: int,
-           scorer: str, model: str | None, device: str, threads: int, demote_pages: str, as_json: bool) -> None:
+           scorer: str, model: str | None, device: str, threads: int, demote_pages: str, cold_disk: bool,
+           as_json: bool) -> None:
     """Decode tokens/s of TieredCache vs DynamicCache after the same long prompt."""
     budget, host = parse_budget(device_budget, "--device-budget"), parse_budget(host_budget, "--host-budget")
     check_cache_options(budget, host, None, recall_pages)
     demotes = parse_demote_pages(demote_pages)
+    if cold_disk and host is None:
+        raise bad_option("--host-budget", host_budget, "a budget that sends pages to disk", "with --cold-disk")
     lm, tok = _checked_and_loaded(scorer, device, model, threads, as_json)
 
     from transformers import DynamicCache
 
-    from ..bench.decode import compare_decode
+    from ..bench.decode import compare_decode, drop_cached_disk
     from ..integrations.hf import TieredCache
     from ..tasks.needle import NOISE
 
@@ -118,16 +124,19 @@ def decode(context: int, new_tokens: int, rounds: int, device_budget: str, host_
             lambda d=d: TieredCache(lm.config, device_budget=budget, host_budget=host, demote_pages=d,
                                     scorer=None if scorer == "auto" else scorer, recall_pages=recall_pages))
     echo = (lambda s: None) if as_json else click.echo
-    results = compare_decode(lm, ids, caches, new_tokens, rounds, progress=echo)
+    results = compare_decode(lm, ids, caches, new_tokens, rounds, progress=echo,
+                             before_step=drop_cached_disk if cold_disk else None)
     base = results[0].tokens_per_second
     out = {
         "machine": _machine(device),
         "context": context, "new_tokens": new_tokens, "rounds": rounds,
-        "settings": {"device_budget": budget, "host_budget": host, "recall_pages": recall_pages, "scorer": scorer},
+        "settings": {"device_budget": budget, "host_budget": host, "recall_pages": recall_pages, "scorer": scorer,
+                     "cold_disk": cold_disk},
         "results": [{"cache": r.name, "tokens_per_second": round(r.tokens_per_second, 2),
                      "ratio": round(r.tokens_per_second / base, 3),
                      "seconds": [round(s, 3) for s in r.seconds],
-                     **({"demotions": r.stats["demotions"]} if r.stats else {})} for r in results],
+                     **({"demotions": r.stats["demotions"], "read_ahead": r.stats["read_ahead"]} if r.stats else {})}
+                    for r in results],
     }
     if as_json:
         click.echo(json.dumps(out, indent=2))

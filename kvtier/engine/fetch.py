@@ -267,7 +267,7 @@ class PageFetching:
         """Disk pages at `slots` into `out` (through the read-ahead ring, where there is one)."""
         t0 = time.perf_counter()
         try:
-            (self.readahead or self.disk).load(slots, out=out)
+            (self.disk if self.readahead is None else self.readahead).load(slots, out=out)
         finally:
             self.counters.disk_wait_seconds += time.perf_counter() - t0
 

@@ -362,6 +362,20 @@ class DiskStore:
 
         return self._executor().submit(load)
 
+    def drop_cached(self) -> None:
+        """Write the file back and drop its pages from the operating system's page cache, so that the next
+        reads come from the device (for measuring a cold disk; the data stays). Raises `CapacityError` where
+        the system cannot drop them."""
+        fd = self._check_open()
+        if not hasattr(os, "posix_fadvise"):
+            raise CapacityError("dropping the page file from the page cache needs posix_fadvise (Linux); "
+                                "not available here")
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError as e:
+            raise CapacityError(f"could not drop {self.path} from the page cache: {_oserr(e)}") from e
+
     def pages(self) -> int:
         """Slots in use."""
         return self._count

@@ -106,6 +106,23 @@ def test_bench_json():
     assert data["machine"]["threads"] == 1
 
 
+def test_bench_decode_cold_disk(monkeypatch):
+    """`--cold-disk` drops the page file from the page cache before every timed step of the kvtier rows (the
+    data stays: the rows still decode), and says so in the JSON with the read-ahead counters."""
+    from kvtier.tiers.disk import DiskStore
+
+    drops = []
+    drop = DiskStore.drop_cached
+    monkeypatch.setattr(DiskStore, "drop_cached", lambda self: drops.append(self.path) or drop(self))
+    result = run("bench", "decode", "--context", "1500", "--new-tokens", "6", "--rounds", "1", "--device-budget",
+                 "0.25", "--host-budget", "0.25", "--scorer", "keynorm", "--cold-disk", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output[result.output.index("{"):])
+    assert data["settings"]["cold_disk"] is True and len(drops) == 6
+    tiered = data["results"][1]
+    assert {"hits", "misses", "steps_paused"} <= set(tiered["read_ahead"])
+
+
 def test_bench_decode_rows_per_demote_pages():
     """One TieredCache row per demote_pages setting, each with its demotions; a bad setting is refused by name."""
     result = run("bench", "decode", "--context", "2000", "--new-tokens", "40", "--rounds", "1", "--device-budget",

@@ -215,6 +215,7 @@ def test_checks_create_no_folders(tmp_path, monkeypatch):
     (["--device-budget", "abc"], ["--device-budget", "'abc'"]),
     (["--host-budget", "2.5"], ["host_budget=2.5"]),
     (["--scorer", "nope"], ["--scorer", "'nope'", "keynorm"]),
+    (["--cold-disk"], ["--host-budget", "with --cold-disk", "sends pages to disk"]),
 ])
 def test_bench_decode_bad_options(args, words):
     assert_one_line(run("bench", "decode", *args), 2, *words)
