@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 from typing import Callable
 
@@ -108,6 +109,8 @@ def decode(context: int, new_tokens: int, rounds: int, device_budget: str, host_
     demotes = parse_demote_pages(demote_pages)
     if cold_disk and host is None:
         raise bad_option("--host-budget", host_budget, "a budget that sends pages to disk", "with --cold-disk")
+    if cold_disk and not hasattr(os, "posix_fadvise"):
+        raise bad_option("--cold-disk", "set", "a system with posix_fadvise (Linux)", "cannot drop the page cache here")
     lm, tok = _checked_and_loaded(scorer, device, model, threads, as_json)
 
     from transformers import DynamicCache

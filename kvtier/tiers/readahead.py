@@ -47,6 +47,7 @@ class _Payoff:
     """What reading ahead cost and saved over the current window of steps."""
     steps: int = 0
     spent: float = 0.0          # seconds spent choosing, queueing (decoding thread) and reading (I/O thread)
+    read: int = 0               # pages read ahead
     hits: int = 0
     hit_seconds: float = 0.0    # serving those hits from the ring
     demand_pages: int = 0
@@ -62,8 +63,8 @@ class _Payoff:
 class DiskReadAhead:
     """Up to `capacity` disk pages (of one layer) read ahead into host memory; the oldest are replaced first.
 
-    At most half of the ring is read ahead a step, so a page read ahead stays at least until the step after
-    next. The ring is allocated at the first read ahead (pinned where `pin`) and released by `close`. Each
+    At most half of the ring is read ahead a step, so a page read ahead usually stays until the step after next
+    (sooner where a read does not fit before the ring's end and starts again at its beginning). The ring is allocated at the first read ahead (pinned where `pin`) and released by `close`. Each
     `offer` is a step: every `WINDOW` steps reading ahead is judged (`_Payoff`), and where it did not pay
     (`adaptive`) paused for `PAUSE` steps, twice as long each time it fails again (up to `MAX_PAUSE`).
     """
@@ -83,7 +84,8 @@ class DiskReadAhead:
         self._head = 0                                       # the next position a read ahead fills
         self.hits = self.misses = self.read_ahead = 0
         self.steps_paused = 0                                # steps whose reading ahead was skipped
-        self._window, self._paused, self._demand_cost = _Payoff(), 0, 0.0
+        self._window, self._paused = _Payoff(), 0
+        self._demand_cost: float | None = None               # seconds a page read on demand takes
         self._pause = self.PAUSE                             # the next pause, in steps
 
     def _collect(self, wait: Callable[[_Read], bool]) -> None:
@@ -152,7 +154,9 @@ class DiskReadAhead:
         if self._paused:
             self._paused -= 1
             self.steps_paused += 1
-            if not self._paused:   # the next window judges reading ahead afresh
+            if not self._paused:
+                # the pause's demand reads tell what a page costs without reading ahead; the next window judges
+                self._note_demand_cost()
                 self._window = _Payoff()
             return
         t0 = time.perf_counter()
@@ -162,13 +166,19 @@ class DiskReadAhead:
         w.steps += 1
         if w.steps < self.WINDOW:
             return
-        if w.demand_pages:
-            self._demand_cost = w.demand_seconds / w.demand_pages
-        if not self.adaptive or w.pays(self._demand_cost):
+        self._note_demand_cost()
+        if not w.read and not w.hits or self._demand_cost is None:
+            pass   # nothing to judge: nothing was on disk to read ahead, or no demand read was timed yet
+        elif not self.adaptive or w.pays(self._demand_cost):
             self._pause = self.PAUSE
         else:
             self._paused, self._pause = self._pause, min(2 * self._pause, self.MAX_PAUSE)
         self._window = _Payoff()
+
+    def _note_demand_cost(self) -> None:
+        w = self._window
+        if w.demand_pages:
+            self._demand_cost = w.demand_seconds / w.demand_pages
 
     def prefetch(self, slots: np.ndarray) -> None:
         """Start reading pages at disk `slots` (best first) that are neither held nor on their way."""
@@ -185,17 +195,23 @@ class DiskReadAhead:
             self._head = 0
         a, b = self._head, self._head + n
         self._collect(lambda read: read.overlaps(a, b))   # a read into these positions lands first
-        for s in self._at[a:b].tolist():
-            if s >= 0:
-                self._where.pop(s, None)
         self.k.ensure(self.capacity)
         self.v.ensure(self.capacity)
-        self._at[a:b] = slots[:n]
+        for s in self._at[a:b].tolist():   # their pages give way
+            if s >= 0:
+                self._where.pop(s, None)
+        self._at[a:b] = -1
         read = _Read(slots[:n], a, None)
         read.future = self.disk.load_async(slots[:n], out=(self.k.slabs[0][a:b], self.v.slabs[0][a:b]), cpu=read.cpu)
+        self._at[a:b] = slots[:n]   # once the read is queued (a failure to queue it leaves these positions free)
         self._reads.append(read)
         self._head = b
         self.read_ahead += n
+        self._window.read += n
+
+    def settle(self) -> None:
+        """Wait for the reads under way (a benchmark's step boundary: their time is the step's)."""
+        self._collect(lambda read: True)
 
     def forget(self, slots: np.ndarray) -> None:
         """Drop the pages of disk slots that are being freed (their next content is another page)."""

@@ -250,6 +250,39 @@ def test_read_ahead_pauses_where_it_does_not_pay(tmp_path, monkeypatch):
         disk.close()
 
 
+def test_read_ahead_is_not_judged_without_evidence(tmp_path, monkeypatch):
+    """A window with nothing on disk to read ahead, or before any demand read was timed, is no loss: reading
+    ahead goes on (a perfect read ahead, every page a hit, is never paused); a read that cannot be queued leaves
+    its ring positions free for later ones."""
+    from kvtier.tiers.disk import DiskStore
+    from kvtier.tiers.readahead import DiskReadAhead
+
+    monkeypatch.setattr(DiskReadAhead, "WINDOW", 4)
+    disk = DiskStore(str(tmp_path), 4, 8, torch.float32)
+    try:
+        k = torch.randn(40, 4, 8)
+        slots = disk.store(k, k)
+        ra = DiskReadAhead(disk, 8, 4, 8, torch.float32, pin=False)
+        for _ in range(20):
+            ra.offer(lambda: np.empty(0, np.int64))
+        assert ra.steps_paused == 0 and ra.read_ahead == 0
+        for t in range(20):   # every page wanted was read ahead: no demand read to price a hit against
+            ahead = slots[2 * t:2 * t + 2]
+            ra.offer(lambda: ahead)
+            ra.load(ahead)
+        assert ra.steps_paused == 0 and ra.misses == 0 and ra.hits == 40
+        monkeypatch.setattr(disk, "load_async", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("no I/O")))
+        with pytest.raises(RuntimeError, match="no I/O"):
+            ra.prefetch(slots[[0, 1]])
+        monkeypatch.undo()
+        ra.prefetch(slots[[0, 1]])   # not taken for pages on their way
+        got = ra.load(slots[[0, 1]])
+        assert ra.hits == 42 and torch.equal(got[0], k[[0, 1]])
+        ra.close()
+    finally:
+        disk.close()
+
+
 def test_read_ahead_ring_serves_verified_pages(tmp_path):
     """The ring on its own: pages read ahead are served from memory, bit-exact, in the order asked and into
     the rows given; at most half the ring is read a call; demand reads are not kept; newer reads replace the
