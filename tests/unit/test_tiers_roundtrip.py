@@ -214,73 +214,72 @@ def _steps_with_read_ahead(ra, slots, steps, use):
     return asked
 
 
-def test_read_ahead_pauses_where_it_does_not_pay(tmp_path, monkeypatch):
+@pytest.fixture
+def pages_on_disk(tmp_path):
+    """A disk store of ``[4, 8]`` float32 pages holding 40 random ones (values = keys): ``(disk, k, slots)``."""
+    from kvtier.tiers.disk import DiskStore
+
+    disk = DiskStore(str(tmp_path), 4, 8, torch.float32)
+    k = torch.randn(40, 4, 8)
+    yield disk, k, disk.store(k, k)
+    disk.close()
+
+
+def test_read_ahead_pauses_where_it_does_not_pay(pages_on_disk, monkeypatch):
     """Reading ahead is judged every `WINDOW` steps: it goes on where the hits save more than it costs (a
     slow disk), and pauses for `PAUSE` steps, then tries again, where nothing it read was used; each pause
     after another loss is twice as long, up to `MAX_PAUSE`."""
-    from kvtier.tiers.disk import DiskStore
     from kvtier.tiers.readahead import DiskReadAhead
 
     monkeypatch.setattr(DiskReadAhead, "WINDOW", 4)
     monkeypatch.setattr(DiskReadAhead, "PAUSE", 6)
     monkeypatch.setattr(DiskReadAhead, "MAX_PAUSE", 12)
-    disk = DiskStore(str(tmp_path), 4, 8, torch.float32)
-    try:
-        k = torch.randn(40, 4, 8)
-        slots = disk.store(k, k)
-        slow = DiskReadAhead(disk, 8, 4, 8, torch.float32, pin=False)
-        load = disk.load
+    disk, _, slots = pages_on_disk
+    slow = DiskReadAhead(disk, 8, 4, 8, torch.float32, pin=False)
+    load = disk.load
 
-        def slow_load(*args, **kwargs):   # a cold disk: each read on demand waits for the device
-            time.sleep(0.02)
-            return load(*args, **kwargs)
+    def slow_load(*args, **kwargs):   # a cold disk: each read on demand waits for the device
+        time.sleep(0.02)
+        return load(*args, **kwargs)
 
-        monkeypatch.setattr(disk, "load", slow_load)
-        assert len(_steps_with_read_ahead(slow, slots, 12, use=True)) == 12
-        assert slow.steps_paused == 0 and slow.hits == 12
-        slow.close()
-        monkeypatch.setattr(disk, "load", load)
-        idle = DiskReadAhead(disk, 8, 4, 8, torch.float32, pin=False)
-        asked = _steps_with_read_ahead(idle, slots, 16, use=False)
-        # steps 0-3 judged (no hit: a loss), 4-9 paused, 10-13 judged again, then paused twice as long
-        assert asked == [0, 1, 2, 3, 10, 11, 12, 13] and idle.steps_paused == 8
-        assert _steps_with_read_ahead(idle, slots, 16, use=False) == [10, 11, 12, 13]
-        idle.close()
-    finally:
-        disk.close()
+    monkeypatch.setattr(disk, "load", slow_load)
+    assert len(_steps_with_read_ahead(slow, slots, 12, use=True)) == 12
+    assert slow.steps_paused == 0 and slow.hits == 12
+    slow.close()
+    monkeypatch.setattr(disk, "load", load)
+    idle = DiskReadAhead(disk, 8, 4, 8, torch.float32, pin=False)
+    asked = _steps_with_read_ahead(idle, slots, 16, use=False)
+    # steps 0-3 judged (no hit: a loss), 4-9 paused, 10-13 judged again, then paused twice as long
+    assert asked == [0, 1, 2, 3, 10, 11, 12, 13] and idle.steps_paused == 8
+    assert _steps_with_read_ahead(idle, slots, 16, use=False) == [10, 11, 12, 13]
+    idle.close()
 
 
-def test_read_ahead_is_not_judged_without_evidence(tmp_path, monkeypatch):
+def test_read_ahead_is_not_judged_without_evidence(pages_on_disk, monkeypatch):
     """A window with nothing on disk to read ahead, or before any demand read was timed, is no loss: reading
     ahead goes on (a perfect read ahead, every page a hit, is never paused); a read that cannot be queued leaves
     its ring positions free for later ones."""
-    from kvtier.tiers.disk import DiskStore
     from kvtier.tiers.readahead import DiskReadAhead
 
     monkeypatch.setattr(DiskReadAhead, "WINDOW", 4)
-    disk = DiskStore(str(tmp_path), 4, 8, torch.float32)
-    try:
-        k = torch.randn(40, 4, 8)
-        slots = disk.store(k, k)
-        ra = DiskReadAhead(disk, 8, 4, 8, torch.float32, pin=False)
-        for _ in range(20):
-            ra.offer(lambda: np.empty(0, np.int64))
-        assert ra.steps_paused == 0 and ra.read_ahead == 0
-        for t in range(20):   # every page wanted was read ahead: no demand read to price a hit against
-            ahead = slots[2 * t:2 * t + 2]
-            ra.offer(lambda: ahead)
-            ra.load(ahead)
-        assert ra.steps_paused == 0 and ra.misses == 0 and ra.hits == 40
-        monkeypatch.setattr(disk, "load_async", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("no I/O")))
-        with pytest.raises(RuntimeError, match="no I/O"):
-            ra.prefetch(slots[[0, 1]])
-        monkeypatch.undo()
-        ra.prefetch(slots[[0, 1]])   # not taken for pages on their way
-        got = ra.load(slots[[0, 1]])
-        assert ra.hits == 42 and torch.equal(got[0], k[[0, 1]])
-        ra.close()
-    finally:
-        disk.close()
+    disk, k, slots = pages_on_disk
+    ra = DiskReadAhead(disk, 8, 4, 8, torch.float32, pin=False)
+    for _ in range(20):
+        ra.offer(lambda: np.empty(0, np.int64))
+    assert ra.steps_paused == 0 and ra.read_ahead == 0
+    for t in range(20):   # every page wanted was read ahead: no demand read to price a hit against
+        ahead = slots[2 * t:2 * t + 2]
+        ra.offer(lambda: ahead)
+        ra.load(ahead)
+    assert ra.steps_paused == 0 and ra.misses == 0 and ra.hits == 40
+    monkeypatch.setattr(disk, "load_async", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("no I/O")))
+    with pytest.raises(RuntimeError, match="no I/O"):
+        ra.prefetch(slots[[0, 1]])
+    monkeypatch.undo()
+    ra.prefetch(slots[[0, 1]])   # not taken for pages on their way
+    got = ra.load(slots[[0, 1]])
+    assert ra.hits == 42 and torch.equal(got[0], k[[0, 1]])
+    ra.close()
 
 
 def test_read_ahead_ring_serves_verified_pages(tmp_path):
