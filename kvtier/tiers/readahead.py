@@ -64,9 +64,10 @@ class DiskReadAhead:
     """Up to `capacity` disk pages (of one layer) read ahead into host memory; the oldest are replaced first.
 
     At most half of the ring is read ahead a step, so a page read ahead usually stays until the step after next
-    (sooner where a read does not fit before the ring's end and starts again at its beginning). The ring is allocated at the first read ahead (pinned where `pin`) and released by `close`. Each
-    `offer` is a step: every `WINDOW` steps reading ahead is judged (`_Payoff`), and where it did not pay
-    (`adaptive`) paused for `PAUSE` steps, twice as long each time it fails again (up to `MAX_PAUSE`).
+    (sooner where a read does not fit before the ring's end and starts again at its beginning). The ring is
+    allocated at the first read ahead (pinned where `pin`) and released by `close`. Each `offer` is a step:
+    every `WINDOW` steps reading ahead is judged (`_Payoff`), and where it did not pay (`adaptive`) paused for
+    `PAUSE` steps, twice as long each time it fails again (up to `MAX_PAUSE`).
     """
 
     WINDOW, PAUSE, MAX_PAUSE = 8, 64, 1024
@@ -201,10 +202,10 @@ class DiskReadAhead:
             if s >= 0:
                 self._where.pop(s, None)
         self._at[a:b] = -1
-        read = _Read(slots[:n], a, None)
-        read.future = self.disk.load_async(slots[:n], out=(self.k.slabs[0][a:b], self.v.slabs[0][a:b]), cpu=read.cpu)
+        cpu: list = []
+        future = self.disk.load_async(slots[:n], out=(self.k.slabs[0][a:b], self.v.slabs[0][a:b]), cpu=cpu)
         self._at[a:b] = slots[:n]   # once the read is queued (a failure to queue it leaves these positions free)
-        self._reads.append(read)
+        self._reads.append(_Read(slots[:n], a, future, cpu))
         self._head = b
         self.read_ahead += n
         self._window.read += n
@@ -232,12 +233,9 @@ class DiskReadAhead:
     def pages(self) -> int:
         return len(self._where)
 
-    def page_bytes(self) -> int:
-        return 2 * self.page_size * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
-
     def nbytes(self) -> int:
-        """Bytes of the pages held."""
-        return self.pages() * self.page_bytes()
+        """Bytes of the pages held (a page's keys and values: the disk store's payload)."""
+        return self.pages() * self.disk.payload_size
 
     def reserved_bytes(self) -> int:
         """Bytes of the ring (none before the first read ahead)."""
