@@ -137,6 +137,13 @@ class TieredCacheConfig:
         The output is the same bits either way. On by default: a step's launches cost the host more than the
         GPU's work behind them, and on an H200 the replayed 128K step of the Llama-3.1-8B shape took half the
         eager one's time (docs/benchmarks.md). ``False`` issues every launch eagerly.
+    read_ahead
+        Read short-listed disk pages ahead of need into a ring of host memory (`kvtier.tiers.readahead`; half
+        the recall budget per layer and KV head, at most a quarter of the host budget, taken from it). ``None``:
+        the ring judges every few steps whether its hits saved more than its reads cost, and pauses where they
+        did not (a disk that answers from the operating system's page cache). ``True``: always read ahead (a
+        slow disk on a machine whose CPU is free). ``False``: no ring; the host tier keeps its whole budget.
+        Only disk pages are affected, and never the output.
     """
 
     shape: ModelShape
@@ -151,6 +158,7 @@ class TieredCacheConfig:
     recent_tokens: int | float = DEFAULT_RECENT_TOKENS
     demote_pages: int | None = None
     cuda_graphs: bool = field(default=True, compare=False)   # how steps run, not what they hold
+    read_ahead: bool | None = None
     scorer_name: str = field(default="keynorm", compare=False)
 
     def __post_init__(self) -> None:
@@ -165,6 +173,8 @@ class TieredCacheConfig:
             _whole("demote_pages", self.demote_pages, 1)
         if not isinstance(self.cuda_graphs, bool):
             raise ConfigError(f"cuda_graphs={self.cuda_graphs!r}; allowed: True or False")
+        if self.read_ahead is not None and not isinstance(self.read_ahead, bool):
+            raise ConfigError(f"read_ahead={self.read_ahead!r}; allowed: None (judged as it goes), True or False")
         object.__setattr__(self, "recent_tokens", check_recent_tokens(self.recent_tokens))
         if not self.device_budget.is_fraction:
             budget = self.device_budget.value
@@ -207,6 +217,15 @@ class TieredCacheConfig:
     def recent_window(self, seen: int) -> int:
         """The recent window in tokens after `seen` tokens (a share of the device budget, or fixed)."""
         return min(seen, recent_window(self.recent_tokens, self.device_tokens(seen)))
+
+    def read_ahead_pages(self, seen: int) -> int:
+        """Disk pages per KV head a layer's read-ahead ring holds after `seen` tokens (taken from the host budget):
+        half the recall budget, at most a quarter of the host budget; none without a host budget or with
+        `read_ahead` off."""
+        host = self.host_tokens(max(seen, 1))
+        if host is None or self.read_ahead is False or self.mode != "tier":
+            return 0
+        return min(self.recall_pages // 2, host // (4 * self.page_size))
 
     def host_tokens(self, seen: int) -> int | None:
         """The host budget in tokens after `seen` tokens (None: unbounded)."""

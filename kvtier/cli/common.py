@@ -266,11 +266,36 @@ def parse_demote_pages(value: str, option: str = "--demote-pages") -> list[int |
     return list(dict.fromkeys(out))   # a setting given twice is one row
 
 
-def tiered_row_name(demote_pages: int | None, rows: int) -> str:
-    """A TieredCache row's name in a bench with `rows` of them, one per `demote_pages` setting."""
-    if rows == 1:
-        return "TieredCache"
-    return f"TieredCache d={'auto' if demote_pages is None else demote_pages}"
+READ_AHEAD_SETTINGS = {"auto": None, "on": True, "off": False}
+
+
+def parse_read_ahead(value: str, option: str = "--read-ahead") -> list[bool | None]:
+    """'auto' -> [None], 'auto,off' -> [None, False]: the `read_ahead` settings of cache rows."""
+    allowed = "a comma list of " + ", ".join(map(repr, READ_AHEAD_SETTINGS)) + ", like auto,off"
+    out: list[bool | None] = []
+    for part in value.split(","):
+        part = part.strip().lower()
+        if part not in READ_AHEAD_SETTINGS:
+            raise bad_option(option, value, allowed, f"has {part!r}")
+        out.append(READ_AHEAD_SETTINGS[part])
+    return list(dict.fromkeys(out))   # a setting given twice is one row
+
+
+def read_ahead_name(setting: bool | None) -> str:
+    """The `--read-ahead` word for a `read_ahead` setting."""
+    return next(k for k, v in READ_AHEAD_SETTINGS.items() if v is setting)
+
+
+def tiered_row_name(demote_pages: int | None, rows: int, read_ahead: bool | None = None,
+                    read_ahead_rows: int = 1) -> str:
+    """A TieredCache row's name in a bench with `rows` `demote_pages` settings and `read_ahead_rows`
+    `read_ahead` settings (one row for each pair): the settings that vary between rows."""
+    name = "TieredCache"
+    if rows > 1:
+        name += f" d={'auto' if demote_pages is None else demote_pages}"
+    if read_ahead_rows > 1:
+        name += f" ra={read_ahead_name(read_ahead)}"
+    return name
 
 
 def check_cache_options(device_budget: Any, host_budget: Any, disk_dir: str | None,

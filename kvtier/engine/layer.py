@@ -150,18 +150,15 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
         if self.tiers[1] is None:
             disk = self.shared.disk(self.cfg.page_size, self.head_dim, self.dtype)
             self.tiers[1] = disk
-            pages = self._readahead_pages() if self.cfg.mode == "tier" else 0
+            pages = self._readahead_pages()
             if pages:
                 self.readahead = DiskReadAhead(disk, pages * self.heads, self.cfg.page_size, self.head_dim,
-                                               self.dtype, self.pin)
+                                               self.dtype, self.pin, adaptive=self.cfg.read_ahead is None)
         return self.tiers[1]
 
     def _readahead_pages(self) -> int:
-        """Disk pages per head kept in host memory: half the recall budget, at most a quarter of the host budget."""
-        host = self.cfg.host_tokens(max(self.seen, 1))
-        if host is None:
-            return 0
-        return min(self.cfg.recall_pages // 2, host // (4 * self.cfg.page_size))
+        """Disk pages per head kept in host memory for reading ahead (`TieredCacheConfig.read_ahead_pages`)."""
+        return self.cfg.read_ahead_pages(self.seen)
 
     def write(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Take a step's new K/V ``[1, heads, q, dim]``; return what the model's own attention reads (device

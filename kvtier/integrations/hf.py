@@ -83,6 +83,10 @@ class TieredCache(OneSequence, Cache):
     cuda_graphs
         Replay decode steps' attention and recall from CUDA graphs where the cache runs on CUDA (see
         `TieredCacheConfig`; on by default, ``False`` issues every launch eagerly).
+    read_ahead
+        Read short-listed disk pages ahead of need into host memory: ``None`` (the default) judges as it goes
+        whether that pays and pauses where it does not, ``True`` always, ``False`` never (the host tier then
+        keeps its whole budget). See `TieredCacheConfig`; it never changes the output.
     """
 
     def __init__(self, config: Any, device_budget: float | int = 0.25, host_budget: float | int | None = None,
@@ -90,7 +94,7 @@ class TieredCache(OneSequence, Cache):
                  mode: str = "tier", recall_pages: int = DEFAULT_RECALL_PAGES, *,
                  prefetch_pages: int | None = None, page_size: int = DEFAULT_PAGE_SIZE, sink_tokens: int = DEFAULT_SINK_TOKENS,
                  recent_tokens: int | float = DEFAULT_RECENT_TOKENS, scorer_kwargs: dict[str, Any] | None = None,
-                 demote_pages: int | None = None, cuda_graphs: bool = True) -> None:
+                 demote_pages: int | None = None, cuda_graphs: bool = True, read_ahead: bool | None = None) -> None:
         plan = layer_plan(config)
         shape = ModelShape.from_config(config)
         if scorer_kwargs is not None and not isinstance(scorer_kwargs, dict):
@@ -114,7 +118,7 @@ class TieredCache(OneSequence, Cache):
             disk_dir=None if disk_dir is None else os.fspath(disk_dir),
             mode=mode, recall_pages=recall_pages, prefetch_pages=prefetch_pages, page_size=page_size,
             sink_tokens=sink_tokens,
-            recent_tokens=recent_tokens, demote_pages=demote_pages, cuda_graphs=cuda_graphs,
+            recent_tokens=recent_tokens, demote_pages=demote_pages, cuda_graphs=cuda_graphs, read_ahead=read_ahead,
             scorer_name=scorer if isinstance(scorer, str) else scorer_name(scorer),
         )
         if isinstance(scorer, str):
@@ -367,7 +371,7 @@ class TieredCache(OneSequence, Cache):
                           scorer=scorer, mode=s.mode, recall_pages=s.recall_pages,
                           prefetch_pages=s.prefetch_pages, page_size=s.page_size,
                           sink_tokens=s.sink_tokens, recent_tokens=s.recent_tokens, demote_pages=s.demote_pages,
-                          cuda_graphs=s.cuda_graphs)
+                          cuda_graphs=s.cuda_graphs, read_ahead=s.read_ahead)
         try:
             for mine, theirs in zip(self.layers, new.layers):
                 if isinstance(mine, TieredLayer):

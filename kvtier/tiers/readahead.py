@@ -67,15 +67,15 @@ class DiskReadAhead:
     (sooner where a read does not fit before the ring's end and starts again at its beginning). The ring is
     allocated at the first read ahead (pinned where `pin`) and released by `close`. Each `offer` is a step:
     every `WINDOW` steps reading ahead is judged (`_Payoff`), and where it did not pay (`adaptive`) paused for
-    `PAUSE` steps, twice as long each time it fails again (up to `MAX_PAUSE`).
+    `PAUSE` steps, twice as long each time it fails again (up to `MAX_PAUSE`). Without `adaptive` it never
+    pauses.
     """
 
     WINDOW, PAUSE, MAX_PAUSE = 8, 64, 1024
-    adaptive = True
 
     def __init__(self, disk, capacity: int, page_size: int, head_dim: int, dtype: torch.dtype,
-                 pin: bool) -> None:
-        self.disk, self.capacity = disk, max(0, int(capacity))
+                 pin: bool, adaptive: bool = True) -> None:
+        self.disk, self.capacity, self.adaptive = disk, max(0, int(capacity)), adaptive
         self.page_size, self.head_dim, self.dtype = page_size, head_dim, dtype
         self.k = SlabRows((page_size, head_dim), dtype, "cpu", max(1, self.capacity), pin)
         self.v = SlabRows((page_size, head_dim), dtype, "cpu", max(1, self.capacity), pin)

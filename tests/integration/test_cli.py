@@ -108,19 +108,25 @@ def test_bench_json():
 
 def test_bench_decode_cold_disk(monkeypatch):
     """`--cold-disk` drops the page file from the page cache before every timed step of the kvtier rows (the
-    data stays: the rows still decode), and says so in the JSON with the read-ahead counters."""
+    data stays: the rows still decode), and says so in the JSON with the read-ahead counters; `--read-ahead`
+    gives one row per setting (with it off, no page is read ahead)."""
     from kvtier.tiers.disk import DiskStore
 
     drops = []
     drop = DiskStore.drop_cached
     monkeypatch.setattr(DiskStore, "drop_cached", lambda self: drops.append(self.path) or drop(self))
     result = run("bench", "decode", "--context", "1500", "--new-tokens", "6", "--rounds", "1", "--device-budget",
-                 "0.25", "--host-budget", "0.25", "--scorer", "keynorm", "--cold-disk", "--json")
+                 "0.25", "--host-budget", "0.25", "--scorer", "keynorm", "--cold-disk", "--read-ahead", "auto,off",
+                 "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.output[result.output.index("{"):])
-    assert data["settings"]["cold_disk"] is True and len(drops) == 6
-    tiered = data["results"][1]
-    assert {"hits", "misses", "steps_paused"} <= set(tiered["read_ahead"])
+    assert data["settings"]["cold_disk"] is True and len(drops) == 12
+    assert data["settings"]["read_ahead"] == ["auto", "off"]
+    auto, off = data["results"][1:]
+    assert (auto["cache"], off["cache"]) == ("TieredCache ra=auto", "TieredCache ra=off")
+    assert (auto["settings"]["read_ahead"], off["settings"]["read_ahead"]) == ("auto", "off")
+    assert {"hits", "misses", "steps_paused"} <= set(auto["read_ahead"]) and auto["read_ahead"]["pages_read_ahead"]
+    assert off["read_ahead"]["pages_read_ahead"] == 0 and off["read_ahead"]["hits"] == 0
 
 
 def test_bench_decode_rows_per_demote_pages():

@@ -17,24 +17,13 @@ from kvtier import TieredCache, cache_kwargs
 from kvtier.engine.graphs import StepGraphs, StepKey, _Captured
 from kvtier.errors import ConfigError
 
-from tiny_models import tiny_llama
+from tiny_models import greedy_logits, tiny_llama
 
 
 def _on_the_gpu_path(cache: TieredCache) -> TieredCache:
     for engine in cache._engines:   # recall planned, pages chosen and the pool attended as on a GPU
         engine.device_recall = engine.select_kernels = engine.defer_nan = True
     return cache
-
-
-@torch.no_grad()
-def _decode(model, cache, steps=40):
-    ids = torch.randint(0, 128, (1, 200), generator=torch.Generator().manual_seed(3))
-    logits = model(ids, **cache_kwargs(cache)).logits[:, -1:]
-    out = []
-    for _ in range(steps):
-        logits = model(logits.argmax(-1), **cache_kwargs(cache)).logits[:, -1:]
-        out.append(logits)
-    return torch.cat(out)
 
 
 def test_cuda_graphs_must_be_a_bool():
@@ -49,7 +38,7 @@ def test_cuda_graphs_are_on_by_default_and_can_be_turned_off():
     model = tiny_llama()
     with _on_the_gpu_path(TieredCache(model.config, device_budget=48, recall_pages=2)) as cache:
         assert cache.settings.cuda_graphs is True
-        _decode(model, cache, steps=4)
+        greedy_logits(model, cache, steps=4)
         assert all(not e.graphs.enabled and not e.prefetch_graphs.enabled for e in cache._engines)
         assert cache.stats()["cuda_graphs"]["replays"] == 0 and cache.stats()["cuda_graphs"]["eager_steps"] > 0
     with TieredCache(model.config, cuda_graphs=False) as cache:
@@ -63,7 +52,7 @@ def test_without_cuda_the_steps_run_eagerly_with_the_same_output():
     runs = {}
     for on in (False, True):
         with _on_the_gpu_path(TieredCache(model.config, device_budget=48, recall_pages=2, cuda_graphs=on)) as cache:
-            runs[on] = (_decode(model, cache), cache.stats()["cuda_graphs"])
+            runs[on] = (greedy_logits(model, cache), cache.stats()["cuda_graphs"])
             if on:
                 assert copy.deepcopy(cache).settings.cuda_graphs is True
     assert torch.equal(runs[True][0], runs[False][0])
@@ -84,7 +73,7 @@ def test_a_prefetch_at_the_end_of_the_step_brings_up_what_the_side_stream_one_do
         with _on_the_gpu_path(TieredCache(model.config, device_budget=48, recall_pages=2, prefetch_pages=3)) as cache:
             for engine in cache._engines:
                 engine.prefetch_in_step = in_step
-            out = _decode(model, cache)
+            out = greedy_logits(model, cache)
             s = cache.stats()
             runs[in_step] = (out, s["prefetch"], s["pages_reused"], s["pages_recalled"], s["cuda_graphs"]["prefetch"])
     assert torch.equal(runs[True][0], runs[False][0])
@@ -96,7 +85,7 @@ def test_prefetch_in_step_follows_the_graphs_unless_set():
     """By default a step prefetches at its end only where its work is captured (graphs on and none failed)."""
     model = tiny_llama()
     with _on_the_gpu_path(TieredCache(model.config, device_budget=48, recall_pages=2)) as cache:
-        _decode(model, cache, steps=2)
+        greedy_logits(model, cache, steps=2)
         engine = cache._engines[0]
         assert engine._prefetches_in_step() is False   # a CPU: no graph is captured
         engine.graphs.enabled = True
@@ -154,7 +143,7 @@ def test_decode_keys_repeat_until_a_demotion():
     with _on_the_gpu_path(TieredCache(model.config, device_budget=48, recall_pages=2)) as cache:
         StepGraphs.run = keyed
         try:
-            _decode(model, cache, steps=60)
+            greedy_logits(model, cache, steps=60)
         finally:
             StepGraphs.run = run
         demotions = cache.stats()["demotions"]
@@ -174,7 +163,7 @@ def test_a_decode_step_whose_write_fails_before_its_attention_is_not_taken(monke
 
     model = tiny_llama()
     with _on_the_gpu_path(TieredCache(model.config, device_budget=48, recall_pages=2)) as cache:
-        want = _decode(model, cache, steps=12)
+        want = greedy_logits(model, cache, steps=12)
     ensure, failed = DevicePool.ensure, []
 
     def fails_once(self, n):

@@ -188,18 +188,39 @@ def test_recall_through_the_read_ahead_cache_is_bit_exact(make_engine, watch_fet
     assert engine.counters.pages_recalled["disk"] > 0
 
 
-def test_read_ahead_goes_on_in_a_steady_decode(make_engine, watch_fetches, monkeypatch):
+def test_read_ahead_goes_on_in_a_steady_decode(make_engine, watch_fetches):
     """The ring is small (about half a step's recall here); every step reads ahead short-listed disk pages
-    that were not taken, replacing the oldest, and never holds more than its capacity (its pay-off rule off:
-    the temporary folder's disk answers from memory)."""
-    from kvtier.tiers.readahead import DiskReadAhead
-
-    monkeypatch.setattr(DiskReadAhead, "adaptive", False)
-    engine = make_engine(heads=2, head_dim=8, device_budget=32, host_budget=64, page_size=4, recall_pages=3)
+    that were not taken, replacing the oldest, and never holds more than its capacity (``read_ahead=True``:
+    never paused, though the temporary folder's disk answers from memory)."""
+    engine = make_engine(heads=2, head_dim=8, device_budget=32, host_budget=64, page_size=4, recall_pages=3,
+                         read_ahead=True)
     _decode_with_few_recall_pages(engine, watch_fetches)
     ra = engine.readahead
+    assert not ra.adaptive and ra.steps_paused == 0
     assert ra.read_ahead > ra.capacity * 50, "reading ahead stopped once the ring was full"
     assert 0 < ra.pages() <= ra.capacity and ra.hits > 0
+
+
+def test_read_ahead_off_gives_the_host_tier_its_whole_budget(make_engine, watch_fetches):
+    """``read_ahead=False``: no ring, every disk page read on demand (bit-exact, as checked step by step), and
+    the host tier holds the whole host budget where the ring would have taken a share of it."""
+    from kvtier.placement.page_table import HOST
+
+    held = {}
+    for setting in (None, False):
+        engine = make_engine(heads=2, head_dim=8, device_budget=32, host_budget=64, page_size=4, recall_pages=3,
+                             read_ahead=setting)
+        _decode_with_few_recall_pages(engine, watch_fetches, total=700)
+        assert engine.counters.pages_recalled["disk"] > 0
+        held[setting] = (engine.table.tier == HOST).sum(axis=1) * engine.cfg.page_size
+        budget = engine.cfg.host_tokens(engine.seen)
+        ring = engine.cfg.read_ahead_pages(engine.seen) * engine.cfg.page_size
+        if setting is False:
+            assert engine.readahead is None and ring == 0
+        else:
+            assert ring > 0 and engine.readahead.capacity == engine.heads * ring // engine.cfg.page_size
+        assert (held[setting] <= budget - ring).all()
+    assert (held[False] > held[None]).all()
 
 
 def _steps_with_read_ahead(ra, slots, steps, use):
