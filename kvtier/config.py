@@ -143,7 +143,9 @@ class TieredCacheConfig:
         the ring judges every few steps whether its hits saved more than its reads cost, and pauses where they
         did not (a disk that answers from the operating system's page cache). ``True``: always read ahead (a
         slow disk on a machine whose CPU is free). ``False``: no ring; the host tier keeps its whole budget.
-        Only disk pages are affected, and never the output.
+        Only disk pages are affected, and never the output. A layer makes its ring when it first spills to
+        disk, sized then (`read_ahead_pages`); where that size is 0 (fewer than 2 recall pages, a host budget
+        under 4 pages), no page is read ahead whatever the setting.
     """
 
     shape: ModelShape
@@ -219,9 +221,9 @@ class TieredCacheConfig:
         return min(seen, recent_window(self.recent_tokens, self.device_tokens(seen)))
 
     def read_ahead_pages(self, seen: int) -> int:
-        """Disk pages per KV head a layer's read-ahead ring holds after `seen` tokens (taken from the host budget):
-        half the recall budget, at most a quarter of the host budget; none without a host budget or with
-        `read_ahead` off."""
+        """Disk pages per KV head of the read-ahead ring a layer makes when it first uses the disk after `seen`
+        tokens (its size from then on, taken from the host budget): half the recall budget, at most a quarter
+        of the host budget; none without a host budget, in evict mode, or with `read_ahead` off."""
         host = self.host_tokens(max(seen, 1))
         if host is None or self.read_ahead is False or self.mode != "tier":
             return 0

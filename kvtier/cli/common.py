@@ -289,11 +289,12 @@ def read_ahead_name(setting: bool | None) -> str:
 def tiered_row_name(demote_pages: int | None, rows: int, read_ahead: bool | None = None,
                     read_ahead_rows: int = 1) -> str:
     """A TieredCache row's name in a bench with `rows` `demote_pages` settings and `read_ahead_rows`
-    `read_ahead` settings (one row for each pair): the settings that vary between rows."""
+    `read_ahead` settings (one row for each pair): the settings that vary between rows, and a `read_ahead`
+    other than the default."""
     name = "TieredCache"
     if rows > 1:
         name += f" d={'auto' if demote_pages is None else demote_pages}"
-    if read_ahead_rows > 1:
+    if read_ahead_rows > 1 or read_ahead is not None:
         name += f" ra={read_ahead_name(read_ahead)}"
     return name
 

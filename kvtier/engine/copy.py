@@ -37,6 +37,8 @@ def copy_layer(src: LayerEngine, dst: LayerEngine) -> None:
     if src.index is not None:
         dst.index.load_state(src.index.state())
     dst.table.copy_from(src.table)
+    if src.disk is not None:   # the same ring, so the copy sets the same host room aside
+        dst._disk(ring_pages=src._readahead_pages())
     for tier in (HOST, DISK):
         heads, pids = src.table.pages_in(tier)
         for i in range(0, len(heads), _PAGES_PER_BATCH):

@@ -146,18 +146,24 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
         """The cache's disk store once this layer has used it."""
         return self.tiers[1]
 
-    def _disk(self):
+    def _disk(self, ring_pages: int | None = None):
+        """The disk store, and the read-ahead ring of `ring_pages` pages per head (by default what
+        `TieredCacheConfig.read_ahead_pages` gives now), made at first use."""
         if self.tiers[1] is None:
             disk = self.shared.disk(self.cfg.page_size, self.head_dim, self.dtype)
             self.tiers[1] = disk
-            pages = self._readahead_pages()
+            pages = self.cfg.read_ahead_pages(self.seen) if ring_pages is None else ring_pages
             if pages:
                 self.readahead = DiskReadAhead(disk, pages * self.heads, self.cfg.page_size, self.head_dim,
                                                self.dtype, self.pin, adaptive=self.cfg.read_ahead is None)
         return self.tiers[1]
 
     def _readahead_pages(self) -> int:
-        """Disk pages per head kept in host memory for reading ahead (`TieredCacheConfig.read_ahead_pages`)."""
+        """Host pages per head set aside for the read-ahead ring: once the disk is in use, the ring's own size
+        (fixed when it was made; none if no ring was made), before that what the setting gives now
+        (`TieredCacheConfig.read_ahead_pages`), so that the first spill leaves room for the ring it makes."""
+        if self.disk is not None:
+            return 0 if self.readahead is None else self.readahead.capacity // self.heads
         return self.cfg.read_ahead_pages(self.seen)
 
     def write(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -55,8 +55,12 @@ class Reference:
     def __init__(self, cfg, heads):
         self.cfg, self.heads, self.seen = cfg, [RefHead() for _ in range(heads)], 0
         self.next_page = 0
+        self.ring = None   # the read-ahead ring's pages per head, once made
 
     def readahead_pages(self):
+        """Host pages per head set aside for the read-ahead ring: its size once the first spill made it."""
+        if self.ring is not None:
+            return self.ring
         host = self.cfg.host_tokens(max(self.seen, 1))
         return 0 if host is None else min(self.cfg.recall_pages // 2, host // (4 * self.cfg.page_size))
 
@@ -90,7 +94,8 @@ class Reference:
             host_budget = cfg.host_tokens(self.seen)
             if host_budget is None:
                 continue
-            target = max(0, host_budget - self.readahead_pages() * P)
+            ring = self.readahead_pages()
+            target = max(0, host_budget - ring * P)
             on_host = [p for p, t in head.tier.items() if t == "host"]
             held = sum(len(head.pages[p]) for p in on_host)
             for p in sorted(on_host, key=lambda p: (max(s for _, s in head.pages[p]), p)):
@@ -98,6 +103,7 @@ class Reference:
                     break
                 head.tier[p] = "disk"
                 held -= len(head.pages[p])
+                self.ring = ring   # the first spill makes the ring, sized as set aside for it
 
 
 def _engine_view(engine, h):

@@ -36,11 +36,17 @@ def test_read_ahead_changes_where_pages_come_from_never_the_output(tmp_path):
         auto_stats = auto.stats()
     for setting in (True, False):
         with TieredCache(model.config, read_ahead=setting, **settings) as cache:
-            twin = copy.deepcopy(cache)
+            assert torch.equal(_logits(model, cache), expect), f"read_ahead={setting} changed the logits"
+            st = cache.stats()
+            twin = copy.deepcopy(cache)   # with pages on disk: the copy makes the same ring, or none
             try:
                 assert twin.settings.read_ahead is setting
-                assert torch.equal(_logits(model, cache), expect), f"read_ahead={setting} changed the logits"
-                st = cache.stats()
+                for mine, theirs in zip(cache._engines, twin._engines):
+                    if setting:
+                        assert theirs.readahead.capacity == mine.readahead.capacity and not theirs.readahead.adaptive
+                    else:
+                        assert mine.readahead is None and theirs.readahead is None
+                    assert theirs._readahead_pages() == mine._readahead_pages()
             finally:
                 twin.close()
         assert st["pages_recalled_from"]["disk"] > 0

@@ -214,13 +214,34 @@ def test_read_ahead_off_gives_the_host_tier_its_whole_budget(make_engine, watch_
         assert engine.counters.pages_recalled["disk"] > 0
         held[setting] = (engine.table.tier == HOST).sum(axis=1) * engine.cfg.page_size
         budget = engine.cfg.host_tokens(engine.seen)
-        ring = engine.cfg.read_ahead_pages(engine.seen) * engine.cfg.page_size
+        ring = engine._readahead_pages() * engine.cfg.page_size   # the host room set aside for the ring
         if setting is False:
             assert engine.readahead is None and ring == 0
         else:
             assert ring > 0 and engine.readahead.capacity == engine.heads * ring // engine.cfg.page_size
         assert (held[setting] <= budget - ring).all()
     assert (held[False] > held[None]).all()
+
+
+def test_the_host_sets_aside_what_the_ring_holds(make_engine):
+    """The ring is sized when the layer first spills to disk. As a fractional host budget grows, the host
+    tier sets aside exactly the ring's pages, not what a ring made now would take, and fills the rest."""
+    from kvtier.placement.page_table import HOST
+
+    engine = make_engine(heads=2, head_dim=8, device_budget=0.1, host_budget=0.25, page_size=4, recall_pages=16)
+    g = torch.Generator().manual_seed(4)
+    for _ in range(10):
+        k = torch.randn(1, 2, 200, 8, generator=g)
+        engine.write(k, torch.randn(1, 2, 200, 8, generator=g))
+        engine.commit()
+        if engine.readahead is not None and engine.seen == 200:
+            made = engine.readahead.capacity // engine.heads
+    P = engine.cfg.page_size
+    assert made == engine.cfg.read_ahead_pages(200) == 3   # a quarter of the host budget of 50 tokens a head
+    assert engine.cfg.read_ahead_pages(engine.seen) == 8 and engine._readahead_pages() == made
+    target = engine.cfg.host_tokens(engine.seen) - made * P
+    held = (engine.table.tier == HOST).sum(axis=1) * P
+    assert ((held > target - P) & (held <= target)).all(), (held, target)
 
 
 def _steps_with_read_ahead(ra, slots, steps, use):
