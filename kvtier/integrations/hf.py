@@ -277,7 +277,8 @@ class TieredCache(OneSequence, Cache):
         disk pages kept for read-ahead), ``reserved_bytes`` allocated; ``device.index_bytes``: the key bounds
         of the demoted pages, 1/16 of their K+V size at 16 entries a page. ``read_ahead``: disk pages served
         from host memory (``hits``) or read on demand (``misses``), the ``hit_rate``, and the layer steps that
-        skipped reading ahead where it did not pay (``steps_paused``).
+        skipped reading ahead where it did not pay (``steps_paused``); all zero without a ring
+        (``read_ahead=False``), every disk page then read on demand.
         Budgets and the tier figures count the tiered (full-attention) layers only; ``window`` gives the
         sliding-window layers, which keep transformers' own window on the device.
         ``bytes_moved`` per direction,
