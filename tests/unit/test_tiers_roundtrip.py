@@ -246,13 +246,16 @@ def test_the_host_sets_aside_what_the_ring_holds(make_engine):
 
 def _steps_with_read_ahead(ra, slots, steps, use):
     """`steps` steps: each offers two new slots to read ahead, then loads one page read ahead (if `use`)
-    and one not; returns the steps whose candidates were asked for."""
+    and one not; returns the steps whose candidates were asked for. Each step ends with its reads ahead done,
+    as a decode step's model work would give them time to be: the steps here take microseconds, and reads still
+    under way when the next step offers would leave it nothing to read (a window with nothing to judge)."""
     asked = []
     for t in range(steps):
         ahead = slots[2 * t % len(slots):2 * t % len(slots) + 2]
         ra.offer(lambda: (asked.append(t), ahead)[1])
         wanted = [ahead[0]] if use else []
         ra.load(np.array(wanted + [slots[(2 * t + 7) % len(slots)]]))
+        ra.settle()
     return asked
 
 
