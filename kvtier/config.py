@@ -146,6 +146,11 @@ class TieredCacheConfig:
         Only disk pages are affected, and never the output. A layer makes its ring when it first spills to
         disk, sized then (`read_ahead_pages`); where that size is 0 (fewer than 2 recall pages, a host budget
         under 4 pages), no page is read ahead whatever the setting.
+    promote
+        Keep disk pages that recall brings up in host memory, in place of the host pages least used lately
+        (`kvtier.placement.planner.plan_promotion`); the disk keeps a clean copy, so such a page goes back down
+        without a write. ``False``: the host tier holds the highest-ranked pages, whatever recall asks for. Only
+        where the pages are, and so the disk reads, are affected, never the output.
     """
 
     shape: ModelShape
@@ -161,6 +166,7 @@ class TieredCacheConfig:
     demote_pages: int | None = None
     cuda_graphs: bool = field(default=True, compare=False)   # how steps run, not what they hold
     read_ahead: bool | None = None
+    promote: bool = True
     scorer_name: str = field(default="keynorm", compare=False)
 
     def __post_init__(self) -> None:
@@ -177,6 +183,8 @@ class TieredCacheConfig:
             raise ConfigError(f"cuda_graphs={self.cuda_graphs!r}; allowed: True or False")
         if self.read_ahead is not None and not isinstance(self.read_ahead, bool):
             raise ConfigError(f"read_ahead={self.read_ahead!r}; allowed: None (judged as it goes), True or False")
+        if not isinstance(self.promote, bool):
+            raise ConfigError(f"promote={self.promote!r}; allowed: True or False")
         object.__setattr__(self, "recent_tokens", check_recent_tokens(self.recent_tokens))
         if not self.device_budget.is_fraction:
             budget = self.device_budget.value

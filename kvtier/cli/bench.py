@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import platform
@@ -11,8 +12,8 @@ import click
 import torch
 
 from .common import (THREADS, bad_option, check_cache_options, check_device, check_model, check_scorer, load,
-                     parse_budget, parse_demote_pages, parse_read_ahead, read_ahead_name, set_threads,
-                     tiered_row_name, user_errors)
+                     parse_budget, parse_demote_pages, parse_promote, parse_read_ahead, promote_name,
+                     read_ahead_name, set_threads, tiered_row_name, user_errors)
 
 
 @click.group()
@@ -102,21 +103,28 @@ def _needle_budget(context: str, device_budget: str, recall_pages: int) -> tuple
 @click.option("--read-ahead", default="auto", show_default=True,
               help="Comma list of read_ahead settings for disk pages, one TieredCache row each: auto (judged as it "
                    "goes), on, off.")
+@click.option("--promote", default="on", show_default=True,
+              help="Comma list of promote settings, one TieredCache row each: on (the host tier keeps the disk pages "
+                   "recall keeps bringing up), off.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @user_errors
 def decode(context: int, new_tokens: int, rounds: int, device_budget: str, host_budget: str, recall_pages: int,
            scorer: str, model: str | None, device: str, threads: int, demote_pages: str, cold_disk: bool,
-           read_ahead: str, as_json: bool) -> None:
+           read_ahead: str, promote: str, as_json: bool) -> None:
     """Decode tokens/s of TieredCache vs DynamicCache after the same long prompt."""
     budget, host = parse_budget(device_budget, "--device-budget"), parse_budget(host_budget, "--host-budget")
     check_cache_options(budget, host, None, recall_pages)
     demotes = parse_demote_pages(demote_pages)
     aheads = parse_read_ahead(read_ahead)
+    promotes = parse_promote(promote)
     if cold_disk and host is None:
         raise bad_option("--host-budget", host_budget, "a budget that sends pages to disk", "with --cold-disk")
     if aheads != [None] and host is None:
         raise bad_option("--host-budget", host_budget, "a budget that sends pages to disk",
                          f"with --read-ahead {read_ahead}")
+    if promotes != [True] and host is None:
+        raise bad_option("--host-budget", host_budget, "a budget that sends pages to disk",
+                         f"with --promote {promote}")
     if cold_disk and not hasattr(os, "posix_fadvise"):
         raise bad_option("--cold-disk", "set", "a system with posix_fadvise (Linux)", "cannot drop the page cache here")
     lm, tok = _checked_and_loaded(scorer, device, model, threads, as_json)
@@ -131,13 +139,12 @@ def decode(context: int, new_tokens: int, rounds: int, device_budget: str, host_
     ids = unit.repeat(1, context // unit.shape[1] + 1)[:, :context].to(device)
     caches = {"DynamicCache": lambda: DynamicCache(config=lm.config)}
     settings = {}
-    for d in demotes:
-        for a in aheads:
-            name = tiered_row_name(d, len(demotes), a, len(aheads))
-            settings[name] = {"demote_pages": d, "read_ahead": read_ahead_name(a)}
-            caches[name] = (lambda d=d, a=a: TieredCache(
-                lm.config, device_budget=budget, host_budget=host, demote_pages=d, read_ahead=a,
-                scorer=None if scorer == "auto" else scorer, recall_pages=recall_pages))
+    for d, a, p in itertools.product(demotes, aheads, promotes):
+        name = tiered_row_name(d, len(demotes), a, len(aheads), p, len(promotes))
+        settings[name] = {"demote_pages": d, "read_ahead": read_ahead_name(a), "promote": promote_name(p)}
+        caches[name] = (lambda d=d, a=a, p=p: TieredCache(
+            lm.config, device_budget=budget, host_budget=host, demote_pages=d, read_ahead=a, promote=p,
+            scorer=None if scorer == "auto" else scorer, recall_pages=recall_pages))
     echo = (lambda s: None) if as_json else click.echo
     results = compare_decode(lm, ids, caches, new_tokens, rounds, progress=echo,
                              before_step=drop_cached_disk if cold_disk else None)
@@ -146,12 +153,14 @@ def decode(context: int, new_tokens: int, rounds: int, device_budget: str, host_
         "machine": _machine(device),
         "context": context, "new_tokens": new_tokens, "rounds": rounds,
         "settings": {"device_budget": budget, "host_budget": host, "recall_pages": recall_pages, "scorer": scorer,
-                     "cold_disk": cold_disk, "read_ahead": [read_ahead_name(a) for a in aheads]},
+                     "cold_disk": cold_disk, "read_ahead": [read_ahead_name(a) for a in aheads],
+                     "promote": [promote_name(p) for p in promotes]},
         "results": [{"cache": r.name, "tokens_per_second": round(r.tokens_per_second, 2),
                      "ratio": round(r.tokens_per_second / base, 3),
                      "seconds": [round(s, 3) for s in r.seconds],
                      **({"settings": settings[r.name], "demotions": r.stats["demotions"],
-                         "read_ahead": r.stats["read_ahead"]} if r.stats else {})}
+                         "read_ahead": r.stats["read_ahead"], "promotion": r.stats["promotion"],
+                         "pages_recalled_from": r.stats["pages_recalled_from"]} if r.stats else {})}
                     for r in results],
     }
     if as_json:

@@ -267,18 +267,24 @@ def parse_demote_pages(value: str, option: str = "--demote-pages") -> list[int |
 
 
 READ_AHEAD_SETTINGS = {"auto": None, "on": True, "off": False}
+PROMOTE_SETTINGS = {"on": True, "off": False}
+
+
+def _parse_words(value: str, option: str, words: dict) -> list:
+    """'a,b' -> [words['a'], words['b']]: the settings of cache rows, one row each, in order."""
+    allowed = "a comma list of " + ", ".join(map(repr, words)) + f", like {','.join(words)}"
+    out = []
+    for part in value.split(","):
+        part = part.strip().lower()
+        if part not in words:
+            raise bad_option(option, value, allowed, f"has {part!r}")
+        out.append(words[part])
+    return list(dict.fromkeys(out))   # a setting given twice is one row
 
 
 def parse_read_ahead(value: str, option: str = "--read-ahead") -> list[bool | None]:
     """'auto' -> [None], 'auto,off' -> [None, False]: the `read_ahead` settings of cache rows."""
-    allowed = "a comma list of " + ", ".join(map(repr, READ_AHEAD_SETTINGS)) + ", like auto,off"
-    out: list[bool | None] = []
-    for part in value.split(","):
-        part = part.strip().lower()
-        if part not in READ_AHEAD_SETTINGS:
-            raise bad_option(option, value, allowed, f"has {part!r}")
-        out.append(READ_AHEAD_SETTINGS[part])
-    return list(dict.fromkeys(out))   # a setting given twice is one row
+    return _parse_words(value, option, READ_AHEAD_SETTINGS)
 
 
 def read_ahead_name(setting: bool | None) -> str:
@@ -286,16 +292,28 @@ def read_ahead_name(setting: bool | None) -> str:
     return next(k for k, v in READ_AHEAD_SETTINGS.items() if v is setting)
 
 
+def parse_promote(value: str, option: str = "--promote") -> list[bool]:
+    """'on' -> [True], 'on,off' -> [True, False]: the `promote` settings of cache rows."""
+    return _parse_words(value, option, PROMOTE_SETTINGS)
+
+
+def promote_name(setting: bool) -> str:
+    """The `--promote` word for a `promote` setting."""
+    return "on" if setting else "off"
+
+
 def tiered_row_name(demote_pages: int | None, rows: int, read_ahead: bool | None = None,
-                    read_ahead_rows: int = 1) -> str:
-    """A TieredCache row's name in a bench with `rows` `demote_pages` settings and `read_ahead_rows`
-    `read_ahead` settings (one row for each pair): the settings that vary between rows, and a `read_ahead`
-    other than the default."""
+                    read_ahead_rows: int = 1, promote: bool = True, promote_rows: int = 1) -> str:
+    """A TieredCache row's name in a bench with `rows` `demote_pages` settings, `read_ahead_rows` `read_ahead`
+    settings and `promote_rows` `promote` settings (one row for each combination): the settings that vary
+    between rows, and any other than the default."""
     name = "TieredCache"
     if rows > 1:
         name += f" d={'auto' if demote_pages is None else demote_pages}"
     if read_ahead_rows > 1 or read_ahead is not None:
         name += f" ra={read_ahead_name(read_ahead)}"
+    if promote_rows > 1 or not promote:
+        name += f" promote={promote_name(promote)}"
     return name
 
 

@@ -36,7 +36,7 @@ def copy_layer(src: LayerEngine, dst: LayerEngine) -> None:
     dst._masked_positions = src._masked_positions.copy()
     if src.index is not None:
         dst.index.load_state(src.index.state())
-    dst.table.copy_from(src.table)
+    dst.table.copy_from(src.table)   # the copy's host pages get no clean disk copies (see `_copy_pages`)
     if src.disk is not None:   # the same ring, so the copy sets the same host room aside
         dst._disk(ring_pages=src._readahead_pages())
     for tier in (HOST, DISK):
@@ -49,6 +49,7 @@ def copy_layer(src: LayerEngine, dst: LayerEngine) -> None:
     if src.readahead is not None and dst.readahead is not None:
         for name in ("hits", "misses", "read_ahead", "steps_paused"):
             setattr(dst.readahead, name, getattr(src.readahead, name))
+    dst._recall_clock = src._recall_clock
 
 
 def _copy_pages(src: LayerEngine, dst: LayerEngine, tier: int, heads: np.ndarray, pids: np.ndarray) -> None:
@@ -66,7 +67,8 @@ def clone_counters(src, dst) -> None:
     """Carry the move counters over, so the copy's `stats()` tell the same history."""
     dst.bytes_moved.update(src.bytes_moved)
     dst.pages_recalled.update(src.pages_recalled)
-    for name in ("recall_steps", "pages_reused", "pages_prefetched", "prefetch_used", "tokens_dropped", "demotions",
-                 "tokens_masked", "disk_wait_seconds"):
+    for name in ("recall_steps", "pages_reused", "pages_prefetched", "prefetch_used", "pages_promoted",
+                 "pages_dropped_clean", "promotions_skipped", "tokens_dropped", "demotions", "tokens_masked",
+                 "disk_wait_seconds"):
         setattr(dst, name, getattr(src, name))
 

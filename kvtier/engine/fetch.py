@@ -18,12 +18,18 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ..errors import CapacityError
+from ..placement import plan_promotion
 from ..placement.page_table import DISK, HOST
 from .. import native
 from ..recall.buffer import RecallBuffer
 from ..native import RecallPlan
 from ..recall.device_plan import plan_on_device
 from .graphs import StepKey, shapes
+
+
+COOL_EVERY = 32      # host-planned recalls of a layer between halvings of its pages' use counts
+PROMOTE_EVERY = 4    # host-planned recalls of a layer between rounds that keep disk pages on the host
 
 
 class PageFetching:
@@ -48,8 +54,9 @@ class PageFetching:
         heads, pids, slots = buf.plan(want)
         self.counters.pages_reused += H * r - len(pids)
         if len(pids):
-            order, k, v = self._bring_up(heads, pids)
+            order, k, v, from_disk = self._bring_up(heads, pids)
             buf.fill(heads[order], pids[order], slots[order], k, v)
+            self._keep_on_host(heads[order], pids[order], from_disk)
         self._read_ahead(ids, shortlist)
         self.counters.recall_steps += 1
         return buf.k, buf.v, buf.ids
@@ -199,13 +206,15 @@ class PageFetching:
             mirror = self._slot_mirror = (self.table.version, t.to(self.device, non_blocking=True))
         return mirror[1]
 
-    def _bring_up(self, heads: np.ndarray, pids: np.ndarray) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+    def _bring_up(self, heads: np.ndarray, pids: np.ndarray) -> tuple[np.ndarray, torch.Tensor, torch.Tensor,
+                                                                       tuple | None]:
         """Pages ``(heads[i], pids[i])`` from the host and disk tiers to the device.
 
-        Returns ``(order, k, v)``: the pages come in the order ``order`` of the request (by tier and slot,
-        so gathers run over the same slab; on CUDA, with every page in host memory, as asked: one kernel reads
-        them wherever they lie, and sorting thousands of pages would cost the host more than the copy),
-        ``[n, page_size, dim]`` each.
+        Returns ``(order, k, v, from_disk)``: the pages come in the order ``order`` of the request (by tier and
+        slot, so gathers run over the same slab; on CUDA, with every page in host memory, as asked: one kernel
+        reads them wherever they lie, and sorting thousands of pages would cost the host more than the copy),
+        ``[n, page_size, dim]`` each; ``from_disk`` is None, or ``(first, k, v)``: the pages from ``first`` on
+        (in that order) came from disk, and ``k, v`` are those pages as read, in host memory.
         """
         P, D = self.cfg.page_size, self.head_dim
         tier, slot = self.table.lookup(heads, pids)
@@ -215,36 +224,41 @@ class PageFetching:
             order = np.lexsort((slot, tier))
             tier, slot = tier[order], slot[order]
         on_host, on_disk = np.flatnonzero(tier == HOST), np.flatnonzero(tier == DISK)
+        a = len(on_host)   # with disk pages, sorted by tier: the host's pages, then the disk's
+        from_disk = None
         if self.device.type == "cuda":
-            k_dev, v_dev = self._bring_up_cuda(slot, on_host, on_disk)
+            k_dev, v_dev, staged = self._bring_up_cuda(slot, on_host, on_disk)
+            if staged is not None:
+                from_disk = (a, *staged)
         else:   # host memory is the device's: gather and read straight into the pages attention reads
             k_dev = torch.empty(len(pids), P, D, dtype=self.dtype)
             v_dev = torch.empty_like(k_dev)
-            a = len(on_host)   # sorted by tier: the host's pages, then the disk's
             if a:
                 self.host.load(slot[:a], out=(k_dev[:a], v_dev[:a]))
             if len(on_disk):
                 self._load_disk(slot[a:], out=(k_dev[a:], v_dev[a:]))
+                from_disk = (a, k_dev[a:], v_dev[a:])
         page_bytes = self.host.page_bytes()
         c = self.counters
         c.bytes_moved["host_to_device"] += len(on_host) * page_bytes
         c.bytes_moved["disk_to_device"] += len(on_disk) * page_bytes
         c.pages_recalled["host"] += len(on_host)
         c.pages_recalled["disk"] += len(on_disk)
-        return order, k_dev, v_dev
+        return order, k_dev, v_dev, from_disk
 
     def _bring_up_cuda(self, slot: np.ndarray, on_host: np.ndarray,
-                       on_disk: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+                       on_disk: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:
         """Host pages are read by the GPU from the pinned slabs straight into device memory (the gather kernel
         through the slabs' device mapping; no staging, no second copy); disk pages come through pinned
-        staging and one copy per tensor on the transfer stream."""
+        staging and one copy per tensor on the transfer stream. Returns the pages, and the disk pages' staging
+        (``(k, v)``, or None without disk pages)."""
         P, D = self.cfg.page_size, self.head_dim
         n = len(slot)
         k_dev = torch.empty(n, P, D, dtype=self.dtype, device=self.device)
         v_dev = torch.empty_like(k_dev)
         if len(on_disk) == 0:
             self.host.load(slot, out=(k_dev, v_dev))
-            return k_dev, v_dev
+            return k_dev, v_dev, None
         if len(on_host):
             hk = torch.empty(len(on_host), P, D, dtype=self.dtype, device=self.device)
             hv = torch.empty_like(hk)
@@ -261,7 +275,50 @@ class PageFetching:
         rows = torch.from_numpy(on_disk).to(self.device, non_blocking=True)
         k_dev.index_copy_(0, rows, dk)
         v_dev.index_copy_(0, rows, dv)
-        return k_dev, v_dev
+        return k_dev, v_dev, (sk, sv)
+
+    def _keep_on_host(self, heads: np.ndarray, pids: np.ndarray, from_disk: tuple | None) -> None:
+        """After recall brought pages ``(heads[i], pids[i])`` up (in `_bring_up`'s order, with its ``from_disk``):
+        count their use, and every `promote_every` such steps (`PROMOTE_EVERY`) keep the disk pages among them
+        in host memory where they are worth more than what the host holds (`plan_promotion`), their disk
+        records kept as clean copies (`cfg.promote`). A page recall keeps asking for comes up again in a later
+        round; a round now and then costs the host far less than one every step."""
+        cfg = self.cfg
+        budget = cfg.host_tokens(self.seen)
+        if not cfg.promote or budget is None:
+            return
+        table = self.table
+        table.touch(heads, pids)
+        self._recall_clock += 1
+        clock = self._recall_clock
+        if clock % COOL_EVERY == 0:
+            table.cool()
+        if from_disk is None or clock % self.promote_every:
+            return
+        first, k, v = from_disk
+        dh, dp = heads[first:], pids[first:]
+        P = cfg.page_size
+        room = max(0, budget - self._readahead_pages() * P) // P
+        rank, landed = table.landed_rank()
+        on_host = table.tier == HOST
+        kept, down_h, down_p = plan_promotion(dh, dp, table.uses, rank, on_host, landed, table.copy_slot >= 0, room)
+        if not kept.any():
+            return
+        try:
+            # each move is all or nothing; where one cannot be made (a full disk for a host page without a clean
+            # copy, no memory for a new host slab), the pages stay where they are: the step reads what it
+            # brought up either way, and the next placement that needs the room says what failed
+            if len(down_p):
+                self.move_down(down_h, down_p)
+            at = np.flatnonzero(kept)
+            copies = table.lookup(dh[at], dp[at])[1]
+            rows = torch.from_numpy(at)
+            slots = self.host.store(k.index_select(0, rows), v.index_select(0, rows))
+        except CapacityError:
+            self.counters.promotions_skipped += 1
+            return
+        table.place(dh[at], dp[at], HOST, np.asarray(slots, dtype=np.int64), copies=copies)
+        self.counters.pages_promoted += len(at)
 
     def _load_disk(self, slots: np.ndarray, out: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Disk pages at `slots` into `out` (through the read-ahead ring, where there is one)."""

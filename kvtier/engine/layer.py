@@ -28,7 +28,7 @@ from ..tiers.device import DevicePool
 from ..tiers.host import HostPool
 from ..tiers.readahead import DiskReadAhead
 from .device_step import DeviceDecoding
-from .fetch import PageFetching
+from .fetch import PROMOTE_EVERY, PageFetching
 from .graphs import StepGraphs
 from .attention import attend_parts, attend_with_lse, finish_with_lse, sink_part
 from .parking import ParkedLayer, check_target
@@ -119,6 +119,8 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
         # (scale, sinks, query, key and value shapes) of the last decode step whose launches scored and staged its
         # entry: what `plan_steady` takes the next step's to be
         self._steady_how: tuple | None = None
+        self._recall_clock = 0   # host-planned recalls, to cool the page table's use counts every `COOL_EVERY`
+        self.promote_every = PROMOTE_EVERY   # host-planned recalls between rounds that keep disk pages on the host
 
     # ------------------------------------------------------------------ write
     def _init(self, device: torch.device, dtype: torch.dtype) -> None:
@@ -531,20 +533,26 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
         movable = on_host & landed[None, :]
         if (movable.sum(axis=1) * P < over).any():   # the landed pages cannot make room: wait for the others
             rank, movable = self.table.rank, on_host
-        plans = plan_host_overflow(rank, np.full((self.heads, n), P), on_host, budget, 0, movable)
+        uses = self.table.uses if self.cfg.promote else None
+        plans = plan_host_overflow(rank, np.full((self.heads, n), P), on_host, budget, 0, movable, uses)
         heads = np.concatenate([np.full(len(ids), h) for h, ids in enumerate(plans)]).astype(np.int64)
         if len(heads):
             self.move_down(heads, np.concatenate(plans).astype(np.int64))
 
     def move_down(self, heads: np.ndarray, pids: np.ndarray) -> None:
-        """Write host pages ``(heads[i], pids[i])`` to disk, then free their host slots (all or nothing)."""
-        self.table.settle(pages=pids)    # the host pages are read below: the copies to them must have landed
+        """Move host pages ``(heads[i], pids[i])`` to disk, then free their host slots (all or nothing): a page
+        with a clean copy there (brought up from disk, see `_keep_on_host`) goes back to it unwritten."""
         slots = self.table.lookup(heads, pids)[1]
-        disk = self._disk()
-        disk_slots = disk.store(*self.host.load(slots))
+        copies = self.table.copies(heads, pids)
+        dirty = copies < 0
+        disk_slots = copies.copy()
+        if dirty.any():
+            self.table.settle(pages=pids[dirty])    # read below: the copies to them must have landed
+            disk_slots[dirty] = self._disk().store(*self.host.load(slots[dirty]))
         self.table.place(heads, pids, DISK, disk_slots)
         self.host.free(slots)
-        self.counters.bytes_moved["host_to_disk"] += len(pids) * self.host.page_bytes()
+        self.counters.bytes_moved["host_to_disk"] += int(dirty.sum()) * self.host.page_bytes()
+        self.counters.pages_dropped_clean += int((~dirty).sum())
 
     # ------------------------------------------------------------------ parking
     def park(self, to: str) -> None:
@@ -620,7 +628,8 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
         disk_tokens = int(self.table.tokens(DISK).sum())
         host_bytes = 0 if self.host is None else self.host.nbytes()
         host_bytes += 0 if self.index is None else self.index.host_bytes()
-        disk_bytes = disk_tokens * (entry - 12)
+        # what lies on disk: the pages whose home it is, and the clean copies of host pages brought up from it
+        disk_bytes = (disk_tokens + int((self.table.copy_slot >= 0).sum()) * self.cfg.page_size) * (entry - 12)
         if self.readahead is not None:
             host_bytes += self.readahead.nbytes()
         if self.parked is not None:
@@ -656,14 +665,17 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
         self._slot_mirror = None
         self._nan = self._nan_buf = None
         self._steady_how = None
+        self._recall_clock = 0
         self.settle_counts()
         if self.parked is not None:
             self.parked.discard(self.disk)
             self.parked = None
         if self.disk is not None:
             heads, pids = self.table.pages_in(DISK)
-            if len(heads):
-                slots = self.table.lookup(heads, pids)[1]
+            slots = self.table.lookup(heads, pids)[1]
+            copies = self.table.copy_slot
+            slots = np.concatenate([slots, copies[copies >= 0]])   # the host pages' clean copies too
+            if len(slots):
                 if self.readahead is not None:
                     self.readahead.forget(slots)
                 self.disk.free(slots)

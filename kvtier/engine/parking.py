@@ -5,7 +5,8 @@ A layer parked on the host keeps its device entries and its recall index in host
 disk writes the entries as pages to the cache's disk store, its recall index (with the entries' positions
 and scores) to a checksummed file in the private folder, and moves its host pages into the disk store,
 remembering which they were so resuming puts them back on the host: the resumed layer is in the very state
-it was parked in, so decoding continues bit-identically.
+it was parked in, so decoding continues bit-identically (a host page that had a clean copy on disk is parked in
+that copy, and comes back without one).
 
 Every change is all or nothing: what can fail (a write, a read) happens before anything is let go, and a
 failure leaves the layer as it was (the written pages are freed again).
@@ -82,15 +83,18 @@ class ParkedLayer:
             written.append(slots)
             heads, pids = table.pages_in(HOST) if host is not None else (np.empty(0, int), np.empty(0, int))
             host_slots = table.lookup(heads, pids)[1]
-            if len(heads):
-                written.append(disk.store(*host.load(host_slots)))
+            disk_slots = table.copies(heads, pids)   # a page with a clean copy on disk goes back to it unwritten
+            dirty = np.flatnonzero(disk_slots < 0)
+            if len(dirty):
+                written.append(disk.store(*host.load(host_slots[dirty])))
+                disk_slots[dirty] = written[-1]
             crc, size = _write_meta(path, self.meta)
         except BaseException:
             for s in written:
                 disk.free(s)
             raise
         if len(heads):   # nothing can fail from here on
-            table.place(heads, pids, DISK, written[1])
+            table.place(heads, pids, DISK, disk_slots)
             host.free(host_slots)
         return replace(self, where="disk", entries=None, meta={}, slots=slots.reshape(H, pages),
                        was_on_host=(heads, pids), file=path, file_crc=crc, file_bytes=size)

@@ -17,6 +17,9 @@ class MoveCounters:
     pages_reused: int = 0        # chosen pages already on the device when chosen (kept or prefetched)
     pages_prefetched: int = 0    # pages brought up ahead of need (counted in pages_recalled too)
     prefetch_used: int = 0       # of those, pages a later step chose
+    pages_promoted: int = 0      # disk pages recall brought up that the host tier then kept
+    pages_dropped_clean: int = 0  # host pages moved down to their clean disk copy, unwritten
+    promotions_skipped: int = 0   # rounds stopped by a full disk or no memory (pages stay where each move left them)
     tokens_dropped: int = 0
     demotions: int = 0           # demotions (or drops) from the device tier, summed over layers
     tokens_masked: int = 0       # padding the attention mask left out, never stored

@@ -87,6 +87,10 @@ class TieredCache(OneSequence, Cache):
         Read short-listed disk pages ahead of need into host memory: ``None`` (the default) judges as it goes
         whether that pays and pauses where it does not, ``True`` always, ``False`` never (the host tier then
         keeps its whole budget). See `TieredCacheConfig`; it never changes the output.
+    promote
+        Keep disk pages that recall keeps bringing up in host memory, in place of host pages used less lately
+        (``True``, the default), or leave the host tier holding the highest-ranked pages (``False``). See
+        `TieredCacheConfig`; it never changes the output.
     """
 
     def __init__(self, config: Any, device_budget: float | int = 0.25, host_budget: float | int | None = None,
@@ -94,7 +98,8 @@ class TieredCache(OneSequence, Cache):
                  mode: str = "tier", recall_pages: int = DEFAULT_RECALL_PAGES, *,
                  prefetch_pages: int | None = None, page_size: int = DEFAULT_PAGE_SIZE, sink_tokens: int = DEFAULT_SINK_TOKENS,
                  recent_tokens: int | float = DEFAULT_RECENT_TOKENS, scorer_kwargs: dict[str, Any] | None = None,
-                 demote_pages: int | None = None, cuda_graphs: bool = True, read_ahead: bool | None = None) -> None:
+                 demote_pages: int | None = None, cuda_graphs: bool = True, read_ahead: bool | None = None,
+                 promote: bool = True) -> None:
         plan = layer_plan(config)
         shape = ModelShape.from_config(config)
         if scorer_kwargs is not None and not isinstance(scorer_kwargs, dict):
@@ -119,6 +124,7 @@ class TieredCache(OneSequence, Cache):
             mode=mode, recall_pages=recall_pages, prefetch_pages=prefetch_pages, page_size=page_size,
             sink_tokens=sink_tokens,
             recent_tokens=recent_tokens, demote_pages=demote_pages, cuda_graphs=cuda_graphs, read_ahead=read_ahead,
+            promote=promote,
             scorer_name=scorer if isinstance(scorer, str) else scorer_name(scorer),
         )
         if isinstance(scorer, str):
@@ -274,8 +280,12 @@ class TieredCache(OneSequence, Cache):
 
         ``device``/``host``/``disk``: ``tokens`` (entries summed over layers and KV heads, measured
         from the pools), ``bytes`` held (host bytes include the 2-bit key codes of the recall index and the
-        disk pages kept for read-ahead), ``reserved_bytes`` allocated; ``device.index_bytes``: the key bounds
-        of the demoted pages, 1/16 of their K+V size at 16 entries a page. ``read_ahead``: disk pages served
+        disk pages kept for read-ahead; disk bytes the clean copies of host pages brought up from disk),
+        ``reserved_bytes`` allocated; ``device.index_bytes``: the key bounds of the demoted pages, 1/16 of their
+        K+V size at 16 entries a page. ``promotion``: disk pages recall brought up that the host tier kept
+        (``pages``), and host pages moved down to their clean copy without a write
+        (``moved_down_unwritten``), and rounds stopped by a full disk or no memory (``rounds_skipped``; each
+        move is all or nothing, the output the same); zero with ``promote=False``. ``read_ahead``: disk pages served
         from host memory (``hits``) or read on demand (``misses``), the ``hit_rate``, and the layer steps that
         skipped reading ahead where it did not pay (``steps_paused``); all zero without a ring
         (``read_ahead=False``), every disk page then read on demand.
@@ -340,6 +350,10 @@ class TieredCache(OneSequence, Cache):
                             "prefetch": {"captures": sum(g.captures for g in fetching),
                                          "replays": sum(g.replays for g in fetching),
                                          "eager": sum(g.eager for g in fetching)}},
+            # disk pages recall brought up that the host tier kept, and host pages moved down to their clean copy
+            "promotion": {"pages": c.pages_promoted, "moved_down_unwritten": c.pages_dropped_clean,
+                          # rounds stopped by a full disk or no memory (each move all or nothing)
+                          "rounds_skipped": c.promotions_skipped},
             "tokens_dropped": c.tokens_dropped,
             "demotions": c.demotions,
             "tokens_masked": c.tokens_masked,
@@ -372,7 +386,8 @@ class TieredCache(OneSequence, Cache):
                           scorer=scorer, mode=s.mode, recall_pages=s.recall_pages,
                           prefetch_pages=s.prefetch_pages, page_size=s.page_size,
                           sink_tokens=s.sink_tokens, recent_tokens=s.recent_tokens, demote_pages=s.demote_pages,
-                          cuda_graphs=s.cuda_graphs, read_ahead=s.read_ahead)
+                          cuda_graphs=s.cuda_graphs, read_ahead=s.read_ahead,
+                          promote=s.promote)
         try:
             for mine, theirs in zip(self.layers, new.layers):
                 if isinstance(mine, TieredLayer):

@@ -1,9 +1,10 @@
-"""Where each demoted page lives: which tier, which slot there, its rank and the positions it holds.
+"""Where each demoted page lives: which tier, which slot there, its rank and the positions it holds; for a host
+page brought up from disk, the disk slot of its clean copy; and how often recall has brought each page up lately.
 
 Pages are numbered per layer; every head gets the same number of pages at each demotion (budgets are
 equal per head), so page ``p`` exists for all heads and the table is a ``[heads, pages]`` grid. In tier mode
-pages are never destroyed; they only move between tiers. Changes go through `add` and `place`: the engine
-never writes cells itself.
+pages are never destroyed; they only move between tiers. Changes go through `add`, `place`, `touch` and `cool`:
+the engine never writes cells itself.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 EMPTY, HOST, DISK = 0, 1, 2
 TIER_NAMES = {HOST: "host", DISK: "disk"}
 LEVELS = (HOST, DISK)          # the hierarchy below the device, fastest first
+_DTYPES = {"tier": np.int8, "slot": np.int64, "rank": np.float32, "pos": np.int64, "copy": np.int64, "uses": np.int32}
 
 
 class PageTable:
@@ -33,16 +35,20 @@ class PageTable:
 
     def _new_chunk(self) -> dict[str, np.ndarray]:
         H, C = self.heads, self.chunk
-        return {"tier": np.zeros((H, C), dtype=np.int8), "slot": np.full((H, C), -1, dtype=np.int64),
-                "rank": np.full((H, C), -np.inf, dtype=np.float32),
-                "pos": np.full((H, C, self.page_size), -1, dtype=np.int64)}
+        return {"tier": np.zeros((H, C), dtype=_DTYPES["tier"]), "slot": np.full((H, C), -1, dtype=_DTYPES["slot"]),
+                "rank": np.full((H, C), -np.inf, dtype=_DTYPES["rank"]),
+                "pos": np.full((H, C, self.page_size), -1, dtype=_DTYPES["pos"]),
+                # a host page's clean copy on disk (its disk slot), kept so that moving it down again writes nothing
+                "copy": np.full((H, C), -1, dtype=_DTYPES["copy"]),
+                # how often recall brought the page up lately (halved by `cool`): what the host tier keeps first
+                "uses": np.zeros((H, C), dtype=_DTYPES["uses"])}
 
     def _column(self, name: str) -> np.ndarray:
         """The first `n` page ids of a field as one array (a copy across chunks)."""
         n = self.n
         if not self._chunks:
             shape = (self.heads, 0, self.page_size) if name == "pos" else (self.heads, 0)
-            return np.zeros(shape, dtype=self._new_chunk()[name].dtype)
+            return np.zeros(shape, dtype=_DTYPES[name])
         parts = [c[name] for c in self._chunks]
         whole = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
         return whole[:, :n]
@@ -118,14 +124,44 @@ class PageTable:
         pids = np.asarray(pids, dtype=np.int64)
         return np.asarray(heads, dtype=np.int64), pids // self.chunk, pids % self.chunk
 
-    def place(self, heads: np.ndarray, pids: np.ndarray, tier: int, slots: np.ndarray) -> None:
-        """Record that pages ``(heads[i], pids[i])`` now live in `tier` at `slots`."""
+    def place(self, heads: np.ndarray, pids: np.ndarray, tier: int, slots: np.ndarray,
+              copies: np.ndarray | None = None) -> None:
+        """Record that pages ``(heads[i], pids[i])`` now live in `tier` at `slots`, with clean copies on disk at
+        `copies` (host pages brought up from disk; -1 or None: no copy)."""
         h, c, o = self._cells(heads, pids)
         for ci in np.unique(c):
             sel = c == ci
-            self._chunks[ci]["tier"][h[sel], o[sel]] = tier
-            self._chunks[ci]["slot"][h[sel], o[sel]] = slots[sel]
+            ch = self._chunks[ci]
+            ch["tier"][h[sel], o[sel]] = tier
+            ch["slot"][h[sel], o[sel]] = slots[sel]
+            ch["copy"][h[sel], o[sel]] = -1 if copies is None else copies[sel]
         self.version += 1
+
+    def copies(self, heads: np.ndarray, pids: np.ndarray) -> np.ndarray:
+        """The disk slot of each page's clean copy (-1: none)."""
+        return self._gather("copy", heads, pids)
+
+    def touch(self, heads: np.ndarray, pids: np.ndarray) -> None:
+        """Count one use of each page ``(heads[i], pids[i])`` (each pair at most once a call)."""
+        h, c, o = self._cells(heads, pids)
+        for ci in np.unique(c):
+            sel = c == ci
+            self._chunks[ci]["uses"][h[sel], o[sel]] += 1
+
+    def cool(self) -> None:
+        """Halve every page's use count (rounding down), so that what counts is recent use."""
+        for ch in self._chunks:
+            ch["uses"] >>= 1
+
+    def _gather(self, name: str, heads: np.ndarray, pids: np.ndarray) -> np.ndarray:
+        h, c, o = self._cells(heads, pids)
+        if len(self._chunks) == 1:
+            return self._chunks[0][name][h, o]
+        out = np.empty(len(h), dtype=_DTYPES[name])
+        for ci in np.unique(c):
+            sel = c == ci
+            out[sel] = self._chunks[ci][name][h[sel], o[sel]]
+        return out
 
     def lookup(self, heads: np.ndarray, pids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Tier and slot of each page ``(heads[i], pids[i])``."""
@@ -159,6 +195,16 @@ class PageTable:
     def slot(self) -> np.ndarray:
         """``[heads, n]`` slot of every page in its tier (a read-only snapshot)."""
         return self._column("slot")
+
+    @property
+    def uses(self) -> np.ndarray:
+        """``[heads, n]`` recent use count of every page (see `touch`, `cool`)."""
+        return self._column("uses")
+
+    @property
+    def copy_slot(self) -> np.ndarray:
+        """``[heads, n]`` disk slot of each host page's clean copy (-1: none)."""
+        return self._column("copy")
 
     def pages_in(self, tier: int) -> tuple[np.ndarray, np.ndarray]:
         """``(heads, page ids)`` of the pages in `tier`."""

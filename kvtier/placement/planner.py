@@ -106,8 +106,10 @@ def plan_host_overflow(
     budget_tokens: int,
     slack: int,
     movable: np.ndarray | None = None,
+    uses: np.ndarray | None = None,
 ) -> list[np.ndarray]:
-    """Choose, per head, the host pages to push down to disk.
+    """Choose, per head, the host pages to push down to disk: the least used lately first (`uses`, where the
+    host keeps pages recall brought up from disk), then the lowest-ranked.
 
     Parameters
     ----------
@@ -137,9 +139,80 @@ def plan_host_overflow(
             continue
         if movable is not None:
             ids = ids[movable[h, ids]]
-        # lowest rank first, older page first among ties (lexsort: last key is primary)
-        order = ids[np.lexsort((ids, page_rank[h, ids]))]
+        # least used first, then lowest rank, older page first among ties (lexsort: last key is primary)
+        keys = (ids, page_rank[h, ids]) if uses is None else (ids, page_rank[h, ids], uses[h, ids])
+        order = ids[np.lexsort(keys)]
         freed = np.cumsum(page_count[h, order])
         k = int(np.searchsorted(freed, held - target, side="left")) + 1
         plans.append(order[: min(k, len(order))])
     return plans
+
+
+def _least_kept(first: np.ndarray, rank: np.ndarray, m: int) -> np.ndarray:
+    """Indices of the `m` entries least worth keeping, by ``(first, rank, index)`` ascending, in that order:
+    linear in the entries, then a sort of the `m` taken (a host tier holds thousands of pages a head)."""
+    n = len(first)
+    if m >= n:
+        return np.lexsort((np.arange(n), rank, first))
+    if m <= 0:
+        return np.empty(0, dtype=np.int64)
+    t = np.partition(first, m - 1)[m - 1]
+    below = np.flatnonzero(first < t)
+    tie = np.flatnonzero(first == t)
+    need = m - len(below)
+    if need < len(tie):   # among the ties the lowest ranks, the first (oldest) among equal ranks
+        rt = np.partition(rank[tie], need - 1)[need - 1]
+        low = tie[rank[tie] < rt]
+        tie = np.concatenate([low, tie[rank[tie] == rt][:need - len(low)]])
+    taken = np.concatenate([below, tie])
+    return taken[np.lexsort((taken, rank[taken], first[taken]))]
+
+
+def plan_promotion(
+    cand_heads: np.ndarray,
+    cand_pids: np.ndarray,
+    uses: np.ndarray,
+    page_rank: np.ndarray,
+    on_host: np.ndarray,
+    landed: np.ndarray,
+    clean: np.ndarray,
+    budget_pages: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Which disk pages just brought up by recall (``(cand_heads[i], cand_pids[i])``) the host tier keeps, and
+    which host pages go down to make room for them.
+
+    A host under `budget_pages` pages a head takes the best candidates into its free room. Past it, a candidate
+    takes the place of a host page worth less: fewer recent uses (`uses`, the candidates' own use counted),
+    then a lower rank. So the host keeps the pages recall keeps coming back for (the least used lately goes
+    first, and a page used once does not push out one used more), and the placement by rank holds among the
+    pages recall has not asked for. Among host pages used as often, those with a `clean` copy on disk go first
+    (they go down unwritten). Only pages whose copies have `landed` (``[pages]``) may go.
+
+    Returns ``(kept, down_heads, down_pids)``: a bool per candidate, and the host pages to move down.
+    """
+    kept = np.zeros(len(cand_pids), dtype=bool)
+    down_h, down_p = [], []
+    held = on_host.sum(axis=1)
+    for h in np.unique(cand_heads):
+        at = np.flatnonzero(cand_heads == h)
+        c = cand_pids[at]
+        best = np.lexsort((-c, page_rank[h, c], uses[h, c]))[::-1]   # most worth keeping first, older first
+        at, c = at[best], c[best]
+        free = min(max(0, budget_pages - int(held[h])), len(c))
+        kept[at[:free]] = True
+        rest = c[free:]
+        if len(rest) == 0:
+            continue
+        ids = np.flatnonzero(on_host[h] & landed)
+        u = uses[h, ids].astype(np.int64)
+        low = ids[_least_kept(2 * u + ~clean[h, ids], page_rank[h, ids], len(rest))]
+        m = len(low)
+        cu, cr, lu, lr = uses[h, rest[:m]], page_rank[h, rest[:m]], uses[h, low], page_rank[h, low]
+        worse = (lu < cu) | ((lu == cu) & (lr < cr))
+        swaps = m if worse.all() else int(np.argmin(worse))   # up to the first host page worth as much
+        kept[at[free:free + swaps]] = True
+        down_h.append(np.full(swaps, h, dtype=np.int64))
+        down_p.append(low[:swaps])
+    if not down_p:
+        return kept, np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+    return kept, np.concatenate(down_h), np.concatenate(down_p).astype(np.int64)

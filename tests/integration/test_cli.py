@@ -129,6 +129,21 @@ def test_bench_decode_cold_disk(monkeypatch):
     assert off["read_ahead"]["pages_read_ahead"] == 0 and off["read_ahead"]["hits"] == 0
 
 
+def test_bench_decode_rows_per_promote_setting():
+    """`--promote on,off`: one row each, with their settings and counters; the host tier keeps disk pages only
+    where promotion is on, and the disk is read less there."""
+    result = run("bench", "decode", "--context", "1500", "--new-tokens", "12", "--rounds", "1", "--device-budget",
+                 "0.25", "--host-budget", "0.25", "--scorer", "keynorm", "--promote", "on,off", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output[result.output.index("{"):])
+    assert data["settings"]["promote"] == ["on", "off"]
+    on, off = data["results"][1:]
+    assert (on["cache"], off["cache"]) == ("TieredCache promote=on", "TieredCache promote=off")
+    assert (on["settings"]["promote"], off["settings"]["promote"]) == ("on", "off")
+    assert on["promotion"]["pages"] > 0 and off["promotion"]["pages"] == 0
+    assert on["pages_recalled_from"]["disk"] < off["pages_recalled_from"]["disk"]
+
+
 def test_bench_decode_rows_per_demote_pages():
     """One TieredCache row per demote_pages setting, each with its demotions; a bad setting is refused by name."""
     result = run("bench", "decode", "--context", "2000", "--new-tokens", "40", "--rounds", "1", "--device-budget",

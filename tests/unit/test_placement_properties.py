@@ -5,7 +5,10 @@ of the lowest-scored unprotected entries (older first among ties) are demoted, o
 `demotion_pages` if more, but only as many pages as the unprotected entries fill; the demoted entries are cut into pages in position order. After a demotion,
 when the host holds more than its budget minus the read-ahead pages, its lowest-ranked pages (rank = best
 score in the page, older page first among ties) go to disk until it fits. (Here every copy lands at once; where
-the last demotion's copies are still under way its pages are spared, see test_demotion.py.)
+the last demotion's copies are still under way its pages are spared, see test_demotion.py.) The reference
+knows nothing of `promote` (disk pages recall brings up kept on the host): with it, the device tier must still
+match, the host and disk tiers together hold the reference's pages, the host stays within its budget, and every
+disk record is a disk page or a host page's clean copy.
 """
 
 from __future__ import annotations
@@ -159,17 +162,21 @@ settings_ = settings(max_examples=80, deadline=None, suppress_health_check=[Heal
     recall_pages=st.one_of(st.integers(0, 5), st.just(10_000)),
     recall_after=st.lists(st.booleans(), min_size=14, max_size=14),
     demote_pages=st.one_of(st.none(), st.integers(1, 4)),
+    promote=st.booleans(),
 )
 @example(chunks=[23, 1, 9, 23, 2, 2, 2, 2, 17, 23, 1, 1, 5, 23], device_budget=16, host_budget=20, page_size=4,
-         sink=2, recent=3, mode="tier", recall_pages=10_000, recall_after=[True] * 14, demote_pages=None)
+         sink=2, recent=3, mode="tier", recall_pages=10_000, recall_after=[True] * 14, demote_pages=None, promote=False)
 @example(chunks=[5, 23, 7, 1, 1, 1, 1, 1, 23, 3, 11, 1, 1, 23], device_budget=0.3, host_budget=0.25, page_size=3,
-         sink=1, recent=5, mode="tier", recall_pages=2, recall_after=[True, False] * 7, demote_pages=None)
+         sink=1, recent=5, mode="tier", recall_pages=2, recall_after=[True, False] * 7, demote_pages=None,
+         promote=False)
 @example(chunks=[1, 1, 1, 1, 1], device_budget=0.5, host_budget=None, page_size=1, sink=0, recent=0, mode="tier",
-         recall_pages=10_000, recall_after=[False] * 4 + [True] * 10, demote_pages=None)
+         recall_pages=10_000, recall_after=[False] * 4 + [True] * 10, demote_pages=None, promote=False)
 @example(chunks=[23, 23, 4, 1, 1, 1], device_budget=10, host_budget=None, page_size=5, sink=3, recent=5,
-         mode="evict", recall_pages=3, recall_after=[True] * 14, demote_pages=None)
+         mode="evict", recall_pages=3, recall_after=[True] * 14, demote_pages=None, promote=False)
+@example(chunks=[5, 23, 7, 1, 1, 1, 1, 1, 23, 3, 11, 1, 1, 23], device_budget=0.3, host_budget=0.25, page_size=1,
+         sink=1, recent=5, mode="tier", recall_pages=3, recall_after=[True] * 14, demote_pages=None, promote=True)
 def test_engine_matches_reference(make_engine, chunks, device_budget, host_budget, page_size, sink, recent,
-                                  mode, recall_pages, recall_after, demote_pages, watch_fetches):
+                                  mode, recall_pages, recall_after, demote_pages, promote, watch_fetches):
     if isinstance(device_budget, int) and device_budget < sink + recent:
         device_budget = sink + recent + 1
     if mode == "evict":
@@ -177,7 +184,8 @@ def test_engine_matches_reference(make_engine, chunks, device_budget, host_budge
     heads, dim = 2, 4
     engine = make_engine(heads=heads, head_dim=dim, device_budget=device_budget, host_budget=host_budget,
                          mode=mode, recall_pages=recall_pages, page_size=page_size, sink_tokens=sink,
-                         recent_tokens=recent, scorer=HashScorer(), demote_pages=demote_pages)
+                         recent_tokens=recent, scorer=HashScorer(), demote_pages=demote_pages, promote=promote)
+    engine.promote_every = 1   # a round every recall, so that short runs move pages up and down
     fetched = watch_fetches(engine)
     ref = Reference(engine.cfg, heads)
     seen = 0
@@ -227,6 +235,18 @@ def test_engine_matches_reference(make_engine, chunks, device_budget, host_budge
             for tier in ("host", "disk"):
                 expect = {(pid, p) for pid, entries in ref.heads[h].pages.items()
                           if ref.heads[h].tier[pid] == tier for p, _ in entries}
-                assert tiers[tier] == expect, f"{tier} tier differs at step {step}, head {h}"
+                if promote:   # where pages lie below the device is the host's own choice: both tiers together
+                    expect |= {(pid, p) for pid, entries in ref.heads[h].pages.items()
+                               if ref.heads[h].tier[pid] != tier for p, _ in entries}
+                    assert tiers[tier] <= expect, f"{tier} tier holds pages never demoted at step {step}, head {h}"
+                else:
+                    assert tiers[tier] == expect, f"{tier} tier differs at step {step}, head {h}"
+            if promote:
+                below = {(pid, p) for pid, entries in ref.heads[h].pages.items() for p, _ in entries}
+                assert tiers["host"] | tiers["disk"] == below and not tiers["host"] & tiers["disk"]
             if mode == "tier":
                 assert len(device) + len(tiers["host"]) + len(tiers["disk"]) == seen
+        if engine.disk is not None:   # every disk record is a disk page or a host page's clean copy, and no more
+            copies = engine.table.copy_slot
+            assert engine.disk.pages() == engine.table.pages(DISK) + int((copies >= 0).sum())
+            assert (engine.table.tier[copies >= 0] == HOST).all()
