@@ -147,10 +147,13 @@ class TieredCacheConfig:
         disk, sized then (`read_ahead_pages`); where that size is 0 (fewer than 2 recall pages, a host budget
         under 4 pages), no page is read ahead whatever the setting.
     promote
-        Keep disk pages that recall brings up in host memory, in place of the host pages least used lately
-        (`kvtier.placement.planner.plan_promotion`); the disk keeps a clean copy, so such a page goes back down
-        without a write. ``False``: the host tier holds the highest-ranked pages, whatever recall asks for. Only
-        where the pages are, and so the disk reads, are affected, never the output.
+        ``True``: keep disk pages that recall brings up in host memory, in place of the host pages least used
+        lately (`kvtier.placement.planner.plan_promotion`); the disk keeps a clean copy, so such a page goes back
+        down without a write. It reads a fifth to a quarter fewer disk pages, but on the machine measured
+        (docs/benchmarks.md) a read's cost was its call's, not its pages', and the rounds cost as much as they
+        saved, so it is off by default: for a disk whose reads cost by the page. ``False`` (the default): the
+        host tier holds the highest-ranked pages, whatever recall asks for. Only where the pages are, and so
+        the disk reads, are affected, never the output.
     """
 
     shape: ModelShape
@@ -166,7 +169,7 @@ class TieredCacheConfig:
     demote_pages: int | None = None
     cuda_graphs: bool = field(default=True, compare=False)   # how steps run, not what they hold
     read_ahead: bool | None = None
-    promote: bool = True
+    promote: bool = False
     scorer_name: str = field(default="keynorm", compare=False)
 
     def __post_init__(self) -> None:

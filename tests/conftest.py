@@ -77,7 +77,7 @@ def make_engine(tmp_path):
 
     def build(heads=2, head_dim=8, device_budget=32, host_budget=None, mode="tier", recall_pages=4,
               page_size=4, sink_tokens=2, recent_tokens=4, scorer="keynorm", layer_idx=0, prefetch_pages=None,
-              demote_pages=None, read_ahead=None, promote=True):
+              demote_pages=None, read_ahead=None, promote=False):
         cfg = TieredCacheConfig(
             shape=ModelShape(1, heads, head_dim),
             device_budget=Budget(device_budget, "device_budget"),

@@ -103,7 +103,7 @@ def _needle_budget(context: str, device_budget: str, recall_pages: int) -> tuple
 @click.option("--read-ahead", default="auto", show_default=True,
               help="Comma list of read_ahead settings for disk pages, one TieredCache row each: auto (judged as it "
                    "goes), on, off.")
-@click.option("--promote", default="on", show_default=True,
+@click.option("--promote", default="off", show_default=True,
               help="Comma list of promote settings, one TieredCache row each: on (the host tier keeps the disk pages "
                    "recall keeps bringing up), off.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
@@ -122,7 +122,7 @@ def decode(context: int, new_tokens: int, rounds: int, device_budget: str, host_
     if aheads != [None] and host is None:
         raise bad_option("--host-budget", host_budget, "a budget that sends pages to disk",
                          f"with --read-ahead {read_ahead}")
-    if promotes != [True] and host is None:
+    if promotes != [False] and host is None:
         raise bad_option("--host-budget", host_budget, "a budget that sends pages to disk",
                          f"with --promote {promote}")
     if cold_disk and not hasattr(os, "posix_fadvise"):

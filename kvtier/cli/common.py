@@ -312,7 +312,7 @@ def tiered_row_name(demote_pages: int | None, rows: int, read_ahead: bool | None
         name += f" d={'auto' if demote_pages is None else demote_pages}"
     if read_ahead_rows > 1 or read_ahead is not None:
         name += f" ra={read_ahead_name(read_ahead)}"
-    if promote_rows > 1 or not promote:
+    if promote_rows > 1 or promote:
         name += f" promote={promote_name(promote)}"
     return name
 

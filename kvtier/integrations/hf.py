@@ -89,8 +89,9 @@ class TieredCache(OneSequence, Cache):
         keeps its whole budget). See `TieredCacheConfig`; it never changes the output.
     promote
         Keep disk pages that recall keeps bringing up in host memory, in place of host pages used less lately
-        (``True``, the default), or leave the host tier holding the highest-ranked pages (``False``). See
-        `TieredCacheConfig`; it never changes the output.
+        (``True``), or leave the host tier holding the highest-ranked pages (``False``, the default: on the
+        machine measured it read fewer disk pages but did not decode faster). See `TieredCacheConfig`; it never
+        changes the output.
     """
 
     def __init__(self, config: Any, device_budget: float | int = 0.25, host_budget: float | int | None = None,
@@ -99,7 +100,7 @@ class TieredCache(OneSequence, Cache):
                  prefetch_pages: int | None = None, page_size: int = DEFAULT_PAGE_SIZE, sink_tokens: int = DEFAULT_SINK_TOKENS,
                  recent_tokens: int | float = DEFAULT_RECENT_TOKENS, scorer_kwargs: dict[str, Any] | None = None,
                  demote_pages: int | None = None, cuda_graphs: bool = True, read_ahead: bool | None = None,
-                 promote: bool = True) -> None:
+                 promote: bool = False) -> None:
         plan = layer_plan(config)
         shape = ModelShape.from_config(config)
         if scorer_kwargs is not None and not isinstance(scorer_kwargs, dict):

@@ -218,7 +218,7 @@ def test_checks_create_no_folders(tmp_path, monkeypatch):
     (["--cold-disk"], ["--host-budget", "with --cold-disk", "sends pages to disk"]),
     (["--read-ahead", "off"], ["--host-budget", "with --read-ahead off", "sends pages to disk"]),
     (["--host-budget", "0.5", "--read-ahead", "auto,maybe"], ["--read-ahead", "'maybe'", "'auto', 'on', 'off'"]),
-    (["--promote", "off"], ["--host-budget", "with --promote off", "sends pages to disk"]),
+    (["--promote", "on"], ["--host-budget", "with --promote on", "sends pages to disk"]),
     (["--host-budget", "0.5", "--promote", "on,yes"], ["--promote", "'yes'", "'on', 'off'"]),
 ])
 def test_bench_decode_bad_options(args, words):

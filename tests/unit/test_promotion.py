@@ -128,9 +128,11 @@ def test_twin_engines_attend_alike_and_every_page_is_kept_once(make_engine, chun
     assert on.disk is None or on.disk.pages() == 0
 
 
-def test_promote_must_be_a_bool():
+def test_promote_must_be_a_bool_and_is_off_by_default():
     with pytest.raises(ConfigError, match=r"promote='yes'; allowed: True or False"):
         TieredCache(tiny_llama().config, host_budget=0.2, promote="yes")
+    with TieredCache(tiny_llama().config, host_budget=0.2) as cache:
+        assert cache.settings.promote is False
 
 
 _SETTINGS = dict(device_budget=0.1, host_budget=0.25, recall_pages=4, page_size=8, read_ahead=False)
@@ -146,7 +148,7 @@ def _same(a, b):
 
 
 def _promoting(model, tmp_path, **kw):
-    cache = TieredCache(model.config, disk_dir=tmp_path, **{**_SETTINGS, **kw})
+    cache = TieredCache(model.config, disk_dir=tmp_path, promote=True, **{**_SETTINGS, **kw})
     for engine in cache._engines:
         engine.promote_every = 1
     return cache
