@@ -303,7 +303,7 @@ def promote_name(setting: bool) -> str:
 
 
 def tiered_row_name(demote_pages: int | None, rows: int, read_ahead: bool | None = None,
-                    read_ahead_rows: int = 1, promote: bool = True, promote_rows: int = 1) -> str:
+                    read_ahead_rows: int = 1, promote: bool = False, promote_rows: int = 1) -> str:
     """A TieredCache row's name in a bench with `rows` `demote_pages` settings, `read_ahead_rows` `read_ahead`
     settings and `promote_rows` `promote` settings (one row for each combination): the settings that vary
     between rows, and any other than the default."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import UnsupportedError
-from ..placement.page_table import DISK, HOST
+from ..placement.page_table import DISK, EMPTY, HOST
 from .layer import LayerEngine
 
 _PAGES_PER_BATCH = 1024   # pages moved at a time, so a copy's extra memory stays bounded
@@ -36,7 +36,11 @@ def copy_layer(src: LayerEngine, dst: LayerEngine) -> None:
     dst._masked_positions = src._masked_positions.copy()
     if src.index is not None:
         dst.index.load_state(src.index.state())
-    dst.table.copy_from(src.table)   # the copy's host pages get no clean disk copies (see `_copy_pages`)
+    dst.table.copy_from(src.table)
+    # until a page is copied, the copy's table names no slot of its own: one that failed midway frees only what
+    # it copied (the source's slot numbers mean nothing in the copy's stores); its host pages get no clean copies
+    heads, pids = np.nonzero(dst.table.tier != EMPTY)
+    dst.table.place(heads, pids, EMPTY, np.full(len(heads), -1, dtype=np.int64))
     if src.disk is not None:   # the same ring, so the copy sets the same host room aside
         dst._disk(ring_pages=src._readahead_pages())
     for tier in (HOST, DISK):

@@ -204,15 +204,22 @@ def plan_promotion(
         if len(rest) == 0:
             continue
         ids = np.flatnonzero(on_host[h] & landed)
-        u = uses[h, ids].astype(np.int64)
-        low = ids[_least_kept(2 * u + ~clean[h, ids], page_rank[h, ids], len(rest))]
+        u, r = uses[h, ids], page_rank[h, ids]
+        low = _least_kept(u, r, len(rest))   # the host pages worth least, ascending: paired with the best candidates
         m = len(low)
-        cu, cr, lu, lr = uses[h, rest[:m]], page_rank[h, rest[:m]], uses[h, low], page_rank[h, low]
-        worse = (lu < cu) | ((lu == cu) & (lr < cr))
+        cu, cr = uses[h, rest[:m]], page_rank[h, rest[:m]]
+        worse = (u[low] < cu) | ((u[low] == cu) & (r[low] < cr))
         swaps = m if worse.all() else int(np.argmin(worse))   # up to the first host page worth as much
+        if swaps == 0:
+            continue
         kept[at[free:free + swaps]] = True
+        # every host page worth less than the last candidate kept may go in its place; among those, the least
+        # used first, and among equally used the ones with a clean copy (they go down unwritten), then rank
+        wu, wr = uses[h, rest[swaps - 1]], page_rank[h, rest[swaps - 1]]
+        under = np.flatnonzero((u < wu) | ((u == wu) & (r < wr)))
+        pick = under[_least_kept(2 * u[under].astype(np.int64) + ~clean[h, ids[under]], r[under], swaps)]
         down_h.append(np.full(swaps, h, dtype=np.int64))
-        down_p.append(low[:swaps])
+        down_p.append(ids[pick])
     if not down_p:
         return kept, np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
     return kept, np.concatenate(down_h), np.concatenate(down_p).astype(np.int64)

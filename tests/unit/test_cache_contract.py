@@ -54,6 +54,34 @@ def test_deepcopy_is_an_independent_copy_of_every_tier(model, tmp_path):
     again.close()
 
 
+@pytest.mark.parametrize("promote", [False, True])
+def test_a_deepcopy_that_fails_midway_raises_its_own_error_and_leaves_the_original_whole(model, tmp_path, monkeypatch,
+                                                                                          promote):
+    """The copy's disk store fails while it takes the disk pages: the error says so (the half-made copy, closed,
+    frees only its own records, never the source's slot numbers in its own store), and the original decodes on."""
+    from kvtier.errors import CapacityError
+    from kvtier.tiers.disk import DiskStore
+
+    with TieredCache(model.config, disk_dir=tmp_path, promote=promote, **TIERED) as cache, \
+            TieredCache(model.config, disk_dir=tmp_path, promote=promote, **TIERED) as twin:
+        for c in (cache, twin):
+            greedy(model, c, PROMPT, n=4)
+        assert cache.stats()["disk"]["tokens"]
+        real, mine = DiskStore.store, cache._shared.disk_store
+
+        def full_but_mine(self, k, v):
+            if self is not mine:
+                raise CapacityError("disk full: the copy's store")
+            return real(self, k, v)
+
+        monkeypatch.setattr(DiskStore, "store", full_but_mine)
+        with pytest.raises(CapacityError, match="the copy's store"):
+            copy.deepcopy(cache)
+        monkeypatch.setattr(DiskStore, "store", real)
+        other = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(5))
+        assert greedy(model, cache, other) == greedy(model, twin, other)
+
+
 def test_deepcopy_of_a_parked_cache_is_refused_and_changes_nothing(model, tmp_path):
     with TieredCache(model.config, disk_dir=tmp_path, **TIERED) as cache:
         greedy(model, cache, PROMPT, n=1)

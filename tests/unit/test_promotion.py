@@ -63,6 +63,28 @@ def test_clean_pages_go_first_among_the_equally_used_and_unlanded_pages_never():
     assert kept == [True] and down == [(0, 0)]   # pages 1 and 2 are still landing: only page 0 may go
 
 
+def test_a_clean_page_goes_first_only_among_pages_worth_less_than_the_candidate():
+    # all used once: page 0 (clean, rank 9) is worth more than the candidate (rank 5), page 1 (rank 1) less
+    kept, down = _plan([(0, 2)], uses=[[1, 1, 1]], rank=[[9, 1, 5]], on_host=[[1, 1, 0]], budget=2,
+                       clean=[[1, 0, 0]])
+    assert kept == [True] and down == [(0, 1)]
+    # both worth less: the clean one goes (unwritten), though its rank is the higher
+    kept, down = _plan([(0, 2)], uses=[[1, 1, 1]], rank=[[2, 1, 5]], on_host=[[1, 1, 0]], budget=2,
+                       clean=[[1, 0, 0]])
+    assert kept == [True] and down == [(0, 0)]
+
+
+def test_a_host_overflow_sends_the_least_used_down_first():
+    from kvtier.placement import plan_host_overflow
+
+    rank = np.array([[1.0, 2.0, 3.0, 4.0]], dtype=np.float32)
+    on_host = np.ones((1, 4), bool)
+    count = np.full((1, 4), 4)
+    assert plan_host_overflow(rank, count, on_host, 8, 0)[0].tolist() == [0, 1]   # rank alone
+    uses = np.array([[3, 0, 2, 0]], dtype=np.int32)
+    assert plan_host_overflow(rank, count, on_host, 8, 0, uses=uses)[0].tolist() == [1, 3]
+
+
 def test_heads_are_planned_apart():
     kept, down = _plan([(0, 1), (1, 1)], uses=[[0, 1], [5, 1]], rank=[[0, 0], [0, 0]], on_host=[[1, 0], [1, 0]],
                        budget=1)
@@ -115,6 +137,8 @@ def test_twin_engines_attend_alike_and_every_page_is_kept_once(make_engine, chun
             engine.write(k.clone(), v.clone())
             got = engine.attend(query.clone())
             outs.append(None if got is None else got[0])
+            # the rounds run in attend: within budget before the commit's overflow could send anything down
+            assert (engine.table.tokens(HOST) <= engine.cfg.host_tokens(seen + q)).all(), "host over budget"
             engine.commit()
         assert (outs[0] is None) == (outs[1] is None)
         if outs[0] is not None:
@@ -227,6 +251,39 @@ def test_a_copy_is_independent_and_decodes_alike(tmp_path):
             _engines_accounted(twin)
         finally:
             twin.close()
+
+
+def test_no_memory_for_a_kept_page_stops_the_round_after_its_moves_down(tmp_path, monkeypatch):
+    """The host pages sent down for room went (each move all or nothing); the pages to keep stay on disk."""
+    from kvtier.errors import CapacityError
+    from kvtier.tiers.host import HostPool
+
+    model = tiny_llama()
+    with TieredCache(model.config, disk_dir=tmp_path, promote=False, **_SETTINGS) as off:
+        expect = greedy_logits(model, off, prompt=400, steps=32, seed=5)
+    with _promoting(model, tmp_path) as cache:
+        real = HostPool.store
+        in_round = []
+
+        def store(self, k, v):
+            if in_round:
+                raise CapacityError("could not allocate a pinned host slab")
+            return real(self, k, v)
+
+        for engine in cache._engines:
+            def keep(heads, pids, from_disk, _real=engine._keep_on_host):
+                in_round.append(1)
+                try:
+                    return _real(heads, pids, from_disk)
+                finally:
+                    in_round.pop()
+            monkeypatch.setattr(engine, "_keep_on_host", keep)
+        monkeypatch.setattr(HostPool, "store", store)
+        got = greedy_logits(model, cache, prompt=400, steps=32, seed=5)
+        st_ = cache.stats()
+        assert st_["promotion"]["rounds_skipped"] > 0 and st_["promotion"]["pages"] == 0
+        assert torch.equal(got, expect) and cache.broken is None
+        _engines_accounted(cache)
 
 
 def test_a_full_disk_stops_a_round_and_nothing_else(tmp_path, monkeypatch):
