@@ -253,22 +253,19 @@ def test_a_copy_is_independent_and_decodes_alike(tmp_path):
             twin.close()
 
 
-def test_no_memory_for_a_kept_page_stops_the_round_after_its_moves_down(tmp_path, monkeypatch):
-    """The host pages sent down for room went (each move all or nothing); the pages to keep stay on disk."""
-    from kvtier.errors import CapacityError
-    from kvtier.tiers.host import HostPool
-
+def _failing_in_rounds(tmp_path, monkeypatch, target, name, failure):
+    """Decode with promotion, `target.name` raising `failure` while a promotion round runs (and only then), next to
+    a cache without promotion: the stats, after checking the logits are the same bits and nothing is lost."""
     model = tiny_llama()
     with TieredCache(model.config, disk_dir=tmp_path, promote=False, **_SETTINGS) as off:
         expect = greedy_logits(model, off, prompt=400, steps=32, seed=5)
     with _promoting(model, tmp_path) as cache:
-        real = HostPool.store
-        in_round = []
+        real, in_round = getattr(target, name), []
 
-        def store(self, k, v):
+        def failing(*args):
             if in_round:
-                raise CapacityError("could not allocate a pinned host slab")
-            return real(self, k, v)
+                raise failure
+            return real(*args)
 
         for engine in cache._engines:
             def keep(heads, pids, from_disk, _real=engine._keep_on_host):
@@ -278,38 +275,26 @@ def test_no_memory_for_a_kept_page_stops_the_round_after_its_moves_down(tmp_path
                 finally:
                     in_round.pop()
             monkeypatch.setattr(engine, "_keep_on_host", keep)
-        monkeypatch.setattr(HostPool, "store", store)
+        monkeypatch.setattr(target, name, failing)
         got = greedy_logits(model, cache, prompt=400, steps=32, seed=5)
-        st_ = cache.stats()
-        assert st_["promotion"]["rounds_skipped"] > 0 and st_["promotion"]["pages"] == 0
         assert torch.equal(got, expect) and cache.broken is None
         _engines_accounted(cache)
+        for engine in cache._engines:
+            assert (engine.table.tokens(HOST) <= cache.settings.host_tokens(cache.get_seq_length())).all()
+        return cache.stats()["promotion"]
+
+
+def test_no_memory_for_a_kept_page_stops_the_round_after_its_moves_down(tmp_path, monkeypatch):
+    """The host pages sent down for room went (each move all or nothing); the pages to keep stay on disk."""
+    from kvtier.errors import CapacityError
+    from kvtier.tiers.host import HostPool
+
+    got = _failing_in_rounds(tmp_path, monkeypatch, HostPool, "store",
+                             CapacityError("could not allocate a pinned host slab"))
+    assert got["rounds_skipped"] > 0 and got["pages"] == 0
 
 
 def test_a_full_disk_stops_a_round_and_nothing_else(tmp_path, monkeypatch):
-    model = tiny_llama()
-    with TieredCache(model.config, disk_dir=tmp_path, promote=False, **_SETTINGS) as off:
-        expect = greedy_logits(model, off, prompt=400, steps=32, seed=5)
-    with _promoting(model, tmp_path) as cache:
-        real, rounds = os.pwritev, []
-
-        def full_in_a_round(fd, bufs, offset):
-            if rounds:   # a promotion round's writes fail (the host pages it sends down without a clean copy)
-                raise OSError(errno.ENOSPC, "No space left on device")
-            return real(fd, bufs, offset)
-
-        for engine in cache._engines:
-            def keep(heads, pids, from_disk, _real=engine._keep_on_host):
-                rounds.append(1)
-                try:
-                    return _real(heads, pids, from_disk)
-                finally:
-                    rounds.pop()
-            monkeypatch.setattr(engine, "_keep_on_host", keep)
-        monkeypatch.setattr(os, "pwritev", full_in_a_round)
-        got = greedy_logits(model, cache, prompt=400, steps=32, seed=5)
-        st_ = cache.stats()
-        assert st_["promotion"]["rounds_skipped"] > 0, "no round needed the disk: the test tests nothing"
-        assert torch.equal(got, expect) and cache.broken is None
-        _engines_accounted(cache)
-        assert (cache._engines[0].table.tokens(HOST) <= cache.settings.host_tokens(cache.get_seq_length())).all()
+    """A round's writes (the host pages it sends down without a clean copy) fail: the round stops, the step goes on."""
+    got = _failing_in_rounds(tmp_path, monkeypatch, os, "pwritev", OSError(errno.ENOSPC, "No space left on device"))
+    assert got["rounds_skipped"] > 0, "no round needed the disk: the test tests nothing"
