@@ -185,8 +185,9 @@ def plan_promotion(
     takes the place of a host page worth less: fewer recent uses (`uses`, the candidates' own use counted),
     then a lower rank. So the host keeps the pages recall keeps coming back for (the least used lately goes
     first, and a page used once does not push out one used more), and the placement by rank holds among the
-    pages recall has not asked for. Among host pages used as often, those with a `clean` copy on disk go first
-    (they go down unwritten). Only pages whose copies have `landed` (``[pages]``) may go.
+    pages recall has not asked for. Of the host pages worth less than the candidates kept, the least used go
+    first, and among as often used ones those with a `clean` copy on disk (they go down unwritten). Only pages
+    whose copies have `landed` (``[pages]``) may go.
 
     Returns ``(kept, down_heads, down_pids)``: a bool per candidate, and the host pages to move down.
     """
