@@ -133,6 +133,41 @@ def test_parking_on_gpu_continues_bit_identically(cuda_device, to, tmp_path):
         assert torch.equal(_greedy(model, parked, more, 16), _greedy(model, twin, more, 16))
 
 
+@torch.no_grad()
+def test_promotion_on_gpu_keeps_the_output_and_every_disk_record(cuda_device, tmp_path):
+    """`promote=True` on the GPU's host-planned path (a layer with disk pages): the kept pages come from the
+    pinned staging of the disk reads; the logits are the same bits as without, and every disk record is a disk
+    page or a host page's clean copy."""
+    import numpy as np
+
+    from kvtier.placement.page_table import DISK, HOST
+
+    model = _llama(cuda_device)
+    ids = _prompt(500, cuda_device)
+    settings = dict(device_budget=64, host_budget=120, recall_pages=16, scorer="keynorm", read_ahead=False)
+    logits = []
+    for promote in (False, True):
+        with TieredCache(model.config, disk_dir=tmp_path / str(promote), promote=promote, **settings) as cache:
+            for engine in cache._engines:
+                engine.promote_every = 1
+            out = [model(ids, **cache_kwargs(cache)).logits[:, -1:]]
+            for _ in range(40):
+                out.append(model(out[-1].argmax(-1), **cache_kwargs(cache)).logits[:, -1:])
+            logits.append(torch.cat(out))
+            s = cache.stats()
+            assert s["pages_recalled_from"]["disk"] > 0
+            if promote:
+                assert s["promotion"]["pages"] > 0
+                held = []
+                for e in cache._engines:
+                    copies = e.table.copy_slot
+                    assert (e.table.tier[copies >= 0] == HOST).all()
+                    held += [e.table.slot[e.table.tier == DISK], copies[copies >= 0]]
+                slots = np.concatenate(held)
+                assert len(np.unique(slots)) == len(slots) == cache._shared.disk_store.pages()
+    assert torch.equal(logits[0], logits[1])
+
+
 def test_session_store_on_gpu(cuda_device, tmp_path):
     model = _llama(cuda_device)
     caches = []
