@@ -132,8 +132,9 @@ def test_bench_decode_cold_disk(monkeypatch):
 def test_bench_decode_rows_per_promote_setting():
     """`--promote on,off`: one row each, with their settings and counters; the host tier keeps disk pages only
     where promotion is on, and the disk is read less there."""
-    result = run("bench", "decode", "--context", "1500", "--new-tokens", "12", "--rounds", "1", "--device-budget",
-                 "0.25", "--host-budget", "0.25", "--scorer", "keynorm", "--promote", "on,off", "--json")
+    result = run("bench", "decode", "--context", "1000", "--new-tokens", "12", "--recall-pages", "16", "--rounds",
+                 "1", "--device-budget", "0.25", "--host-budget", "0.25", "--scorer", "keynorm", "--promote", "on,off",
+                 "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.output[result.output.index("{"):])
     assert data["settings"]["promote"] == ["on", "off"]
