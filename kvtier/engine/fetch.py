@@ -55,8 +55,9 @@ class PageFetching:
         self.counters.pages_reused += H * r - len(pids)
         if len(pids):
             order, k, v, from_disk = self._bring_up(heads, pids)
-            buf.fill(heads[order], pids[order], slots[order], k, v)
-            self._keep_on_host(heads[order], pids[order], from_disk)
+            heads, pids = heads[order], pids[order]
+            buf.fill(heads, pids, slots[order], k, v)
+            self._keep_on_host(heads, pids, from_disk)
         self._read_ahead(ids, shortlist)
         self.counters.recall_steps += 1
         return buf.k, buf.v, buf.ids

@@ -545,7 +545,7 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
         slots = self.table.lookup(heads, pids)[1]
         copies = self.table.copies(heads, pids)
         dirty = copies < 0
-        disk_slots = copies.copy()
+        disk_slots = copies   # a new array: `copies` gathers
         if dirty.any():
             self.table.settle(pages=pids[dirty])    # read below: the copies to them must have landed
             disk_slots[dirty] = self._disk().store(*self.host.load(slots[dirty]))

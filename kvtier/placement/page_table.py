@@ -139,7 +139,7 @@ class PageTable:
 
     def copies(self, heads: np.ndarray, pids: np.ndarray) -> np.ndarray:
         """The disk slot of each page's clean copy (-1: none)."""
-        return self._gather("copy", heads, pids)
+        return self._gather(("copy",), heads, pids)[0]
 
     def touch(self, heads: np.ndarray, pids: np.ndarray) -> None:
         """Count one use of each page ``(heads[i], pids[i])`` (each pair at most once a call)."""
@@ -153,28 +153,21 @@ class PageTable:
         for ch in self._chunks:
             ch["uses"] >>= 1
 
-    def _gather(self, name: str, heads: np.ndarray, pids: np.ndarray) -> np.ndarray:
+    def _gather(self, names: tuple[str, ...], heads: np.ndarray, pids: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Fields `names` of each page ``(heads[i], pids[i])``, one array per field."""
         h, c, o = self._cells(heads, pids)
         if len(self._chunks) == 1:
-            return self._chunks[0][name][h, o]
-        out = np.empty(len(h), dtype=_DTYPES[name])
+            return tuple(self._chunks[0][name][h, o] for name in names)
+        out = tuple(np.empty(len(h), dtype=_DTYPES[name]) for name in names)
         for ci in np.unique(c):
             sel = c == ci
-            out[sel] = self._chunks[ci][name][h[sel], o[sel]]
+            for name, got in zip(names, out):
+                got[sel] = self._chunks[ci][name][h[sel], o[sel]]
         return out
 
     def lookup(self, heads: np.ndarray, pids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Tier and slot of each page ``(heads[i], pids[i])``."""
-        h, c, o = self._cells(heads, pids)
-        if len(self._chunks) == 1:
-            ch = self._chunks[0]
-            return ch["tier"][h, o], ch["slot"][h, o]
-        tier, slot = np.empty(len(h), dtype=np.int8), np.empty(len(h), dtype=np.int64)
-        for ci in np.unique(c):
-            sel = c == ci
-            tier[sel] = self._chunks[ci]["tier"][h[sel], o[sel]]
-            slot[sel] = self._chunks[ci]["slot"][h[sel], o[sel]]
-        return tier, slot
+        return self._gather(("tier", "slot"), heads, pids)
 
     def positions(self, head: int, pid: int) -> np.ndarray:
         """Positions held by one page."""
