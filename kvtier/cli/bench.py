@@ -12,8 +12,8 @@ import click
 import torch
 
 from .common import (THREADS, bad_option, check_cache_options, check_device, check_model, check_scorer, load,
-                     parse_budget, parse_demote_pages, parse_promote, parse_read_ahead, promote_name,
-                     read_ahead_name, set_threads, tiered_row_name, user_errors)
+                     parse_budget, parse_demote_pages, parse_plan_recall, parse_promote, parse_read_ahead,
+                     promote_name, read_ahead_name, set_threads, tiered_row_name, user_errors)
 
 
 @click.group()
@@ -235,15 +235,24 @@ def prefetch(context: str, new_tokens: int, device_budget: str, recall_pages: in
     click.option("--prefetch", "prefetch_at", default="in-step", show_default=True,
                  type=click.Choice(["in-step", "side-stream"]),
                  help="Where a step's prefetch runs: at the end of its own device work (as a GPU with CUDA graphs "
-                      "runs it, the default there) or as work of its own on the side stream (as eager steps do)."))
+                      "runs it, the default there) or as work of its own on the side stream (as eager steps do)."),
+    click.option("--host-budget", default=None,
+                 help="Host tokens per KV head (fraction or count); past it pages go to disk (default: no limit)."),
+    click.option("--plan-recall", default="device", show_default=True,
+                 help="Comma list of where recall is planned, one TieredCache row each: device (as on a GPU, "
+                      "layers with disk pages included) or host (the CPU's path)."))
 @user_errors
-def launches(context: str, steps: int, demote_pages: str, prefetch_at: str, device_budget: str, recall_pages: int,
-             scorer: str, model: str | None, device: str, threads: int, seed: int, as_json: bool) -> None:
+def launches(context: str, steps: int, demote_pages: str, prefetch_at: str, host_budget: str | None,
+             plan_recall: str, device_budget: str, recall_pages: int, scorer: str, model: str | None, device: str,
+             threads: int, seed: int, as_json: bool) -> None:
     """Kernel launches per layer of a decode step (tensor operations; on a GPU each costs the host a few
     microseconds), kvtier (recall planned, pages chosen and entries scored as on a GPU) against DynamicCache,
     by part; and the host time per layer-step in the cache's own code, the kernels' twins left out."""
     tokens, budget = _needle_budget(context, device_budget, recall_pages)
     demotes = parse_demote_pages(demote_pages)
+    plans = parse_plan_recall(plan_recall)
+    host = parse_budget(host_budget, "--host-budget")
+    check_cache_options(budget, host, None, recall_pages)
     lm, tok = _checked_and_loaded(scorer, device, model, threads, as_json)
 
     from transformers import DynamicCache
@@ -255,26 +264,28 @@ def launches(context: str, steps: int, demote_pages: str, prefetch_at: str, devi
     task = make_needle_task(tok, tokens, depth=0.3, seed=seed)
     ids = task.input_ids.to(device)
 
-    def tiered(demote: int | None) -> TieredCache:
-        cache = TieredCache(lm.config, device_budget=budget, recall_pages=recall_pages, demote_pages=demote,
-                            scorer=None if scorer == "auto" else scorer)
+    def tiered(demote: int | None, plan: str) -> TieredCache:
+        cache = TieredCache(lm.config, device_budget=budget, host_budget=host, recall_pages=recall_pages,
+                            demote_pages=demote, scorer=None if scorer == "auto" else scorer)
         for engine in cache._engines:   # recall planned, pages chosen, entries scored and checked as on a GPU
-            engine.device_recall = engine.select_kernels = engine.defer_nan = True
+            engine.select_kernels = engine.defer_nan = True
+            engine.device_recall = plan == "device"
             engine.prefetch_in_step = prefetch_at == "in-step"
             if hasattr(engine.scorer, "native_score"):
                 engine.scorer.native_score = True
         return cache
 
     makers = {"DynamicCache": lambda: DynamicCache(config=lm.config)}
-    makers.update({tiered_row_name(d, len(demotes)): (lambda d=d: tiered(d)) for d in demotes})
+    makers.update({tiered_row_name(d, len(demotes), plan=p, plan_rows=len(plans)): (lambda d=d, p=p: tiered(d, p))
+                   for d in demotes for p in plans})
     rows = [count_launches(lm, ids, make, name, steps)[0] for name, make in makers.items()]
     for row, make in zip(rows, makers.values()):   # timed apart: the counter's dispatch would weigh on the time
         row.host_us, row.captured_host_us, row.key_host_us = time_cache_host(lm, ids, make, steps)
     # the host's part of a step replayed whole (DecodeGraph), for the first kvtier row's settings
     whole = time_decode_graph_host(lm, ids, list(makers.values())[1], steps)
     out = {"machine": _machine(device), "prompt_tokens": task.prompt_tokens, "steps": steps,
-           "settings": {"device_budget": budget, "recall_pages": recall_pages, "scorer": scorer, "seed": seed,
-                        "prefetch": prefetch_at},
+           "settings": {"device_budget": budget, "host_budget": host, "recall_pages": recall_pages,
+                        "scorer": scorer, "seed": seed, "prefetch": prefetch_at, "plan_recall": plans},
            "rows": [r.as_dict() for r in rows],
            "decode_graph_host_us_per_layer_step": whole,
            "ratio": round(rows[1].total / max(1, rows[0].total), 2)}
@@ -282,7 +293,8 @@ def launches(context: str, steps: int, demote_pages: str, prefetch_at: str, devi
         click.echo(json.dumps(out, indent=2))
         return
     click.echo(f"\n{task.prompt_tokens:,}-token prompt, {steps} decode steps counted, device budget {budget}, "
-               f"{recall_pages} pages recalled per layer and KV head")
+               + ("" if host is None else f"host budget {host}, ")
+               + f"{recall_pages} pages recalled per layer and KV head")
     for r in out["rows"]:
         click.echo(f"  {r['cache']:<14}{r['launches_per_layer_step']:>8.1f} launches per layer and step, "
                    f"{r['cache_host_us_per_layer_step']:.1f} us of host time in the cache's code")

@@ -268,6 +268,7 @@ def parse_demote_pages(value: str, option: str = "--demote-pages") -> list[int |
 
 READ_AHEAD_SETTINGS = {"auto": None, "on": True, "off": False}
 PROMOTE_SETTINGS = {"on": True, "off": False}
+PLAN_RECALL_SETTINGS = {"device": "device", "host": "host"}
 
 
 def _parse_words(value: str, option: str, words: dict) -> list:
@@ -297,16 +298,23 @@ def parse_promote(value: str, option: str = "--promote") -> list[bool]:
     return _parse_words(value, option, PROMOTE_SETTINGS)
 
 
+def parse_plan_recall(value: str, option: str = "--plan-recall") -> list[str]:
+    """'device' -> ['device'], 'device,host' -> ['device', 'host']: where recall is planned, one cache row each."""
+    return _parse_words(value, option, PLAN_RECALL_SETTINGS)
+
+
 def promote_name(setting: bool) -> str:
     """The `--promote` word for a `promote` setting."""
     return "on" if setting else "off"
 
 
 def tiered_row_name(demote_pages: int | None, rows: int, read_ahead: bool | None = None,
-                    read_ahead_rows: int = 1, promote: bool = False, promote_rows: int = 1) -> str:
+                    read_ahead_rows: int = 1, promote: bool = False, promote_rows: int = 1,
+                    plan: str = "device", plan_rows: int = 1) -> str:
     """A TieredCache row's name in a bench with `rows` `demote_pages` settings, `read_ahead_rows` `read_ahead`
-    settings and `promote_rows` `promote` settings (one row for each combination): the settings that vary
-    between rows, and any other than the default."""
+    settings, `promote_rows` `promote` settings and `plan_rows` places recall is planned (`kvtier bench
+    launches`; one row for each combination): the settings that vary between rows, and any other than the
+    default."""
     name = "TieredCache"
     if rows > 1:
         name += f" d={'auto' if demote_pages is None else demote_pages}"
@@ -314,6 +322,8 @@ def tiered_row_name(demote_pages: int | None, rows: int, read_ahead: bool | None
         name += f" ra={read_ahead_name(read_ahead)}"
     if promote_rows > 1 or promote:
         name += f" promote={promote_name(promote)}"
+    if plan_rows > 1 or plan != "device":
+        name += f" plan={plan}"
     return name
 
 

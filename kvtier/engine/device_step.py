@@ -57,20 +57,24 @@ class DeviceDecoding:
         inputs = (query, p.k, p.v) if writes else (query,)
         if writes:   # what a step planned whole before the model runs (`plan_steady`) assumes of the next one
             self._steady_how = (scale, sinks, *(shapes(t) for t in inputs))
+        disk = self.holds_disk_pages()   # the step reads its choice back: not replayed, no device prefetch
         run, sources, recall_key = self._prepare_decode(scale, sinks, p.pos if writes else None,
-                                                        self._prefetches_in_step())
+                                                        self._prefetches_in_step() and not disk)
         buf, spare, ahead = run[2], run[4], run[10]
         try:
-            out, ids, shortlist = self.graphs.run(lambda: self._decode_key(tuple(map(shapes, inputs)), run,
-                                                                           recall_key()), inputs,
-                                                  lambda *given: self._decode_launches(run, *given))
+            if disk:
+                out, ids, shortlist = self._decode_launches(run, *inputs)
+            else:
+                out, ids, shortlist = self.graphs.run(lambda: self._decode_key(tuple(map(shapes, inputs)), run,
+                                                                               recall_key()), inputs,
+                                                      lambda *given: self._decode_launches(run, *given))
         except BaseException:   # the table may name pages whose copy never ran: the next step starts a new buffer
             self._forget_recalled()
             raise
         if writes:   # the host's part of what the launches did: scored and staged, the score committed
             p.staged = p.placed = True
         self._decoded(ids, writes)
-        if spare and not ahead and shortlist.shape[1] > ids.shape[1]:   # else nothing is ranked after the choice
+        if spare and not ahead and not disk and shortlist.shape[1] > ids.shape[1]:   # else nothing ranked after
             self._prefetch(buf, shortlist[:, :buf.pages], sources, recall_key)
         return out
 
@@ -118,7 +122,9 @@ class DeviceDecoding:
         first their scores, the NaN check's running maximum and their staging in the pool, and last the score's
         commit. Reads the engine's storages, writes the pool, the recall buffer and the device counters, and
         changes no host state (the addresses are made by the caller; they are passed only to say what the run
-        reads). With `ahead` in `run`, the run ends with the prefetch of the pages ranked after the choice."""
+        reads). With `ahead` in `run`, the run ends with the prefetch of the pages ranked after the choice.
+        Where the layer has pages on disk, the plan reads the choice back and brings them up on the host first
+        (`_land_disk_pages`): the run then waits for the device once and is run eagerly, never replayed."""
         scale, sinks, buf, sources, spare, counted, pool_addresses, _, _, positions, ahead = run
         H = self.heads
         if k is not None:
@@ -136,7 +142,7 @@ class DeviceDecoding:
             torch.logsumexp(torch.stack([lse[0] for _, lse in parts]), dim=0)
         ids, shortlist = select_pages(grouped(query, H), self.index, self.cfg.recall_pages, scale,
                                       resident_lse=resident, note=False)
-        plan = self._plan_and_copy(buf, ids, sources, spare, note=False)
+        plan = self._plan_and_copy(buf, ids, sources, spare, note=False, shortlist=shortlist)
         whole = parts[0] if len(parts) == 1 else merge_with_lse(parts, kernels=True)
         out, lse = native.attend_pages(packed, buf.k, buf.v, plan.where, self.cfg.page_size, scale,
                                        whole=(whole[0][0], whole[1][0]))

@@ -8,12 +8,18 @@ Where recall is planned on the device, the buffer has spare slots and a step end
 ranked right after its choice (the likeliest to be chosen next, as the query moves slowly) are copied into
 the spare slots on a side stream, overlapping the other layers' compute; the next step waits for that copy on
 the device, finds most of its choice already there and fetches only the rest on demand.
+
+A layer with pages on disk plans on the device too, with one read back a step (disk reads are the host's):
+its choice, the buffer's table and the short list come back, the chosen disk pages the buffer lacks are read
+(through the read-ahead ring) into host slots lent for the step, and the same plan and copy read them there
+(`_land_disk_pages`). Such a step has no device prefetch (a page with no host slot cannot be copied ahead);
+the read-ahead ring reads the short-listed disk pages ahead instead.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -30,6 +36,19 @@ from .graphs import StepKey, shapes
 
 COOL_EVERY = 32      # host-planned recalls of a layer between halvings of its pages' use counts
 PROMOTE_EVERY = 4    # host-planned recalls of a layer between rounds that keep disk pages on the host
+
+
+class _Landing(NamedTuple):
+    """What a device-planned step on a layer with disk pages read back and brought up (`_land_disk_pages`)."""
+
+    heads: np.ndarray          # the chosen pages the buffer lacked: the host's by slot, then the disk's by slot
+    pids: np.ndarray
+    first: int                 # where the disk pages begin among them
+    k: torch.Tensor | None     # the disk pages as read, in host memory (None: no disk page among them)
+    v: torch.Tensor | None
+    slots: np.ndarray          # the host slots lent to them for the copy up, given back once it is queued
+    want: torch.Tensor         # the step's choice and short list, read back (for the read-ahead ring)
+    shortlist: torch.Tensor
 
 
 class PageFetching:
@@ -49,7 +68,7 @@ class PageFetching:
         on_device = self.recalls_on_device()
         buf = self._recall_buffer(r, on_device)
         if on_device:
-            return self._fetch_on_device(buf, ids, shortlist if ahead else None)
+            return self._fetch_on_device(buf, ids, shortlist, ahead)
         want = ids.cpu().numpy()
         heads, pids, slots = buf.plan(want)
         self.counters.pages_reused += H * r - len(pids)
@@ -74,11 +93,22 @@ class PageFetching:
         return buf
 
     def recalls_on_device(self) -> bool:
-        """Whether this layer's recall is planned and copied on the device, with no host round-trip: on CUDA
-        (or when `device_recall` forces it), while every demoted page is in host memory (disk pages need the
-        host: they are read there)."""
+        """Whether this layer's recall is planned and copied on the device: on CUDA (or when `device_recall`
+        forces it). With no round-trip to the host while every demoted page is in host memory; with pages on
+        disk, a step reads its choice back once (`holds_disk_pages`)."""
         wanted = self.device_recall if self.device_recall is not None else self.device.type == "cuda"
-        return bool(wanted) and self.disk is None and self.host is not None
+        return bool(wanted) and self.host is not None
+
+    def holds_disk_pages(self) -> bool:
+        """Whether any of this layer's demoted pages is on disk now: a device-planned step then reads its choice
+        back (`_land_disk_pages`), so its launches are not replayed from a graph. Known per table version."""
+        if self.disk is None or not self.table.n:
+            return False
+        version, held = self._disk_mark
+        if version != self.table.version:
+            held = bool((self.table.tier == DISK).any())
+            self._disk_mark = (self.table.version, held)
+        return held
 
     def _await_prefetch(self) -> None:
         """Order the current stream after the prefetch queued into the recall buffer, if any (on the device: the
@@ -101,17 +131,18 @@ class PageFetching:
             if graphs is not None:
                 graphs.clear()
 
-    def _fetch_on_device(self, buf: RecallBuffer, ids: torch.Tensor,
-                         ranked: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Plan and copy the missing pages of ``ids`` ``[heads, r]`` into `buf` without leaving the device;
-        then, given the `ranked` candidates and spare slots, prefetch the next-ranked pages (see `_fetch`)."""
+    def _fetch_on_device(self, buf: RecallBuffer, ids: torch.Tensor, shortlist: torch.Tensor,
+                         ahead: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Plan and copy the missing pages of ``ids`` ``[heads, r]`` into `buf` on the device; then, with
+        `ahead`, spare slots and no disk pages, prefetch the pages `shortlist` ranks next (see `_fetch`)."""
         H, r = ids.shape
         R = buf.pages
         self._await_prefetch()
         sources = self._sources()
         spare = R > r
+        disk = self.holds_disk_pages()
         try:
-            plan = self._plan_and_copy(buf, ids, sources, spare)
+            plan = self._plan_and_copy(buf, ids, sources, spare, shortlist=shortlist)
         except BaseException:   # the table may name pages whose copy never ran: the next step starts a new buffer
             self._forget_recalled()
             raise
@@ -120,21 +151,81 @@ class PageFetching:
             got = (buf.k, buf.v, plan.held_after)
         else:
             got = (*buf.chosen(plan.where), ids)
-        if spare and ranked is not None and ranked.shape[1] > r:   # else nothing is ranked after the choice
-            self._prefetch(buf, ranked[:, :R], sources)
+        if spare and ahead and not disk and shortlist.shape[1] > r:   # else nothing is ranked after the choice
+            self._prefetch(buf, shortlist[:, :R], sources)
         return got
 
     def _plan_and_copy(self, buf: RecallBuffer, ids: torch.Tensor,
                        sources: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None], spare: bool,
-                       note: bool = True, prefetch: bool = False) -> RecallPlan:
+                       note: bool = True, prefetch: bool = False,
+                       shortlist: torch.Tensor | None = None) -> RecallPlan:
         """A step's recall of ``ids`` on the device: the plan (which also keeps the prefetch flags and the
         counters `stats()` reads, on the device, and writes the buffer's page table in place), then the copy
         of the missing pages into their slots (`note`: as for `_copy_up`). With `prefetch`, ``ids`` are the
-        step's choice and the pages ranked after it, brought up ahead of the next step (see `_prefetch`)."""
-        plan = plan_on_device(ids, buf.held, self.table.n, sources[0], buf.ahead if spare else None,
-                              self.device_counts, prefetch=prefetch, in_place=True)
-        self._copy_up(buf, sources, plan, note)
+        step's choice and the pages ranked after it, brought up ahead of the next step (see `_prefetch`).
+        Where the layer has pages on disk, the chosen ones are read into host slots first (`_land_disk_pages`;
+        the step's `shortlist` goes to the read-ahead ring), and the step then counts and keeps what it read
+        as the host-planned recall does."""
+        landing = None
+        if not prefetch and self.holds_disk_pages():
+            sources, landing = self._land_disk_pages(buf, ids, sources, shortlist)
+        try:
+            plan = plan_on_device(ids, buf.held, self.table.n, sources[0], buf.ahead if spare else None,
+                                  self.device_counts, prefetch=prefetch, in_place=True)
+            # with pages landed, the read is noted now: the slots lent to them are reused only after it
+            self._copy_up(buf, sources, plan, note or landing is not None)
+        finally:
+            if landing is not None and len(landing.slots):
+                self.host.free(landing.slots)
+        if landing is not None:
+            from_disk = None if landing.k is None else (landing.first, landing.k, landing.v)
+            self._keep_on_host(landing.heads, landing.pids, from_disk)
+            self._read_ahead(landing.want, landing.shortlist)
         return plan
+
+    def _land_disk_pages(self, buf: RecallBuffer, ids: torch.Tensor, sources: tuple,
+                         shortlist: torch.Tensor | None) -> tuple[tuple, _Landing]:
+        """Before a device-planned copy on a layer with pages on disk: the step's one read back (its choice,
+        the buffer's table and its short list: the host must know which disk pages to read), then the chosen
+        disk pages the buffer lacks read into host slots lent for the step. Returns the copy's sources (a copy
+        of the host slots' mirror naming those slots) and the `_Landing` the caller finishes once the copy is
+        queued. Changes no table: the pages stay on disk."""
+        H, r = ids.shape
+        R = buf.pages
+        parts = [ids, buf.held] if shortlist is None or shortlist is ids else [ids, buf.held, shortlist]
+        back = torch.cat(parts, dim=1).cpu()   # the step's one wait for the device
+        want = back[:, :r]
+        listed = want if len(parts) == 2 else back[:, r + R:]
+        chosen, held = want.numpy(), back[:, r:r + R].numpy()
+        lacking = ~(chosen[:, :, None] == held[:, None, :]).any(axis=2)
+        heads = np.broadcast_to(np.arange(H)[:, None], chosen.shape)[lacking]
+        pids = chosen[lacking]
+        tier, slot = self.table.lookup(heads, pids)
+        order = np.lexsort((slot, tier))   # as `_bring_up` takes them: the host's by slot, then the disk's
+        heads, pids, tier, slot = heads[order], pids[order], tier[order], slot[order]
+        first = int(np.searchsorted(tier, DISK))
+        m = len(pids) - first
+        none = np.empty(0, dtype=np.int64)
+        if m == 0:
+            return sources, _Landing(heads, pids, first, None, None, none, want, listed)
+        P, D = self.cfg.page_size, self.head_dim
+        k = torch.empty(m, P, D, dtype=self.dtype, pin_memory=self.pin)
+        v = torch.empty(m, P, D, dtype=self.dtype, pin_memory=self.pin)
+        self._load_disk(slot[first:], out=(k, v))
+        lent = self.host.store(k, v)
+        try:
+            mirror = sources[0].clone()
+            cells = torch.from_numpy(heads[first:] * mirror.shape[1] + pids[first:])
+            mirror.view(-1)[cells.to(self.device)] = torch.from_numpy(lent).to(self.device)
+        except BaseException:
+            self.host.free(lent)
+            raise
+        page_bytes = self.host.page_bytes()
+        c = self.counters
+        c.pages_recalled["disk"] += m
+        c.bytes_moved["disk_to_device"] += m * page_bytes
+        self._landed += m   # the device counts them among the pages it moved: `settle_counts` takes them out
+        return (mirror, *sources[1:]), _Landing(heads, pids, first, k, v, lent, want, listed)
 
     def _sources(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """What a device-side copy up reads besides the plan: the host slot of every page and the key and value

@@ -96,6 +96,8 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
         self.select_kernels: bool | None = None         # page choice, pool attention and merge by native kernels
                                                         # (None: on CUDA, PageIndex; read when the index is made)
         self._slot_mirror: tuple[int, torch.Tensor] | None = None   # (table version, host slots on the device)
+        self._disk_mark: tuple[int, bool] = (-1, False)   # (table version, whether a page is on disk then)
+        self._landed = 0   # disk pages device-planned recall brought up since `settle_counts` (`_land_disk_pages`)
         # by device-planned recall: [pages moved on demand, pages reused, pages prefetched, prefetched pages chosen]
         self.device_counts: torch.Tensor | None = None
         # the scores' running maximum per head since the last check, NaN once one was (deferred on CUDA): None
@@ -613,6 +615,8 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
         if moved or reused or ahead:
             self.device_counts.zero_()
             c = self.counters
+            moved -= self._landed   # counted from disk when they were read
+            self._landed = 0
             c.pages_recalled["host"] += moved + ahead
             c.bytes_moved["host_to_device"] += (moved + ahead) * self.host.page_bytes()
             c.pages_reused += reused

@@ -80,9 +80,9 @@ class SteadySteps:
         return SteadyStep(run, key, self.pool.placeholder(count), how, fills_slab=count == self.pool.capacity)
 
     def _steady_now(self, how: tuple) -> bool:
-        """Whether the next decode step is steady: it recalls on the device, writes its entry in its attention
-        and adds no slab (the conditions of `recalls`, `_writes_in_attention` and `_pool_kernels`,
-        asked before the step rather than during it)."""
+        """Whether the next decode step is steady: it recalls on the device with no page on disk, writes its
+        entry in its attention and adds no slab (the conditions of `recalls`, `_writes_in_attention` and
+        `_pool_kernels`, asked before the step rather than during it)."""
         pool, cfg = self.pool, self.cfg
         if pool is None or self.parked is not None or self.pending is not None or self.index is None:
             return False
@@ -92,6 +92,8 @@ class SteadySteps:
             return False
         (q_shape, _, q_dtype), (k_shape, _, k_dtype) = how[2], how[3]
         if self.write_in_attention is False or k_shape[2] != 1 or k_dtype != pool.dtype:
+            return False
+        if self.holds_disk_pages():   # its step reads its choice back to read disk pages: not launches only
             return False
         if not (self.index.uses_kernels and self.recalls_on_device() and self._defer_nan()
                 and capturable(self.scorer) and self._pool_kernels_for(q_shape[1], q_dtype)):

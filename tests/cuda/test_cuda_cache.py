@@ -90,12 +90,23 @@ def test_every_page_recalled_over_many_steps_with_disk_pages(build, dtype, cuda_
         assert s["device"]["tokens"] <= (64 + 15) * 2 * s["layers"]
 
 
+def _chosen_in_buffer(engine) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The pages a device-planned step chose, as its recall buffer holds them: ``(ids, k, v)``."""
+    buf, ids = engine.recalled, engine.last_recall
+    where = (buf.held[:, None, :] == ids[:, :, None]).to(torch.int8).argmax(-1)
+    assert (buf.held.gather(1, where) == ids).all(), "a chosen page is not in the recall buffer"
+    return (ids, *buf.chosen(where))
+
+
 @torch.no_grad()
-def test_partial_recall_attends_exactly_to_what_it_chose(make_engine, cuda_device, watch_fetches):
-    """With a few pages recalled of many, the output equals float64 attention over the device entries, the
-    pages the engine fetched (read back from its recall buffer) and the new token."""
+@pytest.mark.parametrize("on_device", [False, True], ids=["planned-on-host", "planned-on-device"])
+def test_partial_recall_attends_exactly_to_what_it_chose(make_engine, cuda_device, watch_fetches, on_device):
+    """With a few pages recalled of many, some on disk, the output equals float64 attention over the device
+    entries, the pages the engine fetched (read back from its recall buffer) and the new token: recall planned
+    on the host, and on the device (the GPU's default, its step reading the choice back for the disk pages)."""
     engine = make_engine(heads=2, head_dim=64, device_budget=128, host_budget=512, page_size=16, recall_pages=8,
                          sink_tokens=4, recent_tokens=16)
+    engine.device_recall = on_device
     g = torch.Generator(device=cuda_device).manual_seed(0)
     for _ in range(16):
         k = torch.randn(1, 2, 256, 64, generator=g, device=cuda_device).to(torch.bfloat16)
@@ -106,10 +117,11 @@ def test_partial_recall_attends_exactly_to_what_it_chose(make_engine, cuda_devic
         k = torch.randn(1, 2, 1, 64, generator=g, device=cuda_device).to(torch.bfloat16)
         engine.write(k, k.flip(-1))
         q = torch.randn(1, 6, 1, 64, generator=g, device=cuda_device).to(torch.bfloat16)
-        keys, values = engine.pool.contiguous(engine.pool.count + 1)
         out, _ = engine.attend(q)
-        ids, rk, rv = fetched[-1]
-        assert ids.shape == (2, 8)
+        # after the attention: a device-planned step may stage its entry in its own launches
+        keys, values = engine.pool.contiguous(engine.pool.count + 1)
+        ids, rk, rv = _chosen_in_buffer(engine) if on_device else fetched[-1]
+        assert ids.shape == (2, 8) and engine.recalled.on_device == on_device
         k_all = torch.cat([keys[0], rk], dim=1).double()
         v_all = torch.cat([values[0], rv], dim=1).double()
         ref = torch.softmax(q[0].double().reshape(2, 3, 64) @ k_all.transpose(1, 2) / 8.0, dim=-1) @ v_all
@@ -135,9 +147,9 @@ def test_parking_on_gpu_continues_bit_identically(cuda_device, to, tmp_path):
 
 @torch.no_grad()
 def test_promotion_on_gpu_keeps_the_output_and_every_disk_record(cuda_device, tmp_path):
-    """`promote=True` on the GPU's host-planned path (a layer with disk pages): the kept pages come from the
-    pinned staging of the disk reads; the logits are the same bits as without, and every disk record is a disk
-    page or a host page's clean copy."""
+    """`promote=True` on the GPU (layers with disk pages: a step reads its choice back and reads the chosen disk
+    pages into pinned memory): the kept pages come from those reads; the logits are the same bits as without,
+    and every disk record is a disk page or a host page's clean copy."""
     import numpy as np
 
     from kvtier.placement.page_table import DISK, HOST

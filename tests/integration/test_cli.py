@@ -160,6 +160,23 @@ def test_bench_decode_rows_per_demote_pages():
         assert "comma list of whole numbers >= 1" in refused.output
 
 
+def test_bench_launches_with_disk_pages_planned_on_the_device_and_on_the_host():
+    """With a host budget the layers have pages on disk: planned on the device (a GPU's path), a step copies host
+    and disk pages by the recall kernels and attends to them where the buffer holds them; planned on the host,
+    no plan on the device."""
+    result = run("bench", "launches", "--context", "600", "--steps", "1", "--recall-pages", "4", "--host-budget",
+                 "0.2", "--plan-recall", "device,host", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output[result.output.index("{"):])
+    assert data["settings"]["host_budget"] == 0.2 and data["settings"]["plan_recall"] == ["device", "host"]
+    rows = {r["cache"]: r for r in data["rows"]}
+    assert list(rows) == ["DynamicCache", "TieredCache plan=device", "TieredCache plan=host"]
+    device, host = rows["TieredCache plan=device"], rows["TieredCache plan=host"]
+    assert device["native_calls_per_layer_step"]["plan_recall"] == device["native_calls_per_layer_step"]["recall_pages"]
+    assert device["native_calls_per_layer_step"]["attend_pages"] >= 1
+    assert "plan_recall" not in host["native_calls_per_layer_step"] and host["by_part_per_layer_step"]["model"] > 0
+
+
 def test_bench_launches_json():
     """kvtier's decode step, recall planned on the device, issues more launches per layer than DynamicCache's,
     and the count says where they come from; the plan is one native call per recall."""

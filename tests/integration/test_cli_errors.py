@@ -237,6 +237,15 @@ def test_bench_prefetch_bad_options(args, words):
     assert_one_line(run("bench", "prefetch", *args), 2, *words)
 
 
+@pytest.mark.parametrize("args, words", [
+    (["--plan-recall", "device,gpu"], ["--plan-recall", "'gpu'", "'device', 'host'"]),
+    (["--host-budget", "2.5"], ["host_budget=2.5"]),
+    (["--host-budget", "abc"], ["--host-budget", "'abc'"]),
+])
+def test_bench_launches_bad_options(args, words):
+    assert_one_line(run("bench", "launches", *args), 2, *words)
+
+
 def test_bench_json_failure():
     assert_json_error(run("bench", "decode", "--rounds", "0", "--json"), 2, "--rounds")
 

@@ -15,6 +15,8 @@ from kvtier.recall.buffer import RecallBuffer
 from kvtier.recall.device_plan import plan_on_device
 from kvtier.tiers.slabs import SlabRows
 
+from engine_steps import drifting_queries, step_all
+
 
 def _wants(rng, heads, r, pages):
     return np.stack([np.sort(rng.choice(pages, size=r, replace=False)) for _ in range(heads)]).astype(np.int64)
@@ -117,17 +119,6 @@ def test_recall_pages_fills_only_the_planned_slots(dtype):
     assert torch.equal(again[dst[0, 0]], torch.zeros_like(again[0]))
 
 
-def _step_all(engines, k, q=None):
-    """One step of every engine: write ``k`` (values ``k`` reversed), attend with `q` when given, commit."""
-    outs = []
-    for e in engines:
-        e.write(k, k.flip(-1))
-        if q is not None:
-            outs.append(e.attend(q)[0])
-        e.commit()
-    return outs
-
-
 @pytest.mark.parametrize("recall_pages", [3, 8])
 def test_an_engine_recalling_on_the_device_attends_exactly_as_the_host_path(make_engine, recall_pages):
     """The device-planned recall (forced here on the CPU) picks, fetches and attends bit for bit as the
@@ -136,10 +127,10 @@ def test_an_engine_recalling_on_the_device_attends_exactly_as_the_host_path(make
                            prefetch_pages=0) for _ in range(2)]
     engines[1].device_recall = True
     g = torch.Generator().manual_seed(0)
-    _step_all(engines, torch.randn(1, 2, 300, 16, generator=g))
+    step_all(engines, torch.randn(1, 2, 300, 16, generator=g))
     for step in range(60):
         k = torch.randn(1, 2, 1, 16, generator=g)
-        outs = _step_all(engines, k, torch.randn(1, 4, 1, 16, generator=g))
+        outs = step_all(engines, k, torch.randn(1, 4, 1, 16, generator=g))
         assert torch.equal(outs[0], outs[1]), f"step {step}"
     assert engines[1].recalled.on_device and not engines[0].recalled.on_device
     for e in engines:
@@ -160,14 +151,6 @@ def test_index_rows_by_device_ids_equal_the_host_gather():
         assert torch.equal(_rows_by_device_ids(storage, rows, torch.device("cpu")), storage.gather(rows))
 
 
-def _drifting_queries(g, steps, heads=4, dim=16):
-    """Decode queries that move slowly, as a model's do: each is mostly the one before."""
-    q = torch.randn(1, heads, 1, dim, generator=g)
-    for _ in range(steps):
-        q = 0.9 * q + 0.45 * torch.randn(1, heads, 1, dim, generator=g)
-        yield q
-
-
 @pytest.mark.parametrize("spare", [2, 8])
 def test_prefetch_changes_what_moves_never_what_attention_reads(make_engine, spare):
     """A device-planned engine that prefetches the next-ranked pages chooses the same pages as the host path
@@ -180,9 +163,9 @@ def test_prefetch_changes_what_moves_never_what_attention_reads(make_engine, spa
     engines = (host, plain, ahead)
     plain.device_recall = ahead.device_recall = True
     g = torch.Generator().manual_seed(0)
-    _step_all(engines, torch.randn(1, 2, 400, 16, generator=g))
-    for step, q in enumerate(_drifting_queries(g, 80)):
-        outs = _step_all(engines, torch.randn(1, 2, 1, 16, generator=g), q)
+    step_all(engines, torch.randn(1, 2, 400, 16, generator=g))
+    for step, q in enumerate(drifting_queries(g, 80)):
+        outs = step_all(engines, torch.randn(1, 2, 1, 16, generator=g), q)
         assert torch.equal(host.last_recall, ahead.last_recall), f"step {step}"
         assert torch.equal(outs[0], outs[1])
         torch.testing.assert_close(outs[2], outs[0], rtol=1e-6, atol=1e-6)
@@ -223,9 +206,9 @@ def test_a_recall_copy_that_fails_after_the_plan_drops_the_buffer(make_engine, m
                            prefetch_pages=0) for _ in range(2)]
     engines[1].device_recall = True
     g = torch.Generator().manual_seed(3)
-    _step_all(engines, torch.randn(1, 2, 300, 16, generator=g))
+    step_all(engines, torch.randn(1, 2, 300, 16, generator=g))
     for _ in range(3):
-        _step_all(engines, torch.randn(1, 2, 1, 16, generator=g), torch.randn(1, 4, 1, 16, generator=g))
+        step_all(engines, torch.randn(1, 2, 1, 16, generator=g), torch.randn(1, 4, 1, 16, generator=g))
     assert engines[1].recalled is not None
     real = native.recall_pages
 
@@ -244,5 +227,5 @@ def test_a_recall_copy_that_fails_after_the_plan_drops_the_buffer(make_engine, m
     assert engines[1].recalled is None
     engines[1].commit()
     for step in range(20):
-        outs = _step_all(engines, torch.randn(1, 2, 1, 16, generator=g), torch.randn(1, 4, 1, 16, generator=g))
+        outs = step_all(engines, torch.randn(1, 2, 1, 16, generator=g), torch.randn(1, 4, 1, 16, generator=g))
         assert torch.equal(outs[0], outs[1]), f"step {step}"

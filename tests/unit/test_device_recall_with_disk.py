@@ -1,0 +1,194 @@
+"""Recall planned on the device for a layer with pages on disk: one read back a step, the chosen disk pages read
+into host slots lent for the step, then the same plan and copy as with every page in host memory.
+
+Forced on the CPU here (`device_recall`), it must choose, read and attend exactly as the host-planned recall
+does, count the same pages from each tier, keep what promotion keeps, feed the read-ahead ring, and give back
+every slot it lent; a damaged disk page is an error that changes nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier import CorruptPageError, TieredCache, native
+from kvtier.placement import Budget
+from kvtier.placement.page_table import DISK, HOST
+
+from engine_steps import drifting_queries, step_all
+from tiny_models import greedy_logits, tiny_llama
+
+
+def _twins(make_engine, **kw):
+    """A host-planned engine and a device-planned one, alike otherwise (no device prefetch, so that the
+    recall buffers are laid out alike and attention sums in the same order)."""
+    settings = {**dict(heads=2, head_dim=16, device_budget=48, host_budget=24, recall_pages=6, page_size=4,
+                       prefetch_pages=0, read_ahead=False), **kw}
+    host, dev = make_engine(**settings), make_engine(**settings)
+    dev.device_recall = True
+    return host, dev
+
+
+def _run(engines, seed=0, prompt=300, steps=60):
+    g = torch.Generator().manual_seed(seed)
+    step_all(engines, torch.randn(1, 2, prompt, 16, generator=g))
+    for step, q in enumerate(drifting_queries(g, steps, keep=0.8, noise=0.6)):
+        yield step, step_all(engines, torch.randn(1, 2, 1, 16, generator=g), q)
+
+
+def _counts(engine):
+    engine.settle_counts()
+    c = engine.counters
+    return dict(c.pages_recalled), c.pages_reused, dict(c.bytes_moved), c.recall_steps
+
+
+def test_the_device_plan_reads_disk_pages_and_attends_as_the_host_plan(make_engine):
+    host, dev = _twins(make_engine)
+    lent = []
+    for step, (a, b) in _run((host, dev)):
+        assert torch.equal(host.last_recall, dev.last_recall), f"step {step}"
+        assert torch.equal(a, b), f"step {step}"
+        lent.append(dev.host.pages() == int((dev.table.tier == HOST).sum()))
+    assert dev.holds_disk_pages() and dev.recalls_on_device() and dev.recalled.on_device
+    assert all(lent), "a host slot lent to a disk page for a step was not given back"
+    got, expect = _counts(dev), _counts(host)
+    assert got == expect
+    assert got[0]["disk"] > 0 and got[0]["host"] > 0 and got[1] > 0
+
+
+def test_the_multi_token_path_reads_disk_pages_too(make_engine):
+    """Query blocks of a prefill with pages already demoted go through `_fetch` on the device as well."""
+    host, dev = _twins(make_engine)
+    g = torch.Generator().manual_seed(4)
+    step_all((host, dev), torch.randn(1, 2, 300, 16, generator=g))
+    for _ in range(3):
+        a, b = step_all((host, dev), torch.randn(1, 2, 40, 16, generator=g), torch.randn(1, 4, 40, 16, generator=g))
+        assert torch.equal(a, b)
+    assert dev.holds_disk_pages()
+    assert _counts(dev) == _counts(host) and _counts(dev)[0]["disk"] > 0
+
+
+def test_with_promotion_it_keeps_the_pages_the_host_plan_keeps(make_engine):
+    host, dev = _twins(make_engine, promote=True)
+    host.promote_every = dev.promote_every = 1
+    for step, (a, b) in _run((host, dev), seed=2):
+        assert torch.equal(a, b), f"step {step}"
+    assert dev.counters.pages_promoted == host.counters.pages_promoted > 0
+    assert np.array_equal(dev.table.tier, host.table.tier)
+    assert np.array_equal(dev.table.copy_slot >= 0, host.table.copy_slot >= 0)
+    assert _counts(dev) == _counts(host)
+
+
+def test_a_prefetch_never_names_a_page_without_a_host_slot(make_engine):
+    """With spare slots, a layer without disk pages prefetches; once pages are on disk, none (a page copied
+    ahead from no host slot would leave garbage named as held), and the choices stay the host plan's."""
+    settings = dict(heads=2, head_dim=16, device_budget=48, recall_pages=6, page_size=4, read_ahead=False)
+    host = make_engine(host_budget=None, prefetch_pages=0, **settings)
+    dev = make_engine(host_budget=None, prefetch_pages=4, **settings)
+    dev.device_recall = True
+    g = torch.Generator().manual_seed(1)
+    step_all((host, dev), torch.randn(1, 2, 300, 16, generator=g))
+    for q in drifting_queries(g, 10):
+        a, b = step_all((host, dev), torch.randn(1, 2, 1, 16, generator=g), q)
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert not dev.holds_disk_pages() and dev.recalled.pending is not None   # it prefetched
+    for e in (host, dev):   # from here on the host holds 24 tokens a head: the rest goes to disk
+        e.cfg = dataclasses.replace(e.cfg, host_budget=Budget(24, "host_budget"))
+    stepped_with_disk = 0
+    for q in drifting_queries(g, 30):
+        disk = dev.holds_disk_pages()   # before the step: its commit may send pages to disk
+        a, b = step_all((host, dev), torch.randn(1, 2, 1, 16, generator=g), q)
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        assert torch.equal(host.last_recall, dev.last_recall)
+        if disk:
+            assert dev.recalled.pending is None, "a prefetch queued on a layer with disk pages"
+            stepped_with_disk += 1
+    assert stepped_with_disk > 20
+    dev.settle_counts()
+    assert dev.counters.pages_recalled["disk"] > 0
+
+
+def test_read_ahead_is_offered_the_short_list(make_engine):
+    host, dev = _twins(make_engine, read_ahead=True)
+    for step, (a, b) in _run((host, dev), seed=3, steps=40):
+        assert torch.equal(a, b), f"step {step}"
+    # how many pages a ring reads ahead depends on when its reads finish: not compared between the engines
+    assert dev.readahead is not None and dev.readahead.read_ahead > 0
+
+
+def test_a_damaged_disk_page_is_an_error_and_changes_nothing(make_engine):
+    _, dev = _twins(make_engine, recall_pages=10_000 // 4)
+    g = torch.Generator().manual_seed(5)
+    step_all([dev], torch.randn(1, 2, 300, 16, generator=g))
+    assert dev.holds_disk_pages()
+    slot = int(dev.table.slot[dev.table.tier == DISK][0])
+    with open(dev.disk.path, "r+b") as f:
+        f.seek(slot * dev.disk.record_size + 5)
+        byte = f.read(1)
+        f.seek(slot * dev.disk.record_size + 5)
+        f.write(bytes([byte[0] ^ 0x40]))
+    host_pages, tiers = dev.host.pages(), dev.table.tier.copy()
+    dev.write(*(torch.randn(1, 2, 1, 16, generator=g),) * 2)
+    with pytest.raises(CorruptPageError, match=rf"at slot {slot}\b"):
+        dev.attend(torch.randn(1, 4, 1, 16, generator=g))
+    assert dev.host.pages() == host_pages and np.array_equal(dev.table.tier, tiers)
+    assert dev.recalled is None   # the buffer's table may name pages never copied: dropped
+
+
+def test_a_cache_recalling_on_the_device_with_disk_pages_gives_the_host_plans_logits(tmp_path):
+    model = tiny_llama()
+    settings = dict(device_budget=0.1, host_budget=0.25, recall_pages=4, page_size=8, read_ahead=False,
+                    prefetch_pages=0)
+    runs = []
+    for on_device in (False, True):
+        with TieredCache(model.config, disk_dir=tmp_path, **settings) as cache:
+            for engine in cache._engines:
+                engine.device_recall = on_device
+            native.reset_stats()
+            logits = greedy_logits(model, cache, prompt=400, steps=32, seed=5)
+            runs.append((logits, cache.stats(), native.backend()["ops"]))
+            assert all(e.holds_disk_pages() for e in cache._engines)
+    (host_logits, host_stats, _), (dev_logits, dev_stats, dev_ops) = runs
+    assert {"plan_recall", "recall_pages"} <= set(dev_ops)
+    assert torch.equal(host_logits, dev_logits)
+    assert dev_stats["pages_recalled_from"] == host_stats["pages_recalled_from"]
+    assert dev_stats["pages_recalled_from"]["disk"] > 0
+    assert dev_stats["host"]["tokens"] == host_stats["host"]["tokens"]
+
+
+def test_the_gpu_decode_step_with_disk_pages_answers_as_the_cpu_path(tmp_path, monkeypatch):
+    """The whole GPU decode step (pool attention, page choice and the recalled pages' attention by the kernels'
+    twins, the step's write in its attention) on layers with disk pages: run eagerly, never from a graph, with
+    the CPU path's choices and tokens, its logits to float rounding."""
+    from kvtier.engine.layer import LayerEngine
+
+    model = tiny_llama()
+    settings = dict(device_budget=0.1, host_budget=0.25, recall_pages=4, page_size=8, read_ahead=False,
+                    prefetch_pages=0)
+    eager_with_disk = []
+    launches = LayerEngine._decode_launches
+
+    def spy(self, run, *inputs):
+        eager_with_disk.append(self.holds_disk_pages())
+        return launches(self, run, *inputs)
+
+    monkeypatch.setattr(LayerEngine, "_decode_launches", spy)
+    runs = []
+    for gpu_path in (False, True):
+        with TieredCache(model.config, disk_dir=tmp_path, **settings) as cache:
+            if gpu_path:
+                for engine in cache._engines:
+                    engine.device_recall = engine.select_kernels = engine.defer_nan = True
+                    engine.scorer.native_score = True
+            native.reset_stats()
+            logits = greedy_logits(model, cache, prompt=400, steps=24, seed=6)
+            runs.append((logits, cache.stats(), native.backend()["ops"]))
+    (cpu_logits, cpu_stats, _), (gpu_logits, gpu_stats, gpu_ops) = runs
+    assert {"plan_recall", "recall_pages", "attend_slabs", "attend_pages"} <= set(gpu_ops)
+    assert len(eager_with_disk) == 24 * 2 and all(eager_with_disk)
+    assert torch.equal(cpu_logits.argmax(-1), gpu_logits.argmax(-1))
+    torch.testing.assert_close(gpu_logits, cpu_logits, rtol=0, atol=1e-4)
+    assert gpu_stats["pages_recalled_from"]["disk"] > 0
