@@ -13,6 +13,8 @@
 //   prefetch brought (flag set) and clears their flags; a prefetch sets the flags of the slots it filled;
 //   counts[0] += fetched, counts[1] += found in the buffer, counts[3] += found thanks to a prefetch (a
 //   step's choice); counts[2] += fetched (a prefetch).
+// A prefetch never fetches a page without a host slot (host_slots < 0: on disk, which only the host reads): such
+// a page counts as not missing, takes no slot and is left for the step that chooses it.
 //
 // `held_after` may be `held` itself (the plan made in place, so the buffer keeps one page table): step 1
 // reads `held` and writes each slot's own value back, and only after the barrier are slots given new pages
@@ -23,18 +25,19 @@
 // limit. The counters are shared by the heads' blocks, so they are added atomically.
 #include "kvtier_native.cuh"
 
-// Step 1, shared by `width` threads of which this is `lane`: missing[j] = want[j] is in no slot;
-// free_slot[i] = slot i holds no wanted page; held_after = held (a no-op in place).
+// Step 1, shared by `width` threads of which this is `lane`: missing[j] = want[j] is in no slot (and, for a
+// prefetch with host slots, has one); free_slot[i] = slot i holds no wanted page; held_after = held (a no-op
+// in place).
 __host__ __device__ inline void kv_plan_marks(const kv_i64* __restrict__ want, kv_i64 w, const kv_i64* held,
-                                              kv_i64 R, unsigned char* __restrict__ missing,
+                                              kv_i64 R, const kv_i64* __restrict__ host_slots, int prefetch,
+                                              unsigned char* __restrict__ missing,
                                               unsigned char* __restrict__ free_slot, kv_i64* held_after,
                                               kv_i64 lane, kv_i64 width) {
     for (kv_i64 j = lane; j < w; j += width) {
-        unsigned char m = 1;
-        for (kv_i64 i = 0; i < R; ++i) {
+        unsigned char m = !(prefetch && host_slots && host_slots[want[j]] < 0);
+        for (kv_i64 i = 0; i < R && m; ++i) {
             if (held[i] == want[j]) {
                 m = 0;
-                break;
             }
         }
         missing[j] = m;
@@ -164,7 +167,8 @@ extern "C" __global__ void kvtier_plan_recall(const kv_i64* __restrict__ want, k
     extern __shared__ unsigned char marks[];
     const kv_i64 h = blockIdx.x;
     kv_i64* after = held_after + h * R;
-    kv_plan_marks(want + h * want_stride, w, held + h * R, R, marks, marks + w, after, threadIdx.x, blockDim.x);
+    kv_plan_marks(want + h * want_stride, w, held + h * R, R, host_slots ? host_slots + h * pages : nullptr,
+                  prefetch, marks, marks + w, after, threadIdx.x, blockDim.x);
     __syncthreads();
     if (threadIdx.x == 0) {
         kv_plan_assign(want + h * want_stride, w, R, marks, marks + w, fetch + h * w, slots + h * w, count + h, after);

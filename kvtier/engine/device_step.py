@@ -57,7 +57,9 @@ class DeviceDecoding:
         inputs = (query, p.k, p.v) if writes else (query,)
         if writes:   # what a step planned whole before the model runs (`plan_steady`) assumes of the next one
             self._steady_how = (scale, sinks, *(shapes(t) for t in inputs))
-        disk = self.holds_disk_pages()   # the step reads its choice back: not replayed, no device prefetch
+        # a step on a layer with disk pages reads its choice back: its launches are not replayed, and its prefetch
+        # is queued after them, from the table as the step leaves it (a promotion round may have moved pages)
+        disk = self.holds_disk_pages()
         run, sources, recall_key = self._prepare_decode(scale, sinks, p.pos if writes else None,
                                                         self._prefetches_in_step() and not disk)
         buf, spare, ahead = run[2], run[4], run[10]
@@ -74,7 +76,9 @@ class DeviceDecoding:
         if writes:   # the host's part of what the launches did: scored and staged, the score committed
             p.staged = p.placed = True
         self._decoded(ids, writes)
-        if spare and not ahead and not disk and shortlist.shape[1] > ids.shape[1]:   # else nothing ranked after
+        if spare and not ahead and shortlist.shape[1] > ids.shape[1]:   # else nothing is ranked after the choice
+            if disk:
+                sources, recall_key = self._sources(), None
             self._prefetch(buf, shortlist[:, :buf.pages], sources, recall_key)
         return out
 

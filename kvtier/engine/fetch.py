@@ -12,8 +12,8 @@ the device, finds most of its choice already there and fetches only the rest on 
 A layer with pages on disk plans on the device too, with one read back a step (disk reads are the host's):
 its choice, the buffer's table and the short list come back, the chosen disk pages the buffer lacks are read
 (through the read-ahead ring) into host slots lent for the step, and the same plan and copy read them there
-(`_land_disk_pages`). Such a step has no device prefetch (a page with no host slot cannot be copied ahead);
-the read-ahead ring reads the short-listed disk pages ahead instead.
+(`_land_disk_pages`). Its prefetch takes the next-ranked host pages only (the plan skips pages without a host
+slot); the read-ahead ring reads the short-listed disk pages ahead instead.
 """
 
 from __future__ import annotations
@@ -134,13 +134,12 @@ class PageFetching:
     def _fetch_on_device(self, buf: RecallBuffer, ids: torch.Tensor, shortlist: torch.Tensor,
                          ahead: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Plan and copy the missing pages of ``ids`` ``[heads, r]`` into `buf` on the device; then, with
-        `ahead`, spare slots and no disk pages, prefetch the pages `shortlist` ranks next (see `_fetch`)."""
+        `ahead` and spare slots, prefetch the pages `shortlist` ranks next (see `_fetch`)."""
         H, r = ids.shape
         R = buf.pages
         self._await_prefetch()
         sources = self._sources()
         spare = R > r
-        disk = self.holds_disk_pages()
         try:
             plan = self._plan_and_copy(buf, ids, sources, spare, shortlist=shortlist)
         except BaseException:   # the table may name pages whose copy never ran: the next step starts a new buffer
@@ -151,8 +150,9 @@ class PageFetching:
             got = (buf.k, buf.v, plan.held_after)
         else:
             got = (*buf.chosen(plan.where), ids)
-        if spare and ahead and not disk and shortlist.shape[1] > r:   # else nothing is ranked after the choice
-            self._prefetch(buf, shortlist[:, :R], sources)
+        if spare and ahead and shortlist.shape[1] > r:   # else nothing is ranked after the choice
+            # the sources as the table is now: with disk pages, the step's promotion round may have moved some
+            self._prefetch(buf, shortlist[:, :R], self._sources())
         return got
 
     def _plan_and_copy(self, buf: RecallBuffer, ids: torch.Tensor,
@@ -250,8 +250,9 @@ class PageFetching:
                   recall_key: Callable[[], StepKey] | None = None) -> None:
         """Bring the pages of `target` ``[heads, w]`` (this step's choice and the pages ranked after it) into
         `buf` on the transfer manager's side stream; the next step's `_fetch_on_device` waits for it. `sources`
-        are the step's (`_sources`, unchanged since: the step changed no table), and `recall_key`, where given,
-        says what `_recall_key` says of them and `buf` (the step's key computed it already)."""
+        are `_sources` of the table as it is now (the step's own where it moved no page; a step on a layer with
+        disk pages makes them again after its promotion round), and `recall_key`, where given, says what
+        `_recall_key` says of them and `buf` (the step's key computed it already)."""
         n, counts = self.table.n, self.device_counts
         if recall_key is None:
             recall_key = lambda: self._recall_key(buf, sources)   # noqa: E731

@@ -618,6 +618,8 @@ def plan_recall(want: torch.Tensor, held: torch.Tensor, pages: int, host_slots: 
     holding = torch.zeros(heads, pages + 1, dtype=torch.bool, device=want.device).scatter_(1, held_col, True)
     holding[:, empty] = False
     missing = ~holding.gather(1, want)                              # [heads, w]
+    if prefetch and host_slots is not None:   # a page without a host slot (on disk) is never fetched ahead
+        missing &= host_slots.gather(1, want) >= 0
     free = ~wanted.gather(1, held_col)                              # [heads, R]
     # the real entries first, each in its original order (a stable sort of a 0/1 key); a head has at least
     # as many free slots as missing pages, since every held page it still wants is one of its `w`

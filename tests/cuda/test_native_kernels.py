@@ -430,10 +430,11 @@ def test_recall_pages_kernel_is_the_twin(kernels, dtype, pinned):
 def test_plan_recall_kernel_is_the_twin(kernels, heads, w, R, pages):
     """A recall step's plan in one launch: the same fetch list, slots, counts, buffer ids, slots of the wanted
     pages and copy rows as the twin, and the same prefetch flags and counters (added atomically by the heads'
-    blocks), step after step, a step's choice then a prefetch."""
+    blocks), step after step, a step's choice then a prefetch (which skips the pages without a host slot)."""
     g = torch.Generator().manual_seed(heads * 1000 + w)
     held = torch.full((heads, R), -1, dtype=torch.int64)
     host = torch.randperm(heads * pages, generator=g).view(heads, pages)
+    host[torch.rand(heads, pages, generator=g) < 0.3] = -1   # pages on disk
     ahead, counts = torch.zeros(heads, R, dtype=torch.bool), torch.zeros(4, dtype=torch.int64)
     dev_ahead, dev_counts, dev_host = ahead.to(kernels), counts.to(kernels), host.to(kernels)
     launches = _Launches("plan_recall")

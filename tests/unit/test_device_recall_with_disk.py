@@ -8,14 +8,11 @@ every slot it lent; a damaged disk page is an error that changes nothing.
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 import torch
 
 from kvtier import CorruptPageError, TieredCache, native
-from kvtier.placement import Budget
 from kvtier.placement.page_table import DISK, HOST
 
 from engine_steps import drifting_queries, step_all
@@ -82,33 +79,60 @@ def test_with_promotion_it_keeps_the_pages_the_host_plan_keeps(make_engine):
     assert _counts(dev) == _counts(host)
 
 
-def test_a_prefetch_never_names_a_page_without_a_host_slot(make_engine):
-    """With spare slots, a layer without disk pages prefetches; once pages are on disk, none (a page copied
-    ahead from no host slot would leave garbage named as held), and the choices stay the host plan's."""
-    settings = dict(heads=2, head_dim=16, device_budget=48, recall_pages=6, page_size=4, read_ahead=False)
-    host = make_engine(host_budget=None, prefetch_pages=0, **settings)
-    dev = make_engine(host_budget=None, prefetch_pages=4, **settings)
+def _buffer_holds_what_it_names(engine) -> int:
+    """Every page the recall buffer names is that page's keys and values as stored in its tier; returns how many
+    it names."""
+    buf, P = engine.recalled, engine.cfg.page_size
+    named = 0
+    for h, row in enumerate(buf.held.tolist()):
+        for s, pid in enumerate(row):
+            if pid < 0:
+                continue
+            tier, slot = (int(x[0]) for x in engine.table.lookup(np.array([h]), np.array([pid])))
+            store = engine.host if tier == HOST else engine.disk
+            k, v = store.load(np.array([slot]))
+            assert torch.equal(buf.k[h, s * P:(s + 1) * P], k[0]), f"head {h} slot {s}: page {pid} is not there"
+            assert torch.equal(buf.v[h, s * P:(s + 1) * P], v[0])
+            named += 1
+    return named
+
+
+def test_a_prefetch_takes_host_pages_only_and_never_names_a_page_it_did_not_copy(make_engine):
+    """With spare slots a device-planned step prefetches the next-ranked pages, on a layer with disk pages too:
+    the plan skips those without a host slot (a copy from no slot would leave a slot named for a page it does
+    not hold). Every page the buffer names is that page, and the choices stay the host plan's."""
+    settings = dict(heads=2, head_dim=16, device_budget=48, host_budget=24, recall_pages=6, page_size=4,
+                    read_ahead=False)
+    host = make_engine(prefetch_pages=0, **settings)
+    dev = make_engine(prefetch_pages=6, **settings)
     dev.device_recall = True
     g = torch.Generator().manual_seed(1)
     step_all((host, dev), torch.randn(1, 2, 300, 16, generator=g))
-    for q in drifting_queries(g, 10):
-        a, b = step_all((host, dev), torch.randn(1, 2, 1, 16, generator=g), q)
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
-    assert not dev.holds_disk_pages() and dev.recalled.pending is not None   # it prefetched
-    for e in (host, dev):   # from here on the host holds 24 tokens a head: the rest goes to disk
-        e.cfg = dataclasses.replace(e.cfg, host_budget=Budget(24, "host_budget"))
-    stepped_with_disk = 0
-    for q in drifting_queries(g, 30):
-        disk = dev.holds_disk_pages()   # before the step: its commit may send pages to disk
+    assert dev.holds_disk_pages()
+    for q in drifting_queries(g, 40):
         a, b = step_all((host, dev), torch.randn(1, 2, 1, 16, generator=g), q)
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
         assert torch.equal(host.last_recall, dev.last_recall)
-        if disk:
-            assert dev.recalled.pending is None, "a prefetch queued on a layer with disk pages"
-            stepped_with_disk += 1
-    assert stepped_with_disk > 20
+        assert dev.recalled.pending is not None   # a prefetch queued
+        assert _buffer_holds_what_it_names(dev) > 6 * 2
     dev.settle_counts()
-    assert dev.counters.pages_recalled["disk"] > 0
+    c = dev.counters
+    assert c.pages_prefetched > 0 and c.prefetch_used > 0 and c.pages_recalled["disk"] > 0
+
+
+def test_a_prefetch_after_a_promotion_round_reads_the_table_as_the_round_left_it(make_engine):
+    """A step's promotion round moves pages between host and disk (and reuses the host slots it frees); the
+    prefetch queued after it must read the host slots as they are then, not as the step found them."""
+    settings = dict(heads=2, head_dim=16, device_budget=48, host_budget=24, recall_pages=6, page_size=4,
+                    prefetch_pages=6, read_ahead=False)
+    on, off = make_engine(promote=True, **settings), make_engine(promote=False, **settings)
+    for e in (on, off):
+        e.device_recall = True
+    on.promote_every = 1
+    for step, (a, b) in _run((on, off), seed=6, steps=50):
+        assert torch.equal(a, b), f"step {step}"
+        _buffer_holds_what_it_names(on)
+    assert on.counters.pages_promoted > 0 and on.recalled.pending is not None
 
 
 def test_read_ahead_is_offered_the_short_list(make_engine):

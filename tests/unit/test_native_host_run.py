@@ -41,8 +41,8 @@ int main() {
         kv_i64* table = in_place ? held.data() : after.data();
         for (kv_i64 h = 0; h < heads; ++h) {   // a block: its threads' shares of a step as lanes in turn
             for (kv_i64 lane = 0; lane < lanes; ++lane) {
-                kv_plan_marks(&want[h * w], w, &held[h * R], R, marks.data(), marks.data() + w, &table[h * R],
-                              lane, lanes);
+                kv_plan_marks(&want[h * w], w, &held[h * R], R, given ? &host[h * pages] : nullptr, (int)prefetch,
+                              marks.data(), marks.data() + w, &table[h * R], lane, lanes);
             }
             kv_plan_assign(&want[h * w], w, R, marks.data(), marks.data() + w, &fetch[h * w], &slots[h * w],
                            &count[h], &table[h * R]);
@@ -93,6 +93,8 @@ def test_the_plan_kernels_code_gives_the_twins_plan(harness):
         pages = max(w, R) + int(torch.randint(0, 20, (1,), generator=g))
         want, held = _case(g, heads, w, R, pages)
         host = torch.randperm(heads * pages, generator=g).view(heads, pages)
+        if i % 2:   # some pages on disk: no host slot, never fetched by a prefetch
+            host = torch.where(torch.rand(heads, pages, generator=g) < 0.3, -1, host)
         ahead = torch.rand(heads, R, generator=g) < 0.4
         counts = torch.randint(0, 100, (4,), generator=g)
         lanes, prefetch, given, in_place = [1, 3, 32, 128][i % 4], i % 3 == 0, i % 5 != 0, i % 7 < 3

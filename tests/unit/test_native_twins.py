@@ -522,14 +522,15 @@ def _run_as_the_kernel(name: str, grid: tuple, args: tuple, block: tuple = (128,
         for h in range(int(grid[0])):
             want = [_i64(want_p, h * want_stride + j) for j in range(w)]
             held = [_i64(held_p, h * R + i) for i in range(R)]
-            missing = [x not in held for x in want]
+            # a prefetch skips pages without a host slot (on disk)
+            missing = [x not in held and not (prefetch and hs_p and _i64(hs_p, h * pages + x) < 0) for x in want]
             free = [x < 0 or x not in want for x in held]
             fetch = [x for x, m in zip(want, missing) if m] + [x for x, m in zip(want, missing) if not m]
             slots = ([i for i in range(R) if free[i]] + [i for i in range(R) if not free[i]])[:w]
             n = sum(missing)
             for j in range(n):
                 held[slots[j]] = fetch[j]
-            where = [held.index(x) for x in want]
+            where = [held.index(x) if x in held else 0 for x in want]
             src = [_i64(hs_p, h * pages + x) for x in fetch] if hs_p else fetch
             for ptr, values in ((fetch_p + 8 * h * w, fetch), (slots_p + 8 * h * w, slots), (count_p + 8 * h, [n]),
                                 (after_p + 8 * h * R, held), (where_p + 8 * h * w, where), (src_p + 8 * h * w, src),
@@ -845,6 +846,7 @@ def test_plan_recall_launch_gives_the_twins_plan(replayed_kernels):
         held = torch.stack([torch.randperm(pages, generator=g)[:R] for _ in range(heads)])
         held[torch.rand(heads, R, generator=g) < 0.3] = -1
         host_slots = torch.randperm(heads * pages, generator=g).view(heads, pages)
+        host_slots[torch.rand(heads, pages, generator=g) < 0.3] = -1   # pages on disk: a prefetch skips them
         for prefetch in (False, True):
             ahead = torch.rand(heads, R, generator=g) < 0.5
             counts = torch.arange(4, dtype=torch.int64)
