@@ -346,6 +346,17 @@ def wrappers(contexts: str, device_budget: float, calls: int, threads: int, as_j
     click.echo("  calls per layer-step: " + ", ".join(f"{op} x{n}" for op, n in out["calls_per_layer_step"].items()))
 
 
+def _fraction(value: str, option: str) -> float:
+    """A fraction strictly between 0 and 1, or a clear refusal naming `option`."""
+    try:
+        got = float(value)
+    except ValueError:
+        raise bad_option(option, value, "a fraction between 0 and 1, like 0.5, or none", "is not a number") from None
+    if not 0 < got < 1:
+        raise bad_option(option, value, "a fraction between 0 and 1, like 0.5, or none", "is out of range")
+    return got
+
+
 @bench.command("gpu")
 @click.option("--contexts", default="32K,128K", show_default=True,
               help="Comma list of prefilled contexts whose decode step is timed (e.g. 32K,128K).")
@@ -391,6 +402,9 @@ def wrappers(contexts: str, device_budget: float, calls: int, threads: int, as_j
 @click.option("--no-prefetch-row/--skip-no-prefetch-row", "no_prefetch", default=True, show_default=True,
               help="Also time kvtier without prefetch (prefetch_pages=0), and with its prefetch on the side stream "
                    "rather than in each step's CUDA graph, at the largest context.")
+@click.option("--disk-host-budget", default="0.5", show_default=True,
+              help="Also time kvtier with this host budget (a fraction of the context: past it pages go to disk), "
+                   "recall planned on the device and on the host, at the smallest context (none: no disk rows).")
 @click.option("--profile-steps", default=0, show_default=True, type=click.IntRange(min=0),
               help="After each kvtier row's timed steps, this many more under cProfile: where the host time of a "
                    "step goes (JSON 'host_profile'; 0: none).")
@@ -404,8 +418,8 @@ def wrappers(contexts: str, device_budget: float, calls: int, threads: int, as_j
 def gpu(contexts: str, million: bool, million_context: str, million_layers: str, device_budget: str,
         recall_pages: int, layers: int | None, shape: str, steps: int, warmup: int, growth_steps: int,
         growth_seconds: float, prefill_chunk: int, copy_mib: int, batch_mib: int, eager: bool, decode_graph: bool,
-        sustained_steps: int, no_prefetch: bool, profile_steps: int, device: str, threads: int | None, seed: int,
-        out_path: str, quiet: bool) -> None:
+        sustained_steps: int, no_prefetch: bool, disk_host_budget: str, profile_steps: int, device: str,
+        threads: int | None, seed: int, out_path: str, quiet: bool) -> None:
     """Demotion/recall GB/s vs a raw pinned copy; decode step of the Llama-3.1-8B shape (random weights, bf16,
     batch 1) with kvtier vs DynamicCache on the GPU vs DynamicCache(offloading=True); a synthetic 1M row; KVP
     scoring as a fraction of prefill. Prints a table and writes JSON with each target's pass/fail."""
@@ -420,6 +434,8 @@ def gpu(contexts: str, million: bool, million_context: str, million_layers: str,
                          "leaves no device tier")
     check_cache_options(budget, None, None, recall_pages)
     m_ctx = parse_context(million_context, "--million-context", 16)
+    disk_host = None if disk_host_budget.strip().lower() == "none" else _fraction(disk_host_budget,
+                                                                                   "--disk-host-budget")
     if million_layers.strip().lower() == "auto":
         m_layers = None
     else:
@@ -443,7 +459,8 @@ def gpu(contexts: str, million: bool, million_context: str, million_layers: str,
                          recall_pages=recall_pages, steps=steps, warmup=warmup, growth_steps=growth_steps,
                          growth_seconds=growth_seconds, prefill_chunk=prefill_chunk, copy_mib=copy_mib,
                          batch_mib=batch_mib, eager=eager, decode_graph=decode_graph,
-                         sustained_steps=sustained_steps, no_prefetch=no_prefetch, profile_steps=profile_steps,
+                         sustained_steps=sustained_steps, no_prefetch=no_prefetch, disk_host_budget=disk_host,
+                         profile_steps=profile_steps,
                          seed=seed)
     out_file = Path(out_path).expanduser()
 

@@ -197,7 +197,24 @@ def test_targets_prefer_128k_and_judge_both_ways():
     assert got["no_device_memory_growth"]["pass"] is None
 
 
+def test_disk_rows_plan_recall_on_the_device_and_on_the_host(cpu_run):
+    """At the smallest context, two more kvtier rows with a host budget (every layer has pages on disk): recall
+    planned on the device (a GPU's path, a read back a step) and on the host; each recalled pages from disk."""
+    text, data = cpu_run
+    first, second = data["decode"]
+    assert "kvtier_disk" not in second["rows"] and "kvtier_disk_host_plan" not in second["rows"]
+    for name in ("kvtier_disk", "kvtier_disk_host_plan"):
+        r = first["rows"][name]
+        assert r["step_ms_median"] > 0 and r["tiers"]["disk"]["tokens"] > 0, r
+        assert r["tiers"]["pages_recalled_from"]["disk"] > 0
+    ra = first["ratios"]
+    assert ra["kvtier_disk_host_plan_over_kvtier_disk"] > 0 and ra["kvtier_disk_over_kvtier"] > 0
+    assert "pages on disk, planned on host" in text and "planned on the host / on the device" in text
+
+
 @pytest.mark.parametrize("args, words", [
+    (["--disk-host-budget", "1.5"], "--disk-host-budget"),
+    (["--disk-host-budget", "half"], "not a number"),
     (["--contexts", "abc"], "not a token count"),
     (["--contexts", "1K,"], "empty item"),
     (["--layers", "9"], "is too many"),
@@ -253,6 +270,10 @@ def test_tiny_on_cuda_measures_every_row(tmp_path):
     assert top["kvtier_side_prefetch"]["cuda_graphs"]["prefetch"]["replays"] > 0   # on its side stream, from graphs
     assert top["kvtier"]["cuda_graphs"]["prefetch"]["replays"] == 0 and top["kvtier"]["tiers"]["prefetch"]["pages"] > 0
     assert "kvtier_no_prefetch" not in data["decode"][0]["rows"]
+    disk = data["decode"][0]["rows"]["kvtier_disk"]   # pages on disk: planned on the device, never replayed
+    assert "skipped" not in disk and disk["tiers"]["pages_recalled_from"]["disk"] > 0, disk
+    assert disk["cuda_graphs_timed"]["replays"] == 0 and disk["tiers"]["prefetch"]["pages"] > 0
+    assert "skipped" not in data["decode"][0]["rows"]["kvtier_disk_host_plan"]
 
 
 def test_the_table_says_why_rows_were_skipped(cpu_run):

@@ -18,10 +18,13 @@ from .timing import Clock, Progress, Skip, _attempt, _free, _median, _r
 # within its graph); "kvtier_eager" the same with its launches issued one by one (cuda_graphs=False);
 # "kvtier_side_prefetch" the default with the prefetch on the side stream, replayed there from graphs of its own;
 # "kvtier_no_prefetch" the default without prefetch; "kvtier_graph" the default cache stepped by `DecodeGraph`
-# (the model's step and the cache's as one CUDA graph, where the step is steady)
+# (the model's step and the cache's as one CUDA graph, where the step is steady); "kvtier_disk" the default with
+# a host budget, so that every layer has pages on disk (recall planned on the device, a read back a step), and
+# "kvtier_disk_host_plan" the same with recall planned on the host (`device_recall=False`)
 ROW_NAMES = {"kvtier": "kvtier", "kvtier_graph": "kvtier, whole step as one CUDA graph (DecodeGraph)",
              "kvtier_eager": "kvtier, eager (no CUDA graphs)",
              "kvtier_side_prefetch": "kvtier, prefetch on the side stream", "kvtier_no_prefetch": "kvtier, no prefetch",
+             "kvtier_disk": "kvtier, pages on disk", "kvtier_disk_host_plan": "kvtier, pages on disk, planned on host",
              "dynamic": "DynamicCache", "offloading": "DynamicCache(offloading=True)"}
 
 
@@ -91,13 +94,18 @@ def run_context(cfg: GpuBenchConfig, model: Any, context: int, scorer: Any, cloc
     paired: dict[str, Any] = {}
 
     def tiered(graphs: bool = True, prefetch: int | None = None, profile: bool = True, demoting: bool = False,
-               in_step: bool | None = None, in_turn: bool = False, whole: bool = False) -> dict[str, Any]:
+               in_step: bool | None = None, in_turn: bool = False, whole: bool = False,
+               disk: str | None = None) -> dict[str, Any]:
         if device.type != "cuda" and not (graphs and prefetch is None and in_step is None):
             raise Skip("not run on cpu: without CUDA graphs or prefetch there it is the kvtier row again")
-        cache = TieredCache(model.config, device_budget=cfg.device_budget, host_budget=None, scorer=scorer,
+        # `disk`: a host budget sends pages to disk; recall planned on the "device" (on CUDA, the default) or "host"
+        host_budget = None if disk is None else cfg.disk_host_budget
+        cache = TieredCache(model.config, device_budget=cfg.device_budget, host_budget=host_budget, scorer=scorer,
                             recall_pages=cfg.recall_pages, cuda_graphs=graphs, prefetch_pages=prefetch)
         for engine in cache._engines:   # where a step's prefetch runs (None: in its graph, where it has one)
             engine.prefetch_in_step = in_step
+            if disk is not None:
+                engine.device_recall = disk == "device"
         try:
             fill = clock.time(lambda: _fill_from(cache, kv, cfg.prefill_chunk, progress, "kvtier fill"))
             stepper = DecodeGraph(model, cache) if whole else cache   # what `decode_steps` steps through
@@ -185,6 +193,8 @@ def run_context(cfg: GpuBenchConfig, model: Any, context: int, scorer: Any, cloc
     runs = (("kvtier_eager", lambda: tiered(graphs=False)),
             ("kvtier_side_prefetch", lambda: tiered(in_step=False, profile=False)),
             ("kvtier_no_prefetch", lambda: tiered(prefetch=0, profile=False)), ("offloading", offloaded),
+            ("kvtier_disk", lambda: tiered(disk="device", profile=False)),
+            ("kvtier_disk_host_plan", lambda: tiered(disk="host", profile=False)),
             ("kvtier_graph", lambda: tiered(whole=True)),
             ("kvtier", lambda: tiered(demoting=growth, in_turn=True)), ("dynamic", dynamic))
     # the kvtier row (DynamicCache's steps in turn with it) and DynamicCache's own last: DynamicCache's steps grow
@@ -195,6 +205,8 @@ def run_context(cfg: GpuBenchConfig, model: Any, context: int, scorer: Any, cloc
         if name in ("kvtier_side_prefetch", "kvtier_no_prefetch") and not (cfg.no_prefetch and
                                                                           context == max(cfg.contexts)):
             continue   # at the largest context only: the run stays within its time
+        if name.startswith("kvtier_disk") and (cfg.disk_host_budget is None or context != min(cfg.contexts)):
+            continue   # at the smallest context only
         progress.say(f"{context:,} tokens: {ROW_NAMES[name]}")
         row["rows"][name] = _attempt(f"{context:,} {ROW_NAMES[name]}", fn, device, progress)
         _free(device)
@@ -217,6 +229,13 @@ def run_context(cfg: GpuBenchConfig, model: Any, context: int, scorer: Any, cloc
         mean = rows["kvtier_graph"].get("sustained", {}).get("step_ms_mean")
         other = rows["dynamic"].get("step_ms_median")
         row["ratios"]["dynamic_over_kvtier_graph_sustained"] = _r(other / mean) if other and mean else None
+    disk_ms = {name: rows.get(name, {}).get("step_ms_median") for name in ("kvtier_disk", "kvtier_disk_host_plan")}
+    if "kvtier_disk" in rows:   # the disk rows: each plan against the other, the device plan against the others
+        d, h = disk_ms["kvtier_disk"], disk_ms["kvtier_disk_host_plan"]
+        row["ratios"]["kvtier_disk_host_plan_over_kvtier_disk"] = _r(h / d) if d and h else None
+        row["ratios"]["kvtier_disk_over_kvtier"] = _r(d / k_ms) if d and k_ms else None
+        other = rows["dynamic"].get("step_ms_median")
+        row["ratios"]["dynamic_over_kvtier_disk"] = _r(other / d) if d and other else None
     for name, key in (("kvtier_eager", "kvtier_eager_over_kvtier"),
                       ("kvtier_side_prefetch", "kvtier_side_prefetch_over_kvtier"),
                       ("kvtier_no_prefetch", "kvtier_over_no_prefetch")):

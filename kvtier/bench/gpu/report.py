@@ -116,7 +116,13 @@ def format_report(result: dict[str, Any]) -> str:
                 f"prefetches replayed there: {r.get('cuda_graphs', {}).get('prefetch', {}).get('replays', 0)}"),
             "kvtier_no_prefetch": lambda r: (
                 f"with prefetch / without {_fmt(ra.get('kvtier_over_no_prefetch'), '.2f', 'x')}; chosen pages "
-                f"already on the device: {_fmt(r.get('tiers', {}).get('reuse_rate'), '.1%')}")}
+                f"already on the device: {_fmt(r.get('tiers', {}).get('reuse_rate'), '.1%')}"),
+            "kvtier_disk": lambda r: (
+                f"over the kvtier row {_fmt(ra.get('kvtier_disk_over_kvtier'), '.2f', 'x')}, Dyn / it "
+                f"{_fmt(ra.get('dynamic_over_kvtier_disk'), '.2f', 'x')}; {_disk_share(r)}"),
+            "kvtier_disk_host_plan": lambda r: (
+                f"planned on the host / on the device {_fmt(ra.get('kvtier_disk_host_plan_over_kvtier_disk'), '.2f', 'x')}"
+                f"; {_disk_share(r)}")}
         for name, says in beside.items():
             r = row["rows"].get(name)
             if r is not None:
@@ -210,6 +216,14 @@ def format_report(result: dict[str, Any]) -> str:
                         if t.get("with_decode_graph") is not None else ""))
     lines.append(f"\ntotal {result['seconds']['total']:.1f} s")
     return "\n".join(lines)
+
+
+def _disk_share(row: dict[str, Any]) -> str:
+    """What a disk row's cache held on disk and brought up from there over its run."""
+    tiers = row.get("tiers", {})
+    came = tiers.get("pages_recalled_from", {})
+    return (f"{tiers.get('disk', {}).get('tokens', 0):,} tokens on disk; pages recalled from disk "
+            f"{came.get('disk', 0):,} of {came.get('disk', 0) + came.get('host', 0):,}")
 
 
 def _sustained(run: dict[str, Any] | None, ratio: float | None) -> str:

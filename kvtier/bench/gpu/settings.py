@@ -34,6 +34,8 @@ class GpuBenchConfig:
     sustained_steps: int = 300            # then that row's steps over several demotions, captures included
     no_prefetch: bool = True              # also kvtier rows without prefetch and with it on the side stream,
                                           # at the largest context
+    disk_host_budget: float | None = 0.5  # the disk rows' host budget (fraction of the context; past it, pages
+                                          # go to disk), at the smallest context; None: no disk rows
     profile_steps: int = 0                # kvtier steps profiled (cProfile) after each kvtier row's timed ones
     seed: int = 0
 
@@ -48,6 +50,10 @@ class GpuBenchConfig:
                      "profile_steps", "sustained_steps"):
             if getattr(self, name) < (0 if name in ("warmup", "profile_steps", "sustained_steps") else 1):
                 raise ConfigError(f"{name}={getattr(self, name)} is out of range")
+
+        if self.disk_host_budget is not None and not 0 < self.disk_host_budget < 1:
+            raise ConfigError(f"disk_host_budget={self.disk_host_budget}; allowed: a fraction between 0 and 1 "
+                              "(exclusive), or None for no disk rows")
 
     @property
     def num_layers(self) -> int:

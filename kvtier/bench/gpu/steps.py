@@ -126,6 +126,7 @@ def _step_row(times: list[float], issued: list[float] | None = None, **extra: An
 def _tier_summary(stats: dict[str, Any]) -> dict[str, Any]:
     return {"device": stats["device"], "host": stats["host"], "disk": stats["disk"],
             "bytes_moved": stats["bytes_moved"], "pages_recalled": stats["pages_recalled"],
+            "pages_recalled_from": stats["pages_recalled_from"],
             "pages_reused": stats["pages_reused"], "reuse_rate": stats["reuse_rate"], "prefetch": stats["prefetch"],
             "transfer_wait_seconds": _r(stats["transfer_wait_seconds"], 4),
             "scorer": stats["scorer"]}
