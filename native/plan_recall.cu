@@ -29,12 +29,13 @@
 // prefetch with host slots, has one); free_slot[i] = slot i holds no wanted page; held_after = held (a no-op
 // in place).
 __host__ __device__ inline void kv_plan_marks(const kv_i64* __restrict__ want, kv_i64 w, const kv_i64* held,
-                                              kv_i64 R, const kv_i64* __restrict__ host_slots, int prefetch,
-                                              unsigned char* __restrict__ missing,
+                                              kv_i64 R, const kv_i64* __restrict__ host_slots, kv_i64 pages,
+                                              int prefetch, unsigned char* __restrict__ missing,
                                               unsigned char* __restrict__ free_slot, kv_i64* held_after,
                                               kv_i64 lane, kv_i64 width) {
     for (kv_i64 j = lane; j < w; j += width) {
-        unsigned char m = !(prefetch && host_slots && host_slots[want[j]] < 0);
+        const kv_i64 page = want[j];   // an id outside the table has no host slot either
+        unsigned char m = !(prefetch && host_slots && (page < 0 || page >= pages || host_slots[page] < 0));
         for (kv_i64 i = 0; i < R && m; ++i) {
             if (held[i] == want[j]) {
                 m = 0;
@@ -167,7 +168,7 @@ extern "C" __global__ void kvtier_plan_recall(const kv_i64* __restrict__ want, k
     extern __shared__ unsigned char marks[];
     const kv_i64 h = blockIdx.x;
     kv_i64* after = held_after + h * R;
-    kv_plan_marks(want + h * want_stride, w, held + h * R, R, host_slots ? host_slots + h * pages : nullptr,
+    kv_plan_marks(want + h * want_stride, w, held + h * R, R, host_slots ? host_slots + h * pages : nullptr, pages,
                   prefetch, marks, marks + w, after, threadIdx.x, blockDim.x);
     __syncthreads();
     if (threadIdx.x == 0) {

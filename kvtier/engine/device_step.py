@@ -64,7 +64,8 @@ class DeviceDecoding:
                                                         self._prefetches_in_step() and not disk)
         buf, spare, ahead = run[2], run[4], run[10]
         try:
-            if disk:
+            if disk:   # counted among the steps run eagerly
+                self.graphs.eager += 1
                 out, ids, shortlist = self._decode_launches(run, *inputs)
             else:
                 out, ids, shortlist = self.graphs.run(lambda: self._decode_key(tuple(map(shapes, inputs)), run,

@@ -34,8 +34,8 @@ from ..recall.device_plan import plan_on_device
 from .graphs import StepKey, shapes
 
 
-COOL_EVERY = 32      # host-planned recalls of a layer between halvings of its pages' use counts
-PROMOTE_EVERY = 4    # host-planned recalls of a layer between rounds that keep disk pages on the host
+COOL_EVERY = 32      # recalls of a layer that bring pages up (from the host's view) between halvings of use counts
+PROMOTE_EVERY = 4    # such recalls between rounds that keep disk pages on the host
 
 
 class _Landing(NamedTuple):
@@ -178,10 +178,24 @@ class PageFetching:
             if landing is not None and len(landing.slots):
                 self.host.free(landing.slots)
         if landing is not None:
+            self._landed_up(landing)
+        return plan
+
+    def _landed_up(self, landing: _Landing) -> None:
+        """After a device-planned copy that read disk pages (`_land_disk_pages`): what the host-planned recall
+        does after its own (`_fetch`): the disk pages counted (the device counts them among the pages it moved:
+        `settle_counts` takes them out there), the pages' uses and promotion where pages came up, the read-ahead
+        ring offered the short list."""
+        if landing.k is not None:
+            m = len(landing.pids) - landing.first
+            c = self.counters
+            c.pages_recalled["disk"] += m
+            c.bytes_moved["disk_to_device"] += m * self.host.page_bytes()
+            self._landed += m
+        if len(landing.pids):
             from_disk = None if landing.k is None else (landing.first, landing.k, landing.v)
             self._keep_on_host(landing.heads, landing.pids, from_disk)
-            self._read_ahead(landing.want, landing.shortlist)
-        return plan
+        self._read_ahead(landing.want, landing.shortlist)
 
     def _land_disk_pages(self, buf: RecallBuffer, ids: torch.Tensor, sources: tuple,
                          shortlist: torch.Tensor | None) -> tuple[tuple, _Landing]:
@@ -197,7 +211,9 @@ class PageFetching:
         want = back[:, :r]
         listed = want if len(parts) == 2 else back[:, r + R:]
         chosen, held = want.numpy(), back[:, r:r + R].numpy()
-        lacking = ~(chosen[:, :, None] == held[:, None, :]).any(axis=2)
+        n = self.table.n   # pages numbered per head: head h's page p is h * (n + 1) + p, an empty slot h * (n + 1) - 1
+        step = np.arange(H, dtype=np.int64)[:, None] * (n + 1)
+        lacking = ~np.isin(chosen + step, held + step)
         heads = np.broadcast_to(np.arange(H)[:, None], chosen.shape)[lacking]
         pids = chosen[lacking]
         tier, slot = self.table.lookup(heads, pids)
@@ -212,20 +228,20 @@ class PageFetching:
         k = torch.empty(m, P, D, dtype=self.dtype, pin_memory=self.pin)
         v = torch.empty(m, P, D, dtype=self.dtype, pin_memory=self.pin)
         self._load_disk(slot[first:], out=(k, v))
-        lent = self.host.store(k, v)
+        lent = self.host.store(k, v)   # may add a slab: the copy's address tables are made after it
         try:
             mirror = sources[0].clone()
-            cells = torch.from_numpy(heads[first:] * mirror.shape[1] + pids[first:])
-            mirror.view(-1)[cells.to(self.device)] = torch.from_numpy(lent).to(self.device)
+            # the cells and their slots in one copy up (from pinned memory on CUDA: no wait)
+            where = torch.empty(2, m, dtype=torch.int64, pin_memory=self.pin)
+            where[0] = torch.from_numpy(heads[first:] * mirror.shape[1] + pids[first:])
+            where[1] = torch.from_numpy(lent)
+            where = where.to(self.device, non_blocking=True)
+            mirror.view(-1)[where[0]] = where[1]
+            sources = (mirror, *self._sources()[1:])
         except BaseException:
             self.host.free(lent)
             raise
-        page_bytes = self.host.page_bytes()
-        c = self.counters
-        c.pages_recalled["disk"] += m
-        c.bytes_moved["disk_to_device"] += m * page_bytes
-        self._landed += m   # the device counts them among the pages it moved: `settle_counts` takes them out
-        return (mirror, *sources[1:]), _Landing(heads, pids, first, k, v, lent, want, listed)
+        return sources, _Landing(heads, pids, first, k, v, lent, want, listed)
 
     def _sources(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """What a device-side copy up reads besides the plan: the host slot of every page and the key and value

@@ -187,6 +187,7 @@ def test_the_gpu_decode_step_with_disk_pages_answers_as_the_cpu_path(tmp_path, m
     """The whole GPU decode step (pool attention, page choice and the recalled pages' attention by the kernels'
     twins, the step's write in its attention) on layers with disk pages: run eagerly, never from a graph, with
     the CPU path's choices and tokens, its logits to float rounding."""
+    from kvtier.engine.graphs import StepGraphs
     from kvtier.engine.layer import LayerEngine
 
     model = tiny_llama()
@@ -200,6 +201,9 @@ def test_the_gpu_decode_step_with_disk_pages_answers_as_the_cpu_path(tmp_path, m
         return launches(self, run, *inputs)
 
     monkeypatch.setattr(LayerEngine, "_decode_launches", spy)
+    through_graphs = []
+    graphs_run = StepGraphs.run
+    monkeypatch.setattr(StepGraphs, "run", lambda self, *a, **k: through_graphs.append(1) or graphs_run(self, *a, **k))
     runs = []
     for gpu_path in (False, True):
         with TieredCache(model.config, disk_dir=tmp_path, **settings) as cache:
@@ -208,11 +212,59 @@ def test_the_gpu_decode_step_with_disk_pages_answers_as_the_cpu_path(tmp_path, m
                     engine.device_recall = engine.select_kernels = engine.defer_nan = True
                     engine.scorer.native_score = True
             native.reset_stats()
+            through_graphs.clear()
             logits = greedy_logits(model, cache, prompt=400, steps=24, seed=6)
             runs.append((logits, cache.stats(), native.backend()["ops"]))
+            if gpu_path:   # never handed to a layer's graphs (whose replay could not read back), counted as eager
+                assert not through_graphs and cache.stats()["cuda_graphs"]["eager_steps"] == 24 * 2
     (cpu_logits, cpu_stats, _), (gpu_logits, gpu_stats, gpu_ops) = runs
     assert {"plan_recall", "recall_pages", "attend_slabs", "attend_pages"} <= set(gpu_ops)
     assert len(eager_with_disk) == 24 * 2 and all(eager_with_disk)
     assert torch.equal(cpu_logits.argmax(-1), gpu_logits.argmax(-1))
     torch.testing.assert_close(gpu_logits, cpu_logits, rtol=0, atol=1e-4)
     assert gpu_stats["pages_recalled_from"]["disk"] > 0
+
+
+def test_a_host_pool_that_grows_to_lend_slots_gives_the_copy_its_new_slab(make_engine, monkeypatch):
+    """Lending host slots to the step's disk pages may add a host slab; the copy must read the slabs' address
+    table as it is then (on CUDA a stale table is refused, or would name too few slabs). Emulated on the CPU:
+    address tables by slab count, and a copy that checks them."""
+    from kvtier.tiers.host import HostPool
+    from kvtier.tiers.slabs import SlabRows
+
+    monkeypatch.setattr(HostPool.__init__, "__defaults__", (4 * 16 * 4 * 8,))   # slabs of 8 pages
+    monkeypatch.setattr(SlabRows, "addresses", lambda self, device: torch.zeros(len(self.slabs), dtype=torch.int64))
+    copy = native.recall_pages
+    copied = []
+
+    def checked(slabs, rows_per_slab, src, dst, count, out, addresses=None, **kw):
+        assert addresses is not None and addresses.shape == (len(slabs),), "the copy read a stale address table"
+        copied.append(len(slabs))
+        return copy(slabs, rows_per_slab, src, dst, count, out, addresses, **kw)
+
+    monkeypatch.setattr(native, "recall_pages", checked)
+    host, dev = _twins(make_engine)
+    g = torch.Generator().manual_seed(8)
+    step_all((host, dev), torch.randn(1, 2, 300, 16, generator=g))
+    pool = dev.host
+    pool.reserve(len(pool._free) + pool.k.capacity - pool._next)   # no free slot: lending adds a slab
+    slabs = len(pool.k.slabs)
+    for q in drifting_queries(g, 6):
+        a, b = step_all((host, dev), torch.randn(1, 2, 1, 16, generator=g), q)
+        assert torch.equal(a, b)
+    assert len(pool.k.slabs) > slabs and max(copied) > slabs
+
+
+def test_a_step_that_brings_nothing_up_counts_no_recall_for_promotion(make_engine):
+    """Promotion's clock counts the recalls that bring pages up, on either plan: a query that stays put brings
+    nothing up after its first steps, and the use counts and tiers stay the host plan's."""
+    host, dev = _twins(make_engine, promote=True)
+    g = torch.Generator().manual_seed(9)
+    step_all((host, dev), torch.randn(1, 2, 300, 16, generator=g))
+    q = torch.randn(1, 4, 1, 16, generator=g)
+    for step in range(40):
+        k = torch.randn(1, 2, 1, 16, generator=g) if step % 10 == 0 else torch.zeros(1, 2, 1, 16)
+        a, b = step_all((host, dev), k, q)
+        assert torch.equal(a, b), f"step {step}"
+    assert dev._recall_clock == host._recall_clock < 40
+    assert np.array_equal(dev.table.uses, host.table.uses) and np.array_equal(dev.table.tier, host.table.tier)

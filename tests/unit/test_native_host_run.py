@@ -41,8 +41,8 @@ int main() {
         kv_i64* table = in_place ? held.data() : after.data();
         for (kv_i64 h = 0; h < heads; ++h) {   // a block: its threads' shares of a step as lanes in turn
             for (kv_i64 lane = 0; lane < lanes; ++lane) {
-                kv_plan_marks(&want[h * w], w, &held[h * R], R, given ? &host[h * pages] : nullptr, (int)prefetch,
-                              marks.data(), marks.data() + w, &table[h * R], lane, lanes);
+                kv_plan_marks(&want[h * w], w, &held[h * R], R, given ? &host[h * pages] : nullptr, pages,
+                              (int)prefetch, marks.data(), marks.data() + w, &table[h * R], lane, lanes);
             }
             kv_plan_assign(&want[h * w], w, R, marks.data(), marks.data() + w, &fetch[h * w], &slots[h * w],
                            &count[h], &table[h * R]);
