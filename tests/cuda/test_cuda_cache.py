@@ -199,6 +199,73 @@ def test_session_store_on_gpu(cuda_device, tmp_path):
     back.close()
 
 
+def _before_a_step_that_demotes_nowhere(model, cache, token):
+    """Decode from `token` until the next step demotes in no layer; returns the token that step takes."""
+    for _ in range(32):
+        if all(e.pool.count + 1 <= e.cfg.device_tokens(e.seen + 1) for e in cache._engines):
+            break
+        token = model(token, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
+    return token
+
+
+@torch.no_grad()
+def test_a_decode_step_with_disk_pages_reads_back_once_a_layer(cuda_device):
+    """Every layer with pages on disk: a decode step that does not demote waits for the GPU once a layer (the
+    read back of its choice; the lent slots' cells go up from pinned memory without a wait), with recall
+    planned on the device."""
+    import warnings
+
+    from kvtier import native
+
+    if native.kernel_status() is not None:
+        pytest.skip(f"native kernels are off ({native.kernel_status()}); the twins read indices on the host")
+    model = _llama(cuda_device)
+    with TieredCache(model.config, device_budget=64, host_budget=120, recall_pages=8, scorer="keynorm",
+                     read_ahead=False) as cache:
+        out = _greedy(model, cache, _prompt(600, cuda_device), 4)
+        token = _before_a_step_that_demotes_nowhere(model, cache, out[:, -1:])
+        engines = cache._engines
+        assert all(e.recalls_on_device() and e.holds_disk_pages() for e in engines)
+        before = cache.stats()["pages_recalled_from"]["disk"]
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                logits = model(token, **cache_kwargs(cache)).logits
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        syncs = [str(w.message) for w in seen if "synchroniz" in str(w.message)]
+        assert len(syncs) == len(engines), syncs
+        assert torch.isfinite(logits).all() and cache.stats()["pages_recalled_from"]["disk"] >= before
+
+
+@torch.no_grad()
+def test_disk_pages_planned_on_the_device_decode_as_planned_on_the_host(cuda_device, tmp_path):
+    """Layers with pages on disk, recall planned on the device (the GPU's default) and on the host, float32, no
+    prefetch: the same greedy tokens over 60 steps, logits to float rounding, the same pages from each tier."""
+    model = _llama(cuda_device, torch.float32)
+    ids = _prompt(700, cuda_device)
+    settings = dict(device_budget=64, host_budget=200, recall_pages=16, scorer="keynorm", read_ahead=False,
+                    prefetch_pages=0)
+    runs = []
+    for on_device in (True, False):
+        with TieredCache(model.config, disk_dir=tmp_path / str(on_device), **settings) as cache:
+            for engine in cache._engines:
+                engine.device_recall = on_device
+            out = [model(ids, **cache_kwargs(cache)).logits[:, -1:]]
+            for _ in range(60):
+                out.append(model(out[-1].argmax(-1), **cache_kwargs(cache)).logits[:, -1:])
+            runs.append((torch.cat(out), cache.stats()))
+            assert all(e.holds_disk_pages() for e in cache._engines)
+            assert all(e.recalled.on_device == on_device for e in cache._engines)
+    (dev, dev_stats), (host, host_stats) = runs
+    assert torch.equal(dev.argmax(-1), host.argmax(-1))
+    torch.testing.assert_close(dev, host, rtol=1e-4, atol=1e-4)
+    assert dev_stats["pages_recalled_from"] == host_stats["pages_recalled_from"]
+    assert dev_stats["pages_recalled_from"]["disk"] > 0
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda-graphs"])
 def test_a_decode_step_with_host_pages_never_syncs(cuda_device, graphs):
@@ -212,12 +279,8 @@ def test_a_decode_step_with_host_pages_never_syncs(cuda_device, graphs):
     model = _llama(cuda_device)
     with TieredCache(model.config, device_budget=64, recall_pages=8, scorer="keynorm", cuda_graphs=graphs) as cache:
         out = _greedy(model, cache, _prompt(600, cuda_device), 4)
-        token = out[:, -1:]
+        token = _before_a_step_that_demotes_nowhere(model, cache, out[:, -1:])
         engines = cache._engines
-        for _ in range(32):   # step until the next step demotes nowhere
-            if all(e.pool.count + 1 <= e.cfg.device_tokens(e.seen + 1) for e in engines):
-                break
-            token = model(token, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
         assert all(e.recalls_on_device() for e in engines)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
