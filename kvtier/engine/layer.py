@@ -121,8 +121,8 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
         # (scale, sinks, query, key and value shapes) of the last decode step whose launches scored and staged its
         # entry: what `plan_steady` takes the next step's to be
         self._steady_how: tuple | None = None
-        self._recall_clock = 0   # host-planned recalls, to cool the page table's use counts every `COOL_EVERY`
-        self.promote_every = PROMOTE_EVERY   # host-planned recalls between rounds that keep disk pages on the host
+        self._recall_clock = 0   # recalls that brought pages up, to cool the page table's use counts every `COOL_EVERY`
+        self.promote_every = PROMOTE_EVERY   # such recalls between rounds that keep disk pages on the host
 
     # ------------------------------------------------------------------ write
     def _init(self, device: torch.device, dtype: torch.dtype) -> None:

@@ -7,11 +7,12 @@ weights is most of it). `DecodeGraph` captures the whole step, the model's forwa
 attention and recall, once per state, and replays it: the host then only plans each layer's step
 (`kvtier.engine.steady_step`: a few checks and the key) and takes it after.
 
-A step is replayed where it is *steady* in every layer (recall planned on the device, no slab added;
-`LayerEngine.plan_steady`): nearly every step of a long decode. A step that demotes is one too: its launches are
-those of the steps before it, and the demotions follow the replay, layer by layer, as the ordinary steps' commits
-would have made them. Any other step (the prefill, a step on a CPU's path where recall is planned on the host, one
-that adds a slab) runs the ordinary way, and so does everything where
+A step is replayed where it is *steady* in every layer (recall planned on the device, no page on disk, no slab
+added; `LayerEngine.plan_steady`): nearly every step of a long decode. A step that demotes is one too: its launches
+are those of the steps before it, and the demotions follow the replay, layer by layer, as the ordinary steps'
+commits would have made them. Any other step (the prefill, a step on a CPU's path where recall is planned on the
+host, one on a layer with disk pages, which reads its choice back, one that adds a slab) runs the ordinary way,
+and so does everything where
 graphs cannot be captured (a CPU, `cuda_graphs=False`, a capture that failed: then the planned steps run their
 launches eagerly, the same bits). The first state is captured the second step it is seen (its first step, run on
 the capture stream, warms up what the model's launches set up lazily); later ones, from the step after a
