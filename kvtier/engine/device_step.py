@@ -128,8 +128,8 @@ class DeviceDecoding:
         commit. Reads the engine's storages, writes the pool, the recall buffer and the device counters, and
         changes no host state (the addresses are made by the caller; they are passed only to say what the run
         reads). With `ahead` in `run`, the run ends with the prefetch of the pages ranked after the choice.
-        Where the layer has pages on disk, the plan reads the choice back and brings them up on the host first
-        (`_land_disk_pages`): the run then waits for the device once and is run eagerly, never replayed."""
+        Where the layer has pages on disk, the plan reads the choice back and reads the chosen disk pages first
+        (`_read_disk_pages`): the run then waits for the device once and is run eagerly, never replayed."""
         scale, sinks, buf, sources, spare, counted, pool_addresses, _, _, positions, ahead = run
         H = self.heads
         if k is not None:

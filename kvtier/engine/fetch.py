@@ -11,9 +11,10 @@ the device, finds most of its choice already there and fetches only the rest on 
 
 A layer with pages on disk plans on the device too, with one read back a step (disk reads are the host's):
 its choice, the buffer's table and the short list come back, the chosen disk pages the buffer lacks are read
-(through the read-ahead ring) into host slots lent for the step, and the same plan and copy read them there
-(`_land_disk_pages`). Its prefetch takes the next-ranked host pages only (the plan skips pages without a host
-slot); the read-ahead ring reads the short-listed disk pages ahead instead.
+(through the read-ahead ring) into pinned memory (`_read_disk_pages`), the same plan and copy bring the host
+pages up, and the disk pages follow into the slots the plan gave them (`_scatter_disk_pages`). Its prefetch
+takes the next-ranked host pages only (the plan skips pages without a host slot); the read-ahead ring reads the
+short-listed disk pages ahead instead.
 """
 
 from __future__ import annotations
@@ -39,14 +40,14 @@ PROMOTE_EVERY = 4    # such recalls between rounds that keep disk pages on the h
 
 
 class _Landing(NamedTuple):
-    """What a device-planned step on a layer with disk pages read back and brought up (`_land_disk_pages`)."""
+    """What a device-planned step on a layer with disk pages read back and read from disk (`_read_disk_pages`)."""
 
     heads: np.ndarray          # the chosen pages the buffer lacked: the host's by slot, then the disk's by slot
     pids: np.ndarray
+    cols: np.ndarray           # where each stands in its head's choice
     first: int                 # where the disk pages begin among them
     k: torch.Tensor | None     # the disk pages as read, in host memory (None: no disk page among them)
     v: torch.Tensor | None
-    slots: np.ndarray          # the host slots lent to them for the copy up, given back once it is queued
     want: torch.Tensor         # the step's choice and short list, read back (for the read-ahead ring)
     shortlist: torch.Tensor
 
@@ -101,7 +102,7 @@ class PageFetching:
 
     def holds_disk_pages(self) -> bool:
         """Whether any of this layer's demoted pages is on disk now: a device-planned step then reads its choice
-        back (`_land_disk_pages`), so its launches are not replayed from a graph. Known per table version."""
+        back (`_read_disk_pages`), so its launches are not replayed from a graph. Known per table version."""
         if self.disk is None or not self.table.n:
             return False
         version, held = self._disk_mark
@@ -163,26 +164,25 @@ class PageFetching:
         counters `stats()` reads, on the device, and writes the buffer's page table in place), then the copy
         of the missing pages into their slots (`note`: as for `_copy_up`). With `prefetch`, ``ids`` are the
         step's choice and the pages ranked after it, brought up ahead of the next step (see `_prefetch`).
-        Where the layer has pages on disk, the chosen ones are read into host slots first (`_land_disk_pages`;
-        the step's `shortlist` goes to the read-ahead ring), and the step then counts and keeps what it read
-        as the host-planned recall does."""
+        Where the layer has pages on disk, the chosen ones are read first (`_read_disk_pages`; the step's
+        `shortlist` goes to the read-ahead ring) and copied into their slots after the host pages'
+        (`_scatter_disk_pages`), and the step then counts and keeps what it read as the host-planned recall
+        does. A failure after the plan leaves the buffer's table naming pages never copied: the callers then
+        let the buffer go (`_forget_recalled`)."""
         landing = None
         if not prefetch and self.holds_disk_pages():
-            sources, landing = self._land_disk_pages(buf, ids, sources, shortlist)
-        try:
-            plan = plan_on_device(ids, buf.held, self.table.n, sources[0], buf.ahead if spare else None,
-                                  self.device_counts, prefetch=prefetch, in_place=True)
-            # with pages landed, the read is noted now: the slots lent to them are reused only after it
-            self._copy_up(buf, sources, plan, note or landing is not None)
-        finally:
-            if landing is not None and len(landing.slots):
-                self.host.free(landing.slots)
+            landing = self._read_disk_pages(buf, ids, shortlist)
+        plan = plan_on_device(ids, buf.held, self.table.n, sources[0], buf.ahead if spare else None,
+                              self.device_counts, prefetch=prefetch, in_place=True)
+        self._copy_up(buf, sources, plan, note)   # a page without a host slot is skipped: it comes next
         if landing is not None:
+            if landing.k is not None:
+                self._scatter_disk_pages(buf, plan, landing)
             self._landed_up(landing)
         return plan
 
     def _landed_up(self, landing: _Landing) -> None:
-        """After a device-planned copy that read disk pages (`_land_disk_pages`): what the host-planned recall
+        """After a device-planned copy that read disk pages (`_read_disk_pages`): what the host-planned recall
         does after its own (`_fetch`): the disk pages counted (the device counts them among the pages it moved:
         `settle_counts` takes them out there), the pages' uses and promotion where pages came up, the read-ahead
         ring offered the short list."""
@@ -197,13 +197,11 @@ class PageFetching:
             self._keep_on_host(landing.heads, landing.pids, from_disk)
         self._read_ahead(landing.want, landing.shortlist)
 
-    def _land_disk_pages(self, buf: RecallBuffer, ids: torch.Tensor, sources: tuple,
-                         shortlist: torch.Tensor | None) -> tuple[tuple, _Landing]:
+    def _read_disk_pages(self, buf: RecallBuffer, ids: torch.Tensor, shortlist: torch.Tensor | None) -> _Landing:
         """Before a device-planned copy on a layer with pages on disk: the step's one read back (its choice,
         the buffer's table and its short list: the host must know which disk pages to read), then the chosen
-        disk pages the buffer lacks read into host slots lent for the step. Returns the copy's sources (a copy
-        of the host slots' mirror naming those slots) and the `_Landing` the caller finishes once the copy is
-        queued. Changes no table: the pages stay on disk."""
+        disk pages the buffer lacks read into pinned memory (through the read-ahead ring, in disk-slot order).
+        Changes no table and no tier: the pages stay on disk."""
         H, r = ids.shape
         R = buf.pages
         parts = [ids, buf.held] if shortlist is None or shortlist is ids else [ids, buf.held, shortlist]
@@ -211,37 +209,38 @@ class PageFetching:
         want = back[:, :r]
         listed = want if len(parts) == 2 else back[:, r + R:]
         chosen, held = want.numpy(), back[:, r:r + R].numpy()
-        n = self.table.n   # pages numbered per head: head h's page p is h * (n + 1) + p, an empty slot h * (n + 1) - 1
+        n = self.table.n   # head h's page p as h * (n + 1) + p; an empty slot then is h * (n + 1) - 1, no page
         step = np.arange(H, dtype=np.int64)[:, None] * (n + 1)
         lacking = ~np.isin(chosen + step, held + step)
         heads = np.broadcast_to(np.arange(H)[:, None], chosen.shape)[lacking]
+        cols = np.broadcast_to(np.arange(r)[None, :], chosen.shape)[lacking]
         pids = chosen[lacking]
         tier, slot = self.table.lookup(heads, pids)
         order = np.lexsort((slot, tier))   # as `_bring_up` takes them: the host's by slot, then the disk's
-        heads, pids, tier, slot = heads[order], pids[order], tier[order], slot[order]
+        heads, cols, pids, tier, slot = heads[order], cols[order], pids[order], tier[order], slot[order]
         first = int(np.searchsorted(tier, DISK))
         m = len(pids) - first
-        none = np.empty(0, dtype=np.int64)
         if m == 0:
-            return sources, _Landing(heads, pids, first, None, None, none, want, listed)
+            return _Landing(heads, pids, cols, first, None, None, want, listed)
         P, D = self.cfg.page_size, self.head_dim
         k = torch.empty(m, P, D, dtype=self.dtype, pin_memory=self.pin)
         v = torch.empty(m, P, D, dtype=self.dtype, pin_memory=self.pin)
         self._load_disk(slot[first:], out=(k, v))
-        lent = self.host.store(k, v)   # may add a slab: the copy's address tables are made after it
-        try:
-            mirror = sources[0].clone()
-            # the cells and their slots in one copy up (from pinned memory on CUDA: no wait)
-            where = torch.empty(2, m, dtype=torch.int64, pin_memory=self.pin)
-            where[0] = torch.from_numpy(heads[first:] * mirror.shape[1] + pids[first:])
-            where[1] = torch.from_numpy(lent)
-            where = where.to(self.device, non_blocking=True)
-            mirror.view(-1)[where[0]] = where[1]
-            sources = (mirror, *self._sources()[1:])
-        except BaseException:
-            self.host.free(lent)
-            raise
-        return sources, _Landing(heads, pids, first, k, v, lent, want, listed)
+        return _Landing(heads, pids, cols, first, k, v, want, listed)
+
+    def _scatter_disk_pages(self, buf: RecallBuffer, plan: RecallPlan, landing: _Landing) -> None:
+        """The step's disk pages (`_read_disk_pages`) into the buffer slots the plan gave them (which its copy
+        skipped: they have no host slot), after the copy in stream order: up from pinned memory without a wait."""
+        H, R = buf.held.shape
+        P, D = self.cfg.page_size, self.head_dim
+        f = landing.first
+        at = torch.empty(2, len(landing.pids) - f, dtype=torch.int64, pin_memory=self.pin)
+        at[0] = torch.from_numpy(landing.heads[f:])
+        at[1] = torch.from_numpy(landing.cols[f:])
+        at = at.to(self.device, non_blocking=True)
+        rows = plan.where[at[0], at[1]] + at[0] * R
+        for staged, into in ((landing.k, buf.k), (landing.v, buf.v)):
+            into.view(H * R, P, D).index_copy_(0, rows, staged.to(self.device, non_blocking=True))
 
     def _sources(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """What a device-side copy up reads besides the plan: the host slot of every page and the key and value

@@ -97,7 +97,7 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
                                                         # (None: on CUDA, PageIndex; read when the index is made)
         self._slot_mirror: tuple[int, torch.Tensor] | None = None   # (table version, host slots on the device)
         self._disk_mark: tuple[int, bool] = (-1, False)   # (table version, whether a page is on disk then)
-        self._landed = 0   # disk pages device-planned recall brought up since `settle_counts` (`_land_disk_pages`)
+        self._landed = 0   # disk pages device-planned recall brought up since `settle_counts` (`_read_disk_pages`)
         # by device-planned recall: [pages moved on demand, pages reused, pages prefetched, prefetched pages chosen]
         self.device_counts: torch.Tensor | None = None
         # the scores' running maximum per head since the last check, NaN once one was (deferred on CUDA): None

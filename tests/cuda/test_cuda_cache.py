@@ -211,7 +211,7 @@ def _before_a_step_that_demotes_nowhere(model, cache, token):
 @torch.no_grad()
 def test_a_decode_step_with_disk_pages_reads_back_once_a_layer(cuda_device):
     """Every layer with pages on disk: a decode step that does not demote waits for the GPU once a layer (the
-    read back of its choice; the lent slots' cells go up from pinned memory without a wait), with recall
+    read back of its choice; the disk pages and their rows go up from pinned memory without a wait), with recall
     planned on the device."""
     import warnings
 

@@ -25,7 +25,7 @@ def evaluate_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     bw = result.get("bandwidth", {})
     raw, tiers = bw.get("raw_copy", {}), bw.get("tiers", {})
     # recall is judged on the slower of its two paths: planned on the host (`_bring_up`, the CPU's path) and on
-    # the device (a decode step's own on CUDA, disk pages read into lent host slots first)
+    # the device (a decode step's own on CUDA; its disk pages follow into the slots the plan gave them)
     for name, moves, direction in (("demotion_vs_raw_copy", ("demotion",), "device_to_host_gbps"),
                                    ("recall_vs_raw_copy", ("recall", "recall_device"), "host_to_device_gbps")):
         each = {m: (tiers.get(m) or {}).get("gbps") for m in moves if m in tiers}
