@@ -46,8 +46,7 @@ class _Landing(NamedTuple):
     pids: np.ndarray
     cols: np.ndarray           # where each stands in its head's choice
     first: int                 # where the disk pages begin among them
-    k: torch.Tensor | None     # the disk pages as read, in host memory (None: no disk page among them)
-    v: torch.Tensor | None
+    kv: torch.Tensor | None    # [2, pages, ...]: the disk pages' keys and values as read, in host memory (None: none)
     want: torch.Tensor         # the step's choice and short list, read back (for the read-ahead ring)
     shortlist: torch.Tensor
 
@@ -176,7 +175,7 @@ class PageFetching:
                               self.device_counts, prefetch=prefetch, in_place=True)
         self._copy_up(buf, sources, plan, note)   # a page without a host slot is skipped: it comes next
         if landing is not None:
-            if landing.k is not None:
+            if landing.kv is not None:
                 self._scatter_disk_pages(buf, plan, landing)
             self._landed_up(landing)
         return plan
@@ -186,14 +185,14 @@ class PageFetching:
         does after its own (`_fetch`): the disk pages counted (the device counts them among the pages it moved:
         `settle_counts` takes them out there), the pages' uses and promotion where pages came up, the read-ahead
         ring offered the short list."""
-        if landing.k is not None:
+        if landing.kv is not None:
             m = len(landing.pids) - landing.first
             c = self.counters
             c.pages_recalled["disk"] += m
             c.bytes_moved["disk_to_device"] += m * self.host.page_bytes()
             self._landed += m
         if len(landing.pids):
-            from_disk = None if landing.k is None else (landing.first, landing.k, landing.v)
+            from_disk = None if landing.kv is None else (landing.first, landing.kv[0], landing.kv[1])
             self._keep_on_host(landing.heads, landing.pids, from_disk)
         self._read_ahead(landing.want, landing.shortlist)
 
@@ -221,26 +220,27 @@ class PageFetching:
         first = int(np.searchsorted(tier, DISK))
         m = len(pids) - first
         if m == 0:
-            return _Landing(heads, pids, cols, first, None, None, want, listed)
+            return _Landing(heads, pids, cols, first, None, want, listed)
         P, D = self.cfg.page_size, self.head_dim
-        k = torch.empty(m, P, D, dtype=self.dtype, pin_memory=self.pin)
-        v = torch.empty(m, P, D, dtype=self.dtype, pin_memory=self.pin)
-        self._load_disk(slot[first:], out=(k, v))
-        return _Landing(heads, pids, cols, first, k, v, want, listed)
+        kv = torch.empty(2, m, P, D, dtype=self.dtype, pin_memory=self.pin)   # keys and values: one copy up
+        self._load_disk(slot[first:], out=(kv[0], kv[1]))
+        return _Landing(heads, pids, cols, first, kv, want, listed)
 
     def _scatter_disk_pages(self, buf: RecallBuffer, plan: RecallPlan, landing: _Landing) -> None:
         """The step's disk pages (`_read_disk_pages`) into the buffer slots the plan gave them (which its copy
         skipped: they have no host slot), after the copy in stream order: up from pinned memory without a wait."""
         H, R = buf.held.shape
         P, D = self.cfg.page_size, self.head_dim
-        f = landing.first
-        at = torch.empty(2, len(landing.pids) - f, dtype=torch.int64, pin_memory=self.pin)
-        at[0] = torch.from_numpy(landing.heads[f:])
-        at[1] = torch.from_numpy(landing.cols[f:])
+        f, w = landing.first, plan.where.shape[1]
+        heads = landing.heads[f:]
+        at = torch.empty(2, len(heads), dtype=torch.int64, pin_memory=self.pin)
+        at[0] = torch.from_numpy(heads * w + landing.cols[f:])   # each page's place in the plan's `where`
+        at[1] = torch.from_numpy(heads * R)                      # its head's first buffer row
         at = at.to(self.device, non_blocking=True)
-        rows = plan.where[at[0], at[1]] + at[0] * R
-        for staged, into in ((landing.k, buf.k), (landing.v, buf.v)):
-            into.view(H * R, P, D).index_copy_(0, rows, staged.to(self.device, non_blocking=True))
+        rows = plan.where.reshape(-1).index_select(0, at[0]) + at[1]
+        kv = landing.kv.to(self.device, non_blocking=True)
+        buf.k.view(H * R, P, D).index_copy_(0, rows, kv[0])
+        buf.v.view(H * R, P, D).index_copy_(0, rows, kv[1])
 
     def _sources(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """What a device-side copy up reads besides the plan: the host slot of every page and the key and value
