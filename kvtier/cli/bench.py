@@ -68,8 +68,10 @@ def _needle_bench_options(*own: Callable) -> Callable[[Callable], Callable]:
     return apply
 
 
-def _needle_budget(context: str, device_budget: str, recall_pages: int) -> tuple[int, float | int]:
-    """The prompt's tokens and the device budget, checked (a needle bench needs a device tier)."""
+def _needle_budget(context: str, device_budget: str, recall_pages: int,
+                   host_budget: float | int | None = None) -> tuple[int, float | int]:
+    """The prompt's tokens and the device budget, checked with the host budget (a needle bench needs a device
+    tier)."""
     from .common import parse_context
 
     tokens = parse_context(context, "--context", 256)
@@ -77,7 +79,7 @@ def _needle_budget(context: str, device_budget: str, recall_pages: int) -> tuple
     if budget is None:
         raise bad_option("--device-budget", device_budget, "a fraction like 0.1 or a token count like 4096",
                          "leaves no device tier")
-    check_cache_options(budget, None, None, recall_pages)
+    check_cache_options(budget, host_budget, None, recall_pages)
     return tokens, budget
 
 
@@ -248,11 +250,10 @@ def launches(context: str, steps: int, demote_pages: str, prefetch_at: str, host
     """Kernel launches per layer of a decode step (tensor operations; on a GPU each costs the host a few
     microseconds), kvtier (recall planned, pages chosen and entries scored as on a GPU) against DynamicCache,
     by part; and the host time per layer-step in the cache's own code, the kernels' twins left out."""
-    tokens, budget = _needle_budget(context, device_budget, recall_pages)
+    host = parse_budget(host_budget, "--host-budget")
+    tokens, budget = _needle_budget(context, device_budget, recall_pages, host)
     demotes = parse_demote_pages(demote_pages)
     plans = parse_plan_recall(plan_recall)
-    host = parse_budget(host_budget, "--host-budget")
-    check_cache_options(budget, host, None, recall_pages)
     lm, tok = _checked_and_loaded(scorer, device, model, threads, as_json)
 
     from transformers import DynamicCache

@@ -106,7 +106,7 @@ class PageFetching:
             return False
         version, held = self._disk_mark
         if version != self.table.version:
-            held = bool((self.table.tier == DISK).any())
+            held = self.table.pages(DISK) > 0
             self._disk_mark = (self.table.version, held)
         return held
 

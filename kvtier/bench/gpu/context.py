@@ -231,9 +231,9 @@ def run_context(cfg: GpuBenchConfig, model: Any, context: int, scorer: Any, cloc
         mean = rows["kvtier_graph"].get("sustained", {}).get("step_ms_mean")
         other = rows["dynamic"].get("step_ms_median")
         row["ratios"]["dynamic_over_kvtier_graph_sustained"] = _r(other / mean) if other and mean else None
-    disk_ms = {name: rows.get(name, {}).get("step_ms_median") for name in ("kvtier_disk", "kvtier_disk_host_plan")}
     if "kvtier_disk" in rows:   # the disk rows: each plan against the other, the device plan against the others
-        d, h = disk_ms["kvtier_disk"], disk_ms["kvtier_disk_host_plan"]
+        d = rows["kvtier_disk"].get("step_ms_median")
+        h = rows.get("kvtier_disk_host_plan", {}).get("step_ms_median")
         row["ratios"]["kvtier_disk_host_plan_over_kvtier_disk"] = _r(h / d) if d and h else None
         row["ratios"]["kvtier_disk_over_kvtier"] = _r(d / k_ms) if d and k_ms else None
         other = rows["dynamic"].get("step_ms_median")
