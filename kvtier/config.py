@@ -118,6 +118,13 @@ class TieredCacheConfig:
         planned on the device: CUDA, every demoted page of the layer in host memory). ``None``: half of
         `recall_pages` there, none elsewhere (without a side stream nothing can overlap). Attention reads
         only the chosen pages, so the setting changes what moves and when, never the output.
+    retain_pages
+        Pages per layer and KV head the recall buffer keeps after a step stops choosing them, beyond
+        `recall_pages`, where recall is planned on the host on the CPU: the choice near its edge swings back and
+        forth from step to step, and a page chosen again soon is then found in the buffer instead of read again
+        from host memory or disk. 0 (the default): none. Attention reads the chosen pages only (the others
+        masked out), so the setting changes what moves, not which pages are read; the sums run in another order
+        than the device plan's, so the output agrees with it within rounding, not bit for bit.
     page_size
         Tokens per page in the host and disk tiers.
     sink_tokens, recent_tokens
@@ -163,6 +170,7 @@ class TieredCacheConfig:
     mode: str = "tier"
     recall_pages: int = DEFAULT_RECALL_PAGES
     prefetch_pages: int | None = None
+    retain_pages: int = 0
     page_size: int = DEFAULT_PAGE_SIZE
     sink_tokens: int = DEFAULT_SINK_TOKENS
     recent_tokens: int | float = DEFAULT_RECENT_TOKENS
@@ -178,6 +186,7 @@ class TieredCacheConfig:
         _whole("recall_pages", self.recall_pages, 0)
         if self.prefetch_pages is not None:
             _whole("prefetch_pages", self.prefetch_pages, 0)
+        _whole("retain_pages", self.retain_pages, 0)
         _whole("page_size", self.page_size, 1)
         _whole("sink_tokens", self.sink_tokens, 0)
         if self.demote_pages is not None:
@@ -226,6 +235,11 @@ class TieredCacheConfig:
         if not on_device or not self.recall_pages:
             return 0
         return self.recall_pages // 2 if self.prefetch_pages is None else self.prefetch_pages
+
+    def retain(self, on_device: bool) -> int:
+        """Pages per KV head a recall buffer keeps after a step stops choosing them (`retain_pages`), where recall
+        is planned on the host; none where it is planned `on_device` (its spare slots take the prefetch)."""
+        return 0 if on_device or not self.recall_pages else self.retain_pages
 
     def recent_window(self, seen: int) -> int:
         """The recent window in tokens after `seen` tokens (a share of the device budget, or fixed)."""

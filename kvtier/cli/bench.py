@@ -13,7 +13,7 @@ import torch
 
 from .common import (THREADS, bad_option, check_cache_options, check_device, check_model, check_scorer, load,
                      parse_budget, parse_demote_pages, parse_plan_recall, parse_promote, parse_read_ahead,
-                     promote_name, read_ahead_name, set_threads, tiered_row_name, user_errors)
+                     parse_retain_pages, promote_name, read_ahead_name, set_threads, tiered_row_name, user_errors)
 
 
 @click.group()
@@ -108,17 +108,21 @@ def _needle_budget(context: str, device_budget: str, recall_pages: int,
 @click.option("--promote", default="off", show_default=True,
               help="Comma list of promote settings, one TieredCache row each: on (the host tier keeps the disk pages "
                    "recall keeps bringing up), off.")
+@click.option("--retain-pages", default="0", show_default=True,
+              help="Comma list of retain_pages settings, one TieredCache row each: pages per layer and KV head the "
+                   "recall buffer keeps after a step stops choosing them (recall planned on the host, the CPU).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @user_errors
 def decode(context: int, new_tokens: int, rounds: int, device_budget: str, host_budget: str, recall_pages: int,
            scorer: str, model: str | None, device: str, threads: int, demote_pages: str, cold_disk: bool,
-           read_ahead: str, promote: str, as_json: bool) -> None:
+           read_ahead: str, promote: str, retain_pages: str, as_json: bool) -> None:
     """Decode tokens/s of TieredCache vs DynamicCache after the same long prompt."""
     budget, host = parse_budget(device_budget, "--device-budget"), parse_budget(host_budget, "--host-budget")
     check_cache_options(budget, host, None, recall_pages)
     demotes = parse_demote_pages(demote_pages)
     aheads = parse_read_ahead(read_ahead)
     promotes = parse_promote(promote)
+    retains = parse_retain_pages(retain_pages)
     if cold_disk and host is None:
         raise bad_option("--host-budget", host_budget, "a budget that sends pages to disk", "with --cold-disk")
     if aheads != [None] and host is None:
@@ -141,12 +145,13 @@ def decode(context: int, new_tokens: int, rounds: int, device_budget: str, host_
     ids = unit.repeat(1, context // unit.shape[1] + 1)[:, :context].to(device)
     caches = {"DynamicCache": lambda: DynamicCache(config=lm.config)}
     settings = {}
-    for d, a, p in itertools.product(demotes, aheads, promotes):
-        name = tiered_row_name(d, len(demotes), a, len(aheads), p, len(promotes))
-        settings[name] = {"demote_pages": d, "read_ahead": read_ahead_name(a), "promote": promote_name(p)}
-        caches[name] = (lambda d=d, a=a, p=p: TieredCache(
+    for d, a, p, r in itertools.product(demotes, aheads, promotes, retains):
+        name = tiered_row_name(d, len(demotes), a, len(aheads), p, len(promotes), retain=r, retain_rows=len(retains))
+        settings[name] = {"demote_pages": d, "read_ahead": read_ahead_name(a), "promote": promote_name(p),
+                          "retain_pages": r}
+        caches[name] = (lambda d=d, a=a, p=p, r=r: TieredCache(
             lm.config, device_budget=budget, host_budget=host, demote_pages=d, read_ahead=a, promote=p,
-            scorer=None if scorer == "auto" else scorer, recall_pages=recall_pages))
+            retain_pages=r, scorer=None if scorer == "auto" else scorer, recall_pages=recall_pages))
     echo = (lambda s: None) if as_json else click.echo
     results = compare_decode(lm, ids, caches, new_tokens, rounds, progress=echo,
                              before_step=drop_cached_disk if cold_disk else None)
@@ -156,13 +161,14 @@ def decode(context: int, new_tokens: int, rounds: int, device_budget: str, host_
         "context": context, "new_tokens": new_tokens, "rounds": rounds,
         "settings": {"device_budget": budget, "host_budget": host, "recall_pages": recall_pages, "scorer": scorer,
                      "cold_disk": cold_disk, "read_ahead": [read_ahead_name(a) for a in aheads],
-                     "promote": [promote_name(p) for p in promotes]},
+                     "promote": [promote_name(p) for p in promotes], "retain_pages": retains},
         "results": [{"cache": r.name, "tokens_per_second": round(r.tokens_per_second, 2),
                      "ratio": round(r.tokens_per_second / base, 3),
                      "seconds": [round(s, 3) for s in r.seconds],
                      **({"settings": settings[r.name], "demotions": r.stats["demotions"],
                          "read_ahead": r.stats["read_ahead"], "promotion": r.stats["promotion"],
-                         "pages_recalled_from": r.stats["pages_recalled_from"]} if r.stats else {})}
+                         "pages_recalled_from": r.stats["pages_recalled_from"],
+                         "pages_reused": r.stats["pages_reused"]} if r.stats else {})}
                     for r in results],
     }
     if as_json:

@@ -266,6 +266,21 @@ def parse_demote_pages(value: str, option: str = "--demote-pages") -> list[int |
     return list(dict.fromkeys(out))   # a setting given twice is one row
 
 
+def parse_retain_pages(value: str, option: str = "--retain-pages") -> list[int]:
+    """'0' -> [0], '0,32' -> [0, 32]: the `retain_pages` settings of cache rows."""
+    allowed = "a comma list of whole numbers >= 0, like 0,32"
+    out: list[int] = []
+    for part in value.split(","):
+        try:
+            n = int(part.strip())
+        except ValueError:
+            raise bad_option(option, value, allowed, f"has {part.strip()!r}") from None
+        if n < 0:
+            raise bad_option(option, value, allowed, f"has {n}")
+        out.append(n)
+    return list(dict.fromkeys(out))   # a setting given twice is one row
+
+
 READ_AHEAD_SETTINGS = {"auto": None, "on": True, "off": False}
 PROMOTE_SETTINGS = {"on": True, "off": False}
 PLAN_RECALL_SETTINGS = {"device": "device", "host": "host"}
@@ -310,11 +325,11 @@ def promote_name(setting: bool) -> str:
 
 def tiered_row_name(demote_pages: int | None, rows: int, read_ahead: bool | None = None,
                     read_ahead_rows: int = 1, promote: bool = False, promote_rows: int = 1,
-                    plan: str = "device", plan_rows: int = 1) -> str:
+                    plan: str = "device", plan_rows: int = 1, retain: int = 0, retain_rows: int = 1) -> str:
     """A TieredCache row's name in a bench with `rows` `demote_pages` settings, `read_ahead_rows` `read_ahead`
-    settings, `promote_rows` `promote` settings and `plan_rows` places recall is planned (`kvtier bench
-    launches`; one row for each combination): the settings that vary between rows, and any other than the
-    default."""
+    settings, `promote_rows` `promote` settings, `plan_rows` places recall is planned (`kvtier bench
+    launches`) and `retain_rows` `retain_pages` settings (one row for each combination): the settings that vary
+    between rows, and any other than the default."""
     name = "TieredCache"
     if rows > 1:
         name += f" d={'auto' if demote_pages is None else demote_pages}"
@@ -324,6 +339,8 @@ def tiered_row_name(demote_pages: int | None, rows: int, read_ahead: bool | None
         name += f" promote={promote_name(promote)}"
     if plan_rows > 1 or plan != "device":
         name += f" plan={plan}"
+    if retain_rows > 1 or retain:
+        name += f" retain={retain}"
     return name
 
 

@@ -23,7 +23,8 @@ def logits_of(q: torch.Tensor, k: torch.Tensor, scale: float, softcap: float | N
 
 
 def _plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-           causal: bool, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           causal: bool, softcap: float | None = None,
+           mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference path in float32, in blocks of query rows: ``out`` ``[1, h, L, d]``, ``lse`` ``[1, h, L]``."""
     L, S = q.shape[2], k.shape[2]
     kf, vf = k.float(), v.float()
@@ -34,6 +35,8 @@ def _plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
         if causal:  # row i of the square sees keys 0..i
             rows = torch.arange(r, min(L, r + step), device=q.device)[:, None]
             logits.masked_fill_(torch.arange(S, device=q.device)[None, :] > rows, float("-inf"))
+        if mask is not None:
+            logits.add_(mask.float())
         lse = torch.logsumexp(logits, dim=-1)
         outs.append(torch.matmul(torch.exp(logits - lse[..., None]), vf))
         lses.append(lse)
@@ -41,10 +44,12 @@ def _plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
 
 
 def attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                    causal: bool = False, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    causal: bool = False, softcap: float | None = None,
+                    mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of ``q`` ``[1, h, L, d]`` over ``k, v`` ``[1, h, S, d]`` and its log-sum-exp.
 
-    `causal` aligns row ``i`` with key ``i`` (the part is a square of new tokens). Uses the fused kernels
+    `causal` aligns row ``i`` with key ``i`` (the part is a square of new tokens); `mask` ``[1, h, 1, S]`` is
+    added to the logits (0, or -inf for a key left out: a recall buffer's slots not chosen). Uses the fused kernels
     that return the log-sum-exp (flash on CPU, memory-efficient on CUDA), else a blocked float32 path (also
     for soft-capped logits, which the fused kernels do not apply).
     Returns ``out`` ``[1, h, L, d]`` (float32) and ``lse`` ``[1, h, L]`` float32.
@@ -54,15 +59,18 @@ def attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
                 torch.full(q.shape[:3], float("-inf"), device=q.device))
     k, v = k.to(q.dtype), v.to(q.dtype)
     if softcap is not None:
-        return _plain(q, k, v, scale, causal, softcap)
+        return _plain(q, k, v, scale, causal, softcap, mask)
     if q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=None if mask is None else mask.to(q.dtype), scale=scale)
         return out.float(), lse
+    if mask is not None:
+        return _plain(q, k, v, scale, causal, None, mask)
     if q.device.type == "cuda" and q.dtype in (torch.float32, torch.bfloat16, torch.float16):
         out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
             q, k, v, None, True, 0.0, causal, scale=scale)[:2]
         return out.float(), lse[..., :q.shape[2]]
-    return _plain(q, k, v, scale, causal)
+    return _plain(q, k, v, scale, causal, None, mask)
 
 
 def merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

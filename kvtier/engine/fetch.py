@@ -57,7 +57,8 @@ class PageFetching:
     def _fetch(self, ids: torch.Tensor, shortlist: torch.Tensor,
                ahead: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | np.ndarray]:
         """Pages ``ids`` ``[heads, r]`` on the device: ``[heads, r * page_size, dim]`` keys and values, and the
-        page id of each of their pages ``[heads, r]`` (the order attention reads them in).
+        page id of each of their pages ``[heads, r]`` (the order attention reads them in). From a buffer that
+        keeps pages no longer chosen (`RecallBuffer` `retain`), the whole buffer, whose `mask` hides the others.
 
         Pages the recall buffer already holds stay; only the others are brought up. `shortlist` ranks the
         candidates, best first; with `ahead` (the step's last query block) the next-ranked ones are prefetched.
@@ -83,13 +84,15 @@ class PageFetching:
 
     def _recall_buffer(self, r: int, on_device: bool) -> RecallBuffer:
         """The recall buffer for `r` chosen pages per KV head (and the prefetch's spare slots where recall is
-        planned `on_device`), made anew when its width or kind changes."""
-        width = r + self.cfg.prefetch(on_device)
+        planned `on_device`; on the CPU, the slots that keep pages no longer chosen while there are such pages),
+        made anew when its width or kind changes."""
+        retain = self.cfg.retain(on_device) if self.device.type == "cpu" and self.index.n > r else 0
+        width = r + self.cfg.prefetch(on_device) + retain
         buf = self.recalled
-        if buf is None or buf.pages != width or buf.on_device != on_device:
+        if buf is None or buf.pages != width or buf.on_device != on_device or buf.retain != retain:
             self._drop_recalled()
             buf = self.recalled = RecallBuffer(self.heads, width, self.cfg.page_size, self.head_dim, self.dtype,
-                                               self.device, on_device=on_device)
+                                               self.device, on_device=on_device, retain=retain)
         return buf
 
     def recalls_on_device(self) -> bool:

@@ -296,10 +296,13 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
             self.last_recall = ids
             packed = block.reshape(1, self.heads, -1, block.shape[3])
             rk, rv, order = self._fetch(ids, shortlist, ahead=b1 == q_len)
-            parts.append(attend_with_lse(packed, rk[None], rv[None], scale, softcap=softcap))
+            mask = self.recalled.mask   # a buffer that keeps pages no longer chosen hides them (else None)
+            parts.append(attend_with_lse(packed, rk[None], rv[None], scale, softcap=softcap, mask=mask))
             out, lse = finish_with_lse(parts, block, kernels=self.index.uses_kernels)
             outs.append(out)
             if weights:
+                if mask is not None:   # weights by position read the chosen pages only
+                    rk, order = self.recalled.chosen_pages()
                 maps.append(self._weights(packed, lse, p, b0, b1, q_len, scale, softcap, query.shape[1], rk, order))
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         if not weights:

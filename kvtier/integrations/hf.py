@@ -72,6 +72,10 @@ class TieredCache(OneSequence, Cache):
     prefetch_pages
         Pages per layer and KV head brought up ahead of the next step on a side stream (CUDA); ``None``: half
         of `recall_pages` on CUDA, none elsewhere. See `TieredCacheConfig`; it never changes the output.
+    retain_pages
+        Pages per layer and KV head the recall buffer keeps after a step stops choosing them, where recall is
+        planned on the host on the CPU: chosen again soon, such a page is not read again. 0 (the default):
+        none. See `TieredCacheConfig`.
     page_size, sink_tokens, recent_tokens
         See `TieredCacheConfig`; `recent_tokens` is a token count or, as by default (0.25), a share of the
         device budget.
@@ -97,7 +101,8 @@ class TieredCache(OneSequence, Cache):
     def __init__(self, config: Any, device_budget: float | int = 0.25, host_budget: float | int | None = None,
                  disk_dir: str | os.PathLike | None = None, scorer: str | Scorer | QueryScorer | None = None,
                  mode: str = "tier", recall_pages: int = DEFAULT_RECALL_PAGES, *,
-                 prefetch_pages: int | None = None, page_size: int = DEFAULT_PAGE_SIZE, sink_tokens: int = DEFAULT_SINK_TOKENS,
+                 prefetch_pages: int | None = None, retain_pages: int = 0,
+                 page_size: int = DEFAULT_PAGE_SIZE, sink_tokens: int = DEFAULT_SINK_TOKENS,
                  recent_tokens: int | float = DEFAULT_RECENT_TOKENS, scorer_kwargs: dict[str, Any] | None = None,
                  demote_pages: int | None = None, cuda_graphs: bool = True, read_ahead: bool | None = None,
                  promote: bool = False) -> None:
@@ -122,8 +127,8 @@ class TieredCache(OneSequence, Cache):
             device_budget=Budget(device_budget, "device_budget"),
             host_budget=None if host_budget is None else Budget(host_budget, "host_budget", allow_zero=True),
             disk_dir=None if disk_dir is None else os.fspath(disk_dir),
-            mode=mode, recall_pages=recall_pages, prefetch_pages=prefetch_pages, page_size=page_size,
-            sink_tokens=sink_tokens,
+            mode=mode, recall_pages=recall_pages, prefetch_pages=prefetch_pages, retain_pages=retain_pages,
+            page_size=page_size, sink_tokens=sink_tokens,
             recent_tokens=recent_tokens, demote_pages=demote_pages, cuda_graphs=cuda_graphs, read_ahead=read_ahead,
             promote=promote,
             scorer_name=scorer if isinstance(scorer, str) else scorer_name(scorer),
@@ -385,7 +390,7 @@ class TieredCache(OneSequence, Cache):
         new = TieredCache(self.model_config, device_budget=s.device_budget.value,
                           host_budget=None if s.host_budget is None else s.host_budget.value, disk_dir=s.disk_dir,
                           scorer=scorer, mode=s.mode, recall_pages=s.recall_pages,
-                          prefetch_pages=s.prefetch_pages, page_size=s.page_size,
+                          prefetch_pages=s.prefetch_pages, retain_pages=s.retain_pages, page_size=s.page_size,
                           sink_tokens=s.sink_tokens, recent_tokens=s.recent_tokens, demote_pages=s.demote_pages,
                           cuda_graphs=s.cuda_graphs, read_ahead=s.read_ahead,
                           promote=s.promote)

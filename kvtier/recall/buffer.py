@@ -9,6 +9,12 @@ A buffer planned on the device may have more slots than a step chooses: the spar
 right after the choice, brought up ahead of the next step (`LayerEngine` prefetch). Attention then reads the
 chosen pages in page-id order, gathered (`chosen`) or where they sit through their slots
 (`kvtier.native.attend_pages`), so what it computes never depends on which slots they happen to sit in.
+
+A buffer planned on the host may keep pages after a step stops choosing them (`retain` spare slots): the choice
+near its edge swings back and forth from step to step, and a page chosen again a few steps later is then found in
+the buffer instead of read again from host memory or disk. Nothing moves for it: attention reads the whole
+buffer with the slots not chosen masked out (`mask`), and a page brought up takes the slot whose page has gone
+unchosen longest.
 """
 
 from __future__ import annotations
@@ -18,15 +24,21 @@ import torch
 
 from .. import native
 
+_TAKEN = np.iinfo(np.int64).max   # sorts a slot whose page stays chosen after every free one
+
 
 class RecallBuffer:
     """``[heads, pages * page_size, dim]`` keys and values on the device, and which page each slot holds."""
 
     def __init__(self, heads: int, pages: int, page_size: int, dim: int, dtype: torch.dtype,
-                 device: torch.device, on_device: bool = False) -> None:
-        self.page_size = page_size
-        self.k = torch.empty(heads, pages * page_size, dim, dtype=dtype, device=device)
-        self.v = torch.empty_like(self.k)
+                 device: torch.device, on_device: bool = False, retain: int = 0) -> None:
+        if retain and (on_device or not 0 < retain < pages):
+            raise ValueError(f"retain={retain}: only a buffer planned on the host retains, 0 < retain < {pages}")
+        self.page_size, self.retain = page_size, retain
+        # a buffer that retains is read whole, masked: its empty slots must hold numbers (0 * NaN is NaN)
+        alloc = torch.zeros if retain else torch.empty
+        self.k = alloc(heads, pages * page_size, dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k) if retain else torch.empty_like(self.k)
         self.ids = np.full((heads, pages), -1, dtype=np.int64)
         # a buffer planned on the device (`recall.device_plan`) keeps which page each slot holds there instead
         self.on_device = on_device
@@ -35,6 +47,12 @@ class RecallBuffer:
         self.ahead = torch.zeros((heads, pages), dtype=torch.bool, device=device) if on_device else None
         self.pending: int | None = None   # the transfer job of a prefetch into this buffer not yet waited for
         self._row_base: torch.Tensor | None = None
+        # with `retain`: the step each slot's page was last chosen at (-1: never, or empty), the slots chosen by the
+        # last `plan` ``[heads, chosen]`` and the additive mask that hides the others from attention
+        self._last = np.full((heads, pages), -1, dtype=np.int64) if retain else None
+        self._clock = 0
+        self._chosen: np.ndarray | None = None
+        self.mask: torch.Tensor | None = None
 
     @property
     def pages(self) -> int:
@@ -63,12 +81,36 @@ class RecallBuffer:
         held[rows, self.ids] = True
         held[:, -1] = False
         missing = ~held[rows, want]                     # [H, r]: wanted pages not in the buffer
-        free = ~wanted[rows, self.ids]                  # [H, r]: slots whose page is no longer wanted
+        free = ~wanted[rows, self.ids]                  # [H, slots]: slots whose page is no longer wanted
         heads, col = np.nonzero(missing)
         pids = want[heads, col]
-        # the k-th missing page of a head takes the k-th free slot of that head (as many of each)
-        slot_heads, slot_cols = np.nonzero(free)
+        if self._last is None:
+            # the k-th missing page of a head takes the k-th free slot of that head (as many of each)
+            slot_cols = np.nonzero(free)[1]
+        else:   # a head's missing pages take its free slots unchosen longest (empty ones first), in that order
+            by_age = np.argsort(np.where(free, self._last, _TAKEN), axis=1, kind="stable")
+            slot_cols = by_age[np.arange(self.pages) < np.count_nonzero(missing, axis=1)[:, None]]
+            chosen = ~free
+            chosen[heads, slot_cols] = True
+            self._note_chosen(chosen)
         return heads.astype(np.int64), pids.astype(np.int64), slot_cols.astype(np.int64)
+
+    def _note_chosen(self, chosen: np.ndarray) -> None:
+        """The slots ``[heads, slots]`` a retaining buffer's step reads: their pages' age, and the mask."""
+        H, W, P = chosen.shape[0], self.pages, self.page_size
+        self._clock += 1
+        self._last[chosen] = self._clock
+        self._chosen = chosen
+        if self.mask is None:
+            self.mask = torch.zeros(1, H, 1, W * P, dtype=self.k.dtype, device=self.k.device)
+        hidden = torch.from_numpy(np.where(chosen, 0.0, -np.inf).astype(np.float32))
+        self.mask.view(H, W, P).copy_(hidden[..., None].expand(H, W, P))
+
+    def chosen_pages(self) -> tuple[torch.Tensor, np.ndarray]:
+        """Keys ``[heads, chosen * page_size, dim]`` and ids ``[heads, chosen]`` of the pages the last `plan` of a
+        retaining buffer chose, in slot order (for attention weights by position, which read no mask)."""
+        slots = np.nonzero(self._chosen)[1].reshape(self._chosen.shape[0], -1)
+        return self.chosen(torch.from_numpy(slots).to(self.k.device))[0], np.take_along_axis(self.ids, slots, axis=1)
 
     def fill(self, heads: np.ndarray, pids: np.ndarray, slots: np.ndarray, k: torch.Tensor,
              v: torch.Tensor) -> None:

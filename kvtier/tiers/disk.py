@@ -63,7 +63,20 @@ def _transfer(op, fd: int, bufs: list, offset: int) -> int:
     return done
 
 
-_META = np.dtype([("crc", np.uint32), ("gen", np.uint32), ("used", np.bool_)])   # what the store keeps of a slot
+def _pread_into(fd: int, view: memoryview, offset: int) -> int:
+    """Read ``len(view)`` bytes at `offset` into `view` (bytes), again after a short read; returns bytes read."""
+    done = os.preadv(fd, [view], offset)
+    while 0 < done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            break
+        done += n
+    return done
+
+
+# what the store keeps of a slot: its record's CRC, the write's generation and the CRC's seed (`_seed` of the slot
+# and generation, kept so that a read checks a page with one CRC call)
+_META = np.dtype([("crc", np.uint32), ("gen", np.uint32), ("seed", np.uint32), ("used", np.bool_)])
 
 
 def _batches(runs: list, s: np.ndarray, records: int) -> list:
@@ -185,11 +198,12 @@ class DiskStore:
             part = s[a:b]
             d = np.diff(part)
             apart = d > 1 + gap if gap else d != 1
-            # and a run whose span passes `cap` records is cut where it does
-            first = np.r_[0, np.flatnonzero(apart) + 1]
-            piece = (part - part[first][np.r_[0, np.cumsum(apart)]]) // cap
-            edges = [0, *(np.flatnonzero(apart | (np.diff(piece) != 0)) + 1).tolist(), b - a]
-            tasks.append([(x + a, y + a) for x, y in zip(edges, edges[1:])])
+            if part[-1] - part[0] >= cap:   # a run whose span passes `cap` records is cut where it does
+                first = np.concatenate(([0], np.flatnonzero(apart) + 1))
+                piece = (part - part[first][np.concatenate(([0], np.cumsum(apart)))]) // cap
+                apart |= np.diff(piece) != 0
+            cuts = (np.flatnonzero(apart) + (a + 1)).tolist()
+            tasks.append(list(zip([a, *cuts], [*cuts, b])))
         return order, s, tasks
 
     def _run(self, fn, tasks: list) -> None:
@@ -229,13 +243,14 @@ class DiskStore:
             slots = np.array(reused + list(range(lo, hi)), dtype=np.int64)
             gens = self._meta.get(slots)["gen"] + np.uint32(1)
         crcs = np.empty(n, np.uint32)
+        seeds = [_seed(slot, gen) for slot, gen in zip(slots.tolist(), gens.tolist())]
         order, s, tasks = self._plan(slots, _IOV_MAX)
 
         def write(runs: list) -> None:
             for a, b in runs:
                 idx = order[a:b]
                 for r in idx:
-                    crcs[r] = zlib.crc32(buf[r, :pay], _seed(int(slots[r]), int(gens[r])))
+                    crcs[r] = zlib.crc32(buf[r, :pay], seeds[r])
                 try:
                     done = _transfer(os.pwritev, fd, [buf[r] for r in idx], int(s[a]) * rs)
                 except OSError as e:
@@ -258,7 +273,7 @@ class DiskStore:
                     heapq.heappush(self._free, slot)
             raise
         with self._lock:
-            self._meta.set(slots, crc=crcs, gen=gens, used=True)
+            self._meta.set(slots, crc=crcs, gen=gens, seed=seeds, used=True)
             self._count += n
         return slots
 
@@ -276,68 +291,83 @@ class DiskStore:
             for slot in slots.tolist():
                 heapq.heappush(self._free, slot)
 
-    def _start_read(self, slots: np.ndarray, out):
+    def _start_read(self, slots: np.ndarray, out, rows: np.ndarray | None = None):
         """Check `slots` and plan their reads: ``(tasks, read, finish)``; ``finish()`` returns ``(k, v)``."""
         fd = self._check_open()
         slots = np.asarray(slots, dtype=np.int64).reshape(-1)
         n, P, D, kb, rs = len(slots), self.page_size, self.head_dim, self._kv_bytes, self.record_size
         with self._lock:
             meta = self._check_used(slots)
-        crcs, gens = meta["crc"], meta["gen"]
-        if out is not None and (len(out) != 2 or any(tuple(t.shape) != (n, P, D) for t in out)):
-            raise CapacityError(f"out must be two tensors [{n}, {P}, {D}]; got {[tuple(t.shape) for t in out]}")
+        m = n
+        if rows is not None:   # page i goes to out[rows[i]]
+            rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+            m = len(out[0]) if out is not None and len(out) == 2 else -1
+            if out is None or len(rows) != n or (n and (rows.min() < 0 or rows.max() >= m)):
+                raise CapacityError(f"rows must place each of the {n} pages in out; got {len(rows)} rows "
+                                    f"for an out of {m} pages")
+        if out is not None and (len(out) != 2 or any(tuple(t.shape) != (m, P, D) for t in out)):
+            raise CapacityError(f"out must be two tensors [{m}, {P}, {D}]; got {[tuple(t.shape) for t in out]}")
         direct = out is not None and all(t.device.type == "cpu" and t.dtype == self.dtype and t.is_contiguous()
                                          for t in out)
         kv = out if direct else [torch.empty((n, P, D), dtype=self.dtype) for _ in range(2)]
-        kn, vn = (t.detach().view(torch.uint8).reshape(n, kb).numpy() for t in kv)  # the reads land in `kv`
+        placed, rows = rows, rows if direct else None   # read into `out` at `rows`, or in order, then placed
+        kn, vn = (t.detach().view(torch.uint8).reshape(len(t), kb).numpy() for t in kv)  # the reads land in `kv`
         pay = self.payload_size
         order, s, tasks = self._plan(slots, _RUN_RECORDS, _READ_GAP)
-        at, want, gen = slots.tolist(), crcs.tolist(), gens.tolist()
+        at, want, seeds = slots.tolist(), meta["crc"].tolist(), meta["seed"].tolist()
 
         def read(runs: list) -> None:
             # each run is one read into scratch (records whole, padding and gaps and all); a batch of runs is
             # checked, then copied out at once, so a bad page leaves its batch's pages in `kv` as they were
             for batch in _batches(runs, s, _SCRATCH_RECORDS):
                 lo, hi = batch[0][0], batch[-1][1]
-                firsts = [int(s[x]) for x, _ in batch]
-                spans = [int(s[y - 1]) - f + 1 for (_, y), f in zip(batch, firsts)]
-                scratch = np.empty((sum(spans), rs), np.uint8)
-                row, base = np.empty(hi - lo, np.int64), 0
-                for (x, y), first, span in zip(batch, firsts, spans):
+                ends = np.array(batch)
+                firsts, sizes = s[ends[:, 0]], ends[:, 1] - ends[:, 0]
+                spans = s[ends[:, 1] - 1] - firsts + 1
+                bases = np.cumsum(spans) - spans
+                scratch = np.empty((int(spans.sum()), rs), np.uint8)
+                flat = memoryview(scratch).cast("B")
+                for first, span, base in zip(firsts.tolist(), spans.tolist(), bases.tolist()):
                     try:
-                        done = _transfer(os.preadv, fd, [scratch[base:base + span]], first * rs)
+                        done = _pread_into(fd, flat[base * rs:(base + span) * rs], first * rs)
                     except OSError as e:
                         raise CorruptPageError(f"could not read slots {first}..{first + span - 1} of {self.path}: "
                                                f"{_oserr(e)}") from e
                     if done != span * rs:
                         raise CorruptPageError(f"page missing or truncated in {self.path} at slot "
                                                f"{first + done // rs} (the file ends at byte {first * rs + done})")
-                    row[x - lo:y - lo] = s[x:y] + (base - first)
-                    base += span
+                row = s[lo:hi] + np.repeat(bases - firsts, sizes)   # each page's record in scratch
                 idx = order[lo:hi]
-                for j, r in zip(row.tolist(), idx.tolist()):
-                    got = zlib.crc32(scratch[j, :pay], _seed(at[r], gen[r]))
+                for j, r in zip((row * rs).tolist(), idx.tolist()):
+                    got = zlib.crc32(flat[j:j + pay], seeds[r])
                     if got != want[r]:
                         raise CorruptPageError(f"checksum mismatch in {self.path} at slot {at[r]}: "
                                                f"expected {want[r]:#010x}, read {got:#010x}")
-                kn[idx] = scratch[row, :kb]
-                vn[idx] = scratch[row, kb:pay]
+                to = idx if rows is None else rows[idx]
+                kn[to] = scratch[row, :kb]
+                vn[to] = scratch[row, kb:pay]
 
         def finish() -> tuple[torch.Tensor, torch.Tensor]:
-            return (out[0].copy_(kv[0]), out[1].copy_(kv[1])) if out is not None and not direct else (kv[0], kv[1])
+            if out is None or direct:
+                return kv[0], kv[1]
+            if placed is None:
+                return out[0].copy_(kv[0]), out[1].copy_(kv[1])
+            at = torch.from_numpy(placed).to(out[0].device)
+            return out[0].index_copy_(0, at, kv[0].to(out[0])), out[1].index_copy_(0, at, kv[1].to(out[1]))
 
         return tasks, read, finish
 
-    def load(self, slots: np.ndarray, out: tuple[torch.Tensor, torch.Tensor] | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+    def load(self, slots: np.ndarray, out: tuple[torch.Tensor, torch.Tensor] | None = None,
+             rows: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Read pages back, verified, in the order of `slots` ``[n]``.
 
         Returns ``(k, v)``, each ``[n, page_size, head_dim]``: `out` when given (filled in place; read into
         directly when it is contiguous CPU memory of the store's dtype, e.g. pinned staging), else new CPU
-        tensors of `dtype`. Raises `CorruptPageError` naming the file and slot when a slot holds no page, the
-        file is short or unreadable, or a CRC does not match (`out` then holds garbage).
+        tensors of `dtype`. With `rows` ``[n]``, page ``i`` goes to ``out[rows[i]]`` instead (the other pages of
+        `out` are left as they are). Raises `CorruptPageError` naming the file and slot when a slot holds no
+        page, the file is short or unreadable, or a CRC does not match (`out` then holds garbage).
         """
-        tasks, read, finish = self._start_read(slots, out)
+        tasks, read, finish = self._start_read(slots, out, rows)
         self._run(read, tasks)
         return finish()
 

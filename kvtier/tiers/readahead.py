@@ -136,9 +136,9 @@ class DiskReadAhead:
             out[0][rows], out[1][rows] = self.k.gather(held), self.v.gather(held)
         t1 = time.perf_counter()
         if n_hit < n:
-            if n_hit:
-                rows = torch.from_numpy(np.flatnonzero(~hit))
-                out[0][rows], out[1][rows] = self.disk.load(slots[~hit])
+            if n_hit:   # straight into the rows the ring did not fill
+                miss = np.flatnonzero(~hit)
+                self.disk.load(slots[miss], out=out, rows=miss)
             else:
                 self.disk.load(slots, out=out)
             w.demand_pages += n - n_hit

@@ -182,8 +182,8 @@ def test_reads_across_gaps_duplicates_and_long_runs(make, monkeypatch):
     store.free(slots[[6]])
     overwrite(store, int(slots[6]), b"\xff" * 64)
     reads = []
-    transfer = disk_module._transfer
-    monkeypatch.setattr(disk_module, "_transfer", lambda *a: reads.append(a[3]) or transfer(*a))
+    pread_into = disk_module._pread_into
+    monkeypatch.setattr(disk_module, "_pread_into", lambda *a: reads.append(a[2]) or pread_into(*a))
     ask = np.array([9, 5, 7, 5, 20, 0, 1, 2, 3, 4, 24, 29])
     got = store.load(slots[ask])
     assert same(got[0], k[ask]) and same(got[1], v[ask])
@@ -256,6 +256,57 @@ def test_read_error_is_a_corrupt_page(make, monkeypatch):
     monkeypatch.setattr(os, "preadv", fail)
     with pytest.raises(CorruptPageError, match="EIO"):
         store.load(np.array([0]))
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_pages_read_into_given_rows_leave_the_others_as_they_are(make, contiguous):
+    """With `rows`, page i lands at out[rows[i]] (straight into contiguous memory of the store's dtype, else
+    through a copy), and the rows not named keep what they held."""
+    store = make(page_size=4, head_dim=8, dtype=torch.float32)
+    k, v = pages(10, store)
+    slots = store.store(k, v)
+    width = 8
+    if contiguous:
+        out = (torch.full((width, 4, 8), 7.0), torch.full((width, 4, 8), 7.0))
+    else:   # every other page of a larger tensor: not read into directly
+        out = tuple(torch.full((2 * width, 4, 8), 7.0)[::2] for _ in range(2))
+    ask, rows = np.array([9, 2, 5]), np.array([6, 0, 3])
+    got = store.load(slots[ask], out=out, rows=rows)
+    assert got[0].data_ptr() == out[0].data_ptr()
+    for i, r in zip(ask, rows):
+        assert same(out[0][r], k[i]) and same(out[1][r], v[i])
+    untouched = np.setdiff1d(np.arange(width), rows)
+    assert (out[0][untouched] == 7).all() and (out[1][untouched] == 7).all()
+
+
+def test_rows_that_do_not_place_each_page_are_refused(make):
+    store = make(page_size=4, head_dim=8, dtype=torch.float32)
+    k, v = pages(3, store)
+    slots = store.store(k, v)
+    out = (torch.zeros(4, 4, 8), torch.zeros(4, 4, 8))
+    for rows in (np.array([0, 1]), np.array([0, 1, 4]), np.array([-1, 0, 1])):
+        with pytest.raises(CapacityError, match="rows must place each of the 3 pages in out"):
+            store.load(slots, out=out, rows=rows)
+    with pytest.raises(CapacityError, match="rows must place"):
+        store.load(slots, rows=np.array([0, 1, 2]))
+
+
+def test_short_reads_are_read_on_until_whole(make, monkeypatch):
+    """A read the system returns in pieces (a signal, a network file system) is continued where it stopped."""
+    store = make(page_size=4, head_dim=8, dtype=torch.float32)
+    k, v = pages(12, store)
+    slots = store.store(k, v)
+    real, calls = os.preadv, []
+
+    def in_pieces(fd, bufs, offset):   # at most 1,000 bytes a call
+        calls.append(offset)
+        return real(fd, [memoryview(bufs[0])[:1000]], offset)
+
+    monkeypatch.setattr(os, "preadv", in_pieces)
+    ask = np.array([11, 0, 1, 2, 7, 3])
+    got = store.load(slots[ask])
+    assert same(got[0], k[ask]) and same(got[1], v[ask])
+    assert len(calls) > len(ask)
 
 
 @pytest.mark.parametrize("err, message", [(errno.ENOSPC, "disk full.*ENOSPC"), (errno.EDQUOT, "disk full"),
