@@ -122,9 +122,11 @@ class TieredCacheConfig:
         Pages per layer and KV head the recall buffer keeps after a step stops choosing them, beyond
         `recall_pages`, where recall is planned on the host on the CPU: the choice near its edge swings back and
         forth from step to step, and a page chosen again soon is then found in the buffer instead of read again
-        from host memory or disk. 0 (the default): none. Attention reads the chosen pages only (the others
-        masked out), so the setting changes what moves, not which pages are read; the sums run in another order
-        than the device plan's, so the output agrees with it within rounding, not bit for bit.
+        from host memory or disk. 0 (the default): none. It pays where a read costs by the page (a disk that
+        does not answer from the page cache: docs/benchmarks.md). Attention reads the chosen pages only (the
+        others masked out), so the setting changes what moves, not which pages are read; its sums run in
+        another order, so the output agrees with a buffer that keeps none within rounding, not bit for bit
+        (and a copy or a resumed cache, whose buffer starts empty, likewise).
     page_size
         Tokens per page in the host and disk tiers.
     sink_tokens, recent_tokens

@@ -77,14 +77,14 @@ def make_engine(tmp_path):
 
     def build(heads=2, head_dim=8, device_budget=32, host_budget=None, mode="tier", recall_pages=4,
               page_size=4, sink_tokens=2, recent_tokens=4, scorer="keynorm", layer_idx=0, prefetch_pages=None,
-              demote_pages=None, read_ahead=None, promote=False):
+              demote_pages=None, read_ahead=None, promote=False, retain_pages=0):
         cfg = TieredCacheConfig(
             shape=ModelShape(1, heads, head_dim),
             device_budget=Budget(device_budget, "device_budget"),
             host_budget=None if host_budget is None else Budget(host_budget, "host_budget", allow_zero=True),
             mode=mode, recall_pages=recall_pages, page_size=page_size, sink_tokens=sink_tokens,
             recent_tokens=recent_tokens, prefetch_pages=prefetch_pages, demote_pages=demote_pages,
-            read_ahead=read_ahead, promote=promote)
+            read_ahead=read_ahead, promote=promote, retain_pages=retain_pages)
         shared = SharedResources(str(tmp_path))
         engine = LayerEngine(layer_idx, cfg, make_scorer(scorer), shared)
         made.append((engine, shared))

@@ -108,9 +108,10 @@ def _needle_budget(context: str, device_budget: str, recall_pages: int,
 @click.option("--promote", default="off", show_default=True,
               help="Comma list of promote settings, one TieredCache row each: on (the host tier keeps the disk pages "
                    "recall keeps bringing up), off.")
-@click.option("--retain-pages", default="0", show_default=True,
+@click.option("--retain-pages", default="auto", show_default=True,
               help="Comma list of retain_pages settings, one TieredCache row each: pages per layer and KV head the "
-                   "recall buffer keeps after a step stops choosing them (recall planned on the host, the CPU).")
+                   "recall buffer keeps after a step stops choosing them (recall planned on the host, the CPU; "
+                   "auto: the cache's default).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @user_errors
 def decode(context: int, new_tokens: int, rounds: int, device_budget: str, host_budget: str, recall_pages: int,
@@ -148,10 +149,11 @@ def decode(context: int, new_tokens: int, rounds: int, device_budget: str, host_
     for d, a, p, r in itertools.product(demotes, aheads, promotes, retains):
         name = tiered_row_name(d, len(demotes), a, len(aheads), p, len(promotes), retain=r, retain_rows=len(retains))
         settings[name] = {"demote_pages": d, "read_ahead": read_ahead_name(a), "promote": promote_name(p),
-                          "retain_pages": r}
+                          "retain_pages": "auto" if r is None else r}
         caches[name] = (lambda d=d, a=a, p=p, r=r: TieredCache(
             lm.config, device_budget=budget, host_budget=host, demote_pages=d, read_ahead=a, promote=p,
-            retain_pages=r, scorer=None if scorer == "auto" else scorer, recall_pages=recall_pages))
+            **({} if r is None else {"retain_pages": r}), scorer=None if scorer == "auto" else scorer,
+            recall_pages=recall_pages))
     echo = (lambda s: None) if as_json else click.echo
     results = compare_decode(lm, ids, caches, new_tokens, rounds, progress=echo,
                              before_step=drop_cached_disk if cold_disk else None)
@@ -161,7 +163,8 @@ def decode(context: int, new_tokens: int, rounds: int, device_budget: str, host_
         "context": context, "new_tokens": new_tokens, "rounds": rounds,
         "settings": {"device_budget": budget, "host_budget": host, "recall_pages": recall_pages, "scorer": scorer,
                      "cold_disk": cold_disk, "read_ahead": [read_ahead_name(a) for a in aheads],
-                     "promote": [promote_name(p) for p in promotes], "retain_pages": retains},
+                     "promote": [promote_name(p) for p in promotes],
+                     "retain_pages": ["auto" if r is None else r for r in retains]},
         "results": [{"cache": r.name, "tokens_per_second": round(r.tokens_per_second, 2),
                      "ratio": round(r.tokens_per_second / base, 3),
                      "seconds": [round(s, 3) for s in r.seconds],

@@ -266,15 +266,19 @@ def parse_demote_pages(value: str, option: str = "--demote-pages") -> list[int |
     return list(dict.fromkeys(out))   # a setting given twice is one row
 
 
-def parse_retain_pages(value: str, option: str = "--retain-pages") -> list[int]:
-    """'0' -> [0], '0,32' -> [0, 32]: the `retain_pages` settings of cache rows."""
-    allowed = "a comma list of whole numbers >= 0, like 0,32"
-    out: list[int] = []
+def parse_retain_pages(value: str, option: str = "--retain-pages") -> list[int | None]:
+    """'auto' -> [None] (the cache's default), '0,32' -> [0, 32]: the `retain_pages` settings of cache rows."""
+    allowed = "'auto' (the cache's default) or a comma list of whole numbers >= 0, like 0,32"
+    out: list[int | None] = []
     for part in value.split(","):
+        part = part.strip().lower()
+        if part == "auto":
+            out.append(None)
+            continue
         try:
-            n = int(part.strip())
+            n = int(part)
         except ValueError:
-            raise bad_option(option, value, allowed, f"has {part.strip()!r}") from None
+            raise bad_option(option, value, allowed, f"has {part!r}") from None
         if n < 0:
             raise bad_option(option, value, allowed, f"has {n}")
         out.append(n)
@@ -325,7 +329,8 @@ def promote_name(setting: bool) -> str:
 
 def tiered_row_name(demote_pages: int | None, rows: int, read_ahead: bool | None = None,
                     read_ahead_rows: int = 1, promote: bool = False, promote_rows: int = 1,
-                    plan: str = "device", plan_rows: int = 1, retain: int = 0, retain_rows: int = 1) -> str:
+                    plan: str = "device", plan_rows: int = 1, retain: int | None = None,
+                    retain_rows: int = 1) -> str:
     """A TieredCache row's name in a bench with `rows` `demote_pages` settings, `read_ahead_rows` `read_ahead`
     settings, `promote_rows` `promote` settings, `plan_rows` places recall is planned (`kvtier bench
     launches`) and `retain_rows` `retain_pages` settings (one row for each combination): the settings that vary
@@ -339,8 +344,8 @@ def tiered_row_name(demote_pages: int | None, rows: int, read_ahead: bool | None
         name += f" promote={promote_name(promote)}"
     if plan_rows > 1 or plan != "device":
         name += f" plan={plan}"
-    if retain_rows > 1 or retain:
-        name += f" retain={retain}"
+    if retain_rows > 1 or retain is not None:
+        name += f" retain={'auto' if retain is None else retain}"
     return name
 
 

@@ -75,7 +75,7 @@ class TieredCache(OneSequence, Cache):
     retain_pages
         Pages per layer and KV head the recall buffer keeps after a step stops choosing them, where recall is
         planned on the host on the CPU: chosen again soon, such a page is not read again. 0 (the default):
-        none. See `TieredCacheConfig`.
+        none; for a disk whose reads cost by the page. See `TieredCacheConfig`.
     page_size, sink_tokens, recent_tokens
         See `TieredCacheConfig`; `recent_tokens` is a token count or, as by default (0.25), a share of the
         device budget.

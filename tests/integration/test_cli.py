@@ -145,6 +145,22 @@ def test_bench_decode_rows_per_promote_setting():
     assert on["pages_recalled_from"]["disk"] < off["pages_recalled_from"]["disk"]
 
 
+def test_bench_decode_rows_per_retain_pages_setting():
+    """`--retain-pages 0,8`: one row each, with its setting; the buffer that keeps pages no longer chosen brings
+    fewer up, and finds them again (reused)."""
+    result = run("bench", "decode", "--context", "1000", "--new-tokens", "12", "--recall-pages", "16", "--rounds",
+                 "1", "--device-budget", "0.25", "--host-budget", "0.25", "--scorer", "keynorm", "--retain-pages",
+                 "0,8", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output[result.output.index("{"):])
+    assert data["settings"]["retain_pages"] == [0, 8]
+    plain, kept = data["results"][1:]
+    assert (plain["cache"], kept["cache"]) == ("TieredCache retain=0", "TieredCache retain=8")
+    assert (plain["settings"]["retain_pages"], kept["settings"]["retain_pages"]) == (0, 8)
+    moved = [sum(r["pages_recalled_from"].values()) for r in (plain, kept)]
+    assert moved[1] < moved[0] and kept["pages_reused"] > plain["pages_reused"]
+
+
 def test_bench_decode_rows_per_demote_pages():
     """One TieredCache row per demote_pages setting, each with its demotions; a bad setting is refused by name."""
     result = run("bench", "decode", "--context", "2000", "--new-tokens", "40", "--rounds", "1", "--device-budget",

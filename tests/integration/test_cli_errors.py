@@ -220,6 +220,8 @@ def test_checks_create_no_folders(tmp_path, monkeypatch):
     (["--host-budget", "0.5", "--read-ahead", "auto,maybe"], ["--read-ahead", "'maybe'", "'auto', 'on', 'off'"]),
     (["--promote", "on"], ["--host-budget", "with --promote on", "sends pages to disk"]),
     (["--host-budget", "0.5", "--promote", "on,yes"], ["--promote", "'yes'", "'on', 'off'"]),
+    (["--retain-pages", "0,x"], ["--retain-pages", "'x'", "whole numbers >= 0"]),
+    (["--retain-pages", "-2"], ["--retain-pages", "has -2", "whole numbers >= 0"]),
 ])
 def test_bench_decode_bad_options(args, words):
     assert_one_line(run("bench", "decode", *args), 2, *words)
