@@ -47,8 +47,8 @@ class RecallBuffer:
         self.ahead = torch.zeros((heads, pages), dtype=torch.bool, device=device) if on_device else None
         self.pending: int | None = None   # the transfer job of a prefetch into this buffer not yet waited for
         self._row_base: torch.Tensor | None = None
-        # with `retain`: the step each slot's page was last chosen at (-1: never, or empty), the slots chosen by the
-        # last `plan` ``[heads, chosen]`` and the additive mask that hides the others from attention
+        # with `retain`: the step each slot's page was last chosen at (-1: never, or empty), which slots the last
+        # `plan` chose (bool ``[heads, pages]``) and the additive mask that hides the others from attention
         self._last = np.full((heads, pages), -1, dtype=np.int64) if retain else None
         self._clock = 0
         self._chosen: np.ndarray | None = None
