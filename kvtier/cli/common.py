@@ -247,9 +247,10 @@ def check_model(model: str | None, option: str = "--model") -> None:
                          "or folder)")
 
 
-def parse_demote_pages(value: str, option: str = "--demote-pages") -> list[int | None]:
-    """'auto' -> [None] (the cache's default), '1,4' -> [1, 4]: the `demote_pages` settings of cache rows."""
-    allowed = "'auto' (the cache's default) or a comma list of whole numbers >= 1, like 1,4"
+def _parse_counts(value: str, option: str, least: int, example: str) -> list[int | None]:
+    """'auto' -> [None] (the cache's default), else a comma list of whole numbers >= `least`: a setting per cache
+    row, each once."""
+    allowed = f"'auto' (the cache's default) or a comma list of whole numbers >= {least}, like {example}"
     out: list[int | None] = []
     for part in value.split(","):
         part = part.strip().lower()
@@ -260,29 +261,20 @@ def parse_demote_pages(value: str, option: str = "--demote-pages") -> list[int |
             n = int(part)
         except ValueError:
             raise bad_option(option, value, allowed, f"has {part!r}") from None
-        if n < 1:
+        if n < least:
             raise bad_option(option, value, allowed, f"has {n}")
         out.append(n)
     return list(dict.fromkeys(out))   # a setting given twice is one row
+
+
+def parse_demote_pages(value: str, option: str = "--demote-pages") -> list[int | None]:
+    """'auto' -> [None] (the cache's default), '1,4' -> [1, 4]: the `demote_pages` settings of cache rows."""
+    return _parse_counts(value, option, 1, "1,4")
 
 
 def parse_retain_pages(value: str, option: str = "--retain-pages") -> list[int | None]:
     """'auto' -> [None] (the cache's default), '0,32' -> [0, 32]: the `retain_pages` settings of cache rows."""
-    allowed = "'auto' (the cache's default) or a comma list of whole numbers >= 0, like 0,32"
-    out: list[int | None] = []
-    for part in value.split(","):
-        part = part.strip().lower()
-        if part == "auto":
-            out.append(None)
-            continue
-        try:
-            n = int(part)
-        except ValueError:
-            raise bad_option(option, value, allowed, f"has {part!r}") from None
-        if n < 0:
-            raise bad_option(option, value, allowed, f"has {n}")
-        out.append(n)
-    return list(dict.fromkeys(out))   # a setting given twice is one row
+    return _parse_counts(value, option, 0, "0,32")
 
 
 READ_AHEAD_SETTINGS = {"auto": None, "on": True, "off": False}
