@@ -176,7 +176,10 @@ class PageFetching:
             landing = self._read_disk_pages(buf, ids, shortlist)
         plan = plan_on_device(ids, buf.held, self.table.n, sources[0], buf.ahead if spare else None,
                               self.device_counts, prefetch=prefetch, in_place=True)
-        self._copy_up(buf, sources, plan, note)   # a page without a host slot is skipped: it comes next
+        # a page without a host slot is skipped: it comes next. A step that read disk pages notes the copy's read
+        # of the host slabs at once (such a step is never captured): the promotion round below may store pages
+        # into host slots the copy still reads, and `HostPool.store` waits only for the reads noted
+        self._copy_up(buf, sources, plan, note or landing is not None)
         if landing is not None:
             if landing.kv is not None:
                 self._scatter_disk_pages(buf, plan, landing)

@@ -248,3 +248,40 @@ def test_a_step_that_brings_nothing_up_counts_no_recall_for_promotion(make_engin
         assert torch.equal(a, b), f"step {step}"
     assert dev._recall_clock == host._recall_clock < 40
     assert np.array_equal(dev.table.uses, host.table.uses) and np.array_equal(dev.table.tier, host.table.tier)
+
+
+def test_the_gpu_decode_step_notes_its_host_read_before_promotion_stores_pages(tmp_path, monkeypatch):
+    """A GPU decode step on a layer with disk pages promotes what it brought up in the same step that queued the
+    copy out of the host slabs; the host pool waits before a store only for the reads it was told of, so the
+    copy's read must be noted before any store (else a store could overwrite a slot the copy still reads)."""
+    from kvtier.engine.layer import LayerEngine
+    from kvtier.tiers.host import HostPool
+
+    unnoted: dict[int, bool] = {}
+    stores = []
+    copy_up, read_on, store = LayerEngine._copy_up, HostPool.read_on, HostPool.store
+
+    def spy_copy(self, buf, sources, plan, note=True):
+        unnoted[id(self.host)] = True
+        return copy_up(self, buf, sources, plan, note)
+
+    def spy_read_on(self, device):
+        unnoted[id(self)] = False
+        return read_on(self, device)
+
+    def spy_store(self, k, v):
+        stores.append(unnoted.get(id(self), False))
+        return store(self, k, v)
+
+    monkeypatch.setattr(LayerEngine, "_copy_up", spy_copy)
+    monkeypatch.setattr(HostPool, "read_on", spy_read_on)
+    monkeypatch.setattr(HostPool, "store", spy_store)
+    model = tiny_llama()
+    with TieredCache(model.config, disk_dir=tmp_path, device_budget=0.1, host_budget=0.25, recall_pages=4,
+                     page_size=8, read_ahead=False, prefetch_pages=0, promote=True) as cache:
+        for engine in cache._engines:
+            engine.device_recall = engine.select_kernels = engine.defer_nan = True
+            engine.promote_every = 1
+        greedy_logits(model, cache, prompt=400, steps=24, seed=6)
+        assert cache.stats()["promotion"]["pages"] > 0
+    assert stores and not any(stores), f"{sum(stores)} of {len(stores)} stores came before the copy's read was noted"
