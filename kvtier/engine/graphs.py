@@ -26,6 +26,7 @@ without CUDA.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import operator
@@ -225,8 +226,13 @@ class StepGraphs:
                 began = True
                 try:
                     outputs = tuple(work(*fixed))
-                finally:
-                    graph.capture_end()
+                except BaseException:
+                    # what `work` raised is the error to report: the capture it invalidated makes capture_end
+                    # raise one of its own, which would hide it
+                    with contextlib.suppress(Exception):
+                        graph.capture_end()
+                    raise
+                graph.capture_end()
         except BaseException:
             if began:
                 self._release_failed_pool()

@@ -418,6 +418,32 @@ def test_demotions_of_several_pages_keep_replays_exact_and_capture_less_often(cu
                                                                                 three["cuda_graphs"])
 
 
+def test_a_failed_capture_reports_what_the_work_raised_and_the_step_runs_eagerly(cuda_device):
+    """Work that breaks its capture (a device-wide sync, illegal while a stream captures) and then raises: the
+    reason kept is the work's own error, not the one `capture_end` raises for the invalidated capture; the step
+    runs eagerly with the right result, and graphs are off for good after it."""
+    import contextlib
+
+    from kvtier.engine.graphs import StepGraphs
+
+    def work(x):
+        y = x * 2
+        if torch.cuda.is_current_stream_capturing():
+            with contextlib.suppress(RuntimeError):
+                torch.cuda.synchronize()   # invalidates the capture
+            raise LookupError("the work's own failure")
+        return (y,)
+
+    graphs = StepGraphs(cuda_device, enabled=True)
+    x = torch.arange(8.0, device=cuda_device)
+    for _ in range(3):   # first sight eager, second captured (fails, then eager), third eager
+        (y,) = graphs.run(lambda: "key", (x,), work)
+        assert torch.equal(y, x * 2)
+    assert graphs.failed == "LookupError: the work's own failure", graphs.failed
+    assert graphs.captures == graphs.replays == 0 and graphs.eager == 3
+    torch.cuda.synchronize()   # the failed capture left no stream capturing
+
+
 @pytest.mark.parametrize("case", ["reset", "narrow"])
 def test_cuda_graphs_capture_again_after_their_layer_lets_them_go(cuda_device, case):
     """A layer lets its graph go when its recall buffer is remade (while it has fewer pages than it recalls,
