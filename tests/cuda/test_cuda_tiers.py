@@ -91,7 +91,7 @@ def test_round_trip_on_gpu_is_bit_exact(make_engine, cuda_device, dtype):
     tiers = engine.table.tier
     assert (tiers == HOST).any() and (tiers == DISK).any()
     heads, r = engine.heads, engine.table.n
-    ids = torch.arange(r).expand(heads, -1)
+    ids = torch.arange(r, device=cuda_device).expand(heads, -1)   # page ids where the recall plans: the GPU
     rk, rv, _ = engine._fetch(ids, ids)          # every demoted page, straight to the GPU
     assert rk.is_cuda
     pos, _ = engine.pool.meta()
