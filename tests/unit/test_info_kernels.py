@@ -1,0 +1,47 @@
+"""`kvtier info`'s word on the native kernels: which cupy wheel they need, and what keeps them off."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import types
+
+import pytest
+
+info = importlib.import_module("kvtier.cli.info")   # the module (the package's `info` is the command)
+
+
+def test_no_gpu_no_word_on_kernels():
+    assert info.kernel_limits(False, None, None, None) == []
+    assert info.kernel_limits(False, "13.0", None, None) == []
+
+
+def test_a_gpu_without_cupy_names_the_wheel_of_torchs_cuda():
+    (line,) = info.kernel_limits(True, "13.0", None, None)
+    assert "cupy is not installed" in line and "pip install cupy-cuda13x" in line
+    (line,) = info.kernel_limits(True, "12.8", None, None)
+    assert "pip install cupy-cuda12x" in line
+
+
+@pytest.mark.parametrize("torch_cuda, cupy_cuda, said", [
+    ("13.0", 13, False), ("12.8", 12, False), ("13.0", 12, True), ("12.4", 13, True), ("13.0", None, False),
+])
+def test_a_cupy_for_another_cuda_than_torchs_is_said(torch_cuda, cupy_cuda, said):
+    lines = info.kernel_limits(True, torch_cuda, "14.2.0", cupy_cuda)
+    assert bool(lines) == said
+    if said:
+        major = torch_cuda.split(".")[0]
+        assert f"cupy is built for CUDA {cupy_cuda} and torch for CUDA {torch_cuda}" in lines[0]
+        assert f"install cupy-cuda{major}x instead of cupy-cuda{cupy_cuda}x" in lines[0]
+
+
+def test_the_cupy_wheels_cuda_is_read_from_its_name(monkeypatch):
+    def dists(*names):
+        return lambda: [types.SimpleNamespace(metadata={"Name": n}) for n in names]
+
+    monkeypatch.setattr(importlib.metadata, "distributions", dists("numpy", "cupy-cuda13x", "torch"))
+    assert info.cupy_cuda_major() == 13
+    monkeypatch.setattr(importlib.metadata, "distributions", dists("CuPy-CUDA12x"))
+    assert info.cupy_cuda_major() == 12
+    monkeypatch.setattr(importlib.metadata, "distributions", dists("cupy", "numpy"))   # a source build: unknown
+    assert info.cupy_cuda_major() is None
