@@ -28,7 +28,7 @@ Each operation runs its kernel when it can (CUDA tensors, cupy importable, ``KVT
 its twin (`kvtier.native.twins`) otherwise, on whatever device the tensors are; `backend()` tells which ran.
 """
 
-from .loader import backend, build_failed, reset_stats, sources
+from .loader import backend, build_failed, indexed_device, reset_stats, sources
 from .loader import status as kernel_status
 from .ops import (attend_chunk, attend_pages, attend_slabs, code_logits, gather_pages, index_pages, kvp_score,
                   merge_parts, move_entries, pack_entries, page_upper_bounds, plan_recall, rank_pages,
@@ -36,6 +36,7 @@ from .ops import (attend_chunk, attend_pages, attend_slabs, code_logits, gather_
 from .twins import ATTEND_ROWS, MLPWeights, RecallPlan
 
 __all__ = ["ATTEND_ROWS", "MLPWeights", "RecallPlan", "attend_chunk", "attend_pages", "attend_slabs", "backend",
-           "build_failed", "code_logits", "gather_pages", "index_pages", "kernel_status", "kvp_score", "merge_parts",
-           "move_entries", "pack_entries", "page_upper_bounds", "plan_recall", "rank_pages", "rank_pages_tile",
-           "recall_pages", "reset_stats", "scatter_pages", "slab_addresses", "sources"]
+           "build_failed", "code_logits", "gather_pages", "index_pages", "indexed_device", "kernel_status",
+           "kvp_score", "merge_parts", "move_entries", "pack_entries", "page_upper_bounds", "plan_recall",
+           "rank_pages", "rank_pages_tile", "recall_pages", "reset_stats", "scatter_pages", "slab_addresses",
+           "sources"]

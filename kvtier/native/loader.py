@@ -226,6 +226,15 @@ def launch(k: Any, device: torch.device, grid: tuple[int, ...], block: tuple[int
             k(grid, block, args, shared_mem=shared_mem)
 
 
+def indexed_device(device: torch.device | str) -> torch.device:
+    """`device` with its index: ``cuda`` is the current CUDA device (``torch.device("cuda")`` compares unequal to
+    the ``cuda:0`` of the tensors made on it)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def device_address(t: torch.Tensor, device: torch.device) -> int | None:
     """The address through which kernels on `device` read `t`, or None if they cannot.
 
@@ -233,6 +242,7 @@ def device_address(t: torch.Tensor, device: torch.device) -> int | None:
     device's address space (with unified addressing that is the host address itself, but the runtime is
     asked, not assumed). Pageable host memory has no such address.
     """
+    device = indexed_device(device)
     if t.is_cuda:
         return t.data_ptr() if t.device == device else None
     if t.device.type != "cpu" or not t.is_pinned():

@@ -30,7 +30,8 @@ class DevicePool:
 
     def __init__(self, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
                  slab_tokens: int) -> None:
-        self.heads, self.head_dim, self.dtype, self.device = heads, head_dim, dtype, device
+        # indexed: the slabs' tensors say cuda:N, and the kernels' address tables are kept for the device named
+        self.heads, self.head_dim, self.dtype, self.device = heads, head_dim, dtype, native.indexed_device(device)
         self.slab_tokens = max(1, int(slab_tokens))
         self.count = 0
         self.k: list[torch.Tensor] = []

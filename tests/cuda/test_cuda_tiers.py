@@ -130,7 +130,9 @@ def test_default_model_on_gpu(fresh_attention, cuda_device):
         full = TieredCache(model.config, device_budget=1.0)
         assert torch.equal(model.generate(ids, **cache_kwargs(full), max_new_tokens=32, do_sample=False), ref)
         ref_logits = model(ids, **cache_kwargs(DynamicCache(config=model.config))).logits[:, -1]
-        cache = TieredCache(model.config, device_budget=0.1, host_budget=0.2, recall_pages=100_000)
+        # every page recalled, so no page ranks after the choice: no prefetch slots (half of 100,000 by default
+        # on CUDA: 34 GiB of recall buffers)
+        cache = TieredCache(model.config, device_budget=0.1, host_budget=0.2, recall_pages=100_000, prefetch_pages=0)
         logits = model(ids, **cache_kwargs(cache)).logits[:, -1]
         torch.testing.assert_close(logits, ref_logits)
         nxt = logits.argmax(-1, keepdim=True)

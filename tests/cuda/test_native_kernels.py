@@ -155,6 +155,23 @@ def test_gather_kernel_runs_on_the_current_stream(kernels):
     assert torch.equal(_bits(seen), _bits(want)) and torch.equal(_bits(out), _bits(want))
 
 
+def test_a_device_named_without_its_index_is_the_current_one(kernels):
+    """``torch.device("cuda")`` compares unequal to the ``cuda:N`` of the tensors made on it: a pool made for it
+    still has its address tables (else every launch rebuilds them, and none can be captured), and a tensor
+    named so has its address."""
+    plain = torch.device("cuda")
+    assert native.indexed_device(plain) == torch.device("cuda", torch.cuda.current_device()) == kernels
+    pool = DevicePool(2, 64, torch.bfloat16, plain, 256)
+    pool.ensure(300)
+    assert pool.device == kernels and pool.addresses() is not None
+    t = torch.zeros(4, device=plain)
+    from kvtier.native.loader import device_address
+
+    assert device_address(t, plain) == device_address(t, kernels) == t.data_ptr()
+    host = torch.zeros(4).pin_memory()
+    assert device_address(host, plain) == device_address(host, kernels) is not None
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_host_pool_loads_pinned_pages_straight_into_device_memory(kernels, dtype):
     pool = HostPool(16, 64, dtype, pin=True, slab_bytes=4 * 16 * 64 * torch.empty((), dtype=dtype).element_size())

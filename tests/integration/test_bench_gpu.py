@@ -237,7 +237,9 @@ def test_cuda_without_a_gpu_is_a_mistake(tmp_path):
 @pytest.mark.cuda
 def test_tiny_on_cuda_measures_every_row(tmp_path):
     out = tmp_path / "gpu.json"
-    result = run(*TINY, "--device", "cuda", "--out", str(out), "--quiet")
+    # 32 pages recalled a step: the 1K context's disk rows hold ~58 pages a layer and head, more than a step
+    # recalls, so that pages rank after the choice and the prefetch has some to bring
+    result = run(*TINY, "--recall-pages", "32", "--device", "cuda", "--out", str(out), "--quiet")
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     assert data["bandwidth"]["raw_copy"]["pinned"] is True and data["bandwidth"]["tiers"]["pinned"] is True
@@ -288,3 +290,19 @@ def test_the_table_says_why_rows_were_skipped(cpu_run):
     text = format_report(data)
     assert "skipped: out of memory (injected)" in text and "a bug (injected)" in text
     assert "launch cost: skipped (no device (injected))" in text and "targets" in text
+
+
+def test_every_checkpoint_carries_the_targets_judged_so_far():
+    """A run cut short (a lease, a timeout) keeps its last checkpoint: each says where the targets stand."""
+    from kvtier.bench.gpu import GpuBenchConfig, run_gpu_bench
+
+    seen = []
+    cfg = GpuBenchConfig(device="cpu", shape="tiny", layers=1, contexts=(), million=False, copy_mib=1, batch_mib=1,
+                         repeats=1)
+    final = run_gpu_bench(cfg, checkpoint=seen.append)
+    assert [c["last_section"] for c in seen] == ["bandwidth", "launch_cost", "pool_attention"]
+    for c in seen:
+        assert c["partial"] is True and {t["name"] for t in c["targets"]} == TARGETS
+    bw = {t["name"]: t for t in seen[0]["targets"]}
+    assert bw["demotion_vs_raw_copy"]["measured"] is not None   # judged from the first section on
+    assert {t["name"] for t in final["targets"]} == TARGETS and "partial" not in final

@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 import torch
 
+from ...native import indexed_device
 from .bandwidth import measure_bandwidth
 from .context import run_context
 from .launch_cost import measure_launch_cost
@@ -44,12 +45,14 @@ def run_gpu_bench(cfg: GpuBenchConfig, progress: Progress | None = None,
     progress = progress or Progress(False)
 
     def done(section: str) -> None:
-        if checkpoint is not None:
-            checkpoint({**result, "partial": True, "last_section": section})
+        if checkpoint is not None:   # with the targets judged so far: a run cut short still says where it stands
+            checkpoint({**result, "partial": True, "last_section": section, "targets": evaluate_targets(result)})
 
     t_start = time.perf_counter()
     device = torch.device(cfg.device)
-    if device.type == "cuda" and device.index is not None:
+    if device.type == "cuda":
+        # indexed ("cuda" is the current device): what the run makes is compared with the tensors' "cuda:N"
+        device = indexed_device(device)
         torch.cuda.set_device(device)   # events, streams and the allocators' figures follow the current device
     clock = Clock(device)
     shape = SHAPES[cfg.shape]
