@@ -273,9 +273,9 @@ def test_a_cache_built_from_a_copy_of_the_config_refuses_instead_of_skipping_rec
     cache = TieredCache(copy.deepcopy(model.config), device_budget=24, recall_pages=1_000)
     ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        logits = model(ids, past_key_values=cache).logits
+        logits = model(ids, **cache_kwargs(cache)).logits
         with pytest.raises(UnsupportedError, match="copy of it"):
-            model(logits[:, -1:].argmax(-1), past_key_values=cache)
+            model(logits[:, -1:].argmax(-1), **cache_kwargs(cache))
     cache.close()
 
 
@@ -287,7 +287,7 @@ def test_left_padding_gives_the_full_caches_tokens(model, budget):
     ids = torch.cat([torch.zeros(1, pad, dtype=torch.long), PROMPT], dim=1)
     mask = torch.cat([torch.zeros(1, pad, dtype=torch.long), torch.ones_like(PROMPT)], dim=1)
     ref = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
-                         past_key_values=DynamicCache(config=model.config))
+                         **cache_kwargs(DynamicCache(config=model.config)))
     cache = TieredCache(model.config, device_budget=budget, recall_pages=1_000)
     got = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, **cache_kwargs(cache))
     assert torch.equal(got, ref)
