@@ -66,6 +66,21 @@ def _base_function(name: str, module: torch.nn.Module) -> Callable:
     return eager
 
 
+def _call_base(base: str, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    """The model's own attention `base`, seeing its own name in ``module.config._attn_implementation`` during the
+    call: transformers' flash attention reads the name there to load its kernels, and knows no ``kvtier_`` one."""
+    fn = _base_function(base, module)
+    config = getattr(module, "config", None)
+    named = getattr(config, "_attn_implementation", None)
+    if not isinstance(named, str) or not named.startswith(PREFIX):
+        return fn(module, *args, **kwargs)
+    config._attn_implementation = base
+    try:
+        return fn(module, *args, **kwargs)
+    finally:
+        config._attn_implementation = named
+
+
 # keywords an attention function may get that change what it computes beyond the query and the keys; the split
 # attention over recalled pages cannot apply them, so a layer that recalls refuses them
 UNSUPPORTED_KWARGS = {
@@ -82,7 +97,7 @@ def _make_attention(base: str) -> Callable:
                          attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, Any]:
         layer = _take_claim(key)
         if layer is None:
-            return _base_function(base, module)(module, query, key, value, attention_mask, **kwargs)
+            return _call_base(base, module, query, key, value, attention_mask, **kwargs)
         try:
             asked = bool(kwargs.get("output_attentions"))
             result = layer.attend(query, attention_mask, scaling=kwargs.get("scaling"),
@@ -91,7 +106,7 @@ def _make_attention(base: str) -> Callable:
                                   refuse=[UNSUPPORTED_KWARGS[k] for k in UNSUPPORTED_KWARGS
                                           if kwargs.get(k) is not None])
             if result is None:
-                return _base_function(base, module)(module, query, key, value, attention_mask, **kwargs)
+                return _call_base(base, module, query, key, value, attention_mask, **kwargs)
             if asked and base != "eager" and base not in _warned:
                 _warned.add(base)   # what the base implementation itself does: no weights, one warning
                 warnings.warn(f"output_attentions=True with attn_implementation={base!r} returns no attention "

@@ -69,7 +69,7 @@ def test_every_page_recalled_over_many_steps_with_disk_pages(build, dtype, cuda_
     fed the same tokens and their logits must agree to bfloat16 rounding at every step."""
     model = build(cuda_device, dtype)
     ids = _prompt(700, cuda_device)
-    with TieredCache(model.config, device_budget=64, host_budget=256, recall_pages=100_000) as cache:
+    with TieredCache(model.config, device_budget=64, host_budget=256, recall_pages=100_000, prefetch_pages=0) as cache:
         if dtype == torch.float32:
             ref = _greedy(model, DynamicCache(config=model.config), ids, 200)
             assert torch.equal(_greedy(model, cache, ids, 200), ref)
@@ -525,7 +525,7 @@ def test_flash_attention_decodes_like_dynamic_cache(cuda_device, impl):
     model.config._attn_implementation = impl
     ids = _prompt(600, cuda_device)
     ref_cache = DynamicCache(config=model.config)
-    with TieredCache(model.config, device_budget=64, recall_pages=100_000) as cache, torch.no_grad():
+    with TieredCache(model.config, device_budget=64, recall_pages=100_000, prefetch_pages=0) as cache, torch.no_grad():
         model(ids, **cache_kwargs(ref_cache))
         model(ids, **cache_kwargs(cache))
         step = ids[:, -1:]

@@ -106,3 +106,32 @@ def test_models_whose_attention_differs_decode_the_same_with_recall(variant):
     assert torch.equal(ref.sequences, out.sequences)
     for a, b in zip(ref.logits, out.logits):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_the_models_own_attention_sees_its_own_name_in_the_config():
+    """Where kvtier hands a step to the model's own attention (nothing demoted yet), that function finds its own
+    name in ``module.config._attn_implementation``, not kvtier's: transformers' flash attention loads its kernels
+    by that name and knows no ``kvtier_`` one. The name is kvtier's again after the call."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from tiny_models import tiny_llama
+
+    seen = []
+
+    def reads_its_name(module, *args, **kwargs):
+        seen.append(module.config._attn_implementation)
+        return sdpa_attention_forward(module, *args, **kwargs)
+
+    AttentionInterface.register("reads_its_name", reads_its_name)
+    model = tiny_llama()
+    model.config._attn_implementation = "reads_its_name"
+    ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(ids).logits
+        assert seen == ["reads_its_name"] * 2
+        seen.clear()
+        with TieredCache(model.config) as cache:
+            got = model(ids, **cache_kwargs(cache)).logits
+            assert model.config._attn_implementation == "kvtier_reads_its_name"
+    assert seen == ["reads_its_name"] * 2 and torch.equal(got, want)
