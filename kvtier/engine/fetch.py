@@ -85,9 +85,11 @@ class PageFetching:
     def _recall_buffer(self, r: int, on_device: bool) -> RecallBuffer:
         """The recall buffer for `r` chosen pages per KV head (and the prefetch's spare slots where recall is
         planned `on_device`; on the CPU, the slots that keep pages no longer chosen while there are such pages),
-        made anew when its width or kind changes."""
-        retain = self.cfg.retain(on_device) if self.device.type == "cpu" and self.index.n > r else 0
-        width = r + self.cfg.prefetch(on_device) + retain
+        made anew when its width or kind changes. Spare slots of either kind only while some pages go unchosen:
+        a step that chooses every page (fewer pages than `recall_pages`) has nothing to prefetch or keep."""
+        unchosen = self.index.n > r
+        retain = self.cfg.retain(on_device) if self.device.type == "cpu" and unchosen else 0
+        width = r + (self.cfg.prefetch(on_device) if unchosen else 0) + retain
         buf = self.recalled
         if buf is None or buf.pages != width or buf.on_device != on_device or buf.retain != retain:
             self._drop_recalled()

@@ -182,6 +182,27 @@ def test_prefetch_changes_what_moves_never_what_attention_reads(make_engine, spa
     assert got.prefetch_used <= got.pages_reused - base.pages_reused
 
 
+def test_a_step_that_chooses_every_page_has_no_spare_slots(make_engine):
+    """Spare slots (the prefetch's) only while some pages go unchosen: asked to recall more pages than there are
+    (`recall_pages` as "everything"), the buffer is exactly the pages, where half of `recall_pages` of prefetch
+    slots by default would be tens of gigabytes on a real model; once pages outnumber the choice, the slots come."""
+    kw = dict(heads=2, head_dim=16, device_budget=48, page_size=4)
+    every = make_engine(**kw, recall_pages=100_000)
+    some = make_engine(**kw, recall_pages=6, prefetch_pages=4)
+    every.device_recall = some.device_recall = True
+    g = torch.Generator().manual_seed(1)
+    step_all((every, some), torch.randn(1, 2, 64, 16, generator=g))
+    widths = []
+    for q in drifting_queries(g, 60):
+        n = every.index.n   # the pages a step's attention chooses from (its commit may demote more)
+        assert some.index.n == n
+        step_all((every, some), torch.randn(1, 2, 1, 16, generator=g), q)
+        assert every.recalled.pages == n, (every.recalled.pages, n)
+        widths.append((n, some.recalled.pages))
+    assert all(w == (n if n <= 6 else 6 + 4) for n, w in widths), widths
+    assert any(n <= 6 for n, _ in widths) and any(n > 6 for n, _ in widths)
+
+
 def test_prefetch_settings_are_checked_and_follow_where_recall_is_planned():
     from kvtier.config import ModelShape, TieredCacheConfig
     from kvtier.errors import ConfigError
