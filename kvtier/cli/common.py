@@ -432,7 +432,7 @@ def user_errors(fn: Callable) -> Callable:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except click.ClickException:
+        except (click.ClickException, BrokenPipeError):   # a closed stdout is no failure of the command's
             raise
         except Exception as e:
             found = classify(e)
@@ -468,6 +468,10 @@ def run_main(group_main: Callable[..., Any], args: list[str] | None, **kwargs: A
         sys.exit(e.exit_code)
     except click.Abort:
         report_failure("aborted", 1, as_json)
+        sys.exit(1)
+    except BrokenPipeError:   # the reader stopped reading (`kvtier info | head`): nothing left to say to it
+        with contextlib.suppress(OSError):   # and nothing for Python to flush into the closed pipe at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(1)
     except Exception as e:
         found = classify(e)

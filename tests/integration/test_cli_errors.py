@@ -550,3 +550,16 @@ def test_calibrate_weights_for_another_model(tmp_path):
     assert_one_line(run("calibrate", "--kvp", weights, "--out", out), 2, "trained for 2 layers x 2 KV heads",
                     "30 x 3 x 64")
     assert not out.exists()
+
+
+def test_a_reader_that_stops_reading_gets_no_error_message():
+    """`kvtier info | head -1`: stdout closed by its reader is no failure to report; exit 1, nothing on stderr."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)   # every write to stdout now fails with a broken pipe
+    try:
+        done = subprocess.run([sys.executable, "-m", "kvtier", "info"], stdout=write_end, stderr=subprocess.PIPE,
+                              text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert done.returncode == 1, done.stderr
+    assert "error" not in done.stderr.lower() and "Traceback" not in done.stderr, done.stderr
