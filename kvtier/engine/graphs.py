@@ -34,6 +34,8 @@ from typing import Any, Callable
 
 import torch
 
+from ..native.loader import FirstUseInCapture
+
 log = logging.getLogger(__name__)
 
 
@@ -192,6 +194,9 @@ class StepGraphs:
             if isinstance(e, self.passthrough):   # the work's own: this step does not count as the state's sight
                 self._last_key = None
                 raise
+            if isinstance(e, FirstUseInCapture):   # a kernel's first use: the eager step loads it, the next captures
+                log.info("CUDA graph capture of a decode step on %s waits a step: %s", self.device, e)
+                return None
             if not final:
                 self.at_once = False
                 log.info("CUDA graph capture of a decode step at its state's first step failed on %s; states are "

@@ -78,6 +78,10 @@ class DecodeGraph:
         self._tables = [table for m in model.modules() for table in (m._parameters, m._buffers) if table]
         self._keyword = "cache_position" in inspect.signature(model.forward).parameters
         self._position = torch.zeros(1, 1, dtype=torch.int64, device=self.device)
+        # a planned step's mask where every layer attends through kvtier (which reads none in such a step): a 4D
+        # mask is taken as it is, so transformers builds none, which it would otherwise do inside the capture
+        # only (a capture counts as tracing there), or through a pageable host copy (eager masks, 5.17)
+        self._mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
         self.ordinary = 0   # steps run the ordinary way (a prompt, or a step not steady in some layer)
         self._inside = False
 
@@ -166,6 +170,7 @@ class DecodeGraph:
             self._position.fill_(engines[0].seen)
         else:   # left padding: the model's positions count the prompt's tokens, not the padding
             self._position.copy_(position_ids)
+        every_layer = len(plans) == len(cache.layers)   # no layer's attention is the model's own
         ran: list[bool] = []   # each run of `work` this call: whether it was a capture's (nothing executed)
         captures = self.graphs.captures
 
@@ -174,6 +179,8 @@ class DecodeGraph:
             for step in plans:   # what a capture that failed noted, this run notes again
                 step.launched, step.ids = False, None
             kwargs = {"cache_position": position[0]} if self._keyword else {}
+            if every_layer:
+                kwargs["attention_mask"] = self._mask
             out = self.model(input_ids=ids, position_ids=position, use_cache=True, **kwargs, **cache_kwargs(cache))
             return (out.logits, *(step.ids for step in plans))
 

@@ -115,6 +115,12 @@ def status() -> str | None:
     return _status[switch]
 
 
+class FirstUseInCapture(RuntimeError):
+    """A kernel first asked for while its stream captures a CUDA graph: its module cannot be loaded there (the
+    driver refuses a load during a capture, which would turn the source off for good). The capture fails instead,
+    not the kernel; the step then runs eagerly, which loads it, and a later capture finds it loaded."""
+
+
 def kernel(src: str, name: str, device: torch.device) -> Any:
     """The loaded kernel `name` of source `src` on `device`, or None when it cannot be built there.
 
@@ -126,6 +132,10 @@ def kernel(src: str, name: str, device: torch.device) -> Any:
     loaded = _kernels.get((src, name, device.index))   # the common case, without the lock
     if loaded is not None:
         return loaded
+    if _ready.get((src, device.index)):   # did not build here: the twin runs
+        return None
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise FirstUseInCapture(f"{src}.cu's {name} was first asked for inside a CUDA graph capture on {device}")
     cp = cupy_module()
     with _lock:
         if _ready.get((src, device.index)):

@@ -113,9 +113,14 @@ class PageIndex:
         """Bounds ``[heads, m, dim]`` and codes ``[heads, m, page_size, dim/4]`` of pages ``ids`` ``[heads, m]``,
         all on the device (`note` as for `rank`)."""
         heads, m = ids.shape
-        if self._head_rows is None or self._head_rows.device != ids.device:
-            self._head_rows = torch.arange(heads, device=ids.device)[:, None]
-        rows = (ids * heads + self._head_rows).reshape(-1)
+        head_rows = self._head_rows
+        if head_rows is None or head_rows.device != ids.device:
+            head_rows = torch.arange(heads, device=ids.device)[:, None]
+            # kept unless made inside a CUDA graph capture: a tensor made there is written only by the graph's
+            # replays (never, if the capture fails), and reading it outside them would read whatever is there
+            if not (ids.is_cuda and torch.cuda.is_current_stream_capturing()):
+                self._head_rows = head_rows
+        rows = (ids * heads + head_rows).reshape(-1)
         if self.device.type == "cuda":   # device ids read both storages in place: nothing comes back to the host
             bounds = _rows_by_device_ids(self.bounds, rows, self.device)
             codes = _rows_by_device_ids(self.codes, rows, self.device)

@@ -82,6 +82,37 @@ def test_steps_taken_apart_equal_ordinary_ones(scorer):
     assert s["failed"] is None
 
 
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_a_planned_step_hands_the_model_a_mask_it_takes_as_it_is(implementation, monkeypatch):
+    """Where every layer attends through kvtier, a planned step gives the model a ready 4D mask, so transformers
+    builds none (it would inside a capture only, and on 5.17 an eager mask through a pageable host copy); the
+    ordinary steps (the prompt, the first decode step) get none, and the logits are the ordinary steps'."""
+    import transformers.masking_utils as masking
+
+    model = tiny_llama()
+    model.config._attn_implementation = implementation
+    built = []
+    made = masking.create_causal_mask
+
+    def counting(*args, **kwargs):
+        mask = kwargs.get("attention_mask")
+        built.append(isinstance(mask, torch.Tensor) and mask.dim() == 4)
+        return made(*args, **kwargs)
+
+    runs = {}
+    for graphed in (False, True):
+        with _cache(model) as cache:
+            step = DecodeGraph(model, cache) if graphed else _plain(model, cache)
+            built.clear()
+            if graphed:
+                import transformers.models.llama.modeling_llama as llama
+
+                monkeypatch.setattr(llama, "create_causal_mask", counting)
+            runs[graphed] = _decode(step, steps=20)
+    assert torch.equal(runs[True], runs[False])
+    assert built[:2] == [False, False] and all(built[2:]) and len(built) == 21, built
+
+
 def test_steps_through_it_and_ordinary_ones_mix():
     """Steps through `DecodeGraph` and ordinary calls of the model may alternate: the cache is left as the
     ordinary steps leave it, so the same logits come either way."""

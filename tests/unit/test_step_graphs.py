@@ -195,16 +195,20 @@ class _StandIn(StepGraphs):
     """`StepGraphs` with stand-ins for what needs CUDA (the capture, its stream): which step it runs how, and
     what a failed capture turns off, are its own."""
 
-    def __init__(self, fail_at=(), **kwargs):
+    def __init__(self, fail_at=(), first_use_at=(), **kwargs):
         super().__init__(torch.device("cpu"), enabled=False, **kwargs)
         self.enabled = True
-        self.fail_at, self.done, self.steps = set(fail_at), [], 0
+        self.fail_at, self.first_use_at, self.done, self.steps = set(fail_at), set(first_use_at), [], 0
 
     def _aside(self, inputs, work):
         self.done[-1] = "aside"
         return work(*inputs)
 
     def _record(self, inputs, work):
+        if self.steps in self.first_use_at:
+            from kvtier.native.loader import FirstUseInCapture
+
+            raise FirstUseInCapture("a kernel first asked for inside the capture")
         if self.steps in self.fail_at:
             raise RuntimeError("refused during capture")
         self.done[-1] = "capture"
@@ -249,6 +253,29 @@ def test_a_capture_at_once_that_fails_falls_back_to_second_step_captures():
     assert _steps(graphs, "AAABBBCC") == \
         ["aside", "capture", "replay", "aside", "eager", "eager", "eager", "eager"]
     assert graphs.failed == "RuntimeError: refused during capture"
+
+
+def test_a_capture_that_meets_a_kernels_first_use_waits_a_step_and_turns_nothing_off():
+    """A kernel first asked for inside a capture cannot be loaded there: that capture fails, the step runs eagerly
+    (loading it), the state is captured the next step, and neither graphs nor capturing at once are turned off."""
+    for at in (3, 1):   # a state's first step (captured at once), a state's second step
+        graphs = _StandIn(first_use_at={at}, warm_aside=True, at_once=True)
+        done = _steps(graphs, "AAABBBCC")
+        assert graphs.failed is None and graphs.at_once is True, at
+        assert done[at] in ("eager", "aside") and done[at + 1] == "capture", (at, done)
+        assert done[-2:] == ["capture", "replay"], (at, done)
+
+
+def test_a_kernel_is_never_loaded_inside_a_capture(monkeypatch):
+    """Asked for a kernel not loaded yet while its stream captures, the loader raises `FirstUseInCapture` and
+    marks nothing: the source is not counted as failed to build, and the next ask (outside) may load it."""
+    from kvtier.native import loader
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    gpu = torch.device("cuda", 0)
+    with pytest.raises(loader.FirstUseInCapture, match="merge_parts.cu's kvtier_merge_parts"):
+        loader.kernel("merge_parts", "kvtier_merge_parts", gpu)
+    assert loader.build_error("merge_parts", gpu) is None and not loader.build_failed(gpu, "merge_parts")
 
 
 def test_a_state_that_ends_with_its_step_is_not_captured_at_once():
