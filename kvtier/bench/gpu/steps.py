@@ -93,9 +93,10 @@ GRAPH_WARMUP_MAX = 8   # extra warm-up steps a row with CUDA graphs may take unt
 
 def warm_until_replayed(model: Any, cache: Any, token: torch.Tensor,
                         clock: Clock) -> tuple[list[float], torch.Tensor]:
-    """Decode steps until one captures no new CUDA graph (at most `GRAPH_WARMUP_MAX`), where the cache's steps
-    are captured (on CUDA, by default; `cache` may be a `DecodeGraph`, whose captures are its own): the timed
-    steps are then the steady ones, which replay. Returns the milliseconds of the steps that captured, and the
+    """Decode steps until one replays and captures no new CUDA graph (at most `GRAPH_WARMUP_MAX`), where the
+    cache's steps are captured (on CUDA, by default; `cache` may be a `DecodeGraph`, whose captures are its own):
+    the timed steps are then the steady ones, which replay (a step that neither captures nor replays, such as
+    one that demotes, does not end the warm-up). Returns the milliseconds of the steps that captured, and the
     next token. Nothing is run where no graph is captured."""
     from ...integrations.model_graph import DecodeGraph
 
@@ -104,12 +105,15 @@ def warm_until_replayed(model: Any, cache: Any, token: torch.Tensor,
     if clock.device.type != "cuda" or not (cache.graphs.enabled if whole else
                                            getattr(cache.settings, "cuda_graphs", False)):
         return captured, token
-    captures = (lambda: cache.stats()["captures"]) if whole else (lambda: cache.stats()["cuda_graphs"]["captures"])
-    while len(captured) < GRAPH_WARMUP_MAX:
-        before = captures()
+    counts = (lambda: cache.stats()) if whole else (lambda: cache.stats()["cuda_graphs"])
+    for _ in range(GRAPH_WARMUP_MAX):
+        before = counts()
         ms, token = decode_steps(model, cache, token, 1, clock)
-        if captures() == before:
-            break
+        after = counts()
+        if after["captures"] == before["captures"]:
+            if after["replays"] > before["replays"]:
+                break
+            continue   # neither captured nor replayed (a demoting step): not yet the steady steps
         captured.append(_r(ms[0] * 1e3))
     return captured, token
 
