@@ -104,3 +104,31 @@ def test_refused_with_one_clear_error(name):
         with tiered(model, **SMALL) as cache:
             generate(model, cache, ids, 2)
     assert arch.refusal in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("name", [pytest.param(a.name, id=a.name) for a in archs.ARCHS if a.supported])
+def test_decode_graph_steps_equal_ordinary_ones(name):
+    """`DecodeGraph` on each architecture (the GPU's recall path forced, launches eager on a CPU): its steps give
+    the ordinary steps' logits bit for bit; where every layer is tiered its one-token steps are planned whole
+    (a ready mask handed to the model, which transformers takes as it is), elsewhere they run the ordinary way."""
+    from kvtier import TieredCache, cache_kwargs
+    from kvtier.integrations.model_graph import DecodeGraph
+
+    attn = archs.BY_NAME[name].attn[-1]
+    model = archs.model(name, "float32", attn)
+    runs = []
+    for graphed in (False, True):
+        with TieredCache(model.config, device_budget=48, recall_pages=2, prefetch_pages=2, scorer="keynorm") as c:
+            for engine in c._engines:
+                engine.device_recall = engine.select_kernels = engine.defer_nan = True
+            step = DecodeGraph(model, c) if graphed else (lambda t, c=c: model(t, **cache_kwargs(c)).logits)
+            with torch.no_grad():
+                logits, got = step(archs.prompt())[:, -1:], []
+                for _ in range(8):
+                    logits = step(logits.argmax(-1))[:, -1:].clone()
+                    got.append(logits)
+            runs.append(torch.cat(got))
+            every = len(c._engines) == len(c.layers)
+    assert torch.equal(runs[1], runs[0])
+    planned = step.stats()
+    assert (planned["eager"] == 7) if every else (planned["eager"] == 0 and planned["ordinary"] == 9), planned
