@@ -66,10 +66,15 @@ def _base_function(name: str, module: torch.nn.Module) -> Callable:
     return eager
 
 
+_NAME_UNREAD = frozenset({"sdpa", "eager"})   # implementations that never read the name (no swap, no cost)
+
+
 def _call_base(base: str, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
     """The model's own attention `base`, seeing its own name in ``module.config._attn_implementation`` during the
     call: transformers' flash attention reads the name there to load its kernels, and knows no ``kvtier_`` one."""
     fn = _base_function(base, module)
+    if base in _NAME_UNREAD:
+        return fn(module, *args, **kwargs)
     config = getattr(module, "config", None)
     named = getattr(config, "_attn_implementation", None)
     if not isinstance(named, str) or not named.startswith(PREFIX):
