@@ -214,7 +214,9 @@ def format_report(result: dict[str, Any]) -> str:
                         + (f"; {t['with_decode_graph_sustained']:.3g} {t['unit']} over a long decode"
                            if t.get("with_decode_graph_sustained") is not None else "") + "]"
                         if t.get("with_decode_graph") is not None else ""))
-    lines.append(f"\ntotal {result['seconds']['total']:.1f} s")
+    secs = result["seconds"]
+    started = f" ({secs['process']:.1f} s with start-up)" if "process" in secs else ""
+    lines.append(f"\ntotal {secs['total']:.1f} s{started}")
     return "\n".join(lines)
 
 
