@@ -11,9 +11,10 @@ from typing import Callable
 import click
 import torch
 
-from .common import (THREADS, bad_option, check_cache_options, check_device, check_model, check_scorer, load,
-                     parse_budget, parse_demote_pages, parse_plan_recall, parse_promote, parse_read_ahead,
-                     parse_retain_pages, promote_name, read_ahead_name, set_threads, tiered_row_name, user_errors)
+from .common import (THREADS, bad_option, check_cache_options, check_device, check_model, check_scorer,
+                     command_started, load, parse_budget, parse_demote_pages, parse_plan_recall, parse_promote,
+                     parse_read_ahead, parse_retain_pages, promote_name, read_ahead_name, set_threads,
+                     tiered_row_name, user_errors)
 
 
 @click.group()
@@ -479,7 +480,7 @@ def gpu(contexts: str, million: bool, million_context: str, million_layers: str,
         tmp.write_text(json.dumps(result, indent=2) + "\n")
         tmp.replace(out_file)
 
-    result = run_gpu_bench(cfg, Progress(not quiet), checkpoint=write)
+    result = run_gpu_bench(cfg, Progress(not quiet), checkpoint=write, started=command_started())
     write(result)
     click.echo(format_report(result))
     click.echo(f"JSON: {out_path}")

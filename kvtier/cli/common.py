@@ -487,6 +487,18 @@ def run_main(group_main: Callable[..., Any], args: list[str] | None, **kwargs: A
 
 # ------------------------------------------------------------------------------------------------------- work
 
+def command_started() -> float | None:
+    """When this process began (a `time.time()`), where it is the `kvtier` command itself (`kvtier ...` or
+    ``python -m kvtier ...``); None where kvtier's commands run inside another program (a test runner, a notebook),
+    whose age says nothing of the command's."""
+    name = os.path.basename(sys.argv[0]) if sys.argv else ""
+    if name not in ("kvtier", "__main__.py") or (name == "__main__.py" and "kvtier" not in sys.argv[0]):
+        return None
+    import psutil
+
+    return psutil.Process().create_time()
+
+
 def set_threads(threads: int) -> None:
     torch.set_num_threads(threads)
 

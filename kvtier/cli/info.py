@@ -87,6 +87,9 @@ def kernel_limits(gpus: bool, torch_cuda: str | None, cupy_version: str | None, 
     if not gpus:
         return []
     wheel = f"cupy-cuda{torch_cuda.split('.')[0]}x" if torch_cuda else "the cupy wheel of your CUDA"
+    if cupy_version is None and cupy_cuda is not None:
+        return [f"cupy-cuda{cupy_cuda}x is installed but does not import: the native kernels are off and their torch "
+                "twins run (`python -c 'import cupy'` says why)"]
     if cupy_version is None:
         return [f"cupy is not installed: the native kernels are off and their torch twins run (pip install {wheel})"]
     if torch_cuda and cupy_cuda is not None and cupy_cuda != int(torch_cuda.split(".")[0]):

@@ -66,24 +66,40 @@ def _base_function(name: str, module: torch.nn.Module) -> Callable:
     return eager
 
 
-_NAME_UNREAD = frozenset({"sdpa", "eager"})   # implementations that never read the name (no swap, no cost)
+class _NamedAs:
+    """A layer's attention module as its own implementation must see it: every attribute the module's, but a
+    config that names that implementation. Nothing shared is changed (the model's config stays kvtier's, for
+    every layer and every thread)."""
+
+    def __init__(self, module: torch.nn.Module, name: str) -> None:
+        self._module, self.config = module, _ConfigNamed(module.config, name)
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._module, attr)
+
+
+class _ConfigNamed:
+    """`config` with another attention implementation's name; every other attribute the config's."""
+
+    def __init__(self, config: Any, name: str) -> None:
+        self._config, self._attn_implementation = config, name
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._config, attr)
+
+
+def _reads_its_name(base: str) -> bool:
+    """Whether transformers' implementation `base` reads its name from the module's config: flash attention (it
+    loads its kernels by that name, and knows no ``kvtier_`` one), from the flash packages or a kernel hub."""
+    return base.startswith("flash_attention") or "/" in base
 
 
 def _call_base(base: str, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
-    """The model's own attention `base`, seeing its own name in ``module.config._attn_implementation`` during the
-    call: transformers' flash attention reads the name there to load its kernels, and knows no ``kvtier_`` one."""
+    """The model's own attention `base`, seeing its own name in ``module.config._attn_implementation``."""
     fn = _base_function(base, module)
-    if base in _NAME_UNREAD:
-        return fn(module, *args, **kwargs)
-    config = getattr(module, "config", None)
-    named = getattr(config, "_attn_implementation", None)
-    if not isinstance(named, str) or not named.startswith(PREFIX):
-        return fn(module, *args, **kwargs)
-    config._attn_implementation = base
-    try:
-        return fn(module, *args, **kwargs)
-    finally:
-        config._attn_implementation = named
+    if _reads_its_name(base) and hasattr(module, "config"):
+        return fn(_NamedAs(module, base), *args, **kwargs)
+    return fn(module, *args, **kwargs)
 
 
 # keywords an attention function may get that change what it computes beyond the query and the keys; the split

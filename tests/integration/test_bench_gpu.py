@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import time
 
 import pytest
 import torch
@@ -40,9 +41,8 @@ def test_table_and_json_are_written(cpu_run):
     assert data["device"] == "cpu" and data["machine"]["torch_threads"] == 1
     assert data["shape"] == {**data["shape"], "preset": "tiny", "layers": 2, "layers_in_shape": 4, "truncated": True,
                              "dtype": "bfloat16", "batch": 1, "weights": "random"}
-    assert set(data["seconds"]) >= {"bandwidth", "model_init", "context_1024", "context_2048", "million", "total",
-                                    "process"}
-    assert data["seconds"]["process"] > data["seconds"]["total"]
+    assert set(data["seconds"]) >= {"bandwidth", "model_init", "context_1024", "context_2048", "million", "total"}
+    assert "process" not in data["seconds"]   # run inside pytest, not as a command of its own: no start-up to add
     assert "untrained" in data["scorer"]
     # what one launch costs the host, and how long each step took to issue: whether steps are host-bound
     cost = data["launch_cost"]
@@ -304,10 +304,14 @@ def test_every_checkpoint_carries_the_targets_judged_so_far():
     seen = []
     cfg = GpuBenchConfig(device="cpu", shape="tiny", layers=1, contexts=(), million=False, copy_mib=1, batch_mib=1,
                          repeats=1)
-    final = run_gpu_bench(cfg, checkpoint=seen.append)
+    began = time.time() - 30.0   # as if the command had started 30 s before the run (its imports, say)
+    final = run_gpu_bench(cfg, checkpoint=seen.append, started=began)
     assert [c["last_section"] for c in seen] == ["bandwidth", "launch_cost", "pool_attention"]
     for c in seen:
         assert c["partial"] is True and {t["name"] for t in c["targets"]} == TARGETS
     bw = {t["name"]: t for t in seen[0]["targets"]}
     assert bw["demotion_vs_raw_copy"]["measured"] is not None   # judged from the first section on
     assert {t["name"] for t in final["targets"]} == TARGETS and "partial" not in final
+    assert final["seconds"]["process"] >= 30.0 + final["seconds"]["total"] - 0.5
+    judged = {t["name"]: t for t in final["targets"]}["under_5_minutes"]
+    assert judged["measured"] == final["seconds"]["process"]

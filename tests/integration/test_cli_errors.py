@@ -563,3 +563,17 @@ def test_a_reader_that_stops_reading_gets_no_error_message():
         os.close(write_end)
     assert done.returncode == 1, done.stderr
     assert "error" not in done.stderr.lower() and "Traceback" not in done.stderr, done.stderr
+
+
+def test_the_command_knows_when_it_started_only_when_it_is_the_process(monkeypatch):
+    """`kvtier bench gpu`'s start-up counts in its five minutes only where the process is the command itself."""
+    from kvtier.cli.common import command_started
+
+    monkeypatch.setattr(sys, "argv", ["/usr/lib/python3/site-packages/pytest/__main__.py", "-q"])
+    assert command_started() is None
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/kvtier", "bench", "gpu"])
+    import psutil
+
+    assert command_started() == psutil.Process().create_time()
+    monkeypatch.setattr(sys, "argv", ["/src/kvtier/__main__.py", "bench", "gpu"])
+    assert command_started() == psutil.Process().create_time()

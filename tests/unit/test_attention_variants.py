@@ -108,30 +108,31 @@ def test_models_whose_attention_differs_decode_the_same_with_recall(variant):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
-def test_the_models_own_attention_sees_its_own_name_in_the_config():
-    """Where kvtier hands a step to the model's own attention (nothing demoted yet), that function finds its own
-    name in ``module.config._attn_implementation``, not kvtier's: transformers' flash attention loads its kernels
-    by that name and knows no ``kvtier_`` one. The name is kvtier's again after the call."""
+def test_the_models_own_attention_sees_its_own_name_in_the_config(monkeypatch):
+    """Where kvtier hands a step to the model's own flash attention (nothing demoted yet), that function finds
+    its own name in ``module.config._attn_implementation``, not kvtier's: transformers' flash attention loads its
+    kernels by that name and knows no ``kvtier_`` one. Nothing shared changes meanwhile: the model's config
+    still names kvtier's implementation, for other layers and threads. (A stand-in registered as
+    ``flash_attention_2`` records what it sees and attends as sdpa.)"""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from tiny_models import tiny_llama
 
+    model = tiny_llama()
     seen = []
 
-    def reads_its_name(module, *args, **kwargs):
-        seen.append(module.config._attn_implementation)
+    def flash_stand_in(module, *args, **kwargs):
+        seen.append((module.config._attn_implementation, model.config._attn_implementation))
         return sdpa_attention_forward(module, *args, **kwargs)
 
-    AttentionInterface.register("reads_its_name", reads_its_name)
-    model = tiny_llama()
-    model.config._attn_implementation = "reads_its_name"
+    monkeypatch.setitem(AttentionInterface._global_mapping, "flash_attention_2", flash_stand_in)
+    model.config._attn_implementation = "flash_attention_2"
     ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = model(ids).logits
-        assert seen == ["reads_its_name"] * 2
+        assert seen == [("flash_attention_2", "flash_attention_2")] * 2
         seen.clear()
         with TieredCache(model.config) as cache:
             got = model(ids, **cache_kwargs(cache)).logits
-            assert model.config._attn_implementation == "kvtier_reads_its_name"
-    assert seen == ["reads_its_name"] * 2 and torch.equal(got, want)
+    assert seen == [("flash_attention_2", "kvtier_flash_attention_2")] * 2 and torch.equal(got, want)

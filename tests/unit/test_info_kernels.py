@@ -45,3 +45,8 @@ def test_the_cupy_wheels_cuda_is_read_from_its_name(monkeypatch):
     assert info.cupy_cuda_major() == 12
     monkeypatch.setattr(importlib.metadata, "distributions", dists("cupy", "numpy"))   # a source build: unknown
     assert info.cupy_cuda_major() is None
+
+
+def test_a_cupy_wheel_that_does_not_import_is_not_called_missing():
+    (line,) = info.kernel_limits(True, "13.0", None, 13)
+    assert "cupy-cuda13x is installed but does not import" in line and "not installed" not in line

@@ -271,6 +271,9 @@ def test_a_kernel_is_never_loaded_inside_a_capture(monkeypatch):
     marks nothing: the source is not counted as failed to build, and the next ask (outside) may load it."""
     from kvtier.native import loader
 
+    for table in ("_kernels", "_ready", "_modules"):   # as in a process that never loaded it (on a GPU one may have)
+        monkeypatch.setattr(loader, table, {})
+    monkeypatch.setattr(loader, "_failed", set())
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     gpu = torch.device("cuda", 0)
     with pytest.raises(loader.FirstUseInCapture, match="merge_parts.cu's kvtier_merge_parts"):
