@@ -491,8 +491,9 @@ def command_started() -> float | None:
     """When this process began (a `time.time()`), where it is the `kvtier` command itself (`kvtier ...` or
     ``python -m kvtier ...``); None where kvtier's commands run inside another program (a test runner, a notebook),
     whose age says nothing of the command's."""
-    name = os.path.basename(sys.argv[0]) if sys.argv else ""
-    if name not in ("kvtier", "__main__.py") or (name == "__main__.py" and "kvtier" not in sys.argv[0]):
+    path = sys.argv[0] if sys.argv else ""
+    name = os.path.basename(path)
+    if name != "kvtier" and not (name == "__main__.py" and os.path.basename(os.path.dirname(path)) == "kvtier"):
         return None
     import psutil
 

@@ -86,13 +86,14 @@ def kernel_limits(gpus: bool, torch_cuda: str | None, cupy_version: str | None, 
     every kernel would fail to build and its torch twin run)."""
     if not gpus:
         return []
-    wheel = f"cupy-cuda{torch_cuda.split('.')[0]}x" if torch_cuda else "the cupy wheel of your CUDA"
+    major = int(torch_cuda.split(".")[0]) if torch_cuda else None
+    wheel = f"cupy-cuda{major}x" if major is not None else "the cupy wheel of your CUDA"
     if cupy_version is None and cupy_cuda is not None:
         return [f"cupy-cuda{cupy_cuda}x is installed but does not import: the native kernels are off and their torch "
                 "twins run (`python -c 'import cupy'` says why)"]
     if cupy_version is None:
         return [f"cupy is not installed: the native kernels are off and their torch twins run (pip install {wheel})"]
-    if torch_cuda and cupy_cuda is not None and cupy_cuda != int(torch_cuda.split(".")[0]):
+    if major is not None and cupy_cuda is not None and cupy_cuda != major:
         return [f"cupy is built for CUDA {cupy_cuda} and torch for CUDA {torch_cuda}: the kernels may not build "
                 f"(their torch twins then run); install {wheel} instead of cupy-cuda{cupy_cuda}x"]
     return []

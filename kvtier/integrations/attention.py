@@ -66,26 +66,15 @@ def _base_function(name: str, module: torch.nn.Module) -> Callable:
     return eager
 
 
-class _NamedAs:
-    """A layer's attention module as its own implementation must see it: every attribute the module's, but a
-    config that names that implementation. Nothing shared is changed (the model's config stays kvtier's, for
-    every layer and every thread)."""
+class _Overlay:
+    """`base` seen with some attributes replaced (`overrides`), every other one read from it: how a layer's module
+    and config look to the model's own attention, with nothing shared changed (for every layer and thread)."""
 
-    def __init__(self, module: torch.nn.Module, name: str) -> None:
-        self._module, self.config = module, _ConfigNamed(module.config, name)
+    def __init__(self, base: Any, **overrides: Any) -> None:
+        self.__dict__.update(overrides, _base=base)
 
-    def __getattr__(self, attr: str) -> Any:
-        return getattr(self._module, attr)
-
-
-class _ConfigNamed:
-    """`config` with another attention implementation's name; every other attribute the config's."""
-
-    def __init__(self, config: Any, name: str) -> None:
-        self._config, self._attn_implementation = config, name
-
-    def __getattr__(self, attr: str) -> Any:
-        return getattr(self._config, attr)
+    def __getattr__(self, attr: str) -> Any:   # only for what `overrides` does not name
+        return getattr(self._base, attr)
 
 
 def _reads_its_name(base: str) -> bool:
@@ -98,7 +87,8 @@ def _call_base(base: str, module: torch.nn.Module, *args: Any, **kwargs: Any) ->
     """The model's own attention `base`, seeing its own name in ``module.config._attn_implementation``."""
     fn = _base_function(base, module)
     if _reads_its_name(base) and hasattr(module, "config"):
-        return fn(_NamedAs(module, base), *args, **kwargs)
+        named = _Overlay(module, config=_Overlay(module.config, _attn_implementation=base))
+        return fn(named, *args, **kwargs)
     return fn(module, *args, **kwargs)
 
 

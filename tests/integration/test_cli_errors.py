@@ -571,6 +571,8 @@ def test_the_command_knows_when_it_started_only_when_it_is_the_process(monkeypat
 
     monkeypatch.setattr(sys, "argv", ["/usr/lib/python3/site-packages/pytest/__main__.py", "-q"])
     assert command_started() is None
+    monkeypatch.setattr(sys, "argv", ["/home/me/kvtier/.venv/lib/site-packages/pytest/__main__.py", "-q"])
+    assert command_started() is None   # a test runner inside a checkout named kvtier is still not the command
     monkeypatch.setattr(sys, "argv", ["/venv/bin/kvtier", "bench", "gpu"])
     import psutil
 
