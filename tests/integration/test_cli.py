@@ -163,7 +163,7 @@ def test_bench_decode_rows_per_retain_pages_setting():
 
 def test_bench_decode_rows_per_demote_pages():
     """One TieredCache row per demote_pages setting, each with its demotions; a bad setting is refused by name."""
-    result = run("bench", "decode", "--context", "2000", "--new-tokens", "40", "--rounds", "1", "--device-budget",
+    result = run("bench", "decode", "--context", "600", "--new-tokens", "36", "--rounds", "1", "--device-budget",
                  "0.1", "--demote-pages", "1,4", "--scorer", "keynorm", "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.output[result.output.index("{"):])
@@ -180,7 +180,7 @@ def test_bench_launches_with_disk_pages_planned_on_the_device_and_on_the_host():
     """With a host budget the layers have pages on disk: planned on the device (a GPU's path), a step copies host
     and disk pages by the recall kernels and attends to them where the buffer holds them; planned on the host,
     no plan on the device."""
-    result = run("bench", "launches", "--context", "600", "--steps", "1", "--recall-pages", "4", "--host-budget",
+    result = run("bench", "launches", "--context", "320", "--steps", "1", "--recall-pages", "4", "--host-budget",
                  "0.2", "--plan-recall", "device,host", "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.output[result.output.index("{"):])
@@ -196,7 +196,7 @@ def test_bench_launches_with_disk_pages_planned_on_the_device_and_on_the_host():
 def test_bench_launches_json():
     """kvtier's decode step, recall planned on the device, issues more launches per layer than DynamicCache's,
     and the count says where they come from; the plan is one native call per recall."""
-    result = run("bench", "launches", "--context", "600", "--steps", "1", "--recall-pages", "4", "--json")
+    result = run("bench", "launches", "--context", "320", "--steps", "1", "--recall-pages", "4", "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.output[result.output.index("{"):])
     plain, tiered = data["rows"]

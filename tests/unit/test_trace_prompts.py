@@ -20,9 +20,9 @@ def test_needle_haystacks_take_the_lengths_in_turn(default_model):
 def test_a_conversation_has_the_fact_prose_turns_and_the_question(default_model):
     model, tok = default_model
     torch.manual_seed(0)
-    out = chat_prompts(model, tok, "train", [700, 1000], 2, answer_tokens=4, seed=3, reply_tokens=8)
+    out = chat_prompts(model, tok, "train", [400, 600], 2, answer_tokens=4, seed=3, reply_tokens=8)
     assert [source for source, _, _ in out] == ["chat:train/seed=3/0", "chat:train/seed=3/1"]
-    for (_, prompt, answer), target in zip(out, (700, 1000)):
+    for (_, prompt, answer), target in zip(out, (400, 600)):
         assert target - 200 < prompt.shape[1] <= target + 16     # re-encoded replies may run a few tokens over
         assert 1 <= answer.shape[1] <= 4
         text = tok.decode(prompt[0])
