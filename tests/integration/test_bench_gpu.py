@@ -297,6 +297,30 @@ def test_the_table_says_why_rows_were_skipped(cpu_run):
     assert "launch cost: skipped (no device (injected))" in text and "targets" in text
 
 
+def test_a_device_profile_that_recorded_nothing_says_so(cpu_run):
+    """Decode steps on a GPU always run kernels: a profile of none is the profiler's failure, reported as such
+    (in the JSON and the table), never a device busy 0% of the step."""
+    from types import SimpleNamespace
+
+    from kvtier.bench.gpu.host_profile import kernel_summary
+    from kvtier.bench.gpu.report import format_report
+
+    idle = SimpleNamespace(key="cudaLaunchKernel", count=8, self_device_time_total=0.0)
+    empty = kernel_summary([idle], [0.040, 0.050], 2)
+    assert "no_device_activity" in empty and "device_busy_ms_per_step" not in empty and "top" not in empty
+    assert empty["step_ms_profiled"] == [40.0, 50.0]
+    busy = kernel_summary([idle, SimpleNamespace(key="gemm", count=4, self_device_time_total=30_000.0)],
+                          [0.040, 0.050], 2)
+    assert busy["device_busy_ms_per_step"] == 15.0 and busy["device_busy_share"] == pytest.approx(15 / 50)
+    assert busy["top"] == [{"kernel": "gemm", "calls_per_step": 2.0, "device_ms_per_step": 15.0}]
+    data = json.loads(json.dumps(cpu_run[1]))
+    data["decode"][0]["rows"]["kvtier"]["device_profile"] = empty
+    data["decode"][0]["rows"]["dynamic"]["device_profile"] = busy
+    text = format_report(data)
+    assert "1K device profile empty (the profiler recorded no kernel): kvtier" in text
+    assert "1K device busy per step (kernels and copies): DynamicCache 15.00 ms (30%)" in text
+
+
 def test_every_checkpoint_carries_the_targets_judged_so_far():
     """A run cut short (a lease, a timeout) keeps its last checkpoint: each says where the targets stand."""
     from kvtier.bench.gpu import GpuBenchConfig, run_gpu_bench

@@ -94,19 +94,33 @@ def kernel_profile(model: Any, cache: Any, token: torch.Tensor, steps: int, cloc
         return {"skipped": f"no device kernels on {clock.device.type}"}
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         times, _ = decode_steps(model, cache, token, steps, clock)
+    return kernel_summary(prof.key_averages(), times, steps)
+
+
+def kernel_summary(events: Any, times: list[float], steps: int) -> dict[str, Any]:
+    """What `kernel_profile` reports from the profiler's averaged events and the profiled steps' times. A
+    profile in which no kernel or copy took device time says so instead of a busy share of 0: a model's step on
+    the GPU is never idle, so the profiler's collection (CUPTI) did not work, which can happen for the rest of
+    a process after an earlier session."""
     rows = []
-    for e in prof.key_averages():
+    for e in events:
         us = getattr(e, "self_device_time_total", None)
         if us is None:   # torch before the device-neutral names
             us = getattr(e, "self_cuda_time_total", 0)
         if us > 0:
             rows.append({"kernel": e.key[:160], "calls_per_step": _r(e.count / steps, 1),
                          "device_ms_per_step": _r(us / 1e3 / steps, 4)})
+    out: dict[str, Any] = {"steps": steps, "step_ms_profiled": [_r(t * 1e3) for t in times]}
+    if not rows:
+        out["no_device_activity"] = (f"torch's profiler recorded no kernel or copy in {steps} decode steps, which "
+                                     "ran on the device: its collection (CUPTI) was not working in this process")
+        return out
     rows.sort(key=lambda r: r["device_ms_per_step"], reverse=True)
     busy = sum(r["device_ms_per_step"] for r in rows)
     step = sorted(times)[len(times) // 2] * 1e3
-    return {"steps": steps, "step_ms_profiled": [_r(t * 1e3) for t in times],
-            "device_busy_ms_per_step": _r(busy, 3), "device_busy_share": _r(busy / step if step else 0.0, 3),
-            "top": rows[:TOP],
-            "method": "torch.profiler, CUDA activity, over whole decode steps after the timed ones: each kernel's "
-                      "and copy's own device time; busy = their sum (kernels on two streams at once count twice)"}
+    out.update({"device_busy_ms_per_step": _r(busy, 3), "device_busy_share": _r(busy / step if step else 0.0, 3),
+                "top": rows[:TOP],
+                "method": "torch.profiler, CUDA activity, over whole decode steps after the timed ones: each "
+                          "kernel's and copy's own device time; busy = their sum (kernels on two streams at once "
+                          "count twice)"})
+    return out

@@ -143,6 +143,11 @@ def format_report(result: dict[str, Any]) -> str:
         if busy:
             lines.append(f"  {_tokens(row['context'])} device busy per step (kernels and copies): " + ", ".join(
                 f"{name} {p['device_busy_ms_per_step']:.2f} ms ({p['device_busy_share']:.0%})" for name, p in busy))
+        blank = [ROW_NAMES.get(name, "kvtier") for name, r in row.get("rows", {}).items()
+                 if isinstance(r.get("device_profile"), dict) and "no_device_activity" in r["device_profile"]]
+        if blank:
+            lines.append(f"  {_tokens(row['context'])} device profile empty (the profiler recorded no kernel): "
+                         + ", ".join(blank))
     issue = [(row["context"], row["rows"][name].get("issue_ms_median"), ROW_NAMES[name])
              for row in result["decode"] if not row.get("skipped")
              for name in ("kvtier", "kvtier_graph", "kvtier_eager", "kvtier_side_prefetch", "kvtier_no_prefetch",
