@@ -125,8 +125,8 @@ class TieredCacheConfig:
         from host memory or disk. 0 (the default): none. It pays where a read costs by the page (a disk that
         does not answer from the page cache: docs/benchmarks.md). Attention reads the chosen pages only (the
         others masked out), so the setting changes what moves, not which pages are read; its sums run in
-        another order, so the output agrees with a buffer that keeps none within rounding, not bit for bit
-        (and a copy or a resumed cache, whose buffer starts empty, likewise).
+        another order, so the output agrees with a buffer that keeps none within rounding, not bit for bit.
+        A copy or a resumed cache takes the same pages into the same slots, so either goes on bit for bit.
     page_size
         Tokens per page in the host and disk tiers.
     sink_tokens, recent_tokens

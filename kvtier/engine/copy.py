@@ -54,6 +54,7 @@ def copy_layer(src: LayerEngine, dst: LayerEngine) -> None:
         for name in ("hits", "misses", "read_ahead", "steps_paused"):
             setattr(dst.readahead, name, getattr(src.readahead, name))
     dst._recall_clock = src._recall_clock
+    dst.layout_kept = src.recall_layout()   # the copy's first recall buffer holds the same pages in the same slots
 
 
 def _copy_pages(src: LayerEngine, dst: LayerEngine, tier: int, heads: np.ndarray, pids: np.ndarray) -> None:

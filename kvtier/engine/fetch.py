@@ -29,7 +29,7 @@ from ..errors import CapacityError
 from ..placement import plan_promotion
 from ..placement.page_table import DISK, HOST
 from .. import native
-from ..recall.buffer import RecallBuffer
+from ..recall.buffer import BufferLayout, RecallBuffer
 from ..native import RecallPlan
 from ..recall.device_plan import plan_on_device
 from .graphs import StepKey, shapes
@@ -93,9 +93,28 @@ class PageFetching:
         buf = self.recalled
         if buf is None or buf.pages != width or buf.on_device != on_device or buf.retain != retain:
             self._drop_recalled()
-            buf = self.recalled = RecallBuffer(self.heads, width, self.cfg.page_size, self.head_dim, self.dtype,
-                                               self.device, on_device=on_device, retain=retain)
+            buf = RecallBuffer(self.heads, width, self.cfg.page_size, self.head_dim, self.dtype, self.device,
+                               on_device=on_device, retain=retain)
+            layout, self.layout_kept = self.layout_kept, None
+            if layout is not None and buf.fits(layout):   # after a park or a copy: the same pages in the same slots
+                self._refill(buf, layout)
+            self.recalled = buf
         return buf
+
+    def recall_layout(self) -> BufferLayout | None:
+        """The recall buffer's layout (`RecallBuffer.layout`: a buffer planned on the device reads its table back,
+        after the prefetch into it), or the one kept for the next buffer."""
+        if self.recalled is None:
+            return self.layout_kept
+        self._await_prefetch()
+        return self.recalled.layout()
+
+    def _refill(self, buf: RecallBuffer, layout: BufferLayout) -> None:
+        """Bring `layout`'s pages up into its slots of the new buffer `buf`, and give `buf` its bookkeeping."""
+        heads, pids, slots = layout.filled()
+        order, k, v, _ = self._bring_up(heads, pids)
+        buf.fill(heads[order], pids[order], slots[order], k, v)
+        buf.adopt(layout)
 
     def recalls_on_device(self) -> bool:
         """Whether this layer's recall is planned and copied on the device: on CUDA (or when `device_recall`

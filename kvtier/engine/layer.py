@@ -21,7 +21,7 @@ from ..errors import ScorerError, UnsupportedError
 from ..placement import page_rank, plan_device_demotion, plan_host_overflow, protected_count
 from ..placement.page_table import DISK, HOST, PageTable
 from ..recall import PageIndex, grouped, select_pages
-from ..recall.buffer import RecallBuffer
+from ..recall.buffer import BufferLayout, RecallBuffer
 from ..scoring import (QueryScorer, Scorer, capturable, checked_scores, nan_error, needs_query, ranking_scores,
                        scorer_name)
 from ..tiers.device import DevicePool
@@ -92,6 +92,9 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
         self.parked: ParkedLayer | None = None
         self.last_recall: torch.Tensor | None = None   # [heads, pages] ids recalled for the last query block
         self.recalled: RecallBuffer | None = None       # those pages, on the device
+        # the layout of a host-planned recall buffer let go by a park (or that of the layer a copy was made from):
+        # the next buffer takes the same pages into the same slots, so its sums run in the same order
+        self.layout_kept: BufferLayout | None = None
         self.device_recall: bool | None = None          # plan recall on the device (None: on CUDA, see fetch.py)
         self.select_kernels: bool | None = None         # page choice, pool attention and merge by native kernels
                                                         # (None: on CUDA, PageIndex; read when the index is made)
@@ -587,7 +590,9 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
         if self.parked is None:   # everything that could fail has succeeded: let the device go
             self.counters.bytes_moved["device_to_host"] += moved
             self.pool.clear()
+            layout = self.recall_layout()
             self._drop_recalled()
+            self.layout_kept = layout
             if self.index is not None:
                 self.index.release()
         self.parked = current
@@ -665,6 +670,7 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
         """Forget every entry (the shared disk store stays open for reuse)."""
         self.pending = None
         self._drop_recalled()
+        self.layout_kept = None
         for landing in self.table.fills():   # copies still landing in slots about to be reused
             self.transfer.wait(landing.jobs)
         self._unordered = []

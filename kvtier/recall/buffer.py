@@ -2,8 +2,9 @@
 
 Consecutive decode steps ask for nearly the same pages (the query moves slowly), so a step fetches only the
 pages that are not in the buffer yet, into the slots of the pages no longer wanted. Attention reads the
-buffer as a set of keys: the order of pages in it carries no meaning. Pages never change once demoted, so
-a buffered copy stays right until the layer is reset or parked.
+buffer as a set of keys: which slot a page sits in changes what is attended in no way, only the order of the
+sums (see the end). Pages never change once demoted, so a buffered copy stays right until the layer is reset
+or parked.
 
 A buffer planned on the device may have more slots than a step chooses: the spare ones hold the pages ranked
 right after the choice, brought up ahead of the next step (`LayerEngine` prefetch). Attention then reads the
@@ -15,9 +16,16 @@ near its edge swings back and forth from step to step, and a page chosen again a
 the buffer instead of read again from host memory or disk. Nothing moves for it: attention reads the whole
 buffer with the slots not chosen masked out (`mask`), and a page brought up takes the slot whose page has gone
 unchosen longest.
+
+Such a buffer is read in slot order (so is one planned on the device without spare slots, by a step of several
+tokens), and a sum in another order rounds otherwise: where its pages are let go (a park) or not carried (a copy),
+its `BufferLayout` is kept, and the next buffer like it takes the same pages into the same slots (`adopt`), so
+decoding goes on bit for bit as if nothing had happened.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -25,6 +33,26 @@ import torch
 from .. import native
 
 _TAKEN = np.iinfo(np.int64).max   # sorts a slot whose page stays chosen after every free one
+
+
+@dataclass(frozen=True)
+class BufferLayout:
+    """Which page each slot of a buffer held (``-1``: none), and what its plans read besides the pages: where it
+    retains, each slot's age, the clock and the slots the last plan chose; planned on the device, the slots a
+    prefetch filled that no step has chosen since."""
+
+    ids: np.ndarray
+    on_device: bool
+    retain: int
+    last: np.ndarray | None
+    clock: int
+    chosen: np.ndarray | None
+    ahead: np.ndarray | None
+
+    def filled(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(heads, page ids, slots)`` of the slots that hold a page."""
+        heads, slots = np.nonzero(self.ids >= 0)
+        return heads.astype(np.int64), self.ids[heads, slots], slots.astype(np.int64)
 
 
 class RecallBuffer:
@@ -57,6 +85,37 @@ class RecallBuffer:
     @property
     def pages(self) -> int:
         return self.ids.shape[1]
+
+    def layout(self) -> BufferLayout | None:
+        """This buffer's `BufferLayout` (None where it holds no page). Planned on the device, its tables are read
+        back: the caller orders this after any prefetch into it."""
+        ids = self.held.cpu().numpy() if self.on_device else self.ids
+        if not (ids >= 0).any():
+            return None
+        copy = (lambda a: None if a is None else a.copy())
+        ahead = self.ahead.cpu().numpy() if self.on_device else None
+        return BufferLayout(ids.copy(), self.on_device, self.retain, copy(self._last), self._clock,
+                            copy(self._chosen), ahead)
+
+    def fits(self, layout: BufferLayout) -> bool:
+        """Whether `layout` came from a buffer like this one (planned where this one is, as many slots, retaining
+        as many)."""
+        return (layout.on_device == self.on_device and layout.ids.shape == self.ids.shape
+                and layout.retain == self.retain)
+
+    def adopt(self, layout: BufferLayout) -> None:
+        """Take `layout`'s bookkeeping, once its pages were put in their slots (`fill`): the next `plan` then
+        gives what it gave the buffer `layout` came from."""
+        if not self.fits(layout) or not np.array_equal(layout.ids, self.ids):
+            raise ValueError("adopt: the buffer does not hold the layout's pages in its slots")
+        if self.on_device:
+            self.held.copy_(torch.from_numpy(layout.ids))
+            self.ahead.copy_(torch.from_numpy(layout.ahead))
+        if self.retain:
+            self._last[...] = layout.last
+            self._clock = layout.clock
+            if layout.chosen is not None:
+                self._mask_unchosen(layout.chosen.copy())
 
     def chosen(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The pages in `slots` ``[heads, w]``, in that order: keys and values ``[heads, w * page_size, dim]``."""
@@ -97,9 +156,13 @@ class RecallBuffer:
 
     def _note_chosen(self, chosen: np.ndarray) -> None:
         """The slots ``[heads, slots]`` a retaining buffer's step reads: their pages' age, and the mask."""
-        H, W, P = chosen.shape[0], self.pages, self.page_size
         self._clock += 1
         self._last[chosen] = self._clock
+        self._mask_unchosen(chosen)
+
+    def _mask_unchosen(self, chosen: np.ndarray) -> None:
+        """Note `chosen` ``[heads, slots]`` as what the step reads, and hide the other slots from attention."""
+        H, W, P = chosen.shape[0], self.pages, self.page_size
         self._chosen = chosen
         if self.mask is None:
             self.mask = torch.zeros(1, H, 1, W * P, dtype=self.k.dtype, device=self.k.device)
