@@ -14,6 +14,8 @@ import copy
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvtier import TieredCache, cache_kwargs
 from kvtier.recall.buffer import RecallBuffer
@@ -24,7 +26,7 @@ SETTINGS = dict(device_budget=0.2, recall_pages=2, scorer="keydiff", page_size=1
 
 
 def _twins(model, disk_dir, **extra):
-    return [TieredCache(model.config, disk_dir=disk_dir, **SETTINGS, **extra) for _ in range(2)]
+    return [TieredCache(model.config, disk_dir=disk_dir, **{**SETTINGS, **extra}) for _ in range(2)]
 
 
 def _plan_on_device(cache):
@@ -47,6 +49,8 @@ def _decode_side_by_side(model, caches, ops, on_device=False):
     assert torch.equal(x, model(ids, **cache_kwargs(b)).logits[:, -1])
     for step, op in enumerate(["step"] * 5 + ops + ["step"] * 6):
         if op == "copy":
+            if a.parked is not None:   # a parked cache is resumed before it is copied (a copy of one is refused)
+                a.resume()
             a2 = copy.deepcopy(a)
             a.close()
             a = _plan_on_device(a2) if on_device else a2
@@ -131,3 +135,22 @@ def test_an_engine_lets_a_layout_go_that_does_not_fit(model, tmp_path):
     finally:
         cache.close()
         twin.close()
+
+
+OP = st.one_of(st.sampled_from(["park:host", "park:disk", "resume", "copy", "chunk"]), st.just("step"))
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(ops=st.lists(OP, min_size=1, max_size=8), on_device=st.booleans(), retain=st.sampled_from([0, 2]),
+       prefetch=st.sampled_from([None, 0, 2]), host_budget=st.sampled_from([None, 16]),
+       recall=st.sampled_from([1, 2, 4]), page_size=st.sampled_from([4, 16]))
+def test_random_sequences_go_on_bit_for_bit(model, tmp_path, ops, on_device, retain, prefetch, host_budget, recall,
+                                             page_size):
+    """Any run of parks, resumes, copies and chunks between decode steps, with recall planned on either side,
+    pages retained or prefetched or not, some on disk or none."""
+    extra = dict(prefetch_pages=prefetch, host_budget=host_budget, recall_pages=recall, page_size=page_size,
+                 retain_pages=0 if on_device else retain)
+    a, b = _decode_side_by_side(model, _twins(model, tmp_path, **extra), ops, on_device=on_device)
+    a.close()
+    b.close()
