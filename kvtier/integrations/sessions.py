@@ -59,7 +59,9 @@ class SessionStore:
     def resume(self, name: str) -> TieredCache:
         """Take a session back; its layers return to the device at their next use."""
         if name not in self._parked:
-            raise KeyError(f"no parked session {name!r}; parked: {', '.join(self._parked) or 'none'}")
+            why = (f" (a session {name!r} was closed to keep the parked sessions within disk_bytes="
+                   f"{self.disk_bytes:,}: see `dropped`)" if name in self.dropped else "")
+            raise KeyError(f"no parked session {name!r}{why}; parked: {', '.join(self._parked) or 'none'}")
         return self._parked.pop(name)
 
     def host_bytes_used(self) -> int:

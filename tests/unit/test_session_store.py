@@ -44,8 +44,11 @@ def test_coldest_sessions_go_to_disk_then_are_dropped():
     assert resumed.parked == "host"
     resumed.resume()
     assert resumed.parked is None and resumed.stats()["device"]["tokens"] > 0
-    with pytest.raises(KeyError, match="no parked session 's3'"):
+    with pytest.raises(KeyError, match="no parked session 's3'; parked"):
         store.resume("s3")
+    with pytest.raises(KeyError, match=f"no parked session 's0' \\(a session 's0' was closed to keep the parked "
+                                       f"sessions within disk_bytes={store.disk_bytes:,}: see `dropped`\\)"):
+        store.resume("s0")
     store.close()
 
 
