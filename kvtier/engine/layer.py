@@ -574,6 +574,8 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
         if current is not None and (current.where == to or current.where == "disk"):
             return
         if current is None:
+            # the recall buffer's layout, read first (planned on the device, a read back: it may fail too)
+            layout = self.recall_layout()
             n = self.pool.count
             k, v = self.pool.contiguous(n)
             pos, score = self.pool.meta()
@@ -590,7 +592,6 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
         if self.parked is None:   # everything that could fail has succeeded: let the device go
             self.counters.bytes_moved["device_to_host"] += moved
             self.pool.clear()
-            layout = self.recall_layout()
             self._drop_recalled()
             self.layout_kept = layout
             if self.index is not None:

@@ -89,11 +89,11 @@ class RecallBuffer:
     def layout(self) -> BufferLayout | None:
         """This buffer's `BufferLayout` (None where it holds no page). Planned on the device, its tables are read
         back: the caller orders this after any prefetch into it."""
-        ids = self.held.cpu().numpy() if self.on_device else self.ids
+        ids = self.held.cpu().numpy() if self.on_device else self.ids   # copied below
         if not (ids >= 0).any():
             return None
         copy = (lambda a: None if a is None else a.copy())
-        ahead = self.ahead.cpu().numpy() if self.on_device else None
+        ahead = self.ahead.cpu().numpy().copy() if self.on_device else None   # (on the CPU, `cpu()` is no copy)
         return BufferLayout(ids.copy(), self.on_device, self.retain, copy(self._last), self._clock,
                             copy(self._chosen), ahead)
 
@@ -108,9 +108,10 @@ class RecallBuffer:
         gives what it gave the buffer `layout` came from."""
         if not self.fits(layout) or not np.array_equal(layout.ids, self.ids):
             raise ValueError("adopt: the buffer does not hold the layout's pages in its slots")
-        if self.on_device:
-            self.held.copy_(torch.from_numpy(layout.ids))
-            self.ahead.copy_(torch.from_numpy(layout.ahead))
+        if self.on_device:   # from pinned memory on CUDA: the step that follows need not wait for the host
+            for dst, src in ((self.held, layout.ids), (self.ahead, layout.ahead)):
+                t = torch.from_numpy(src)
+                dst.copy_(t.pin_memory() if dst.is_cuda else t, non_blocking=True)
         if self.retain:
             self._last[...] = layout.last
             self._clock = layout.clock

@@ -145,6 +145,51 @@ def test_parking_on_gpu_continues_bit_identically(cuda_device, to, tmp_path):
         assert torch.equal(_greedy(model, parked, more, 16), _greedy(model, twin, more, 16))
 
 
+@pytest.mark.parametrize("op", ["host", "disk", "copy"])
+@pytest.mark.parametrize("plan, prefetch", [("device", 0), ("device", None), ("host", 0)],
+                         ids=["device-no-spare", "device-prefetch", "host"])
+@torch.no_grad()
+def test_parked_or_copied_caches_go_on_bit_for_bit_with_partial_recall(cuda_device, tmp_path, op, plan, prefetch):
+    """Every step's logits (decode steps and a turn's prompt after the park or copy) equal a twin's bit for bit:
+    the recall buffer comes back with the same pages in the same slots (its tables read back, where planned on the
+    device), which attention over a buffer without spare slots reads in slot order."""
+    import copy
+
+    model = _llama(cuda_device)
+    settings = dict(device_budget=64, host_budget=200 if op == "disk" else None, recall_pages=4, page_size=16,
+                    prefetch_pages=prefetch, disk_dir=tmp_path, scorer="keynorm")
+    a, b = (TieredCache(model.config, **settings) for _ in range(2))
+    if plan == "host":
+        for c in (a, b):
+            for engine in c._engines:
+                engine.device_recall = False
+    try:
+        logits = [model(_prompt(500, cuda_device), **cache_kwargs(c)).logits[:, -1] for c in (a, b)]
+        for step in range(14):
+            if step == 6:
+                if op == "copy":
+                    a2 = copy.deepcopy(a)
+                    a.close()
+                    a = a2
+                    if plan == "host":
+                        for engine in a._engines:
+                            engine.device_recall = False
+                else:
+                    a.park(op)
+            ids = logits[1].argmax(-1, keepdim=True) if step != 9 else _prompt(12, cuda_device, seed=step)
+            logits = [model(ids, **cache_kwargs(c)).logits[:, -1] for c in (a, b)]
+            assert torch.equal(logits[0], logits[1]), f"step {step}: {(logits[0] - logits[1]).abs().max()}"
+        for x, y in zip(a._engines, b._engines):
+            assert x.recalled.on_device == (plan == "device")
+            if plan == "device":
+                assert torch.equal(x.recalled.held, y.recalled.held)
+            else:
+                assert (x.recalled.ids == y.recalled.ids).all()
+    finally:
+        a.close()
+        b.close()
+
+
 @torch.no_grad()
 def test_promotion_on_gpu_keeps_the_output_and_every_disk_record(cuda_device, tmp_path):
     """`promote=True` on the GPU (layers with disk pages: a step reads its choice back and reads the chosen disk

@@ -90,8 +90,12 @@ def test_decoding_planned_on_the_device_goes_on_bit_for_bit(model, tmp_path, ops
     several tokens (a turn's prefill) reads a buffer without spare slots (`prefetch_pages=0`) whole, in slot
     order, as the host-planned path does: its layout (the table read back) is kept across a park or a copy too."""
     a, b = _decode_side_by_side(model, _twins(model, tmp_path, prefetch_pages=prefetch), ops, on_device=True)
-    a.close()
-    b.close()
+    try:
+        for x, y in zip(a._engines, b._engines):   # the same pages in the same slots, as the device's tables say
+            assert x.recalled.on_device and torch.equal(x.recalled.held, y.recalled.held)
+    finally:
+        a.close()
+        b.close()
 
 
 def test_a_layout_fits_only_a_buffer_like_the_one_it_came_from():
@@ -151,6 +155,9 @@ def test_random_sequences_go_on_bit_for_bit(model, tmp_path, ops, on_device, ret
     pages retained or prefetched or not, some on disk or none."""
     extra = dict(prefetch_pages=prefetch, host_budget=host_budget, recall_pages=recall, page_size=page_size,
                  retain_pages=0 if on_device else retain)
-    a, b = _decode_side_by_side(model, _twins(model, tmp_path, **extra), ops, on_device=on_device)
-    a.close()
-    b.close()
+    caches = _twins(model, tmp_path, **extra)
+    try:
+        caches = _decode_side_by_side(model, caches, ops, on_device=on_device)
+    finally:
+        for c in caches:
+            c.close()
