@@ -144,7 +144,7 @@ def test_an_engine_lets_a_layout_go_that_does_not_fit(model, tmp_path):
 OP = st.one_of(st.sampled_from(["park:host", "park:disk", "resume", "copy", "chunk"]), st.just("step"))
 
 
-@settings(max_examples=40, deadline=None, derandomize=True, database=None,
+@settings(max_examples=24, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(ops=st.lists(OP, min_size=1, max_size=8), on_device=st.booleans(), retain=st.sampled_from([0, 2]),
        prefetch=st.sampled_from([None, 0, 2]), host_budget=st.sampled_from([None, 16]),
