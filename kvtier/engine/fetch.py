@@ -74,10 +74,7 @@ class PageFetching:
         heads, pids, slots = buf.plan(want)
         self.counters.pages_reused += H * r - len(pids)
         if len(pids):
-            order, k, v, from_disk = self._bring_up(heads, pids)
-            heads, pids = heads[order], pids[order]
-            buf.fill(heads, pids, slots[order], k, v)
-            self._keep_on_host(heads, pids, from_disk)
+            self._keep_on_host(*self._bring_into(buf, heads, pids, slots))
         self._read_ahead(ids, shortlist)
         self.counters.recall_steps += 1
         return buf.k, buf.v, buf.ids
@@ -111,10 +108,17 @@ class PageFetching:
 
     def _refill(self, buf: RecallBuffer, layout: BufferLayout) -> None:
         """Bring `layout`'s pages up into its slots of the new buffer `buf`, and give `buf` its bookkeeping."""
-        heads, pids, slots = layout.filled()
-        order, k, v, _ = self._bring_up(heads, pids)
-        buf.fill(heads[order], pids[order], slots[order], k, v)
+        self._bring_into(buf, *layout.filled())
         buf.adopt(layout)
+
+    def _bring_into(self, buf: RecallBuffer, heads: np.ndarray, pids: np.ndarray,
+                    slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, tuple | None]:
+        """Pages ``(heads[i], pids[i])`` brought up (`_bring_up`) into `buf`'s ``slots[i]``; returns the heads and
+        page ids in the order they came, and `_bring_up`'s ``from_disk``."""
+        order, k, v, from_disk = self._bring_up(heads, pids)
+        heads, pids = heads[order], pids[order]
+        buf.fill(heads, pids, slots[order], k, v)
+        return heads, pids, from_disk
 
     def recalls_on_device(self) -> bool:
         """Whether this layer's recall is planned and copied on the device: on CUDA (or when `device_recall`

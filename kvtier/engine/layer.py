@@ -92,8 +92,8 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
         self.parked: ParkedLayer | None = None
         self.last_recall: torch.Tensor | None = None   # [heads, pages] ids recalled for the last query block
         self.recalled: RecallBuffer | None = None       # those pages, on the device
-        # the layout of a host-planned recall buffer let go by a park (or that of the layer a copy was made from):
-        # the next buffer takes the same pages into the same slots, so its sums run in the same order
+        # the layout of the recall buffer a park let go (or that of the layer a copy was made from): the next
+        # buffer takes the same pages into the same slots, so its sums run in the same order
         self.layout_kept: BufferLayout | None = None
         self.device_recall: bool | None = None          # plan recall on the device (None: on CUDA, see fetch.py)
         self.select_kernels: bool | None = None         # page choice, pool attention and merge by native kernels

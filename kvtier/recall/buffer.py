@@ -89,13 +89,13 @@ class RecallBuffer:
     def layout(self) -> BufferLayout | None:
         """This buffer's `BufferLayout` (None where it holds no page). Planned on the device, its tables are read
         back: the caller orders this after any prefetch into it."""
-        ids = self.held.cpu().numpy() if self.on_device else self.ids   # copied below
+        ids = self.held.cpu().numpy() if self.on_device else self.ids
         if not (ids >= 0).any():
             return None
-        copy = (lambda a: None if a is None else a.copy())
-        ahead = self.ahead.cpu().numpy().copy() if self.on_device else None   # (on the CPU, `cpu()` is no copy)
-        return BufferLayout(ids.copy(), self.on_device, self.retain, copy(self._last), self._clock,
-                            copy(self._chosen), ahead)
+        ahead = self.ahead.cpu().numpy() if self.on_device else None
+        copy = (lambda a: None if a is None else a.copy())   # the live arrays (on the CPU, `cpu()` is no copy)
+        return BufferLayout(copy(ids), self.on_device, self.retain, copy(self._last), self._clock,
+                            copy(self._chosen), copy(ahead))
 
     def fits(self, layout: BufferLayout) -> bool:
         """Whether `layout` came from a buffer like this one (planned where this one is, as many slots, retaining
