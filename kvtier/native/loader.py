@@ -1,9 +1,10 @@
 """Finding, compiling and launching the CUDA kernels, all lazily: importing this module imports no cupy.
 
 Sources ship inside the package (``kvtier/native/cuda``, the repository's top-level ``native/`` folder). On
-the first launch of a kernel on a device, its source is compiled with cupy's NVRTC (``cupy.RawModule``);
-cupy keeps the binary in its on-disk kernel cache (keyed on the full source text and options, so a changed
-source never reuses a stale binary) and this module keeps the loaded kernel for the process. Kernels run on
+the first launch of a kernel on a device, its source is compiled with NVRTC through cupy, with exactly
+`build.OPTIONS` (`build`: cupy's own build would flush subnormals), the binary kept on disk (keyed on the full
+source text, the options, the device and the compiler, so a changed source never reuses a stale binary) and
+loaded by cupy (``cupy.RawModule``); this module keeps the loaded kernel for the process. Kernels run on
 torch's current stream of the tensors' device, so they are ordered with the torch work around them.
 
 ``KVTIER_NATIVE=0`` in the environment switches every kernel off (the torch twins run); without cupy, or
@@ -25,11 +26,12 @@ from typing import Any
 
 import torch
 
+from . import build
+
 log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent / "cuda"
-# no fused multiply-adds anywhere: the twins round every product and every sum on its own
-OPTIONS = ("--fmad=false",)
+OPTIONS = build.OPTIONS
 _INCLUDE = re.compile(r'^#include "([A-Za-z0-9_.]+)"\s*$', re.MULTILINE)
 
 _lock = threading.Lock()
@@ -145,8 +147,7 @@ def kernel(src: str, name: str, device: torch.device) -> Any:
             try:
                 with cp.cuda.Device(device.index):
                     if src not in _modules:
-                        _modules[src] = cp.RawModule(code=source(src), options=OPTIONS)
-                    # compiles the module (or reads cupy's disk cache) and loads it on this device
+                        _modules[src] = _load(cp, src, device)
                     _kernels[key] = _modules[src].get_function(name)
                     _device_of[id(_kernels[key])] = device.index
             except (cp.cuda.compiler.CompileException, cp.cuda.driver.CUDADriverError, RuntimeError, OSError) as e:
@@ -161,6 +162,32 @@ def kernel(src: str, name: str, device: torch.device) -> Any:
                 return None
             _ready[(src, device.index)] = None
         return _kernels[key]
+
+
+def _load(cp: Any, src: str, device: torch.device) -> Any:
+    """`src` built (or read from the disk cache) and loaded on `device` (cupy's current device). A cached
+    binary the driver refuses is removed and built again, once."""
+    text = source(src)
+    major, minor = torch.cuda.get_device_capability(device)
+    compiler = "nvrtc {}.{} cupy {}".format(*cp.cuda.nvrtc.getVersion(), cp.__version__)
+
+    def built() -> tuple[Path, bool]:
+        return build.cached_binary(src, text, f"sm_{major}{minor}", compiler, build.nvrtc_build(cp, src))
+
+    def loaded(path: Path) -> Any:
+        module = cp.RawModule(path=str(path))
+        module.module   # loads it now, so that a damaged file shows here
+        return module
+
+    path, fresh = built()
+    try:
+        return loaded(path)
+    except cp.cuda.driver.CUDADriverError:
+        if fresh:
+            raise
+        log.warning("the cached binary %s did not load; building %s.cu again", path, src)
+        build.forget(path)
+    return loaded(built()[0])
 
 
 def build_error(src: str, device: torch.device) -> str | None:

@@ -637,6 +637,45 @@ def test_attend_slabs_kernel_is_the_twin(kernels, dtype, heads, rows, dim, count
     torch.testing.assert_close(lse, ref_lse[0], rtol=0, atol=1e-5)
 
 
+TINY = torch.finfo(torch.float32).tiny   # the smallest normal float32
+
+
+@pytest.mark.parametrize("wide", [False, True], ids=["narrow", "wide"])
+def test_attend_slabs_keeps_subnormals_as_the_twin_does(kernels, wide):
+    """Values so small that most of their products with the attention weights are subnormal: the kernel keeps
+    them, as the twin does, bit for bit (built with `-ftz=true`, as cupy's own build does, every such product
+    would be flushed to zero and the sums would part)."""
+    g = torch.Generator().manual_seed(11)
+    heads, rows, dim, count = 2, 4, 64, 700
+    pool = DevicePool(heads, dim, torch.float32, kernels, 4096)
+    k = torch.randn(1, heads, count, dim, generator=g).to(kernels)
+    v = (torch.randn(1, heads, count, dim, generator=g) * 1e-37).to(kernels)
+    pool.ensure(count)
+    pool._write(0, k, v, torch.zeros(heads, count, dtype=torch.int64, device=kernels))
+    packed = (torch.randn(heads, rows, dim, generator=g) * 3).to(kernels)
+    scale = dim ** -0.5
+    weights = torch.softmax((packed.cpu().double() @ k[0].cpu().double().transpose(1, 2)) * scale, dim=-1)
+    products = (weights[..., None] * v[0].cpu().double()[:, None]).abs()
+    assert ((products > 0) & (products < TINY)).double().mean() > 0.5   # the case is what it claims to be
+    out, lse = native.attend_slabs(packed, pool.k, pool.v, count, scale, addresses=pool.addresses(), wide=wide)
+    torch.cuda.synchronize()
+    want = twins.attend_slabs(packed.cpu(), [s.cpu() for s in pool.k], [s.cpu() for s in pool.v], count, scale,
+                              native.attend_chunk(count, heads, device=kernels))
+    assert _same_bits(out, want[0]) and _same_bits(lse, want[1])
+
+
+def test_merge_parts_keeps_subnormals_as_the_twin_does(kernels):
+    """Parts whose outputs are subnormal, scaled by weights below one: kept, bit for bit the twin's merge."""
+    g = torch.Generator().manual_seed(12)
+    made = [((torch.randn(8, 4, 128, generator=g) * 1e-38).to(kernels),
+             (torch.randn(8, 4, generator=g) * 3).to(kernels)) for _ in range(3)]
+    assert ((made[0][0].abs() < TINY) & (made[0][0] != 0)).any()
+    got = native.merge_parts(made)
+    torch.cuda.synchronize()
+    want = twins.merge_parts([(o.cpu(), lse.cpu()) for o, lse in made])
+    assert _same_bits(got[0], want[0]) and _same_bits(got[1], want[1])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("wide", [False, True], ids=["narrow", "wide"])
 def test_attend_slabs_reading_its_count_on_the_device_is_the_twin(kernels, dtype, wide):

@@ -1,0 +1,102 @@
+"""Building a kernel source into a binary the driver loads, with NVRTC's options exactly as given, kept on disk.
+
+cupy's own build (``RawModule(code=...)``) appends ``-ftz=true``: every float operation of a kernel would then
+flush subnormal inputs and results to zero, which the torch twins (torch's own kernels, and any CPU) never do,
+so kernel and twin would part on subnormal values. cupy 13 also compiles with C++11 unless told a standard,
+and the sources' hexadecimal float literals need C++17. So NVRTC is run here through cupy's
+`compile_using_nvrtc` (which adds only the target architecture and its execution-space default) and cupy
+loads the binary from the file (``RawModule(path=...)``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+# no fused multiply-adds and no flushing of subnormals anywhere: the twins round every product and every sum
+# on its own, and keep subnormals
+OPTIONS = ("--fmad=false", "--ftz=false", "-std=c++17")
+
+_fallback: tempfile.TemporaryDirectory | None = None   # where binaries go when the cache folder is not writable
+
+
+def cache_dir() -> Path:
+    """Where built binaries are kept: ``KVTIER_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/kvtier/kernels`` (by
+    default ``~/.cache/kvtier/kernels``)."""
+    asked = os.environ.get("KVTIER_KERNEL_CACHE")
+    if asked:
+        return Path(asked)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvtier" / "kernels"
+
+
+def binary_name(name: str, text: str, target: str, compiler: str) -> str:
+    """The file name of `text` built for `target` (e.g. ``sm_90``) by `compiler` (NVRTC's and cupy's versions)
+    with `OPTIONS`: a changed source, option, device or compiler never reuses a stale binary."""
+    key = hashlib.sha256("\0".join((text, *OPTIONS, target, compiler)).encode()).hexdigest()[:32]
+    return f"{name}-{target}-{key}.bin"
+
+
+def cached_binary(name: str, text: str, target: str, compiler: str, build: Any) -> tuple[Path, bool]:
+    """The path of `text`'s binary and whether it was built now: read from the cache folder when there, else
+    ``build(text)`` (bytes, or PTX text) written there whole or not at all (a temporary file renamed into
+    place), so another process never loads half a file. Where the folder cannot be written, the binary goes to
+    a folder of this process's own, removed at exit."""
+    file = binary_name(name, text, target, compiler)
+    folders = [cache_dir()] + ([Path(_fallback.name)] if _fallback is not None else [])
+    for folder in folders:
+        if (folder / file).is_file():
+            return folder / file, False
+    data = build(text)
+    data = data.encode() if isinstance(data, str) else bytes(data)
+    try:
+        folders[0].mkdir(parents=True, exist_ok=True)
+        return _write(folders[0] / file, data), True
+    except OSError:
+        return _write(_own_folder() / file, data), True
+
+
+def forget(path: Path) -> None:
+    """Remove a cached binary the driver refused (a damaged file), so that the next build writes it anew."""
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+
+
+def nvrtc_build(cp: Any, name: str) -> Any:
+    """A build function for `cached_binary`: NVRTC through cupy, for cupy's current device, with `OPTIONS`."""
+    compile_ = getattr(getattr(cp.cuda, "compiler", None), "compile_using_nvrtc", None)
+    if compile_ is None:
+        raise RuntimeError(f"cupy {cp.__version__} has no cupy.cuda.compiler.compile_using_nvrtc to build with")
+
+    def build(text: str) -> Any:
+        compiled, _ = compile_(text, OPTIONS, filename=f"{name}.cu")
+        return compiled
+    return build
+
+
+def _own_folder() -> Path:
+    global _fallback
+    if _fallback is None:
+        _fallback = tempfile.TemporaryDirectory(prefix="kvtier-kernels-")
+        atexit.register(_fallback.cleanup)
+    return Path(_fallback.name)
+
+
+def _write(path: Path, data: bytes) -> Path:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    return path

@@ -1,0 +1,93 @@
+"""The kernels' built binaries on disk: built once per source, options, device and compiler, then read back;
+written whole or not at all; kept in a folder of the process's own where the cache folder cannot be written.
+(NVRTC's output itself is `test_native_compile.py`'s: the loader's options keep subnormals and round every
+operation on its own.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.native import build, loader
+
+
+class Builds:
+    """A build function for `cached_binary` that records what it built."""
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+
+    def __call__(self, text: str) -> str:
+        self.texts.append(text)
+        return f"// built\n{text}"
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    folder = tmp_path / "kernels"
+    monkeypatch.setenv("KVTIER_KERNEL_CACHE", str(folder))
+    return folder
+
+
+def test_a_source_is_built_once_then_read_back(cache):
+    builds = Builds()
+    path, fresh = build.cached_binary("merge_parts", "text", "sm_90", "nvrtc 13.0", builds)
+    assert fresh and path.parent == cache and path.read_bytes() == b"// built\ntext"
+    again, fresh = build.cached_binary("merge_parts", "text", "sm_90", "nvrtc 13.0", builds)
+    assert again == path and not fresh and builds.texts == ["text"]
+    assert [p.name for p in cache.iterdir()] == [path.name]   # no temporary file left behind
+
+
+@pytest.mark.parametrize("change", ["text", "target", "compiler", "options"])
+def test_a_changed_source_option_device_or_compiler_builds_anew(cache, monkeypatch, change):
+    builds = Builds()
+    args = {"text": "text", "target": "sm_90", "compiler": "nvrtc 13.0 cupy 14.2.0"}
+    first, _ = build.cached_binary("rank_pages", args["text"], args["target"], args["compiler"], builds)
+    if change == "options":
+        monkeypatch.setattr(build, "OPTIONS", (*build.OPTIONS, "-ftz=true"))
+    else:
+        args[change] += "x"
+    second, fresh = build.cached_binary("rank_pages", args["text"], args["target"], args["compiler"], builds)
+    assert fresh and second != first and len(builds.texts) == 2
+
+
+def test_a_cache_folder_that_cannot_be_written_gives_way_to_a_folder_of_the_process(tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("KVTIER_KERNEL_CACHE", str(blocker / "kernels"))   # under a file: cannot be made
+    monkeypatch.setattr(build, "_fallback", None)
+    builds = Builds()
+    path, fresh = build.cached_binary("gather_pages", "text", "sm_90", "nvrtc", builds)
+    assert fresh and path.is_file() and not str(path).startswith(str(blocker))
+    again, fresh = build.cached_binary("gather_pages", "text", "sm_90", "nvrtc", builds)
+    assert again == path and not fresh and len(builds.texts) == 1
+    build._fallback.cleanup()   # what exit does
+    assert not path.parent.exists()
+
+
+def test_a_build_that_fails_leaves_nothing(cache):
+    def broken(text: str) -> bytes:
+        raise RuntimeError("compile error")
+
+    with pytest.raises(RuntimeError, match="compile error"):
+        build.cached_binary("plan_recall", "text", "sm_90", "nvrtc", broken)
+    assert not cache.exists() or not any(cache.iterdir())
+
+
+def test_a_forgotten_binary_is_built_again(cache):
+    builds = Builds()
+    path, _ = build.cached_binary("pack_entries", "text", "sm_90", "nvrtc", builds)
+    build.forget(path)
+    build.forget(path)   # already gone: nothing to do
+    again, fresh = build.cached_binary("pack_entries", "text", "sm_90", "nvrtc", builds)
+    assert again == path and fresh and len(builds.texts) == 2
+
+
+def test_the_default_cache_folder(monkeypatch, tmp_path):
+    monkeypatch.delenv("KVTIER_KERNEL_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert build.cache_dir() == tmp_path / "kvtier" / "kernels"
+
+
+def test_the_loader_builds_with_subnormals_kept_and_no_contraction():
+    assert loader.OPTIONS is build.OPTIONS
+    assert {"--fmad=false", "--ftz=false", "-std=c++17"} <= set(build.OPTIONS)
