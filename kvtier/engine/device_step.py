@@ -73,6 +73,7 @@ class DeviceDecoding:
                                                       lambda *given: self._decode_launches(run, *given))
         except BaseException:   # the table may name pages whose copy never ran: the next step starts a new buffer
             self._forget_recalled()
+            self.pool.forget_at()
             raise
         if writes:   # the host's part of what the launches did: scored and staged, the score committed
             p.staged = p.placed = True

@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import ConfigError, UnsupportedError
+from .mask_reads import MaskVerdicts
 
 PREFIX = "kvtier_"
 # implementations kvtier works with (the names transformers gives them); a kernel-hub name is passed through
@@ -130,6 +131,17 @@ def _make_attention(base: str) -> Callable:
     return kvtier_attention
 
 
+_ALL_SEEN = MaskVerdicts()   # whether some row of a mask allows every column
+
+
+def _seen_by_any(mask: torch.Tensor) -> torch.Tensor:
+    """``[columns]`` bool: whether some row of the (first) mask allows each column."""
+    if mask.dim() == 2:   # 1 keeps a token, 0 is padding
+        return mask[0].bool()
+    allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+    return allowed[0].any(dim=0).any(dim=0)
+
+
 def masked_new_tokens(attention_mask: torch.Tensor | None, stored: int, q_len: int) -> torch.Tensor | None:
     """Which of a step's `q_len` new tokens no query may attend (padding), from the mask transformers built:
     ``[q_len]`` bool, or None when nothing is masked out beyond causality.
@@ -140,15 +152,9 @@ def masked_new_tokens(attention_mask: torch.Tensor | None, stored: int, q_len: i
     """
     if attention_mask is None or attention_mask.dim() not in (2, 4):
         return None
-    allowed = attention_mask if attention_mask.dtype == torch.bool else \
-        attention_mask > torch.finfo(attention_mask.dtype).min / 2
-    if attention_mask.dim() == 2:   # 1 keeps a token, 0 is padding
-        allowed = attention_mask.bool()
-        seen_by_any = allowed[0]
-    else:
-        seen_by_any = allowed[0].any(dim=0).any(dim=0)            # [columns]
-    if seen_by_any.all():
+    if _ALL_SEEN.verdict(attention_mask, lambda m: _seen_by_any(m).all()):   # read once a mask, not a layer
         return None
+    seen_by_any = _seen_by_any(attention_mask)
     if seen_by_any.shape[0] != stored + q_len:
         raise ConfigError(f"an attention mask of {seen_by_any.shape[0]} columns with masked-out entries, for "
                           f"{stored} stored entries and {q_len} new tokens; allowed: a mask that matches "

@@ -22,6 +22,7 @@ from ..engine.steady_step import SteadyStep, StepMismatch
 from ..errors import (BrokenCacheError, CapacityError, ClosedCacheError, ConfigError, UnsupportedError,
                       is_resource_error, os_reason)
 from .attention import claim, masked_new_tokens
+from .mask_reads import MaskVerdicts
 from .layers import WindowLayer
 
 
@@ -324,12 +325,15 @@ class TieredLayer(OneSequence, CacheLayerMixin):
 
 
 
+_BIASED = MaskVerdicts()   # whether a mask adds biases, read once per mask (every layer gets the same one)
+
+
 def check_plain_mask(mask: torch.Tensor | None) -> None:
     """Refuse a float mask that adds biases (ALiBi, relative positions): the split attention applies no mask."""
     if mask is None or mask.dtype == torch.bool or mask.dim() != 4:
         return
     low = torch.finfo(mask.dtype).min / 2
-    if bool(((mask != 0) & (mask > low)).any()):
+    if _BIASED.verdict(mask, lambda m: ((m != 0) & (m > low)).any()):
         raise UnsupportedError("the attention mask adds position biases (ALiBi or relative-position terms); "
                                "kvtier's split attention over recalled pages cannot apply them; allowed: models "
                                "whose mask only allows or blocks entries (rotary and other position encodings "

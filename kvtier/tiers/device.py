@@ -130,6 +130,11 @@ class DevicePool:
         if self.count % self.slab_tokens:
             self._at_holds += 1
 
+    def forget_at(self) -> None:
+        """After a step that failed: its `commit_launches` may have moved the place on the device without
+        `note_commit` on the host, so the next `at()` writes the place again rather than trust it."""
+        self._at_holds = None
+
     def addresses(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The key and value slabs' addresses for `kvtier.native.attend_slabs`, kept until a slab is added
         or released (None where kernels cannot run)."""
@@ -243,5 +248,6 @@ class DevicePool:
     def clear(self) -> None:
         """Forget every entry and release the slabs."""
         self.count = 0
+        self.forget_at()
         self.k, self.v, self.pos, self.score = [], [], [], []
         self._addresses = self._first = None

@@ -90,6 +90,32 @@ def test_a_decode_step_of_another_dtype_is_stored_in_the_pools():
     assert pool.meta()[0][:, 3].tolist() == [3, 3] and pool.meta()[1][:, 3].tolist() == [0.25, 0.25]
 
 
+def test_a_step_that_failed_between_its_launches_and_the_hosts_part_leaves_no_stale_place():
+    """A decode step's launches move the place on the device (`commit_launches`); if the step fails before the
+    host's part (`note_commit`), the device is one ahead of what the host believes. After `clear` (what a
+    reset does) or `forget_at` (what a failed step does), the next decode entry goes where the count says."""
+    for recover in ("clear", "forget_at"):
+        pool = DevicePool(1, 2, torch.float32, torch.device("cpu"), 8)
+        prompt = torch.arange(6.0).reshape(1, 1, 3, 2)
+        pool.stage(prompt, prompt, torch.arange(3).reshape(1, 3))
+        pool.commit(3, torch.zeros(1, 3))
+        pool.stage(torch.full((1, 1, 1, 2), 7.0), torch.full((1, 1, 1, 2), 7.0), torch.full((1, 1), 3))
+        pool.at()
+        pool.commit_launches(torch.zeros(1, 1))   # the step fails here, before note_commit
+        if recover == "clear":
+            pool.clear()
+            pool.stage(prompt, prompt, torch.arange(3).reshape(1, 3))
+            pool.commit(3, torch.zeros(1, 3))
+        else:
+            pool.forget_at()
+        token = torch.full((1, 1, 1, 2), 9.0)
+        pool.stage(token, token, torch.full((1, 1), 3))
+        pool.commit(1, torch.ones(1, 1))
+        keys, _ = pool.contiguous(4)
+        assert keys[0, 0, 3].tolist() == [9.0, 9.0], recover
+        assert pool.meta()[1][0, 3].item() == 1.0, recover
+
+
 def test_the_slab_addresses_follow_the_slabs_through_growth_trim_and_clear(monkeypatch):
     """`addresses()` is kept for the kernels until the slabs change: adding, releasing (`trim`) or dropping
     them all (`clear`) must never leave a table that names freed slabs."""

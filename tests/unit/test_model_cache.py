@@ -18,14 +18,6 @@ from kvtier.models import default_model_path, load_config
 TEXT = [{"role": "user", "content": "Where is the lantern? ünïcödé, 42, tabs\tand  spaces"}]
 
 
-@pytest.fixture(scope="module")
-def from_gguf():
-    """The default model as the GGUF file gives it (no copy read or written)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(model_cache.ENV, "off")
-        return load_default_model()
-
-
 def _same(a, b) -> None:
     (ma, ta), (mb, tb) = a, b
     sa, sb = ma.state_dict(), mb.state_dict()
@@ -47,8 +39,7 @@ def _same(a, b) -> None:
         assert torch.equal(ma(x).logits, mb(x).logits)
 
 
-def test_a_load_keeps_a_copy_that_later_loads_read_instead_of_the_gguf_file(from_gguf, tmp_path, monkeypatch,
-                                                                             caplog):
+def test_a_load_keeps_a_copy_that_later_loads_read_instead_of_the_gguf_file(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv(model_cache.ENV, str(tmp_path))
     old = time.time() - (model_cache.UNUSED_DAYS + 1) * 86400
     stale = _fake_copy(tmp_path / "SmolLM2-old", old)           # a copy made for another version, long unused
@@ -60,7 +51,6 @@ def test_a_load_keeps_a_copy_that_later_loads_read_instead_of_the_gguf_file(from
     assert folder.parent == tmp_path and (folder / model_cache.MANIFEST).is_file()
     assert [p.name for p in tmp_path.iterdir()] == [folder.name]   # nothing left aside, the stale copy gone
     assert not stale.exists()
-    _same(from_gguf, first)
     os.utime(folder / model_cache.MANIFEST, (old, old))
 
     from transformers import AutoModelForCausalLM
@@ -71,7 +61,7 @@ def test_a_load_keeps_a_copy_that_later_loads_read_instead_of_the_gguf_file(from
     with monkeypatch.context() as mp:
         mp.setattr(AutoModelForCausalLM, "from_pretrained", no_gguf)
         second = load_default_model()
-    _same(from_gguf, second)
+    _same(first, second)   # the copy gives what the GGUF file gave
     assert time.time() - model_cache._last_used(folder) < 60      # the load marked the copy used
 
     from transformers import AutoConfig
@@ -100,7 +90,7 @@ def test_a_load_keeps_a_copy_that_later_loads_read_instead_of_the_gguf_file(from
     with caplog.at_level(logging.WARNING, logger="kvtier.model_cache"):
         third = load_default_model()
     assert "model.safetensors differ from the copy's list" in caplog.text and "made again" in caplog.text
-    _same(from_gguf, third)
+    _same(first, third)
     listed = json.loads((folder / model_cache.MANIFEST).read_text())["files"]
     assert listed == model_cache._listed(folder)           # the new copy matches its list
 
@@ -120,20 +110,28 @@ def test_where_copies_are_kept(monkeypatch, tmp_path):
     assert model_cache.load_copy(folder, "x", "sdpa") is None   # no copy made yet
 
 
-def test_a_copy_that_cannot_be_written_leaves_no_trace_and_says_so(from_gguf, tmp_path, caplog):
-    model, tokenizer = from_gguf
-    blocked = tmp_path / "a-file"
-    blocked.write_text("not a folder")
-    with caplog.at_level(logging.WARNING, logger="kvtier.model_cache"):
-        assert model_cache.store(blocked / "copy", model, tokenizer) is False
-    assert "could not keep a converted copy" in caplog.text and model_cache.ENV in caplog.text
-    assert [p.name for p in tmp_path.iterdir()] == ["a-file"]
+class _FullDisk:
+    """A tokenizer whose files cannot be written (the disk filled up after the weights went down)."""
+
+    def save_pretrained(self, where: str) -> None:
+        raise OSError(28, "No space left on device")
+
+
+def test_a_copy_that_cannot_be_written_leaves_no_trace_and_says_so(tmp_path, caplog):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     small = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=1, vocab_size=64))
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder")
+    with caplog.at_level(logging.WARNING, logger="kvtier.model_cache"):
+        assert model_cache.store(blocked / "copy", small, _FullDisk()) is False       # no folder to write in
+        assert model_cache.store(tmp_path / "copy", small, _FullDisk()) is False      # fails after the weights
+    assert caplog.text.count("could not keep a converted copy") == 2 and model_cache.ENV in caplog.text
+    assert "No space left on device" in caplog.text
+    assert [p.name for p in tmp_path.iterdir()] == ["a-file"]   # nothing half-written left aside
     with pytest.raises(ValueError, match="float32 weights; the model is torch.bfloat16"):
-        model_cache.store(tmp_path / "copy", small.to(torch.bfloat16), tokenizer)
+        model_cache.store(tmp_path / "copy", small.to(torch.bfloat16), _FullDisk())
 
 
 def _fake_copy(folder, used):
