@@ -91,10 +91,33 @@ class KeyOnce:
 
 class GraphSwitch:
     """Whether a cache's layers may still capture: off for all of them once a capture failed in one (a failure
-    is rarely particular to a layer, and each failed capture costs a warning and a step)."""
+    is rarely particular to a layer, and each failed capture costs a warning and a step); and the one stream
+    their captures run on."""
 
     def __init__(self) -> None:
         self.failed: str | None = None
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def stream(self, device: torch.device) -> torch.cuda.Stream:
+        """The capture stream on `device` of every graph under this switch, made on first use (the graphs'
+        captures and warm-ups run one at a time). torch hands streams out of a pool of 32 in turn: a stream each
+        layer took would share its CUDA stream with the transfer manager's, so that a step waiting for a
+        capture's warm-up would also wait for the demotion copies queued there."""
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
+
+
+def _fresh_blas_workspaces() -> None:
+    """Drop cuBLAS's workspaces before a capture, so that the graph's matrix products make theirs inside the
+    graph's own pool. cuBLAS keeps one workspace per handle and stream, and torch builds since early 2026 drop
+    every workspace of a stream when any graph captured on that stream is destroyed (pytorch/pytorch#193402): a
+    graph still replaying with a workspace made outside its pool would then write into memory the allocator has
+    handed to another tensor. Inside the pool, a dropped workspace is reused only by the next capture into
+    that pool, which replaces the graph."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
 
 
 class _Captured:
@@ -173,9 +196,9 @@ class StepGraphs:
             current.wait_stream(self._stream)
 
     def _side_stream(self) -> torch.cuda.Stream:
-        """The stream captures (and a state's first step, with `warm_aside`) run on, made on first use."""
+        """The stream captures (and a state's first step, with `warm_aside`) run on: the switch's."""
         if self._stream is None:
-            self._stream = torch.cuda.Stream(self.device)
+            self._stream = self.switch.stream(self.device)
         return self._stream
 
     @property
@@ -218,7 +241,8 @@ class StepGraphs:
         self._side_stream()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        fixed = tuple(torch.empty_like(t) for t in inputs)
+        with torch.inference_mode(False):   # plain tensors: a later step outside inference mode copies into them
+            fixed = tuple(torch.empty_like(t) for t in inputs)
         graph = torch.cuda.CUDAGraph()
         self._stream.wait_stream(current)   # the capture reads what the step queued before it
         began = False
@@ -227,6 +251,7 @@ class StepGraphs:
             gc.disable()
         try:
             with torch.cuda.stream(self._stream):
+                _fresh_blas_workspaces()
                 graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
                 began = True
                 try:

@@ -29,6 +29,7 @@ sliding-window layers run the ordinary way.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from typing import Any
@@ -44,6 +45,20 @@ from .hf import TieredCache, cache_kwargs
 # what `generate` passes a forward call that a step taken by `DecodeGraph` reads (or may leave aside)
 _TAKEN = ("input_ids", "attention_mask", "position_ids", "cache", "past_key_values")
 
+
+@contextlib.contextmanager
+def _uncached_autocast() -> Any:
+    """Autocast's cache of cast weights off for a planned step: a graph captured from casts the cache held would
+    keep reading them after the autocast region that made them ends and frees them (torch refuses to capture
+    with that cache on for the same reason). The casts give the same values either way."""
+    if not torch.is_autocast_cache_enabled():
+        yield
+        return
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(True)
 
 class DecodeGraph:
     """Decode steps of `model` over `cache`, each a CUDA graph's replay where the step is steady.
@@ -77,11 +92,12 @@ class DecodeGraph:
         # later needs a new DecodeGraph)
         self._tables = [table for m in model.modules() for table in (m._parameters, m._buffers) if table]
         self._keyword = "cache_position" in inspect.signature(model.forward).parameters
-        self._position = torch.zeros(1, 1, dtype=torch.int64, device=self.device)
-        # a planned step's mask where every layer attends through kvtier (which reads none in such a step): a 4D
-        # mask is taken as it is, so transformers builds none, which it would otherwise do inside the capture
-        # only (a capture counts as tracing there), or through a pageable host copy (eager masks, 5.17)
-        self._mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
+        with torch.inference_mode(False):   # plain tensors, written by steps inside inference mode and out of it
+            self._position = torch.zeros(1, 1, dtype=torch.int64, device=self.device)
+            # a planned step's mask where every layer attends through kvtier (which reads none in such a step): a
+            # 4D mask is taken as it is, so transformers builds none, which it would otherwise do inside the
+            # capture only (a capture counts as tracing there), or through a pageable host copy (eager, 5.17)
+            self._mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
         self.ordinary = 0   # steps run the ordinary way (a prompt, or a step not steady in some layer)
         self._inside = False
 
@@ -190,8 +206,9 @@ class DecodeGraph:
         # capture at its first step
         lasting = not any(step.fills_slab for step in plans)
         try:
-            outputs = self.graphs.run(lambda: self._key(plans, token), (token, self._position), work,
-                                      lasting=lasting)
+            with _uncached_autocast():
+                outputs = self.graphs.run(lambda: self._key(plans, token), (token, self._position), work,
+                                          lasting=lasting)
         except StepMismatch as e:
             if self._failed(plans, ran, e, self.graphs.captures > captures):
                 raise

@@ -671,6 +671,80 @@ def test_whole_decode_steps_replayed_from_one_graph_equal_ordinary_ones(cuda_dev
 
 
 @torch.no_grad()
+def test_graphs_replaced_after_demotions_write_nothing_outside_their_memory(cuda_device):
+    """Each demotion replaces the `DecodeGraph`'s graph by one captured on the same stream. Memory freed then and
+    handed to a new tensor (after `empty_cache`, as an allocation near the device's limit would) is never written
+    by a graph still replaying: on torch builds where a destroyed graph drops the cuBLAS workspace of its stream
+    (pytorch/pytorch#193402), a live graph whose products used a workspace made outside its pool would write
+    into it. Sentinel tensors keep their bytes, and the logits are the ordinary steps'."""
+    from kvtier import DecodeGraph, native
+
+    if native.kernel_status() is not None:
+        pytest.skip(f"native kernels are off ({native.kernel_status()}): no step runs as launches only")
+    model = _llama(cuda_device)
+    ids = _prompt(900, cuda_device)
+    kwargs = {"device_budget": 96, "recall_pages": 6, "prefetch_pages": 6, "scorer": "keynorm"}
+    with TieredCache(model.config, **kwargs) as cache:
+        want = _steps_through(lambda t: model(t, **cache_kwargs(cache)).logits, ids, 64)
+    sentinels = []
+    with TieredCache(model.config, **kwargs) as cache:
+        graph = DecodeGraph(model, cache)
+        logits, seen = graph(ids)[:, -1:], []
+        for _ in range(64):
+            logits = graph(logits.argmax(-1))[:, -1:]
+            seen.append(logits[0, 0].float().cpu())
+            if graph.stats()["captures"] > len(sentinels):   # a graph was just captured, the one before it gone
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+                sentinels.append(torch.full((32 << 20,), 0x5A, dtype=torch.uint8, device=cuda_device))
+        torch.cuda.synchronize()
+        assert graph.stats()["captures"] >= 2 and graph.stats()["failed"] is None, graph.stats()
+    assert all(bool((s == 0x5A).all()) for s in sentinels)
+    assert torch.equal(torch.stack(seen), want)
+
+
+def test_a_caches_captures_share_one_stream_apart_from_its_transfers(cuda_device):
+    """Every layer's step and prefetch graphs capture on the cache's one capture stream, which is none of the
+    transfer manager's streams (torch hands streams out of a pool of 32 in turn: a stream each would share)."""
+    model = _llama(cuda_device)
+    with TieredCache(model.config, device_budget=96, recall_pages=6, scorer="keynorm") as cache:
+        _decode_logits(model, cache, _prompt(700, cuda_device), 8)
+        engines = cache._engines
+        captures = {g._side_stream().cuda_stream for e in engines for g in (e.graphs, e.prefetch_graphs)}
+        transfers = {s.cuda_stream for m in cache._shared.transfers.values() for s in m._streams.values()}
+        assert len(captures) == 1 and not captures & transfers, (captures, transfers)
+        assert cache.stats()["cuda_graphs"]["replays"] > 0
+
+
+def test_steps_captured_under_inference_mode_go_on_outside_it(cuda_device):
+    """Graphs captured while the model ran under `torch.inference_mode()` read fixed inputs that are plain
+    tensors: later steps under `no_grad` only copy into them and replay (the cache is not broken), with the
+    logits of the same steps run eagerly."""
+    model = _llama(cuda_device)
+    ids = _prompt(700, cuda_device)
+    runs = {}
+    for graphs in (False, True):
+        with TieredCache(model.config, device_budget=96, recall_pages=6, scorer="keynorm",
+                         cuda_graphs=graphs) as cache:
+            seen = []
+
+            def steps(logits, n):
+                for _ in range(n):
+                    logits = model(logits.argmax(-1), **cache_kwargs(cache)).logits[:, -1:]
+                    seen.append(logits[0, 0].float().cpu())
+                return logits
+
+            with torch.inference_mode():
+                logits = steps(model(ids, **cache_kwargs(cache)).logits[:, -1:], 16)
+            with torch.no_grad():
+                steps(logits, 16)
+            runs[graphs] = (torch.stack(seen), cache.stats()["cuda_graphs"])
+    assert torch.equal(runs[True][0], runs[False][0])
+    g = runs[True][1]
+    assert g["failed"] is None and g["replays"] > 0, g
+
+
+@torch.no_grad()
 def test_a_whole_step_replayed_from_one_graph_never_syncs(cuda_device):
     """A replayed whole step (planning every layer's step, copying the token and its position in, the replay,
     taking the steps after) reads nothing back from the GPU."""

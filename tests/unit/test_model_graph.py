@@ -338,6 +338,38 @@ def test_steps_under_inference_mode_leave_a_cache_usable_outside_it():
     assert torch.equal(runs[True], runs[False])
 
 
+def test_steps_under_autocast_equal_ordinary_ones_without_its_cache_of_casts():
+    """Under autocast, a planned step runs with autocast's cache of cast weights off (a captured graph would keep
+    reading casts the cache frees when the region ends), which changes no value: the same logits as ordinary
+    steps under the same autocast, and the cache's setting as it was after each step."""
+    model = tiny_llama()
+    seen = []
+    runs = {}
+    for graphed in (False, True):
+        with _cache(model) as cache:
+            step = DecodeGraph(model, cache) if graphed else _plain(model, cache)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                runs[graphed] = _decode(step, steps=20)
+                seen.append(torch.is_autocast_cache_enabled())
+            if graphed:
+                assert step.stats()["eager"] > 10, step.stats()
+    assert torch.equal(runs[True], runs[False]) and seen == [True, True]
+
+
+def test_a_decode_graph_made_under_inference_mode_steps_outside_it():
+    """Its own tensors (the position, the mask; on CUDA a graph's fixed inputs) are plain ones wherever it is
+    made, so that a step outside inference mode may write them."""
+    model = tiny_llama()
+    with _cache(model) as twin:
+        want = _decode(_plain(model, twin), steps=10)
+    with _cache(model) as cache:
+        with torch.inference_mode():
+            graph = DecodeGraph(model, cache)
+        got = _decode(graph, steps=10)
+        assert graph.stats()["eager"] > 0
+    assert torch.equal(got, want)
+
+
 def test_prompts_windows_and_refusals():
     """A prompt runs the ordinary way; a model with sliding-window layers runs every step the ordinary way;
     a cache built for another model, a batch, or a setting that is not a bool is refused by name."""
