@@ -6,6 +6,7 @@ parking and `SessionStore`, the hybrid (sliding-window) path, and whole decode s
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import sys
 from pathlib import Path
@@ -21,6 +22,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from tiny_models import random_kvp  # noqa: E402 - the tiny models' helpers live beside the unit tests
 
 pytestmark = pytest.mark.cuda
+
+
+@contextlib.contextmanager
+def _never_syncs():
+    """Within it, a sync `torch.cuda.set_sync_debug_mode("error")` catches raises, and so does a host wait on an
+    event or a stream that has not completed (which that mode does not see: `cudaEventSynchronize`)."""
+    event_wait, stream_wait = torch.cuda.Event.synchronize, torch.cuda.Stream.synchronize
+
+    def on_event(self):
+        assert self.query(), "the host waited on an event the device had not reached"
+        return event_wait(self)
+
+    def on_stream(self):
+        assert self.query(), "the host waited on a stream with work queued"
+        return stream_wait(self)
+
+    torch.cuda.synchronize()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.cuda.Event, "synchronize", on_event)
+        mp.setattr(torch.cuda.Stream, "synchronize", on_stream)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
 
 
 def _llama(device, dtype=torch.bfloat16):
@@ -327,12 +353,8 @@ def test_a_decode_step_with_host_pages_never_syncs(cuda_device, graphs):
         token = _before_a_step_that_demotes_nowhere(model, cache, out[:, -1:])
         engines = cache._engines
         assert all(e.recalls_on_device() for e in engines)
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with _never_syncs():
             logits = model(token, **cache_kwargs(cache)).logits
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
         assert cache.stats()["pages_recalled"] > 0 and torch.isfinite(logits).all()
         assert cache.stats()["cuda_graphs"]["failed"] is None
 
@@ -371,13 +393,9 @@ def test_decode_steps_that_demote_never_sync(cuda_device, graphs):
     with TieredCache(model.config, device_budget=64, recall_pages=8, scorer="keynorm", cuda_graphs=graphs) as cache:
         token = _greedy(model, cache, _prompt(600, cuda_device), 4)[:, -1:]
         before = cache.counters.bytes_moved["device_to_host"]
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with _never_syncs():
             for _ in range(40):    # a page per head is demoted every 16 steps at a 64-token budget
                 token = model(token, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
         assert cache.counters.bytes_moved["device_to_host"] > before
         s = cache.stats()
         assert s["prefetch"]["pages"] > 0 and s["pages_recalled"] > 0
@@ -602,12 +620,8 @@ def test_page_choice_by_the_kernels_chooses_as_the_matrix_products(cuda_device):
             # one step first: the first recall after a prefill makes per-device tables (a blocking copy once)
             token = model(token, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
             native.reset_stats()
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error")
-            try:
+            with _never_syncs():
                 model(token, **cache_kwargs(cache))
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
             chosen[kernels] = [e.last_recall.cpu() for e in cache._engines]
             ran = native.backend()["ops"]
             # the short list's estimates: `rank_pages` (one launch) where it fits a block, else `code_logits`
@@ -763,12 +777,8 @@ def test_a_whole_step_replayed_from_one_graph_never_syncs(cuda_device):
                 break
         replays = graph.stats()["replays"]
         assert replays > 0, graph.stats()
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with _never_syncs():
             logits = graph(token)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
         assert graph.stats()["replays"] == replays + 1 and torch.isfinite(logits).all()
 
 
