@@ -321,6 +321,45 @@ def test_a_device_profile_that_recorded_nothing_says_so(cpu_run):
     assert "1K device busy per step (kernels and copies): DynamicCache 15.00 ms (30%)" in text
 
 
+def test_a_context_is_checkpointed_after_each_of_its_rows():
+    """A run cut short in the middle of a context (the 128K one is a minute and a half on the H200) keeps the
+    rows that context finished: a checkpoint after each row holds the context's row so far, marked partial."""
+    from kvtier.bench.gpu import GpuBenchConfig, run_gpu_bench
+
+    seen = []
+    cfg = GpuBenchConfig(device="cpu", shape="tiny", layers=1, contexts=(1024,), million=False, copy_mib=1,
+                         batch_mib=1, repeats=1, steps=2, warmup=1, growth_steps=4, sustained_steps=0,
+                         prefill_chunk=512, disk_host_budget=None)
+    final = run_gpu_bench(cfg, checkpoint=lambda c: seen.append(json.loads(json.dumps(c))))   # written at once
+    within = [c for c in seen if c["last_section"] == "context_1024"]
+    assert len(within) >= 3   # after each row the CPU runs (kvtier, DynamicCache), then the whole context
+    sofar = [set(c["decode"][-1]["rows"]) for c in within[:-1]]
+    assert all(c["decode"][-1]["partial"] is True for c in within[:-1])
+    assert all(a < b for a, b in zip(sofar, sofar[1:])) and sofar[-1] == set(final["decode"][0]["rows"])
+    assert "partial" not in within[-1]["decode"][-1] and within[-1]["decode"] == final["decode"]
+
+
+def test_a_device_that_cannot_be_freed_is_said_in_the_row_and_the_run_goes_on(monkeypatch):
+    """After a row left the device in an error state, freeing its memory fails too: the row records both
+    reasons, and nothing escapes to end the run before its JSON is written."""
+    from kvtier.bench.gpu.timing import Progress, _attempt, _free
+
+    def stuck(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", stuck)
+    cuda = torch.device("cuda", 0)
+    assert "illegal memory access" in _free(cuda)
+    assert _free(torch.device("cpu")) is None
+
+    def row():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    out = _attempt("128K kvtier", row, cuda, Progress(False))
+    assert out["skipped"].startswith("RuntimeError: CUDA error: an illegal memory access")
+    assert "the device could not be freed after it (RuntimeError: CUDA error" in out["skipped"]
+
+
 def test_every_checkpoint_carries_the_targets_judged_so_far():
     """A run cut short (a lease, a timeout) keeps its last checkpoint: each says where the targets stand."""
     from kvtier.bench.gpu import GpuBenchConfig, run_gpu_bench

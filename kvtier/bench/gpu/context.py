@@ -4,7 +4,7 @@ the same K/V, with the share of the prefill that KVP scoring of every entry woul
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -70,8 +70,9 @@ def _fill_from(cache: Any, kv: list[tuple[torch.Tensor, torch.Tensor]], chunk: i
 
 
 def run_context(cfg: GpuBenchConfig, model: Any, context: int, scorer: Any, clock: Clock, progress: Progress,
-                growth: bool) -> dict[str, Any]:
-    """One context: prefill once (DynamicCache, chunked), then each cache's decode step on the same K/V."""
+                growth: bool, checkpoint: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """One context: prefill once (DynamicCache, chunked), then each cache's decode step on the same K/V.
+    `checkpoint` gets the context's row so far after each cache's row."""
     from transformers import DynamicCache
 
     from ...integrations.hf import TieredCache
@@ -214,7 +215,10 @@ def run_context(cfg: GpuBenchConfig, model: Any, context: int, scorer: Any, cloc
             continue   # at the smallest context only
         progress.say(f"{context:,} tokens: {ROW_NAMES[name]}")
         row["rows"][name] = _attempt(f"{context:,} {ROW_NAMES[name]}", fn, device, progress)
-        _free(device)
+        # offloading's copies leave pinned blocks in torch's host cache (tens of GiB at 128K): given back at once
+        _free(device, host=name == "offloading")
+        if checkpoint is not None:
+            checkpoint(row)
     del kv, full
     _free(device, host=True)
     rows = row["rows"]

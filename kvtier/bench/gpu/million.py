@@ -69,6 +69,10 @@ def run_million(cfg: GpuBenchConfig, scorer_for: Callable[[Any], tuple[Any, str]
         _, token = decode_steps(model, cache, token, cfg.warmup, clock)
         capture_steps, token = warm_until_replayed(model, cache, token, clock)
         times, token = decode_steps(model, cache, token, cfg.steps, clock, progress, "1M decode")
+        # what the cache holds on the device (its pools, recall buffers and layer graphs), taken before the
+        # DecodeGraph row adds a graph of the whole model's step: a per-process cost the projection to the
+        # shape's layers would otherwise multiply
+        measured = None if base is None else torch.cuda.memory_allocated(device) - base
         whole = None
         if cfg.decode_graph:   # the same cache stepped by DecodeGraph: the model's step and the cache's, one graph
             graph = DecodeGraph(model, cache)
@@ -82,10 +86,10 @@ def run_million(cfg: GpuBenchConfig, scorer_for: Callable[[Any], tuple[Any, str]
                      "step_ms_per_layer": _r(_median(graph_times) * 1e3 / layers, 4),
                      "capturing_warmup_ms": graph_capture, "decode_graph": after,
                      "decode_graph_timed": {k: after[k] - before[k] for k in ("replays", "captures", "eager",
-                                                                               "ordinary")}}
+                                                                               "ordinary")},
+                     "gpu_allocated_bytes": None if base is None else torch.cuda.memory_allocated(device) - base}
         st = cache.stats()
         dev_stats = st["device"]["reserved_bytes"] + st["device"]["index_bytes"]
-        measured = None if base is None else torch.cuda.memory_allocated(device) - base
         scale = cfg.num_layers / layers
         full_layers = SHAPES[cfg.shape]["num_hidden_layers"]
         out = _step_row(times, context=ctx, layers=layers, layers_in_run=cfg.num_layers, layers_in_shape=full_layers,

@@ -46,9 +46,12 @@ def run_gpu_bench(cfg: GpuBenchConfig, progress: Progress | None = None,
     start-up included, where the run is a command of its own (then "under 5 minutes" judges that wall clock)."""
     progress = progress or Progress(False)
 
-    def done(section: str) -> None:
+    def done(section: str, context_so_far: dict[str, Any] | None = None) -> None:
         if checkpoint is not None:   # with the targets judged so far: a run cut short still says where it stands
-            checkpoint({**result, "partial": True, "last_section": section, "targets": evaluate_targets(result)})
+            snapshot = {**result, "partial": True, "last_section": section, "targets": evaluate_targets(result)}
+            if context_so_far is not None:   # a context's rows so far (its targets are judged once it is done)
+                snapshot["decode"] = [*result["decode"], {**context_so_far, "partial": True}]
+            checkpoint(snapshot)
 
     t_start = time.perf_counter()
     device = torch.device(cfg.device)
@@ -109,7 +112,8 @@ def run_gpu_bench(cfg: GpuBenchConfig, progress: Progress | None = None,
             for i, context in enumerate(sorted(cfg.contexts)):
                 t = time.perf_counter()
                 row = _attempt(f"{context:,} tokens", lambda: run_context(
-                    cfg, model, context, scorer, clock, progress, growth=i == 0), device, progress)
+                    cfg, model, context, scorer, clock, progress, growth=i == 0,
+                    checkpoint=lambda so_far: done(f"context_{context}", so_far)), device, progress)
                 row.setdefault("context", context)
                 result["decode"].append(row)
                 seconds[f"context_{context}"] = _r(time.perf_counter() - t, 2)

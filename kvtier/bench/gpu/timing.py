@@ -79,15 +79,21 @@ class Skip(Exception):
     """A row that does not apply here (e.g. offloading on cpu): recorded as skipped with this reason."""
 
 
-def _free(device: torch.device, host: bool = False) -> None:
-    """Give cached device memory back (and, with `host`, the pinned blocks torch's host allocator caches)."""
+def _free(device: torch.device, host: bool = False) -> str | None:
+    """Give cached device memory back (and, with `host`, the pinned blocks torch's host allocator caches); None,
+    or why it could not (a device left in an error state by a failed row fails every later call: the rows after
+    it are then recorded as failed, and the JSON is still written)."""
     gc.collect()
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-        empty_host = getattr(torch._C, "_host_emptyCache", None)
-        if host and empty_host is not None:
-            empty_host()
+        try:
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
+            empty_host = getattr(torch._C, "_host_emptyCache", None)
+            if host and empty_host is not None:
+                empty_host()
+        except RuntimeError as e:
+            return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+    return None
 
 
 def _attempt(what: str, fn: Callable[[], dict[str, Any]], device: torch.device,
@@ -99,8 +105,10 @@ def _attempt(what: str, fn: Callable[[], dict[str, Any]], device: torch.device,
     except Exception as e:   # recorded in the output, never swallowed silently
         text = " ".join(str(e).split())[:400]
         reason = text if isinstance(e, Skip) else f"{type(e).__name__}: {text}"
+        stuck = _free(device)
+        if stuck is not None:
+            reason += f"; the device could not be freed after it ({stuck})"
         progress.say(f"{what}: skipped ({reason})")
-        _free(device)
         return {"skipped": reason}
 
 
