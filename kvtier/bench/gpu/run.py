@@ -59,12 +59,6 @@ def run_gpu_bench(cfg: GpuBenchConfig, progress: Progress | None = None,
         # indexed ("cuda" is the current device): what the run makes is compared with the tensors' "cuda:N"
         device = indexed_device(device)
         torch.cuda.set_device(device)   # events, streams and the allocators' figures follow the current device
-        if cfg.profile_steps:
-            # the profiler's CUDA tracing (CUPTI) set up before any graph is captured, as torch's own graph trees
-            # do: set up first inside a row whose graphs already replay, it can disturb them
-            import torch.profiler._utils as profiler_utils
-
-            getattr(profiler_utils, "_init_for_cuda_graphs", lambda: None)()
     clock = Clock(device)
     shape = SHAPES[cfg.shape]
     full_layers = shape["num_hidden_layers"]
