@@ -87,7 +87,8 @@ def run_million(cfg: GpuBenchConfig, scorer_for: Callable[[Any], tuple[Any, str]
                      "capturing_warmup_ms": graph_capture, "decode_graph": after,
                      "decode_graph_timed": {k: after[k] - before[k] for k in ("replays", "captures", "eager",
                                                                                "ordinary")},
-                     "gpu_allocated_bytes": None if base is None else torch.cuda.memory_allocated(device) - base}
+                     "graph_gpu_bytes": (None if base is None else
+                                         torch.cuda.memory_allocated(device) - base - measured)}
         st = cache.stats()
         dev_stats = st["device"]["reserved_bytes"] + st["device"]["index_bytes"]
         scale = cfg.num_layers / layers
