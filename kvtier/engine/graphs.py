@@ -100,9 +100,9 @@ class GraphSwitch:
 
     def stream(self, device: torch.device) -> torch.cuda.Stream:
         """The capture stream on `device` of every graph under this switch, made on first use (the graphs'
-        captures and warm-ups run one at a time). torch hands streams out of a pool of 32 in turn: a stream each
-        layer took would share its CUDA stream with the transfer manager's, so that a step waiting for a
-        capture's warm-up would also wait for the demotion copies queued there."""
+        captures and warm-ups run one at a time). torch hands streams out of a pool of 32 in turn: a stream for
+        each layer was bound to share its CUDA stream with the transfer manager's, so that a step waiting for a
+        capture's warm-up also waited for the demotion copies queued there."""
         if device not in self._streams:
             self._streams[device] = torch.cuda.Stream(device)
         return self._streams[device]

@@ -60,6 +60,7 @@ def _uncached_autocast() -> Any:
     finally:
         torch.set_autocast_cache_enabled(True)
 
+
 class DecodeGraph:
     """Decode steps of `model` over `cache`, each a CUDA graph's replay where the step is steady.
 

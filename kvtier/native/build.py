@@ -40,31 +40,39 @@ def binary_name(name: str, text: str, target: str, compiler: str) -> str:
     return f"{name}-{target}-{key}.bin"
 
 
-def cached_binary(name: str, text: str, target: str, compiler: str, build: Any) -> tuple[Path, bool]:
+def cached_binary(name: str, text: str, target: str, compiler: str, build: Any,
+                  shared: bool = True) -> tuple[Path, bool]:
     """The path of `text`'s binary and whether it was built now: read from the cache folder when there, else
     ``build(text)`` (bytes, or PTX text) written there whole or not at all (a temporary file renamed into
-    place), so another process never loads half a file. Where the folder cannot be written, the binary goes to
-    a folder of this process's own, removed at exit."""
+    place, readable by every user), so another process never loads half a file. Where the folder
+    cannot be written, or with `shared` False, the binary goes to a folder of this process's own, removed at
+    exit."""
     file = binary_name(name, text, target, compiler)
-    folders = [cache_dir()] + ([Path(_fallback.name)] if _fallback is not None else [])
+    folders = ([cache_dir()] if shared else []) + ([Path(_fallback.name)] if _fallback is not None else [])
     for folder in folders:
         if (folder / file).is_file():
             return folder / file, False
     data = build(text)
     data = data.encode() if isinstance(data, str) else bytes(data)
-    try:
-        folders[0].mkdir(parents=True, exist_ok=True)
-        return _write(folders[0] / file, data), True
-    except OSError:
-        return _write(_own_folder() / file, data), True
+    if shared:
+        try:
+            cache_dir().mkdir(parents=True, exist_ok=True)
+            return _write(cache_dir() / file, data), True
+        except OSError:
+            pass
+    return _write(_own_folder() / file, data), True
 
 
-def forget(path: Path) -> None:
-    """Remove a cached binary the driver refused (a damaged file), so that the next build writes it anew."""
+def forget(path: Path) -> bool:
+    """Remove a cached binary the driver refused (a damaged file), so that the next build writes it anew;
+    False where it cannot be removed (another user's, in a folder this process may not change)."""
     try:
         path.unlink()
     except FileNotFoundError:
         pass
+    except OSError:
+        return False
+    return True
 
 
 def nvrtc_build(cp: Any, name: str) -> Any:
@@ -90,6 +98,7 @@ def _own_folder() -> Path:
 def _write(path: Path, data: bytes) -> Path:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
+        os.fchmod(fd, 0o644)   # mkstemp's file is its owner's only: other users of the folder read it too
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)

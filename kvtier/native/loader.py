@@ -37,7 +37,7 @@ _INCLUDE = re.compile(r'^#include "([A-Za-z0-9_.]+)"\s*$', re.MULTILINE)
 _lock = threading.Lock()
 _cupy: Any = None
 _cupy_error: str | None = None
-_modules: dict[str, Any] = {}                      # source -> cupy.RawModule
+_modules: dict[tuple[str, int], Any] = {}          # (source, device) -> cupy.RawModule built for it
 _kernels: dict[tuple[str, str, int], Any] = {}     # (source, kernel name, device) -> loaded cupy.RawKernel
 _ready: dict[tuple[str, int], str | None] = {}     # (source, device) -> None when it built, else why not
 _streams: dict[tuple[int, int], Any] = {}          # (device, torch stream handle) -> cupy.cuda.ExternalStream
@@ -146,9 +146,9 @@ def kernel(src: str, name: str, device: torch.device) -> Any:
         if key not in _kernels:
             try:
                 with cp.cuda.Device(device.index):
-                    if src not in _modules:
-                        _modules[src] = _load(cp, src, device)
-                    _kernels[key] = _modules[src].get_function(name)
+                    if (src, device.index) not in _modules:   # built for this device's architecture
+                        _modules[(src, device.index)] = _load(cp, src, device)
+                    _kernels[key] = _modules[(src, device.index)].get_function(name)
                     _device_of[id(_kernels[key])] = device.index
             except (cp.cuda.compiler.CompileException, cp.cuda.driver.CUDADriverError, RuntimeError, OSError) as e:
                 # a compile error, a module the driver refuses, or no NVRTC library for cupy to load
@@ -171,8 +171,9 @@ def _load(cp: Any, src: str, device: torch.device) -> Any:
     major, minor = torch.cuda.get_device_capability(device)
     compiler = "nvrtc {}.{} cupy {}".format(*cp.cuda.nvrtc.getVersion(), cp.__version__)
 
-    def built() -> tuple[Path, bool]:
-        return build.cached_binary(src, text, f"sm_{major}{minor}", compiler, build.nvrtc_build(cp, src))
+    def built(shared: bool = True) -> tuple[Path, bool]:
+        return build.cached_binary(src, text, f"sm_{major}{minor}", compiler, build.nvrtc_build(cp, src),
+                                   shared=shared)
 
     def loaded(path: Path) -> Any:
         module = cp.RawModule(path=str(path))
@@ -186,8 +187,8 @@ def _load(cp: Any, src: str, device: torch.device) -> Any:
         if fresh:
             raise
         log.warning("the cached binary %s did not load; building %s.cu again", path, src)
-        build.forget(path)
-    return loaded(built()[0])
+    # a binary another user's process left may not be ours to remove: this process then keeps its own
+    return loaded(built(shared=build.forget(path))[0])
 
 
 def build_error(src: str, device: torch.device) -> str | None:

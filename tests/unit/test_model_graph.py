@@ -343,17 +343,22 @@ def test_steps_under_autocast_equal_ordinary_ones_without_its_cache_of_casts():
     reading casts the cache frees when the region ends), which changes no value: the same logits as ordinary
     steps under the same autocast, and the cache's setting as it was after each step."""
     model = tiny_llama()
-    seen = []
-    runs = {}
+    seen, runs, cached = [], {}, {False: [], True: []}
     for graphed in (False, True):
-        with _cache(model) as cache:
-            step = DecodeGraph(model, cache) if graphed else _plain(model, cache)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                runs[graphed] = _decode(step, steps=20)
-                seen.append(torch.is_autocast_cache_enabled())
-            if graphed:
-                assert step.stats()["eager"] > 10, step.stats()
+        hook = model.register_forward_pre_hook(lambda *_: cached[graphed].append(torch.is_autocast_cache_enabled()))
+        try:
+            with _cache(model) as cache:
+                step = DecodeGraph(model, cache) if graphed else _plain(model, cache)
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    runs[graphed] = _decode(step, steps=20)
+                    seen.append(torch.is_autocast_cache_enabled())
+                if graphed:
+                    assert step.stats()["eager"] > 10, step.stats()
+        finally:
+            hook.remove()
     assert torch.equal(runs[True], runs[False]) and seen == [True, True]
+    assert all(cached[False])                             # ordinary steps: autocast as the caller set it
+    assert cached[True].count(False) == step.stats()["eager"] and cached[True][0]   # planned ones: its cache off
 
 
 def test_a_decode_graph_made_under_inference_mode_steps_outside_it():

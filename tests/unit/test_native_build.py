@@ -73,11 +73,34 @@ def test_a_build_that_fails_leaves_nothing(cache):
     assert not cache.exists() or not any(cache.iterdir())
 
 
+def test_a_built_binary_is_readable_by_every_user_of_a_shared_folder(cache):
+    path, _ = build.cached_binary("kvp_score", "text", "sm_90", "nvrtc", Builds())
+    assert path.stat().st_mode & 0o777 == 0o644
+
+
+def test_a_refused_binary_that_cannot_be_removed_is_built_into_the_processs_own_folder(cache, monkeypatch):
+    """What the loader does when the driver refuses a cached binary it cannot remove (another user's, in a
+    folder this process may not change): `forget` says so, and the binary is built anew outside the shared
+    folder, where later loads of the process find it."""
+    monkeypatch.setattr(build, "_fallback", None)
+    builds = Builds()
+    path, _ = build.cached_binary("index_pages", "text", "sm_90", "nvrtc", builds)
+    blocked = cache / "a-folder"
+    blocked.mkdir()
+    assert build.forget(blocked) is False   # unlink refuses it, as it would another user's file
+    own, fresh = build.cached_binary("index_pages", "text", "sm_90", "nvrtc", builds, shared=False)
+    assert fresh and own.parent != cache and own.name == path.name and len(builds.texts) == 2
+    again, fresh = build.cached_binary("index_pages", "text", "sm_90", "nvrtc", builds, shared=False)
+    assert again == own and not fresh
+    assert build.cached_binary("index_pages", "text", "sm_90", "nvrtc", builds)[0] == path   # shared: as before
+    build._fallback.cleanup()
+
+
 def test_a_forgotten_binary_is_built_again(cache):
     builds = Builds()
     path, _ = build.cached_binary("pack_entries", "text", "sm_90", "nvrtc", builds)
-    build.forget(path)
-    build.forget(path)   # already gone: nothing to do
+    assert build.forget(path)
+    assert build.forget(path)   # already gone: nothing to do
     again, fresh = build.cached_binary("pack_entries", "text", "sm_90", "nvrtc", builds)
     assert again == path and fresh and len(builds.texts) == 2
 

@@ -216,7 +216,9 @@ def run_context(cfg: GpuBenchConfig, model: Any, context: int, scorer: Any, cloc
         progress.say(f"{context:,} tokens: {ROW_NAMES[name]}")
         row["rows"][name] = _attempt(f"{context:,} {ROW_NAMES[name]}", fn, device, progress)
         # offloading's copies leave pinned blocks in torch's host cache (tens of GiB at 128K): given back at once
-        _free(device, host=name == "offloading")
+        stuck = _free(device, host=name == "offloading")
+        if stuck is not None:   # an error the row's own work left on the device, seen only now
+            row["rows"][name]["device_error_after"] = stuck
         if checkpoint is not None:
             checkpoint(row)
     del kv, full
