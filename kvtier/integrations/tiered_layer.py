@@ -22,8 +22,8 @@ from ..engine.steady_step import SteadyStep, StepMismatch
 from ..errors import (BrokenCacheError, CapacityError, ClosedCacheError, ConfigError, UnsupportedError,
                       is_resource_error, os_reason)
 from .attention import claim, masked_new_tokens
-from .mask_reads import MaskVerdicts
 from .layers import WindowLayer
+from .mask_reads import MaskVerdicts
 
 
 class CacheState:
