@@ -129,16 +129,13 @@ class StepGraphs:
     """One layer's captured decode steps, by key; counts what ran how (`captures`, `replays`, `eager`)."""
 
     def __init__(self, device: torch.device, enabled: bool, switch: GraphSwitch | None = None, *,
-                 warm_aside: bool = False, gc_off: bool = False, passthrough: tuple[type, ...] = (),
+                 warm_aside: bool = False, passthrough: tuple[type, ...] = (),
                  at_once: bool = False) -> None:
         self.device = device
         # for a whole model's step: run a state's first (eager) step on the capture stream, as a warm-up of what
-        # its launches set up lazily (cuBLAS handles and workspaces), and keep Python's garbage collector off
-        # during a capture, so that no finalizer of collected garbage runs inside it (`torch.cuda.graph` collects
-        # before every capture instead, a walk over every Python object of a process holding a model, and a
-        # whole model's step is captured after every demotion); `passthrough`: exceptions of the work's own that
-        # are not a capture's failure (raised as they are, graphs left on)
-        self.warm_aside, self.gc_off, self.passthrough = warm_aside, gc_off, passthrough
+        # its launches set up lazily (cuBLAS handles and workspaces); `passthrough`: exceptions of the work's own
+        # that are not a capture's failure (raised as they are, graphs left on)
+        self.warm_aside, self.passthrough = warm_aside, passthrough
         # once a capture succeeded, capture a state the first step it is seen (where states last: a whole model's
         # step changes state only at a demotion); a capture made so that fails is not final: that state's step
         # runs eagerly (on the capture stream, with `warm_aside`), and states are captured the second step
@@ -246,7 +243,11 @@ class StepGraphs:
         graph = torch.cuda.CUDAGraph()
         self._stream.wait_stream(current)   # the capture reads what the step queued before it
         began = False
-        collecting = self.gc_off and gc.isenabled()
+        # Python's garbage collector is off during a capture: a finalizer of collected garbage (another cache's
+        # close, which reads back and waits on events) would run on this thread inside the capture and break it.
+        # `torch.cuda.graph` collects before every capture instead, a walk over every Python object of a process
+        # holding a model, and layers capture again after every demotion
+        collecting = gc.isenabled()
         if collecting:
             gc.disable()
         try:

@@ -87,7 +87,7 @@ class DecodeGraph:
         # lazily), later states are captured at once; a planned step the model calls otherwise than planned is
         # not a capture's failure
         self.graphs = StepGraphs(self.device, enabled and cache.settings.cuda_graphs, GraphSwitch(),
-                                 warm_aside=True, gc_off=True, passthrough=(StepMismatch,), at_once=True)
+                                 warm_aside=True, passthrough=(StepMismatch,), at_once=True)
         cache._shared.step_graphs.add(self.graphs)   # let go when a layer lets its recall buffer go (park, reset)
         # every module's table of parameters and of buffers (the model's modules as they stand: one replaced
         # later needs a new DecodeGraph)

@@ -492,6 +492,7 @@ def test_a_failed_capture_reports_what_the_work_raised_and_the_step_runs_eagerly
     def work(x):
         y = x * 2
         if torch.cuda.is_current_stream_capturing():
+            assert not gc.isenabled()   # no finalizer of collected garbage runs inside a capture
             with contextlib.suppress(RuntimeError):
                 torch.cuda.synchronize()   # invalidates the capture
             raise LookupError("the work's own failure")
@@ -504,6 +505,7 @@ def test_a_failed_capture_reports_what_the_work_raised_and_the_step_runs_eagerly
         assert torch.equal(y, x * 2)
     assert graphs.failed == "LookupError: the work's own failure", graphs.failed
     assert graphs.captures == graphs.replays == 0 and graphs.eager == 3
+    assert gc.isenabled()
     torch.cuda.synchronize()   # the failed capture left no stream capturing
 
 
