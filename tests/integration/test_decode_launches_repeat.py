@@ -33,9 +33,9 @@ from kvtier import TieredCache, native
 from kvtier.bench.launches import NO_KERNEL
 from kvtier.engine.layer import LayerEngine
 from kvtier.integrations.hf import cache_kwargs
-from kvtier.tasks import make_needle_task
 
-pytestmark = pytest.mark.slow
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+from tiny_models import random_ids, random_kvp, small_llama  # noqa: E402
 
 _PACKAGE = str(Path(kvtier.__file__).resolve().parent) + "/"
 _LAYER = _PACKAGE + "engine/layer.py"
@@ -166,22 +166,22 @@ def _watch_inputs(monkeypatch, recorder: list[StepRecorder | None], inputs: dict
     monkeypatch.setattr(LayerEngine, "attend", watched_attend)
 
 
-def test_what_changes_between_decode_steps_is_known(default_model, monkeypatch):
-    model, tok = default_model
-    task = make_needle_task(tok, 1500, depth=0.3, seed=4)
+def test_what_changes_between_decode_steps_is_known(monkeypatch):
+    model = small_llama()   # the launches recorded are the cache's own: a small model of the default one's heads
+    ids = random_ids(model, 1500, seed=4)
     recorder: list[StepRecorder | None] = [None]
     for name in _NATIVE_OPS:
         monkeypatch.setattr(native, name, _recorded(recorder, name))
     inputs: dict[int, str] = {}
     _watch_inputs(monkeypatch, recorder, inputs)
-    cache = TieredCache(model.config, device_budget=0.1, recall_pages=8)
+    cache = TieredCache(model.config, device_budget=0.1, recall_pages=8, scorer=random_kvp(model))
     for engine in cache._engines:   # the GPU's path, as `kvtier bench launches` counts it
         engine.device_recall = engine.select_kernels = engine.defer_nan = True
         engine.scorer.native_score = True
     steps, pages = [], [[True] * len(cache._engines)]   # the prefill demoted: its pages land in the next step
     try:
         with torch.no_grad():
-            logits = model(task.input_ids, **cache_kwargs(cache)).logits[:, -1]
+            logits = model(ids, **cache_kwargs(cache)).logits[:, -1]
             for _ in range(6):
                 inputs.clear()
                 recorder[0] = StepRecorder(inputs)
@@ -224,7 +224,7 @@ def _host_state(engine: LayerEngine) -> dict:
 
 
 @pytest.mark.parametrize("in_step", [False, True], ids=["prefetch-on-side-stream", "prefetch-in-step"])
-def test_decode_steps_with_one_graph_key_issue_the_same_launches(default_model, monkeypatch, in_step):
+def test_decode_steps_with_one_graph_key_issue_the_same_launches(monkeypatch, in_step):
     """What a captured decode step stands for: every two steps of a layer whose keys (`_decode_key`: the
     addresses and scalars the step's device work uses; `_prefetch_key` for its prefetch) are equal issue the
     same launches, with the same arguments, at the same addresses; the work reads nothing back to the host and
@@ -237,8 +237,8 @@ def test_decode_steps_with_one_graph_key_issue_the_same_launches(default_model, 
     from kvtier.recall.index import PageIndex
     from kvtier.tiers.host import HostPool
 
-    model, tok = default_model
-    task = make_needle_task(tok, 900, depth=0.3, seed=5)
+    model = small_llama()
+    ids = random_ids(model, 900, seed=5)
     recorder: list[StepRecorder | None] = [None]
     for name in _NATIVE_OPS:
         monkeypatch.setattr(native, name, _recorded(recorder, name))
@@ -281,14 +281,14 @@ def test_decode_steps_with_one_graph_key_issue_the_same_launches(default_model, 
         return run(self, lambda: k, inputs, recorded, **kwargs)
 
     monkeypatch.setattr(StepGraphs, "run", watched)
-    cache = TieredCache(model.config, device_budget=0.1, recall_pages=8)
+    cache = TieredCache(model.config, device_budget=0.1, recall_pages=8, scorer=random_kvp(model))
     for engine in cache._engines:   # the GPU's path, as `kvtier bench launches` counts it
         engine.device_recall = engine.select_kernels = engine.defer_nan = True
         engine.scorer.native_score = True
         engine.prefetch_in_step = in_step
     try:
         with torch.no_grad():
-            logits = model(task.input_ids, **cache_kwargs(cache)).logits[:, -1]
+            logits = model(ids, **cache_kwargs(cache)).logits[:, -1]
             for _ in range(20):
                 logits = model(logits.argmax(-1, keepdim=True), **cache_kwargs(cache)).logits[:, -1]
     finally:

@@ -5,10 +5,14 @@ On a GPU: recall is planned on the device (`plan_recall`, `recall_pages`), pages
 `page_upper_bounds` and `rank_pages`, KVP scores by `kvp_score`, the device entries are attended by
 `attend_slabs` and the recalled pages, where the recall buffer holds them, by `attend_pages`, which merges
 the two. Forced here on the CPU, the twins give each kernel's bits. Their sums round in their own order, so logits agree to float rounding and the greedy
-answer is the same.
+answer is the same. What holds bit for bit between two ways of running that path is held on a small random model
+of the default one's heads.
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +21,8 @@ from kvtier import TieredCache, native
 from kvtier.integrations.hf import cache_kwargs
 from kvtier.tasks import make_needle_task
 
-pytestmark = pytest.mark.slow
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+from tiny_models import random_ids, random_kvp, small_llama  # noqa: E402
 
 STEPS = 12
 
@@ -34,6 +39,7 @@ def _decode(model, ids: torch.Tensor, cache: TieredCache) -> tuple[list[int], li
     return tokens, seen
 
 
+@pytest.mark.slow
 def test_the_gpu_decode_path_answers_as_the_cpu_path(default_model):
     model, tok = default_model
     task = make_needle_task(tok, 1500, depth=0.3, seed=4)
@@ -60,21 +66,21 @@ def test_the_gpu_decode_path_answers_as_the_cpu_path(default_model):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-4)   # about 3e-5 apart on logits of 10 to 30
 
 
-def test_the_gpu_decode_path_runs_under_inference_mode(default_model):
+def test_the_gpu_decode_path_runs_under_inference_mode():
     """Under `torch.inference_mode` (tensors without a version counter, read-only outside it) the GPU's decode
     path, with its tensors kept from step to step (the step's position and KVP's features, the pool's count
     on the device, the NaN check's running maximum), answers as it does under `torch.no_grad`."""
-    model, tok = default_model
-    task = make_needle_task(tok, 900, depth=0.5, seed=2)
+    model = small_llama()
+    ids = random_ids(model, 900)
     runs = []
     for mode in (torch.no_grad, torch.inference_mode):
-        cache = TieredCache(model.config, device_budget=0.1, recall_pages=4)
+        cache = TieredCache(model.config, device_budget=0.1, recall_pages=4, scorer=random_kvp(model))
         for engine in cache._engines:
             engine.device_recall = engine.select_kernels = engine.defer_nan = True
             engine.scorer.native_score = True
         try:
             with mode():
-                logits = model(task.input_ids, **cache_kwargs(cache)).logits[:, -1]
+                logits = model(ids, **cache_kwargs(cache)).logits[:, -1]
                 tokens = []
                 for _ in range(6):
                     nxt = logits.argmax(-1, keepdim=True)
@@ -87,14 +93,14 @@ def test_the_gpu_decode_path_runs_under_inference_mode(default_model):
     torch.testing.assert_close(runs[0][1], runs[1][1], rtol=0, atol=0)
 
 
-def test_a_decode_step_written_by_its_attention_equals_one_written_before_it(default_model, monkeypatch):
+def test_a_decode_step_written_by_its_attention_equals_one_written_before_it(monkeypatch):
     """On the GPU's path a decode step's scoring and staging wait for its attention, so that the launches a CUDA
     graph replays hold them too (`LayerEngine.write_in_attention`). Moved there, they give the same bits: the
     same tokens, logits, scores and pool as a step written before its attention, over steps that demote."""
     from kvtier.engine.layer import LayerEngine
 
-    model, tok = default_model
-    task = make_needle_task(tok, 900, depth=0.5, seed=7)
+    model = small_llama()
+    ids = random_ids(model, 900, seed=7)
     written_by_attention = []
     launches = LayerEngine._decode_launches
 
@@ -105,14 +111,14 @@ def test_a_decode_step_written_by_its_attention_equals_one_written_before_it(def
     monkeypatch.setattr(LayerEngine, "_decode_launches", spy)
     runs = []
     for later in (None, False):
-        cache = TieredCache(model.config, device_budget=0.1, recall_pages=4)
+        cache = TieredCache(model.config, device_budget=0.1, recall_pages=4, scorer=random_kvp(model))
         for engine in cache._engines:
             engine.device_recall = engine.select_kernels = engine.defer_nan = True
             engine.scorer.native_score = True
             engine.write_in_attention = later
         written_by_attention.clear()
         try:
-            tokens, logits = _decode(model, task.input_ids, cache)
+            tokens, logits = _decode(model, ids, cache)
             pools = [(e.pool.count, *e.pool.meta()) for e in cache._engines]
             runs.append((tokens, logits, pools, cache.stats(), list(written_by_attention)))
         finally:

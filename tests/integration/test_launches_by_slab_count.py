@@ -11,25 +11,26 @@ the same.
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
+from pathlib import Path
 
-import pytest
 import torch
 
 import kvtier.engine.layer as layer
 from kvtier import TieredCache
 from kvtier.bench.launches import count_launches
-from kvtier.tasks import make_needle_task
 
-pytestmark = pytest.mark.slow
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+from tiny_models import random_ids, random_kvp, small_llama  # noqa: E402
 
 
-def test_launches_of_decode_steps_and_demotions_do_not_grow_with_slabs(default_model, monkeypatch):
-    model, tok = default_model
-    ids = make_needle_task(tok, 700, depth=0.3, seed=2).input_ids
+def test_launches_of_decode_steps_and_demotions_do_not_grow_with_slabs(monkeypatch):
+    model = small_llama()   # the launches counted are the cache's own: a small model of the default one's heads
+    ids = random_ids(model, 700)
 
     def tiered():
-        cache = TieredCache(model.config, device_budget=0.1, recall_pages=16)
+        cache = TieredCache(model.config, device_budget=0.1, recall_pages=16, scorer=random_kvp(model))
         for engine in cache._engines:   # the GPU's path, as `kvtier bench launches` counts it
             engine.device_recall = engine.select_kernels = engine.defer_nan = True
             engine.scorer.native_score = True

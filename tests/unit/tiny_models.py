@@ -16,6 +16,20 @@ def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
     return LlamaForCausalLM(config).eval()
 
 
+def small_llama(layers: int = 4, seed: int = 0) -> LlamaForCausalLM:
+    """A random-weight Llama with the default model's heads (3 KV heads of 64), `layers` deep, vocabulary 512:
+    for what holds of the cache's own work at any size, at a fraction of the default model's time."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(num_hidden_layers=layers, hidden_size=192, num_attention_heads=3, num_key_value_heads=3,
+                         intermediate_size=256, vocab_size=512, attn_implementation="sdpa")
+    return LlamaForCausalLM(config).eval()
+
+
+def random_ids(model, n: int, seed: int = 2) -> torch.Tensor:
+    """`n` random token ids ``[1, n]`` in `model`'s vocabulary."""
+    return torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
 def random_kvp(model):
     """A KVP scorer with random networks for `model`'s shape (the shipped weights fit the default model only)."""
     from kvtier.scoring.kvp import KVPAgents, KVPScorer
