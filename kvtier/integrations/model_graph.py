@@ -22,9 +22,9 @@ seventy steps at the default settings, and each step it waits to be captured run
 What a replay bakes in besides the cache's state: the model's weights where they lie (a model moved or cast
 after a capture is captured again; its modules are those it had when the `DecodeGraph` was made), the token and
 its position, copied into the graph's inputs. The step's
-attention mask is the causal one the model builds for one new token: a decode step's own token is never padding,
-and a prompt's padding was never stored (so `generate`'s 2D mask is left aside, its positions taken); models with
-sliding-window layers run the ordinary way.
+attention mask is a ready one that no layer reads: a decode step's own token is never padding, and a prompt's
+padding was never stored (so `generate`'s 2D mask is left aside, its positions taken); models with layers kvtier
+does not tier (sliding windows) run the ordinary way.
 """
 
 from __future__ import annotations
@@ -187,7 +187,6 @@ class DecodeGraph:
             self._position.fill_(engines[0].seen)
         else:   # left padding: the model's positions count the prompt's tokens, not the padding
             self._position.copy_(position_ids)
-        every_layer = len(plans) == len(cache.layers)   # no layer's attention is the model's own
         ran: list[bool] = []   # each run of `work` this call: whether it was a capture's (nothing executed)
         captures = self.graphs.captures
 
@@ -196,8 +195,7 @@ class DecodeGraph:
             for step in plans:   # what a capture that failed noted, this run notes again
                 step.launched, step.ids = False, None
             kwargs = {"cache_position": position[0]} if self._keyword else {}
-            if every_layer:
-                kwargs["attention_mask"] = self._mask
+            kwargs["attention_mask"] = self._mask   # every layer attends through kvtier (`_plan`)
             out = self.model(input_ids=ids, position_ids=position, use_cache=True, **kwargs, **cache_kwargs(cache))
             return (out.logits, *(step.ids for step in plans))
 
@@ -282,11 +280,13 @@ class DecodeGraph:
         return True
 
     def _plan(self) -> list | None:
-        """Every tiered layer's planned step, where each is steady, on this device, and nothing else stores
-        entries; else None."""
+        """Every layer's planned step, where every layer is tiered and steady, on this device, and nothing else
+        stores entries; else None. A layer kvtier does not tier (a sliding window, a layer that shares another's
+        entries) attends in the model's own way, from a mask and lengths that the replay would bake in."""
         state = self.cache._state
         state.check()
-        if state.windows or not state.engines or len(state.lengths()) > 1:
+        if state.windows or not state.engines or len(state.engines) != len(self.cache.layers) \
+                or len(state.lengths()) > 1:
             return None
         plans = []
         for engine in state.engines:
