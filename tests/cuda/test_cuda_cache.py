@@ -484,7 +484,7 @@ def test_demotions_of_several_pages_keep_replays_exact_and_capture_less_often(cu
 def test_a_failed_capture_reports_what_the_work_raised_and_the_step_runs_eagerly(cuda_device):
     """Work that breaks its capture (a device-wide sync, illegal while a stream captures) and then raises: the
     reason kept is the work's own error, not the one `capture_end` raises for the invalidated capture; the step
-    runs eagerly with the right result, and graphs are off for good after it."""
+    runs eagerly with the right result, graphs are off for good after it, and random draws on the device work."""
     import contextlib
 
     from kvtier.engine.graphs import StepGraphs
@@ -507,6 +507,9 @@ def test_a_failed_capture_reports_what_the_work_raised_and_the_step_runs_eagerly
     assert graphs.captures == graphs.replays == 0 and graphs.eager == 3
     assert gc.isenabled()
     torch.cuda.synchronize()   # the failed capture left no stream capturing
+    # nor the device's random generator in capture mode (torch leaves it so after a capture that failed): a draw
+    # outside a capture works, as sampling in `generate` must
+    assert torch.randn(4, device=cuda_device).isfinite().all()
 
 
 @pytest.mark.parametrize("case", ["reset", "narrow"])
