@@ -695,7 +695,8 @@ def test_graphs_replaced_after_demotions_write_nothing_outside_their_memory(cuda
     handed to a new tensor (after `empty_cache`, as an allocation near the device's limit would) is never written
     by a graph still replaying: on torch builds where a destroyed graph drops the cuBLAS workspace of its stream
     (pytorch/pytorch#193402), a live graph whose products used a workspace made outside its pool would write
-    into it. Sentinel tensors keep their bytes, and the logits are the ordinary steps'."""
+    into it. Sentinel tensors keep their bytes, and the logits are the ordinary steps'. On a torch build without
+    that change (2.11 is one) the sentinels cannot tell, and only the logits hold the graphs to account."""
     from kvtier import DecodeGraph, native
 
     if native.kernel_status() is not None:
