@@ -120,6 +120,21 @@ def _fresh_blas_workspaces() -> None:
         clear()
 
 
+def _leave_capture_rng(index: int) -> None:
+    """Take the device's default random generator out of capture mode after a capture that failed.
+
+    `capture_begin` puts the generator's state in capture mode and only a capture that ends takes it out, so after
+    a failed one every random draw on the device outside a capture (sampling in `generate`, `torch.randn`) raises
+    "Offset increment outside graph capture encountered unexpectedly". A copy of the state (the same seed and
+    offset, not in capture mode) takes its place; graphs captured before keep the state they hold."""
+    generator = torch.cuda.default_generators[index]
+    try:
+        generator.graphsafe_set_state(generator.clone_state())
+    except (AttributeError, NotImplementedError, RuntimeError) as e:   # a torch without graph-safe states
+        log.warning("after a failed CUDA graph capture, the random generator of cuda:%d could not be taken out of "
+                    "capture mode (%s: %s); random draws on it may fail", index, type(e).__name__, e)
+
+
 class _Captured:
     def __init__(self, graph: Any, inputs: tuple[torch.Tensor, ...], outputs: tuple[torch.Tensor, ...]) -> None:
         self.graph, self.inputs, self.outputs = graph, inputs, outputs
@@ -287,21 +302,6 @@ class StepGraphs:
             torch._C._cuda_releasePool(index, self._pool)
         self._pool = None
         _leave_capture_rng(index)
-
-
-def _leave_capture_rng(index: int) -> None:
-    """Take the device's default random generator out of capture mode after a capture that failed.
-
-    `capture_begin` puts the generator's state in capture mode and only a capture that ends takes it out, so after
-    a failed one every random draw on the device outside a capture (sampling in `generate`, `torch.randn`) raises
-    "Offset increment outside graph capture encountered unexpectedly". A copy of the state (the same seed and
-    offset, not in capture mode) takes its place; graphs captured before keep the state they hold."""
-    generator = torch.cuda.default_generators[index]
-    try:
-        generator.graphsafe_set_state(generator.clone_state())
-    except (AttributeError, NotImplementedError, RuntimeError) as e:   # a torch without graph-safe states
-        log.warning("after a failed CUDA graph capture, the random generator of cuda:%d could not be taken out of "
-                    "capture mode (%s: %s); random draws on it may fail", index, type(e).__name__, e)
 
     def clear(self) -> None:
         """Let the graph go (the state it reads is going: a new recall buffer, a reset, a park, a close)."""
