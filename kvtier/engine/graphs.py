@@ -120,6 +120,21 @@ def _fresh_blas_workspaces() -> None:
         clear()
 
 
+def release_failed_capture(device: torch.device, pool: Any) -> None:
+    """After a capture into `pool` that failed once begun (its stream no longer capturing): stop routing the
+    device's allocations to the pool and give back the capture's hold on it, which torch's `capture_end` does only
+    when the capture itself ended (then the graph gives its hold back when it goes), and take the device's random
+    generator out of capture mode."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    try:
+        torch._C._cuda_endAllocateToPool(index, pool)
+    except RuntimeError:   # capture_end got that far: the graph holds the pool, and lets it go
+        pass
+    else:
+        torch._C._cuda_releasePool(index, pool)
+    _leave_capture_rng(index)
+
+
 def _leave_capture_rng(index: int) -> None:
     """Take the device's default random generator out of capture mode after a capture that failed.
 
@@ -293,15 +308,8 @@ class StepGraphs:
         """After a capture that failed once begun: stop routing the capture stream's allocations to the pool and
         give back the capture's hold on it, which torch's `capture_end` does only when the capture itself ended
         (then the graph gives its hold back when it goes, and there is nothing to do here)."""
-        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        try:
-            torch._C._cuda_endAllocateToPool(index, self._pool)
-        except RuntimeError:   # capture_end got that far: the graph holds the pool, and lets it go
-            pass
-        else:
-            torch._C._cuda_releasePool(index, self._pool)
+        release_failed_capture(self.device, self._pool)
         self._pool = None
-        _leave_capture_rng(index)
 
     def clear(self) -> None:
         """Let the graph go (the state it reads is going: a new recall buffer, a reset, a park, a close)."""

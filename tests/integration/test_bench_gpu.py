@@ -378,3 +378,34 @@ def test_every_checkpoint_carries_the_targets_judged_so_far():
     assert final["seconds"]["process"] >= 30.0 + final["seconds"]["total"] - 0.5
     judged = {t["name"]: t for t in final["targets"]}["under_5_minutes"]
     assert judged["measured"] == final["seconds"]["process"]
+
+
+def test_a_failure_after_a_rows_timed_steps_keeps_them(monkeypatch):
+    """A row's profiles and long runs (the memory growth run, the 1M row's steps through `DecodeGraph`) come after
+    its timed steps: a failure in one is recorded under its own name, and the row keeps the steps the targets
+    judge, in the JSON, the table and the targets."""
+    from kvtier.bench.gpu import GpuBenchConfig, context, run_gpu_bench
+    from kvtier.bench.gpu.report import format_report
+    from kvtier.integrations import model_graph
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(context, "_growth", broken)
+    monkeypatch.setattr(model_graph.DecodeGraph, "__init__", broken)   # the 1M row's (and the one-graph row's)
+    cfg = GpuBenchConfig(device="cpu", shape="tiny", layers=1, contexts=(1024,), million_context=8192, copy_mib=1,
+                         batch_mib=1, repeats=1, steps=2, warmup=1, growth_steps=4, sustained_steps=0,
+                         prefill_chunk=512, disk_host_budget=None, decode_graph=True)
+    result = run_gpu_bench(cfg)
+    row = result["decode"][0]["rows"]["kvtier"]
+    assert row["step_ms_median"] > 0 and "skipped" not in row
+    assert row["growth"]["skipped"].startswith("RuntimeError: CUDA error: an illegal memory access"), row["growth"]
+    assert result["decode"][0]["rows"]["dynamic"]["timed_in_turn_with_kvtier"] is True
+    mil = result["million"]
+    assert mil["step_ms_median"] > 0 and mil["decode_graph"]["skipped"].startswith("RuntimeError: CUDA error")
+    judged = {t["name"]: t for t in result["targets"]}
+    assert judged["million_gpu_bytes"]["measured"] is not None
+    assert judged["no_device_memory_growth"]["measured"] is None
+    assert judged["no_device_memory_growth"]["note"].startswith("growth run skipped: RuntimeError")
+    text = format_report(result)
+    assert "memory growth run skipped (RuntimeError" in text and "stepped by DecodeGraph: skipped (Runtime" in text

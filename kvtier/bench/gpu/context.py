@@ -135,27 +135,42 @@ def run_context(cfg: GpuBenchConfig, model: Any, context: int, scorer: Any, cloc
                                              ("replays", "captures", "eager", "ordinary")}
             if device.type == "cuda" and graphs:
                 out["capturing_warmup_ms"] = capture_steps   # after the --warmup steps, before the timed ones
+            if in_turn_with is not None:   # the timed steps are done: DynamicCache's row has them whatever follows
+                paired.update(in_turn_with)
+
+            # what follows the timed steps stands alone: a failure in a profile or a long run is recorded under its
+            # own name and keeps the row's timed steps (those the targets judge)
+            def extra(what: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+                return _attempt(f"{context:,} tokens: {what}", fn, device, progress)
+
+            def demotion() -> dict[str, Any]:
+                nonlocal t
+                prof, t = profile_demotion(model, cache, t, clock)
+                return prof
+
+            def sustained() -> dict[str, Any]:
+                before = stepper.stats()
+                run = _growth(cfg, model, cache, t, layers, clock, progress, cfg.sustained_steps, stepper)
+                after = stepper.stats()
+                run["decode_graph"] = {k: after[k] - before[k] for k in ("replays", "captures", "eager", "ordinary")}
+                return run
+
             if cfg.profile_steps and profile:
                 progress.say(f"{context:,} tokens: {cfg.profile_steps} kvtier steps under cProfile")
-                out["host_profile"] = profile_steps(model, stepper, t, cfg.profile_steps, clock)
-                out["device_profile"] = _attempt("device profile", lambda: kernel_profile(
-                    model, stepper, t, cfg.profile_steps, clock), device, progress)
+                out["host_profile"] = extra("host profile", lambda: profile_steps(model, stepper, t,
+                                                                                  cfg.profile_steps, clock))
+                out["device_profile"] = extra("device profile", lambda: kernel_profile(
+                    model, stepper, t, cfg.profile_steps, clock))
                 if demoting:   # one context is enough: where a demoting step's extra time goes
                     progress.say(f"{context:,} tokens: kvtier steps under cProfile until one demotes")
-                    out["demotion_profile"], t = profile_demotion(model, cache, t, clock)
+                    out["demotion_profile"] = extra("demotion profile", demotion)
             if whole and cfg.sustained_steps:   # what a long decode sees: demotions and the captures after them
                 progress.say(f"{context:,} tokens: {cfg.sustained_steps} steps through DecodeGraph, demotions "
                              "included")
-                before = stepper.stats()
-                out["sustained"] = _growth(cfg, model, cache, t, layers, clock, progress, cfg.sustained_steps, stepper)
-                after = stepper.stats()
-                out["sustained"]["decode_graph"] = {k: after[k] - before[k] for k in
-                                                    ("replays", "captures", "eager", "ordinary")}
+                out["sustained"] = extra("sustained run", sustained)
             if demoting and cfg.growth_steps:   # the steps that demote, and those that capture after, included
                 progress.say(f"memory growth: up to {cfg.growth_steps} kvtier decode steps at {context:,}")
-                out["growth"] = _growth(cfg, model, cache, t, layers, clock, progress)
-            if in_turn_with is not None:   # only a row that ran whole lends DynamicCache its timed steps
-                paired.update(in_turn_with)
+                out["growth"] = extra("memory growth", lambda: _growth(cfg, model, cache, t, layers, clock, progress))
             return out
         finally:
             cache.close()

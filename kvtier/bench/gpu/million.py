@@ -75,20 +75,26 @@ def run_million(cfg: GpuBenchConfig, scorer_for: Callable[[Any], tuple[Any, str]
         measured = None if base is None else torch.cuda.memory_allocated(device) - base
         whole = None
         if cfg.decode_graph:   # the same cache stepped by DecodeGraph: the model's step and the cache's, one graph
-            graph = DecodeGraph(model, cache)
-            _, token = decode_steps(model, graph, token, 1, clock)   # the first steady step runs eagerly
-            graph_capture, token = warm_until_replayed(model, graph, token, clock)
-            before = graph.stats()
-            graph_times, token = decode_steps(model, graph, token, cfg.steps, clock, progress, "1M decode, one graph")
-            after = graph.stats()
-            whole = {"step_ms_median": _r(_median(graph_times) * 1e3),
-                     "step_ms": [_r(t * 1e3) for t in graph_times],
-                     "step_ms_per_layer": _r(_median(graph_times) * 1e3 / layers, 4),
-                     "capturing_warmup_ms": graph_capture, "decode_graph": after,
-                     "decode_graph_timed": {k: after[k] - before[k] for k in ("replays", "captures", "eager",
-                                                                               "ordinary")},
-                     "graph_gpu_bytes": (None if base is None else
-                                         torch.cuda.memory_allocated(device) - base - measured)}
+            def stepped_whole() -> dict:
+                nonlocal token
+                graph = DecodeGraph(model, cache)
+                _, token = decode_steps(model, graph, token, 1, clock)   # the first steady step runs eagerly
+                graph_capture, token = warm_until_replayed(model, graph, token, clock)
+                before = graph.stats()
+                graph_times, token = decode_steps(model, graph, token, cfg.steps, clock, progress,
+                                                  "1M decode, one graph")
+                after = graph.stats()
+                return {"step_ms_median": _r(_median(graph_times) * 1e3),
+                        "step_ms": [_r(t * 1e3) for t in graph_times],
+                        "step_ms_per_layer": _r(_median(graph_times) * 1e3 / layers, 4),
+                        "capturing_warmup_ms": graph_capture, "decode_graph": after,
+                        "decode_graph_timed": {k: after[k] - before[k] for k in ("replays", "captures", "eager",
+                                                                                  "ordinary")},
+                        "graph_gpu_bytes": (None if base is None else
+                                            torch.cuda.memory_allocated(device) - base - measured)}
+
+            # a failure here keeps the row's own steps and bytes (the 1M targets' figures)
+            whole = _attempt("1M decode through DecodeGraph", stepped_whole, device, progress)
         st = cache.stats()
         dev_stats = st["device"]["reserved_bytes"] + st["device"]["index_bytes"]
         scale = cfg.num_layers / layers
@@ -102,7 +108,8 @@ def run_million(cfg: GpuBenchConfig, scorer_for: Callable[[Any], tuple[Any, str]
                         step_ms_per_layer=_r(_median(times) * 1e3 / layers, 4), cuda_graphs=st["cuda_graphs"],
                         capturing_warmup_ms=capture_steps, decode_graph=whole)
         if cfg.profile_steps:   # where the step's time goes at 1M: the device's kernels above all
-            out["host_profile"] = profile_steps(model, cache, token, cfg.profile_steps, clock)
+            out["host_profile"] = _attempt("1M host profile", lambda: profile_steps(
+                model, cache, token, cfg.profile_steps, clock), device, progress)
             out["device_profile"] = _attempt("1M device profile", lambda: kernel_profile(
                 model, cache, token, cfg.profile_steps, clock), device, progress)
         out["projected_gpu_bytes_all_layers"] = out["per_layer_gpu_bytes"] * cfg.num_layers

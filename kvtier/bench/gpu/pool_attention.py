@@ -7,12 +7,14 @@ graph of them replays (the device's own time, without the host's launch gaps).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 
 from ... import native
 from ...engine.attention import attend_parts, merge_with_lse
+from ...engine.graphs import release_failed_capture
 from ...engine.layer import SLAB_TOKENS
 from ...placement.budget import Budget
 from ...tiers.device import DevicePool
@@ -65,7 +67,8 @@ def _row(cfg: GpuBenchConfig, device: torch.device, clock: Clock, context: int, 
     scale = D ** -0.5
     entries = Budget(cfg.device_budget, "device_budget").tokens(context) + 1   # with the step's own token
     pool = _pool(H, D, entries, device, cfg.seed)
-    q = torch.randn(1, H * group, 1, D, device=device).to(torch.bfloat16)
+    g = torch.Generator(device=device).manual_seed(cfg.seed + 1)
+    q = torch.randn(1, H * group, 1, D, generator=g, device=device).to(torch.bfloat16)
     packed = q.reshape(H, group, D)
     addresses = pool.addresses()
 
@@ -87,21 +90,33 @@ def _row(cfg: GpuBenchConfig, device: torch.device, clock: Clock, context: int, 
         """ms a call, `CALLS` calls captured in one CUDA graph and replayed; why not, where it could not be."""
         if not kernels:
             return "no graph: the kernels do not run here"
+        side, pool, began = torch.cuda.Stream(device), torch.cuda.graph_pool_handle(), False
+        graph = torch.cuda.CUDAGraph()
         try:
-            side = torch.cuda.Stream(device)
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
                 fn()   # warm on the capturing stream
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=side):
-                for _ in range(CALLS):
-                    fn()
+                # captured as the engine does (not `torch.cuda.graph`, which stays on its stream and leaves the
+                # capture's pool and the random generator as they were in the capture when `capture_end` fails)
+                graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+                began = True
+                try:
+                    for _ in range(CALLS):
+                        fn()
+                except BaseException:
+                    with contextlib.suppress(Exception):
+                        graph.capture_end()   # the stream stops capturing
+                    raise
+                graph.capture_end()
             torch.cuda.current_stream(device).wait_stream(side)
             graph.replay()
             ms = _median([clock.time(graph.replay) / CALLS for _ in range(cfg.repeats)]) * 1e3
             del graph
             return ms
         except RuntimeError as e:   # a capture refused: said, not hidden
+            torch.cuda.current_stream(device).wait_stream(side)
+            if began:
+                release_failed_capture(device, pool)
             return f"no graph: {' '.join(str(e).split())[:200]}"
 
     before = native.backend()["ops"].get("attend_slabs", {}).get("kernel", 0)

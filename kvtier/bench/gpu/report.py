@@ -176,7 +176,9 @@ def format_report(result: dict[str, Any]) -> str:
                          for r in pool["rows"]))
     growth = next((r["rows"]["kvtier"]["growth"] for r in result["decode"]
                    if "growth" in r.get("rows", {}).get("kvtier", {})), None)
-    if growth:
+    if growth and growth.get("skipped"):
+        lines.append(f"  memory growth run skipped ({growth['skipped']})")
+    elif growth:
         lines.append(f"  memory over {growth['steps']} kvtier steps at {_tokens(result['decode'][0]['context'])}: "
                      f"device {growth['device_growth_bytes'] / MiB:+.1f} MiB, "
                      f"host {growth['host_growth_bytes'] / MiB:+.1f} MiB "
@@ -204,7 +206,9 @@ def format_report(result: dict[str, Any]) -> str:
                       f"  tiers: device {t['device']['bytes'] / GiB:.2f} GiB ({t['device']['tokens']:,} entries), "
                       f"host {t['host']['bytes'] / GiB:.2f} GiB, disk {t['disk']['bytes'] / GiB:.2f} GiB"]
             whole = mil.get("decode_graph")
-            if whole:
+            if whole and whole.get("skipped"):
+                lines.append(f"  stepped by DecodeGraph: skipped ({whole['skipped']})")
+            elif whole:
                 lines.append(f"  stepped by DecodeGraph (one graph a step): {whole['step_ms_median']:.2f} ms "
                              f"({whole['step_ms_per_layer']:.3f} ms per layer); timed steps "
                              + ", ".join(f"{v} {k}" for k, v in whole["decode_graph_timed"].items())
@@ -235,6 +239,8 @@ def _disk_share(row: dict[str, Any]) -> str:
 
 def _sustained(run: dict[str, Any] | None, ratio: float | None) -> str:
     """The sustained run of the one-graph row, as a clause: its mean step (demotions and captures included)."""
+    if run and run.get("skipped"):
+        return f"; sustained run skipped ({run['skipped']})"
     if not run or not run.get("steps"):
         return ""
     counts = run.get("decode_graph", {})

@@ -83,13 +83,14 @@ def evaluate_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
         measured = g.get(f"{side}_growth_bytes")
         limit = g.get("allowance", {}).get(f"{side}_bytes", 0)
         note = ("growth run did not happen" if growth is None else
+                f"growth run skipped: {growth['skipped']}" if growth.get("skipped") else
                 f"{g['steps']} of {g['steps_asked']} steps (stopped at --growth-seconds)" if g["stopped_early"] else
                 f"{g['steps']} steps, {g['new_tokens']} new tokens")
         t = _target(f"no_{side}_memory_growth",
                     f"no growth of {'GPU' if side == 'device' else 'pinned host'} memory over 1,000 decode steps "
                     "(beyond the new tokens' K/V and one allocation unit per pool)",
                     None if measured is None else measured / MiB, "MiB", limit / MiB, "lower", note)
-        if growth is not None and growth["stopped_early"] and t["pass"]:
+        if growth is not None and growth.get("stopped_early") and t["pass"]:
             t["pass"] = None   # fewer steps than the target asks: no verdict
         out.append(t)
     seconds = result.get("seconds", {})
