@@ -140,8 +140,17 @@ def _leave_capture_rng(index: int) -> None:
 
     `capture_begin` puts the generator's state in capture mode and only a capture that ends takes it out, so after
     a failed one every random draw on the device outside a capture (sampling in `generate`, `torch.randn`) raises
-    "Offset increment outside graph capture encountered unexpectedly". A copy of the state (the same seed and
-    offset, not in capture mode) takes its place; graphs captured before keep the state they hold."""
+    "Offset increment outside graph capture encountered unexpectedly". Where a draw shows it so (torch builds
+    that keep a state per capture do not leave it), a copy of the state (the same seed and offset, not in capture
+    mode) takes its place; graphs captured before keep the state they hold."""
+    with torch.cuda.device(index):
+        if torch.cuda.is_current_stream_capturing():
+            return   # the caller's own capture: a draw would be part of it
+        try:
+            torch.empty(1, device=torch.device("cuda", index)).uniform_()
+            return   # draws work: the generator's state is left as it is
+        except RuntimeError:
+            pass
     generator = torch.cuda.default_generators[index]
     try:
         generator.graphsafe_set_state(generator.clone_state())
