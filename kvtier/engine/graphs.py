@@ -120,6 +120,26 @@ def _fresh_blas_workspaces() -> None:
         clear()
 
 
+def capture_into(graph: Any, device: torch.device, pool: Any, work: Callable[[], Any]) -> Any:
+    """``work()`` captured into `graph` on the current stream, its allocations in `pool`; returns what it
+    returned. A capture that fails once begun is ended and released (`release_failed_capture`) before the error
+    is raised: what `work` raised, where it raised (the capture it invalidated makes `capture_end` raise one of
+    its own, which would hide it)."""
+    graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+    try:
+        try:
+            out = work()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                graph.capture_end()   # the stream stops capturing
+            raise
+        graph.capture_end()
+    except BaseException:
+        release_failed_capture(device, pool)
+        raise
+    return out
+
+
 def release_failed_capture(device: torch.device, pool: Any) -> None:
     """After a capture into `pool` that failed once begun (its stream no longer capturing): stop routing the
     device's allocations to the pool and give back the capture's hold on it, which torch's `capture_end` does only
@@ -281,7 +301,6 @@ class StepGraphs:
             fixed = tuple(torch.empty_like(t) for t in inputs)
         graph = torch.cuda.CUDAGraph()
         self._stream.wait_stream(current)   # the capture reads what the step queued before it
-        began = False
         # Python's garbage collector is off during a capture: a finalizer of collected garbage (another cache's
         # close, which reads back and waits on events) would run on this thread inside the capture and break it.
         # `torch.cuda.graph` collects before every capture instead, a walk over every Python object of a process
@@ -292,33 +311,15 @@ class StepGraphs:
         try:
             with torch.cuda.stream(self._stream):
                 _fresh_blas_workspaces()
-                graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
-                began = True
-                try:
-                    outputs = tuple(work(*fixed))
-                except BaseException:
-                    # what `work` raised is the error to report: the capture it invalidated makes capture_end
-                    # raise one of its own, which would hide it
-                    with contextlib.suppress(Exception):
-                        graph.capture_end()
-                    raise
-                graph.capture_end()
+                outputs = tuple(capture_into(graph, self.device, self._pool, lambda: work(*fixed)))
         except BaseException:
-            if began:
-                self._release_failed_pool()
+            self._pool = None   # given back by a capture that failed (a pool no graph holds is not captured into)
             raise
         finally:
             if collecting:
                 gc.enable()
             current.wait_stream(self._stream)
         return _Captured(graph, fixed, outputs)
-
-    def _release_failed_pool(self) -> None:
-        """After a capture that failed once begun: stop routing the capture stream's allocations to the pool and
-        give back the capture's hold on it, which torch's `capture_end` does only when the capture itself ended
-        (then the graph gives its hold back when it goes, and there is nothing to do here)."""
-        release_failed_capture(self.device, self._pool)
-        self._pool = None
 
     def clear(self) -> None:
         """Let the graph go (the state it reads is going: a new recall buffer, a reset, a park, a close)."""

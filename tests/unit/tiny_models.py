@@ -57,8 +57,7 @@ def continue_greedy(model, cache, logits, n=4) -> tuple[list[int], torch.Tensor]
 @torch.no_grad()
 def greedy_logits(model, cache, prompt: int = 200, steps: int = 40, seed: int = 3) -> torch.Tensor:
     """A random `prompt`-token prompt through `cache`, then `steps` greedy steps: their logits ``[steps, 1, vocab]``."""
-    ids = torch.randint(0, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(seed))
-    logits = model(ids, **cache_kwargs(cache)).logits[:, -1:]
+    logits = model(random_ids(model, prompt, seed), **cache_kwargs(cache)).logits[:, -1:]
     out = []
     for _ in range(steps):
         logits = model(logits.argmax(-1), **cache_kwargs(cache)).logits[:, -1:]

@@ -7,14 +7,13 @@ graph of them replays (the device's own time, without the host's launch gaps).
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
 
 from ... import native
 from ...engine.attention import attend_parts, merge_with_lse
-from ...engine.graphs import release_failed_capture
+from ...engine.graphs import capture_into
 from ...engine.layer import SLAB_TOKENS
 from ...placement.budget import Budget
 from ...tiers.device import DevicePool
@@ -90,24 +89,14 @@ def _row(cfg: GpuBenchConfig, device: torch.device, clock: Clock, context: int, 
         """ms a call, `CALLS` calls captured in one CUDA graph and replayed; why not, where it could not be."""
         if not kernels:
             return "no graph: the kernels do not run here"
-        side, pool, began = torch.cuda.Stream(device), torch.cuda.graph_pool_handle(), False
-        graph = torch.cuda.CUDAGraph()
+        side, graph = torch.cuda.Stream(device), torch.cuda.CUDAGraph()
         try:
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
                 fn()   # warm on the capturing stream
                 # captured as the engine does (not `torch.cuda.graph`, which stays on its stream and leaves the
                 # capture's pool and the random generator as they were in the capture when `capture_end` fails)
-                graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-                began = True
-                try:
-                    for _ in range(CALLS):
-                        fn()
-                except BaseException:
-                    with contextlib.suppress(Exception):
-                        graph.capture_end()   # the stream stops capturing
-                    raise
-                graph.capture_end()
+                capture_into(graph, device, torch.cuda.graph_pool_handle(), lambda: [fn() for _ in range(CALLS)])
             torch.cuda.current_stream(device).wait_stream(side)
             graph.replay()
             ms = _median([clock.time(graph.replay) / CALLS for _ in range(cfg.repeats)]) * 1e3
@@ -115,8 +104,6 @@ def _row(cfg: GpuBenchConfig, device: torch.device, clock: Clock, context: int, 
             return ms
         except RuntimeError as e:   # a capture refused: said, not hidden
             torch.cuda.current_stream(device).wait_stream(side)
-            if began:
-                release_failed_capture(device, pool)
             return f"no graph: {' '.join(str(e).split())[:200]}"
 
     before = native.backend()["ops"].get("attend_slabs", {}).get("kernel", 0)
