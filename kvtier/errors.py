@@ -82,6 +82,10 @@ def os_reason(e: BaseException) -> str:
         seen.add(id(cur))
         if isinstance(cur, MemoryError):
             return "out of memory"
+        if is_out_of_device_memory(cur):
+            # torch's message: "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has ..." and advice
+            said = ". ".join(" ".join(str(cur).split()).split(". ")[:2])
+            return f"out of device memory ({said})"
         if isinstance(cur, OSError) and cur.errno is not None:
             name = errno.errorcode.get(cur.errno, str(cur.errno))
             what = _OS_REASONS.get(name)
@@ -93,10 +97,17 @@ def os_reason(e: BaseException) -> str:
     return str(e)
 
 
+def is_out_of_device_memory(e: BaseException) -> bool:
+    """torch's own out-of-memory error (a GPU's, a `RuntimeError` rather than a `MemoryError`)."""
+    import torch
+
+    return isinstance(e, torch.OutOfMemoryError)
+
+
 def is_resource_error(e: BaseException) -> bool:
-    """Whether ``e`` is a raw resource failure (an OSError, MemoryError, or a thread that could not start)
-    that kvtier reports as `CapacityError`."""
+    """Whether ``e`` is a raw resource failure (an OSError, MemoryError, a GPU out of memory, or a thread that
+    could not start) that kvtier reports as `CapacityError`."""
     if isinstance(e, KVTierError):
         return False
-    return isinstance(e, (OSError, MemoryError)) or (isinstance(e, RuntimeError)
-                                                      and "can't start new thread" in str(e))
+    return isinstance(e, (OSError, MemoryError)) or is_out_of_device_memory(e) or (
+        isinstance(e, RuntimeError) and "can't start new thread" in str(e))

@@ -22,7 +22,8 @@ from typing import Any, Callable, Iterable
 import click
 import torch
 
-from ..errors import ConfigError, KVTierError, ModelNotInstalledError, UnsupportedError
+from ..errors import (ConfigError, KVTierError, ModelNotInstalledError, UnsupportedError, is_out_of_device_memory,
+                      os_reason)
 
 EXIT_USAGE, EXIT_RUNTIME = 2, 3
 
@@ -422,6 +423,8 @@ def classify(exc: BaseException) -> tuple[str, int] | None:
         return one_line(f"{type(exc).__name__}: {exc}"), EXIT_RUNTIME
     if isinstance(exc, (OSError, MemoryError)):  # a full disk, a failing device, out of memory while running
         return one_line(f"{type(exc).__name__}: {exc}"), EXIT_RUNTIME
+    if is_out_of_device_memory(exc):             # a GPU out of memory (the model's own steps included)
+        return one_line(f"{type(exc).__name__}: {os_reason(exc)}"), EXIT_RUNTIME
     return None
 
 

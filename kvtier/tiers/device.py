@@ -53,15 +53,19 @@ class DevicePool:
         first)."""
         S, H = self.slab_tokens, self.heads
         while self.capacity < n:
-            try:
-                self.k.append(torch.empty(1, H, S, self.head_dim, dtype=self.dtype, device=self.device))
-                self.v.append(torch.empty_like(self.k[-1]))
-                self.pos.append(torch.empty(H, S, dtype=torch.int64, device=self.device))
-                self.score.append(torch.empty(H, S, dtype=torch.float32, device=self.device))
-                self._addresses = None
+            try:   # all four first: a failure part way must not leave the lists of unequal lengths
+                k = torch.empty(1, H, S, self.head_dim, dtype=self.dtype, device=self.device)
+                v = torch.empty_like(k)
+                pos = torch.empty(H, S, dtype=torch.int64, device=self.device)
+                score = torch.empty(H, S, dtype=torch.float32, device=self.device)
             except RuntimeError as e:
                 raise CapacityError(f"could not allocate a device slab of {S} tokens x {H} heads on "
                                     f"{self.device}: {e}") from e
+            self.k.append(k)
+            self.v.append(v)
+            self.pos.append(pos)
+            self.score.append(score)
+            self._addresses = None
 
     def _write(self, start: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
         """Write entries ``k, v`` ``[1, heads, q, dim]`` and ``pos`` ``[heads, q]`` at ``[start, start + q)``."""

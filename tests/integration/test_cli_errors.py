@@ -494,18 +494,27 @@ def test_help_still_works():
 
 # ------------------------------------------------------------------------------------------- runtime failures
 
-@pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"), "capacity"])
+GPU_FULL = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 139.81 GiB of which "
+            "1.02 GiB is free. Of the allocated memory 137.1 GiB is allocated by PyTorch. If reserved but unallocated "
+            "memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+
+
+@pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"), "capacity", "gpu"])
 def test_failure_while_running_exits_3(monkeypatch, error):
+    import torch
+
     import kvtier.bench.synthetic as synthetic
     from kvtier.errors import CapacityError
 
-    exc = CapacityError("disk tier full: 0 bytes free in /x") if error == "capacity" else error
+    exc = {"capacity": CapacityError("disk tier full: 0 bytes free in /x"),
+           "gpu": torch.OutOfMemoryError(GPU_FULL)}.get(error, error)
 
     def fail(*args, **kwargs):
         raise exc
 
     monkeypatch.setattr(synthetic, "synthetic_needles", fail)
-    word = "No space left" if error != "capacity" else "CapacityError"
+    word = {"capacity": "CapacityError", "gpu": "out of device memory (CUDA out of memory. Tried to allocate 2.00 "
+            "GiB)"}.get(error, "No space left")
     assert_one_line(run("demo", "--synthetic", "--context", "4K"), 3, word)
     assert_json_error(run("demo", "--synthetic", "--context", "4K", "--json"), 3, word)
 

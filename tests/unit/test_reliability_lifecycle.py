@@ -198,6 +198,32 @@ def test_disk_full_while_placing_a_step_breaks_the_cache(model, tmp_path, expect
     cache.close()
 
 
+def test_a_gpu_out_of_memory_in_the_first_layers_slab_is_a_capacity_error_and_changes_nothing(model, tmp_path,
+                                                                                               expected, monkeypatch):
+    """The device running out of memory between a slab's key and value tensors, in the first tiered layer of the
+    prompt's step: nothing moved, so the cache is not broken, says why in words, and the same prompt then gives
+    the same tokens."""
+    import kvtier.tiers.device as device_module
+
+    class OutOfMemoryAtValues:
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def empty_like(*args, **kwargs):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
+                                         "capacity of 139.81 GiB of which 1.02 GiB is free.")
+
+    cache = TieredCache(model.config, disk_dir=tmp_path, scorer="keynorm", **SETTINGS)
+    monkeypatch.setattr(device_module, "torch", OutOfMemoryAtValues())
+    with pytest.raises(CapacityError, match="could not allocate a device slab .* CUDA out of memory"):
+        generate(model, cache, n=1)
+    monkeypatch.undo()
+    assert cache.broken is None and cache.get_seq_length() == 0
+    assert same(generate(model, cache), expected)
+    cache.close()
+
+
 def test_an_interruption_between_layers_is_caught_at_the_next_step(model, tmp_path, expected, monkeypatch):
     """An exception outside kvtier (here in layer 0's MLP, as a Ctrl-C would land) leaves layer 0 ahead of
     layer 1; the next step sees the layers disagree and refuses."""
