@@ -29,10 +29,12 @@ class RecentSmallKeys:
         return -norm + self.weight * recency
 
 
-model, tokenizer = load_default_model()
+device = "cuda" if torch.cuda.is_available() else "cpu"
+model, tokenizer = load_default_model(device=device)
 question = "Name three things a lighthouse keeper does every night. "
 ids = tokenizer.apply_chat_template([{"role": "user", "content": question * (3 if "--short" in sys.argv else 30)}],
                                     add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+ids = ids.to(device)
 cache = TieredCache(model.config, device_budget=0.2, scorer=RecentSmallKeys(), recall_pages=16)
 with torch.no_grad():
     out = model.generate(ids, **cache_kwargs(cache), max_new_tokens=12 if "--short" in sys.argv else 48)

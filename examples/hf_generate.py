@@ -10,10 +10,11 @@ import torch
 
 from kvtier import TieredCache, cache_kwargs, load_default_model
 
-model, tokenizer = load_default_model()
+device = "cuda" if torch.cuda.is_available() else "cpu"   # the cache's device tier sits where the model runs
+model, tokenizer = load_default_model(device=device)
 text = "Explain, step by step, how a lighthouse guides ships at night. " * (4 if "--short" in sys.argv else 40)
 ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                    return_tensors="pt", return_dict=True)["input_ids"]
+                                    return_tensors="pt", return_dict=True)["input_ids"].to(device)
 cache = TieredCache(model.config, device_budget=0.1, host_budget=0.3, recall_pages=32)
 with torch.no_grad():
     out = model.generate(ids, **cache_kwargs(cache), max_new_tokens=16 if "--short" in sys.argv else 64)

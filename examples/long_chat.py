@@ -7,6 +7,8 @@ A second copy of the conversation that is never parked checks that parking chang
 
 import sys
 
+import torch
+
 from kvtier import load_default_model
 from kvtier.cli.format import human_bytes
 from kvtier.integrations.chat import ChatSession
@@ -21,7 +23,7 @@ TURNS = [
 ]
 short = "--short" in sys.argv
 turns = TURNS[:2] if short else TURNS
-model, tokenizer = load_default_model()
+model, tokenizer = load_default_model(device="cuda" if torch.cuda.is_available() else "cpu")
 chat = ChatSession(model, tokenizer, device_budget=0.25, host_budget=0.5)
 twin = ChatSession(model, tokenizer, device_budget=0.25, host_budget=0.5)   # never parked
 store = SessionStore(host_bytes=0 if short else 2 * 2**20)                  # a tiny host budget: pushes to disk

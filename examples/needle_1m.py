@@ -6,11 +6,14 @@ needle entries (no model runs; no machine here could prefill 1M tokens); recall 
 
 import sys
 
+import torch
+
 from kvtier.bench.synthetic import synthetic_needles
 from kvtier.cli.format import human_bytes
 
 context = 65_536 if "--short" in sys.argv else 1_048_576
-report = synthetic_needles("llama-3.1-8b", context=context, needles=3, device_budget=0.01, host_budget=0.05)
+report = synthetic_needles("llama-3.1-8b", context=context, needles=3, device_budget=0.01, host_budget=0.05,
+                           device="cuda" if torch.cuda.is_available() else "cpu")
 for needle in report["needles"]:
     print(f"needle at {needle['position']:,}: recalled={needle['recalled']}, "
           f"cosine to its value {needle['cosine_to_needle_value']:.4f}")

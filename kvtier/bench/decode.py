@@ -41,7 +41,7 @@ def time_decode(model: Any, input_ids: torch.Tensor, cache: Any, new_tokens: int
     if before_timing is not None:
         before_timing()
     out = []
-    sync = torch.cuda.synchronize if input_ids.is_cuda else (lambda: None)
+    sync = (lambda: torch.cuda.synchronize(input_ids.device)) if input_ids.is_cuda else (lambda: None)
     sync()
     seconds, start = 0.0, time.perf_counter()
     for _ in range(new_tokens):

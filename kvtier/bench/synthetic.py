@@ -57,9 +57,12 @@ class _Plan:
 def synthetic_needles(arch: str = "llama-3.1-8b", context: int = 2**20, needles: int = 4,
                       device_budget: float = 0.01, host_budget: float = 0.05, recall_pages: int = 32,
                       disk_dir: str | None = None, chunk: int = 65536, seed: int = 0,
-                      progress: Callable[[Any], Any] = iter) -> dict[str, Any]:
-    """One layer of `arch` filled with `context` synthetic tokens and `needles` planted entries."""
+                      progress: Callable[[Any], Any] = iter, device: str | torch.device = "cpu") -> dict[str, Any]:
+    """One layer of `arch` filled with `context` synthetic tokens and `needles` planted entries, its device tier on
+    `device` (the same tokens on any device: they are drawn on the CPU; so is the exact reference)."""
     layers, q_heads, kv_heads, dim = ARCHS[arch]
+    device = torch.device(device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     dtype = torch.bfloat16
     plan = _Plan(kv_heads, q_heads, dim, context, chunk, seed)
     g = torch.Generator().manual_seed(seed)
@@ -83,24 +86,28 @@ def synthetic_needles(arch: str = "llama-3.1-8b", context: int = 2**20, needles:
         start_fill = time.perf_counter()
         for start in progress(range(0, context, chunk)):
             k, v = planted(start)
-            engine.write(k, v)
+            engine.write(k.to(device), v.to(device))
             engine.commit()
+        sync()
         fill_seconds = time.perf_counter() - start_fill
         usage = engine.usage()
         found = []
         for i, p in enumerate(spots):
             query = (directions[i] * QUERY_NORM).repeat_interleave(q_heads // kv_heads, dim=0)[None, :, None]
-            step_k = torch.zeros(1, kv_heads, 1, dim, dtype=dtype)
+            step_k = torch.zeros(1, kv_heads, 1, dim, dtype=dtype, device=device)
+            step_q = query.to(device, dtype)
+            sync()
             t0 = time.perf_counter()
             engine.write(step_k, step_k)
-            out, _ = engine.attend(query.to(dtype), 1 / math.sqrt(dim))   # pages are demoted: never None
+            out, _ = engine.attend(step_q, 1 / math.sqrt(dim))   # pages are demoted: never None
+            sync()
             tiered_s = time.perf_counter() - t0
             engine.commit()
             hit = _recalled(engine, engine.last_recall, p)
             t0 = time.perf_counter()
             ref = _full_attention(plan, planted, query, zero_tokens=i + 1)
             full_s = time.perf_counter() - t0
-            got = out[0, 0].float()  # [q_heads, dim]
+            got = out[0, 0].float().cpu()  # [q_heads, dim]
             found.append({"position": p, "recalled": hit,
                           "cosine_to_needle_value": float(torch.nn.functional.cosine_similarity(
                               got, marks[i].repeat_interleave(q_heads // kv_heads, dim=0), dim=-1).min()),
@@ -111,7 +118,8 @@ def synthetic_needles(arch: str = "llama-3.1-8b", context: int = 2**20, needles:
                 "bytes_moved": dict(engine.counters.bytes_moved),
                 "pages_recalled": dict(engine.counters.pages_recalled),
                 "settings": {"device_budget": device_budget, "host_budget": host_budget,
-                             "recall_pages": recall_pages, "page_size": cfg.page_size, "dtype": str(dtype)}}
+                             "recall_pages": recall_pages, "page_size": cfg.page_size, "dtype": str(dtype),
+                             "device": str(device)}}
     finally:
         engine.close()
         shared.close()

@@ -259,7 +259,8 @@ def launches(context: str, steps: int, demote_pages: str, prefetch_at: str, host
              threads: int, seed: int, as_json: bool) -> None:
     """Kernel launches per layer of a decode step (tensor operations; on a GPU each costs the host a few
     microseconds), kvtier (recall planned, pages chosen and entries scored as on a GPU) against DynamicCache,
-    by part; and the host time per layer-step in the cache's own code, the kernels' twins left out."""
+    by part; and the host time per layer-step in the cache's own code, the kernels' twins left out. On CUDA the
+    steps run eagerly (no CUDA graphs), so that every launch is counted."""
     host = parse_budget(host_budget, "--host-budget")
     tokens, budget = _needle_budget(context, device_budget, recall_pages, host)
     demotes = parse_demote_pages(demote_pages)
@@ -276,8 +277,9 @@ def launches(context: str, steps: int, demote_pages: str, prefetch_at: str, host
     ids = task.input_ids.to(device)
 
     def tiered(demote: int | None, plan: str) -> TieredCache:
+        # on CUDA, eager steps: a replayed graph dispatches nothing the counter could see
         cache = TieredCache(lm.config, device_budget=budget, host_budget=host, recall_pages=recall_pages,
-                            demote_pages=demote, scorer=None if scorer == "auto" else scorer)
+                            demote_pages=demote, scorer=None if scorer == "auto" else scorer, cuda_graphs=False)
         for engine in cache._engines:   # recall planned, pages chosen, entries scored and checked as on a GPU
             engine.select_kernels = engine.defer_nan = True
             engine.device_recall = plan == "device"

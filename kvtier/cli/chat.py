@@ -7,7 +7,8 @@ import sys
 
 import click
 
-from .common import THREADS, check_cache_options, check_model, load, parse_budget, set_threads, user_errors
+from .common import (DEVICE_HELP, THREADS, check_cache_options, check_model, load, parse_budget, resolve_device,
+                     set_threads, user_errors)
 from .format import human_bytes
 
 
@@ -24,17 +25,20 @@ from .format import human_bytes
               help="Step each reply through DecodeGraph: on CUDA, each steady decode step (the model's launches and "
                    "the cache's) replayed as one CUDA graph; the same replies. Steps replay while every demoted page "
                    "is in host memory: with --host-budget none, or until a layer first spills pages to disk.")
+@click.option("--device", default="auto", show_default=True, help=DEVICE_HELP)
 @click.option("--threads", default=1, show_default=True, type=THREADS)
 @click.option("--json", "as_json", is_flag=True, help="One JSON line per turn instead of text.")
 @user_errors
 def chat(device_budget: str, host_budget: str, park_to: str, max_new_tokens: int, system: str | None,
-         disk_dir: str | None, model: str | None, decode_graph: bool, threads: int, as_json: bool) -> None:
+         disk_dir: str | None, model: str | None, decode_graph: bool, device: str, threads: int,
+         as_json: bool) -> None:
     """Interactive multi-turn chat on the tiered cache (empty line or /quit to stop)."""
     budget, host = parse_budget(device_budget, "--device-budget"), parse_budget(host_budget, "--host-budget")
     check_cache_options(budget, host, disk_dir)
+    where = resolve_device(device)
     check_model(model)
     set_threads(threads)
-    lm, tok = load(model, quiet=as_json)
+    lm, tok = load(model, quiet=as_json, device=where)
 
     from ..integrations.chat import ChatSession
 

@@ -171,9 +171,8 @@ def check_policies(policies: Iterable[str], option: str = "--policies") -> None:
                                      f"{allowed}, with <scorer> one of {', '.join(names)}", param_hint=f"'{option}'")
 
 
-def check_device(device: str, option: str = "--device") -> None:
-    """'cpu', 'cuda' or 'cuda:N', and a CUDA device only where there is one."""
-    allowed = "cpu, cuda, cuda:N"
+def check_device(device: str, option: str = "--device", allowed: str = "cpu, cuda, cuda:N") -> None:
+    """'cpu', 'cuda' or 'cuda:N', and a CUDA device only where there is one (`allowed` words the choices)."""
     try:
         dev = torch.device(device)
     except (RuntimeError, ValueError, TypeError):
@@ -187,6 +186,21 @@ def check_device(device: str, option: str = "--device") -> None:
         raise bad_option(option, device, "cpu", "is not available: this machine has no CUDA device")
     if dev.index is not None and dev.index >= count:
         raise bad_option(option, device, f"cpu, cuda, cuda:0 to cuda:{count - 1}", "is not available")
+
+
+DEVICE_HELP = ("Where the model and the cache's device tier run: cpu, cuda or cuda:N (auto: the current GPU where "
+               "there is one, else the CPU).")
+
+
+def resolve_device(device: str, option: str = "--device") -> torch.device:
+    """``auto``: the current CUDA device where there is one, else the CPU; else `device` checked. A CUDA device
+    comes back with its index, as the tensors made on it name it."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    check_device(device, option, allowed="auto, cpu, cuda, cuda:N")
+    from ..native import indexed_device
+
+    return indexed_device(device)
 
 
 def check_writable_folder(folder: str, option: str, shown: str | None = None) -> None:
@@ -507,8 +521,8 @@ def set_threads(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-def load(model: str | None, quiet: bool = False) -> tuple[Any, Any]:
-    """Load the named model (default: the packaged one); `quiet` hides the loading progress bars.
+def load(model: str | None, quiet: bool = False, device: str | torch.device = "cpu") -> tuple[Any, Any]:
+    """Load the named model (default: the packaged one) onto `device`; `quiet` hides the loading progress bars.
 
     A model that cannot be read is a mistake in --model (exit 2); the packaged one failing to load is not the
     caller's fault (exit 3).
@@ -518,7 +532,9 @@ def load(model: str | None, quiet: bool = False) -> tuple[Any, Any]:
     from ..models import load_default_model, load_model
 
     def go() -> tuple[Any, Any]:
-        return load_default_model() if model is None else load_model(os.path.expanduser(model))
+        if model is None:
+            return load_default_model(device=device)
+        return load_model(os.path.expanduser(model), device=device)
 
     try:
         if not quiet:

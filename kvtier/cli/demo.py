@@ -8,8 +8,8 @@ import time
 import click
 import torch
 
-from .common import (MAX_MODEL_CONTEXT, THREADS, check_cache_options, check_model, check_scorer, load,
-                     parse_budget, parse_context, set_threads, user_errors)
+from .common import (DEVICE_HELP, MAX_MODEL_CONTEXT, THREADS, check_cache_options, check_model, check_scorer, load,
+                     parse_budget, parse_context, resolve_device, set_threads, user_errors)
 from .format import human_bytes, tier_lines
 
 MIN_CONTEXT = 256            # a model demo's prompt: the fact, a question and some filler around them
@@ -55,11 +55,13 @@ def check_synthetic_disk(arch: str, tokens: int, disk_dir: str | None) -> None:
 @click.option("--scorer", default="auto", show_default=True, help="How entries are ranked (auto: KVP where weights ship for the model, else keynorm).")
 @click.option("--disk-dir", default=None, help="Folder for the disk tier (default: a temporary folder).")
 @click.option("--model", default=None, help="A Hugging Face id or local path (default: the packaged SmolLM2-135M-Instruct).")
+@click.option("--device", default="auto", show_default=True, help=DEVICE_HELP)
 @click.option("--threads", default=1, show_default=True, type=THREADS, help="torch CPU threads.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 @user_errors
 def demo(context: str, synthetic: bool, arch: str, needles: int, device_budget: str, host_budget: str,
-         recall_pages: int, scorer: str, disk_dir: str | None, model: str | None, threads: int, as_json: bool) -> None:
+         recall_pages: int, scorer: str, disk_dir: str | None, model: str | None, device: str, threads: int,
+         as_json: bool) -> None:
     """Answer questions about facts hidden in a long text, with 10% of the KV cache on the device."""
     say = (lambda *a: None) if as_json else click.echo
     if synthetic:
@@ -86,6 +88,7 @@ def demo(context: str, synthetic: bool, arch: str, needles: int, device_budget: 
                                  param_hint="'--host-budget'")
     check_cache_options(budget, host, disk_dir, recall_pages)
     check_scorer(scorer)
+    where = resolve_device(device)
     if synthetic:
         from ..bench.synthetic import ARCHS
 
@@ -96,19 +99,19 @@ def demo(context: str, synthetic: bool, arch: str, needles: int, device_budget: 
         set_threads(threads)
         from .synthetic_report import run_synthetic
 
-        run_synthetic(arch, tokens, needles, budget, host, recall_pages, as_json, disk_dir=disk_dir)
+        run_synthetic(arch, tokens, needles, budget, host, recall_pages, as_json, disk_dir=disk_dir, device=str(where))
         return
     check_model(model)
     set_threads(threads)
     say("loading the model ...")
-    lm, tok = load(model, quiet=as_json)
+    lm, tok = load(model, quiet=as_json, device=where)
 
     from transformers import DynamicCache
 
     from ..integrations.hf import TieredCache, cache_kwargs
     from ..tasks import make_needle_task
 
-    report = {"tasks": []}
+    report = {"device": str(where), "tasks": []}
     for i in range(needles):
         depth = (i + 0.5) / needles * 0.8
         task = make_needle_task(tok, context_tokens=tokens, depth=depth, seed=i)
@@ -120,7 +123,8 @@ def demo(context: str, synthetic: bool, arch: str, needles: int, device_budget: 
                                  recall_pages=recall_pages))
             start = time.perf_counter()
             with torch.no_grad():
-                out = lm.generate(task.input_ids, **cache_kwargs(cache), max_new_tokens=24, do_sample=False)
+                out = lm.generate(task.input_ids.to(where), **cache_kwargs(cache), max_new_tokens=24,
+                                  do_sample=False)
             seconds = time.perf_counter() - start
             text = tok.decode(out[0, task.prompt_tokens:], skip_special_tokens=True).strip()
             row[name] = {"text": text, "correct": task.is_correct(text), "seconds": round(seconds, 2)}
@@ -140,5 +144,5 @@ def demo(context: str, synthetic: bool, arch: str, needles: int, device_budget: 
     else:
         c = report["correct"]
         click.echo(f"\ncorrect: full cache {c['full']}/{needles}, tiered cache {c['tiered']}/{needles} "
-                   f"(device budget {device_budget}, host {host_budget}, recall {recall_pages} pages, "
+                   f"(on {where}: device budget {device_budget}, host {host_budget}, recall {recall_pages} pages, "
                    f"scorer {report['tasks'][-1]['stats']['scorer']})")

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import click
 
-from .common import (EXIT_RUNTIME, THREADS, check_model, check_output_file, check_policies, load,
-                     parse_fractions, parse_ints, read_result_lines, set_threads, split_list, user_errors)
+from .common import (DEVICE_HELP, EXIT_RUNTIME, THREADS, check_model, check_output_file, check_policies, load,
+                     parse_fractions, parse_ints, read_result_lines, resolve_device, set_threads, split_list,
+                     user_errors)
 
 MIN_LENGTH = 256  # the shortest prompt an evaluation task is built for
 
@@ -25,11 +26,13 @@ MIN_LENGTH = 256  # the shortest prompt an evaluation task is built for
 @click.option("--lengths", default=None, help="Comma list of prompt lengths in tokens.")
 @click.option("--tasks", default=None, help="Comma list of tasks.")
 @click.option("--seed", "seeds", default=None, help="Comma list of seeds.")
+@click.option("--device", default="auto", show_default=True, help=DEVICE_HELP)
 @click.option("--threads", default=1, show_default=True, type=THREADS)
 @click.option("--json", "as_json", is_flag=True, help="Print a summary as JSON.")
 @user_errors
 def evaluate(suite: str, out: str, model: str | None, policies: str | None, budgets: str | None,
-             lengths: str | None, tasks: str | None, seeds: str | None, threads: int, as_json: bool) -> None:
+             lengths: str | None, tasks: str | None, seeds: str | None, device: str, threads: int,
+             as_json: bool) -> None:
     """Run an evaluation suite (resumable); exits 3 if tier mode with full recall departs from the full cache."""
     from tqdm import tqdm
 
@@ -52,10 +55,11 @@ def evaluate(suite: str, out: str, model: str | None, policies: str | None, budg
     check_output_file(out, "--out")
     if Path(out).is_file():  # resumed: a damaged file fails now, not after the model has loaded
         read_result_lines(out, "--out")
+    where = resolve_device(device)
     check_model(model)
     set_threads(threads)
     start = time.perf_counter()
-    lm, tok = load(model, quiet=as_json)
+    lm, tok = load(model, quiet=as_json, device=where)
     results = run_suite(lm, tok, out, chosen, progress=lambda it: tqdm(it, desc=f"eval {suite}", disable=as_json))
     bad = full_recall_mismatches(results)
     seconds = time.perf_counter() - start

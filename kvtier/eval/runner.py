@@ -59,7 +59,7 @@ def read_results(path: str | Path) -> list[dict[str, Any]]:
 def _greedy(model: Any, cache: Any, first_logits: torch.Tensor, max_new: int, eos: set[int]) -> list[int]:
     out = [int(first_logits.argmax())]
     while len(out) < max_new and out[-1] not in eos:
-        logits = model(torch.tensor([[out[-1]]]), **cache_kwargs(cache)).logits[0, -1]
+        logits = model(torch.tensor([[out[-1]]], device=first_logits.device), **cache_kwargs(cache)).logits[0, -1]
         out.append(int(logits.argmax()))
     return [t for t in out if t not in eos]
 
@@ -68,6 +68,7 @@ def _greedy(model: Any, cache: Any, first_logits: torch.Tensor, max_new: int, eo
 def continuation_nll(model: Any, cache: Any, first_logits: torch.Tensor, continuation: torch.Tensor,
                       chunk: int = 16) -> float:
     """Teacher-forced NLL of the continuation, fed in chunks of `chunk` tokens as a decode would see it."""
+    continuation = continuation.to(first_logits.device)
     logits = [first_logits[None]]
     feed = continuation[:, :-1]
     for start in range(0, feed.shape[1], chunk):

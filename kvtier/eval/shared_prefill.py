@@ -35,7 +35,7 @@ def shared_prefill(model: Any, input_ids: torch.Tensor) -> Prefill:
 
     cache = DynamicCache(config=model.config)
     with capture_attention(model, on_layer):
-        logits = model(input_ids, **cache_kwargs(cache)).logits[0, -1]
+        logits = model(input_ids.to(model.device), **cache_kwargs(cache)).logits[0, -1]
     return Prefill(cache, queries, logits)
 
 

@@ -258,10 +258,29 @@ def launch(k: Any, device: torch.device, grid: tuple[int, ...], block: tuple[int
     with cp.cuda.Device(device.index):
         stream = _streams.get((device.index, handle))
         if stream is None:   # torch's default stream is the legacy null stream, handle 0
-            stream = cp.cuda.Stream.null if handle == 0 else cp.cuda.ExternalStream(handle)
+            stream = cp.cuda.Stream.null if handle == 0 else _cupy_stream(cp, handle)
             _streams[(device.index, handle)] = stream
         with stream:
             k(grid, block, args, shared_mem=shared_mem)
+
+
+class _StreamHandle:
+    """A stream handle as the CUDA stream protocol hands it over (version 0)."""
+
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return 0, self.handle
+
+
+def _cupy_stream(cp: Any, handle: int) -> Any:
+    """cupy's view of torch's stream `handle`: through the stream protocol where cupy has it (its
+    `ExternalStream` warns as deprecated from cupy 14 on), else `ExternalStream`."""
+    from_external = getattr(cp.cuda.Stream, "from_external", None)
+    if from_external is not None:
+        return from_external(_StreamHandle(handle))
+    return cp.cuda.ExternalStream(handle)
 
 
 def indexed_device(device: torch.device | str) -> torch.device:

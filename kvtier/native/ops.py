@@ -112,10 +112,11 @@ def slab_addresses(slabs: Sequence[torch.Tensor], device: torch.device) -> torch
 
 def _addresses(slabs: Sequence[torch.Tensor], device: torch.device,
                given: torch.Tensor | None) -> torch.Tensor | None:
-    if given is not None:
-        if given.shape != (len(slabs),) or given.device != device:
-            raise ValueError(f"addresses are {list(given.shape)} on {given.device}; allowed: "
-                             f"[{len(slabs)}] on {device} (from slab_addresses of these slabs)")
+    if given is not None:   # the kernels read it as contiguous 64-bit addresses
+        if given.shape != (len(slabs),) or given.device != device or given.dtype != torch.int64 or \
+                not given.is_contiguous():
+            raise ValueError(f"addresses are {given.dtype} {list(given.shape)} on {given.device}; allowed: contiguous "
+                             f"torch.int64 [{len(slabs)}] on {device} (from slab_addresses of these slabs)")
         return given
     return slab_addresses(slabs, device)
 

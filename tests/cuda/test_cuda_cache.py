@@ -457,6 +457,42 @@ def test_decode_steps_replayed_from_cuda_graphs_equal_eager_ones(cuda_device, sc
     assert side["failed"] is None and side["prefetch"]["replays"] > side["prefetch"]["eager"], side
 
 
+@torch.no_grad()
+def test_steps_across_a_slab_boundary_with_a_long_short_list_replay_as_eager_and_never_sync(cuda_device):
+    """A long prompt at half the device: steps that fill the first device slab, add a second, write into it at a
+    base past the first, and demote back into one slab; some 250 demoted pages a head, so the short list is cut
+    by `topk`; KVP scores every entry. Eager and replayed steps give the same logits bit for bit, and neither
+    reads anything back from the GPU. (On the CPU, the same prompt takes the pool from 4,088 entries in one slab
+    to 4,097 in two at the ninth step, and back to one slab by the thirty-second.)"""
+    from kvtier import native
+    from kvtier.recall.selector import SHORTLIST_MIN
+
+    if native.kernel_status() is not None:
+        pytest.skip(f"native kernels are off ({native.kernel_status()}); the twins read indices on the host")
+    model = _llama(cuda_device)
+    ids = _prompt(8200, cuda_device)
+    scorer = random_kvp(model)
+    runs = {}
+    for graphs in (False, True):
+        with TieredCache(model.config, device_budget=0.5, recall_pages=6, prefetch_pages=6, scorer=scorer,
+                         cuda_graphs=graphs) as cache:
+            logits = model(ids, **cache_kwargs(cache)).logits[:, -1:]
+            pool = cache._engines[0].pool
+            assert len(pool.k) == 1 and pool.count < pool.slab_tokens
+            assert min(e.index.n for e in cache._engines) > SHORTLIST_MIN
+            slabs, seen = set(), []
+            with _never_syncs():
+                for _ in range(40):
+                    logits = model(logits.argmax(-1), **cache_kwargs(cache)).logits[:, -1:]
+                    seen.append(logits[0, 0])
+                    slabs.add(len(pool.k))
+            assert slabs == {1, 2}, slabs          # a slab added, and given back after a demotion
+            runs[graphs] = (torch.stack(seen).float().cpu(), cache.stats()["cuda_graphs"])
+    assert torch.equal(runs[True][0], runs[False][0])
+    g = runs[True][1]
+    assert g["failed"] is None and g["replays"] > g["eager_steps"], g
+
+
 def test_demotions_of_several_pages_keep_replays_exact_and_capture_less_often(cuda_device):
     """With a demotion moving three pages at once (`demote_pages=3`) the replayed steps still equal the eager
     ones bit for bit, and a layer demotes, and so captures again, less often than at one page a demotion."""

@@ -441,6 +441,36 @@ def test_model_that_fails_to_load_is_one_line(tmp_path, monkeypatch):
     assert_json_error(run("demo", "--model", tmp_path, "--json"), 2, "--model")
 
 
+# -------------------------------------------------------------------------------------------------- --device
+
+@pytest.mark.parametrize("command", ["demo", "demo --synthetic", "chat", "eval"])
+@pytest.mark.parametrize("value, words", [
+    ("cuda:99", ["'cuda:99'", "is not available"]),
+    ("mps", ["'mps'", "is not supported", "auto, cpu, cuda, cuda:N"]),
+    ("gpu", ["'gpu'", "is not a device", "auto, cpu, cuda, cuda:N"]),
+])
+def test_a_device_that_cannot_run_the_model_is_refused_before_loading(command, value, words, tmp_path):
+    args = command.split() + (["--out", tmp_path / "r.jsonl"] if command == "eval" else [])
+    assert_one_line(run(*args, "--device", value), 2, "--device", *words)
+    assert not (tmp_path / "r.jsonl").exists()
+
+
+def test_auto_is_the_current_gpu_where_there_is_one(monkeypatch):
+    import torch
+
+    from kvtier.cli.common import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert resolve_device("auto") == torch.device("cuda", 1)
+    assert resolve_device("cuda") == torch.device("cuda", 1)   # indexed, as tensors made on it say
+    assert resolve_device("cuda:0") == torch.device("cuda", 0)
+    assert resolve_device("cpu") == torch.device("cpu")
+
+
 # ------------------------------------------------------------------------------------------------ chat, info
 
 @pytest.mark.parametrize("args, words", [

@@ -43,3 +43,19 @@ def test_an_unknown_launcher_is_refused_with_the_allowed_ones(monkeypatch):
 def test_cupy_is_a_launcher_anywhere(monkeypatch):
     monkeypatch.setenv("KVTIER_LAUNCH", "cupy")
     assert loader.launcher() == "cupy"
+
+
+def test_cupy_sees_torchs_stream_through_the_stream_protocol_where_it_has_it():
+    """cupy 14 warns `ExternalStream` deprecated; its `Stream.from_external` takes the stream protocol's
+    ``(0, handle)``. Older cupy has only `ExternalStream`."""
+    import types
+
+    class Stream:
+        @classmethod
+        def from_external(cls, obj):
+            return ("from_external", obj.__cuda_stream__())
+
+    new = types.SimpleNamespace(cuda=types.SimpleNamespace(Stream=Stream, ExternalStream=None))
+    assert loader._cupy_stream(new, 0x7F00) == ("from_external", (0, 0x7F00))
+    old = types.SimpleNamespace(cuda=types.SimpleNamespace(Stream=object, ExternalStream=lambda h: ("external", h)))
+    assert loader._cupy_stream(old, 0x7F00) == ("external", 0x7F00)
