@@ -402,7 +402,7 @@ class PageFetching:
             hk = torch.empty(len(on_host), P, D, dtype=self.dtype, device=self.device)
             hv = torch.empty_like(hk)
             self.host.load(slot[on_host], out=(hk, hv))
-            rows = torch.from_numpy(on_host).to(self.device, non_blocking=True)
+            rows = self._rows_up(on_host)
             k_dev.index_copy_(0, rows, hk)
             v_dev.index_copy_(0, rows, hv)
         sk = torch.empty(len(on_disk), P, D, dtype=self.dtype, pin_memory=True)
@@ -411,10 +411,15 @@ class PageFetching:
         dk = torch.empty(sk.shape, dtype=self.dtype, device=self.device)
         dv = torch.empty_like(dk)
         self.transfer.wait([self.transfer.submit(dk, sk), self.transfer.submit(dv, sv)])
-        rows = torch.from_numpy(on_disk).to(self.device, non_blocking=True)
+        rows = self._rows_up(on_disk)
         k_dev.index_copy_(0, rows, dk)
         v_dev.index_copy_(0, rows, dv)
         return k_dev, v_dev, (sk, sv)
+
+    def _rows_up(self, rows: np.ndarray) -> torch.Tensor:
+        """Row numbers on the device, copied from pinned memory on CUDA (a pageable copy can stall the host)."""
+        host = torch.from_numpy(rows)
+        return (host.pin_memory() if self.pin else host).to(self.device, non_blocking=True)
 
     def _keep_on_host(self, heads: np.ndarray, pids: np.ndarray, from_disk: tuple | None) -> None:
         """After recall brought pages ``(heads[i], pids[i])`` up (in `_bring_up`'s order, with its ``from_disk``):

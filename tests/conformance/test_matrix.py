@@ -132,3 +132,38 @@ def test_decode_graph_steps_equal_ordinary_ones(name):
     assert torch.equal(runs[1], runs[0])
     planned = step.stats()
     assert (planned["eager"] == 7) if every else (planned["eager"] == 0 and planned["ordinary"] == 9), planned
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["gpt-oss", "gemma2", "gemma3", "llama"])
+def test_steps_on_the_gpu_replay_as_eager_ones_and_whole_steps_as_ordinary_ones(name, cuda_device):
+    """On a GPU, with partial recall: the layers' steps replayed from CUDA graphs, and whole steps through
+    `DecodeGraph`, give the eager steps' logits bit for bit. The rows are the attention kvtier computes itself
+    with something more than a softmax: GPT-OSS's sinks, Gemma 2's soft-capped scores, Gemma 3's sliding-window
+    layers beside full ones (whose steps `DecodeGraph` leaves ordinary), and Llama's plain attention."""
+    import copy
+
+    from kvtier import DecodeGraph, TieredCache, cache_kwargs, native
+
+    if native.kernel_status() is not None:
+        pytest.skip(f"native kernels are off ({native.kernel_status()}): no step runs as launches only")
+    attn = archs.BY_NAME[name].attn[0]   # eager: every row runs it
+    model = copy.deepcopy(archs.model(name, "float32", attn)).to(cuda_device)   # the shared one stays on the CPU
+    ids = archs.prompt().to(cuda_device)
+    runs = {}
+    for how in ("eager", "graphs", "whole steps"):
+        with TieredCache(model.config, device_budget=48, recall_pages=2, prefetch_pages=2, scorer="keynorm",
+                         cuda_graphs=how != "eager") as c:
+            step = DecodeGraph(model, c) if how == "whole steps" else \
+                (lambda t, c=c: model(t, **cache_kwargs(c)).logits)
+            with torch.no_grad():
+                logits, got = step(ids)[:, -1:], []
+                for _ in range(24):
+                    logits = step(logits.argmax(-1))[:, -1:].clone()
+                    got.append(logits)
+            assert c.stats()["pages_recalled"] > 0
+            runs[how] = (torch.cat(got).cpu(), c.stats()["cuda_graphs"])
+    assert torch.equal(runs["graphs"][0], runs["eager"][0])
+    assert torch.equal(runs["whole steps"][0], runs["eager"][0])
+    g = runs["graphs"][1]
+    assert g["failed"] is None and g["replays"] > g["eager_steps"], g
