@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import platform
 import re
 import resource
@@ -15,6 +16,7 @@ import click
 import psutil
 import torch
 
+from ..native.loader import NATIVE_OFF
 from .common import UserError, check_writable_folder, one_line, user_errors
 from .format import human_bytes
 
@@ -58,7 +60,8 @@ def gather(disk_dir: str | None) -> dict:
     limits = []
     if not gpus:
         limits.append("no CUDA device: the device tier is an in-memory pool and copies are synchronous")
-    limits += kernel_limits(bool(gpus), torch.version.cuda, cupy_version, info["versions"]["cupy_cuda"])
+    limits += kernel_limits(bool(gpus), torch.version.cuda, cupy_version, info["versions"]["cupy_cuda"],
+                            os.environ.get("KVTIER_NATIVE"))
     if info["memlock"]["soft"] is not None and gpus:
         limits.append(f"memlock limit {human_bytes(soft)}: pinned host memory may be refused beyond it "
                       "(raise `ulimit -l`)")
@@ -80,12 +83,16 @@ def cupy_cuda_major() -> int | None:
     return None
 
 
-def kernel_limits(gpus: bool, torch_cuda: str | None, cupy_version: str | None, cupy_cuda: int | None) -> list[str]:
-    """What keeps the native kernels off on a machine with a GPU: no cupy, or a cupy wheel for another CUDA than
-    torch's (cupy compiles the kernels with its own CUDA's NVRTC, which torch's CUDA packages do not bring, so
-    every kernel would fail to build and its torch twin run)."""
+def kernel_limits(gpus: bool, torch_cuda: str | None, cupy_version: str | None, cupy_cuda: int | None,
+                  switch: str | None = None) -> list[str]:
+    """What keeps the native kernels off on a machine with a GPU: ``KVTIER_NATIVE`` (`switch`) turning them off, no
+    cupy, or a cupy wheel for another CUDA than torch's (cupy compiles the kernels with its own CUDA's NVRTC,
+    which torch's CUDA packages do not bring, so every kernel would fail to build and its torch twin run)."""
     if not gpus:
         return []
+    if switch is not None and switch.strip().lower() in NATIVE_OFF:
+        return [f"KVTIER_NATIVE={switch} switches the native kernels off: their torch twins run, and no decode step "
+                "is replayed from a CUDA graph"]
     major = int(torch_cuda.split(".")[0]) if torch_cuda else None
     wheel = f"cupy-cuda{major}x" if major is not None else "the cupy wheel of your CUDA"
     if cupy_version is None and cupy_cuda is not None:

@@ -44,6 +44,7 @@ _streams: dict[tuple[int, int], Any] = {}          # (device, torch stream handl
 _mapped: dict[tuple[int, int], int] = {}           # (device, host allocation) -> its device address
 _stats: dict[str, dict[str, Any]] = {}
 _dry = False                                       # under `dry_run`
+NATIVE_OFF = ("0", "off", "false", "no")            # KVTIER_NATIVE's values that switch every kernel off
 _status: dict[str, str | None] = {}                # KVTIER_NATIVE's value -> `status()`
 _launchers: dict[str, str] = {}                    # KVTIER_LAUNCH's value -> `launcher()`
 _functions: dict[int, int] = {}                    # id of a loaded kernel (kept in _kernels) -> its CUfunction
@@ -108,7 +109,7 @@ def status() -> str | None:
         return None
     switch = os.environ.get("KVTIER_NATIVE", "1")
     if switch not in _status:   # asked before every launch: the answer is kept per setting of the switch
-        if switch.strip().lower() in ("0", "off", "false", "no"):
+        if switch.strip().lower() in NATIVE_OFF:
             _status[switch] = "switched off by KVTIER_NATIVE"
         elif not torch.cuda.is_available():
             _status[switch] = "no CUDA device"

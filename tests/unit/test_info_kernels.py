@@ -50,3 +50,12 @@ def test_the_cupy_wheels_cuda_is_read_from_its_name(monkeypatch):
 def test_a_cupy_wheel_that_does_not_import_is_not_called_missing():
     (line,) = info.kernel_limits(True, "13.0", None, 13)
     assert "cupy-cuda13x is installed but does not import" in line and "not installed" not in line
+
+
+@pytest.mark.parametrize("switch, said", [("0", True), ("off", True), (" No ", True), ("1", False), (None, False)])
+def test_kernels_switched_off_by_the_environment_are_said(switch, said):
+    lines = info.kernel_limits(True, "13.0", "14.2.0", 13, switch)
+    assert bool(lines) == said
+    if said:
+        assert f"KVTIER_NATIVE={switch} switches the native kernels off" in lines[0]
+    assert info.kernel_limits(False, "13.0", "14.2.0", 13, switch) == []
