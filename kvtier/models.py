@@ -95,29 +95,54 @@ def load_config(name: str | None = None) -> Any:
                                      ) from e
 
 
+COPY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # the dtypes a GGUF model loads from its float32 copy
+
+
 def _load(source: str, kwargs: dict[str, Any], dtype: Any, device: Any, attn: str) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     folder = None
-    if "gguf_file" in kwargs and dtype == torch.float32:   # a converted copy skips the GGUF parse (float32 only)
+    # a converted copy (float32) skips the GGUF parse; GGUF weights are dequantised to float32 and then cast, so
+    # the copy cast to a narrower float dtype holds the same bits
+    if "gguf_file" in kwargs and dtype in COPY_DTYPES:
         from .model_cache import copy_folder, load_copy
 
         folder = copy_folder(Path(source) / kwargs["gguf_file"])
         loaded = load_copy(folder, source, attn) if folder is not None else None
         if loaded is not None:
+            _cast(loaded[0], dtype)
             loaded[0].to(device).eval()
             return loaded
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # GGUF dequantisation logs every tensor otherwise
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attn, **kwargs)
+        # where a copy is to be made: loaded in float32 (what the copy holds), then cast
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32 if folder is not None else dtype,
+                                                     attn_implementation=attn, **kwargs)
     finally:
         hf_logging.set_verbosity(verbosity)
     if folder is not None:
         from .model_cache import store
 
         store(folder, model, tokenizer)
+        _cast(model, dtype)
     model.to(device).eval()
     return model, tokenizer
+
+
+def _cast(model: Any, dtype: torch.dtype) -> None:
+    """A float32 `model` in `dtype` as a load in that dtype makes it: its weights and stored buffers cast, the
+    buffers it computes for itself (the rotary frequencies) left in float32, its config saying so."""
+    if dtype == torch.float32:
+        return
+    with torch.no_grad():
+        for param in model.parameters():   # tied weights are one parameter: they stay tied
+            param.data = param.data.to(dtype)
+        for module in model.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None and buffer.is_floating_point() and \
+                        name not in module._non_persistent_buffers_set:
+                    module._buffers[name] = buffer.to(dtype)
+    model.config.dtype = dtype

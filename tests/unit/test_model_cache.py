@@ -18,7 +18,7 @@ from kvtier.models import default_model_path, load_config
 TEXT = [{"role": "user", "content": "Where is the lantern? ünïcödé, 42, tabs\tand  spaces"}]
 
 
-def _same(a, b) -> None:
+def _same(a, b, dtype=torch.float32) -> None:
     (ma, ta), (mb, tb) = a, b
     sa, sb = ma.state_dict(), mb.state_dict()
     assert list(sa) == list(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
@@ -27,7 +27,7 @@ def _same(a, b) -> None:
     assert mb.lm_head.weight.data_ptr() == mb.model.embed_tokens.weight.data_ptr()   # still tied
     assert ma.config.to_dict() == mb.config.to_dict() and ma.name_or_path == mb.name_or_path
     assert ma.generation_config.to_dict() == mb.generation_config.to_dict()
-    assert not mb.training and mb.dtype == torch.float32
+    assert not mb.training and mb.dtype == dtype
     assert ta.chat_template == tb.chat_template and len(ta) == len(tb) and ta.name_or_path == tb.name_or_path
     assert (ta.eos_token, ta.pad_token, ta.bos_token) == (tb.eos_token, tb.pad_token, tb.bos_token)
     prompt = ta.apply_chat_template(TEXT, tokenize=False, add_generation_prompt=True)
@@ -37,6 +37,31 @@ def _same(a, b) -> None:
     with torch.no_grad():
         x = torch.tensor([ids])
         assert torch.equal(ma(x).logits, mb(x).logits)
+
+
+def test_a_bfloat16_load_reads_the_copy_and_gives_the_gguf_files_bits(tmp_path, monkeypatch):
+    """GGUF weights are dequantised to float32 and then cast: the float32 copy cast to bfloat16 is the same model,
+    bit for bit, as the GGUF file read in bfloat16; a first load in bfloat16 keeps a float32 copy."""
+    monkeypatch.setenv(model_cache.ENV, "off")
+    direct = load_default_model(dtype=torch.bfloat16)
+    monkeypatch.setenv(model_cache.ENV, str(tmp_path))
+    first = load_default_model(dtype=torch.bfloat16)   # reads the GGUF file in float32, keeps a copy, casts
+    from safetensors import safe_open
+
+    folder = model_cache.copy_folder(default_model_path())
+    with safe_open(str(folder / model_cache.WEIGHTS), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float32}
+
+    from transformers import AutoModelForCausalLM
+
+    def no_gguf(*args, **kwargs):
+        raise AssertionError("the GGUF file was read although a copy is kept")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(AutoModelForCausalLM, "from_pretrained", no_gguf)
+        second = load_default_model(dtype=torch.bfloat16)
+    _same(direct, first, torch.bfloat16)
+    _same(direct, second, torch.bfloat16)
 
 
 def test_a_load_keeps_a_copy_that_later_loads_read_instead_of_the_gguf_file(tmp_path, monkeypatch, caplog):
