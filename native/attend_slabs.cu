@@ -7,7 +7,8 @@
 // output and log-sum-exp: the attention over the device pool, when the recalled pages are attended).
 //
 // For KV head h, query row r (a query head's row, packed as attend_parts packs them) and entry t of chunk c:
-//   s[r, t]    = (sum_d q[r, d] k[t, d] over d = 0 .. dim - 1 in order from +0) * scale
+//   s[r, t]    = (sum_d q[r, d] k[t, d] over d = 0 .. dim - 1 in order from +0) * scale, then with a soft-cap
+//                cap > 0 (Gemma 2's) kv_softcap(s, cap) = kv_tanh(s / cap) * cap
 //   m[c, r]    = max_t s[r, t] in order (NaN wins);  p[r, t] = kv_exp(s[r, t] - m[c, r])
 //   l[c, r]    = sum_t p[r, t] in order from +0
 //   a[c, r, d] = sum_t p[r, t] v[t, d] in order from +0
@@ -165,7 +166,7 @@ __host__ __device__ inline void kv_attend_stage_wide(const kv_attend_src& src, i
 template <typename T>
 __host__ __device__ inline void kv_attend_logits(const unsigned int* __restrict__ keys, int row_words, int n,
                                                  int tile, int at, int rows, int dim, int chunk, float scale,
-                                                 kv_attend_smem s, int lane, int width) {
+                                                 float softcap, kv_attend_smem s, int lane, int width) {
     const int groups = width / tile;
     for (int i = lane; i < n * groups; i += width) {
         const int j = i % n, g = i / n;
@@ -194,7 +195,7 @@ __host__ __device__ inline void kv_attend_logits(const unsigned int* __restrict_
         for (int x = 0; x < KV_ATTEND_ROWS; ++x) {
             const int r = g + x * groups;
             if (r < rows) {
-                s.s[r * chunk + at + j] = kv_mul(acc[x], scale);
+                s.s[r * chunk + at + j] = kv_softcap(kv_mul(acc[x], scale), softcap);
             }
         }
     }
@@ -427,7 +428,8 @@ __host__ __device__ inline void kv_combine_out(const float* __restrict__ a, kv_i
 template <typename T, bool WIDE>
 __device__ __forceinline__ void kv_attend_chunks(const T* __restrict__ q, kv_i64 q_h, kv_i64 q_r,
                                                  const kv_attend_src& k, const kv_attend_src& v, kv_i64 count,
-                                                 int rows, int dim, int chunk, int tile, int finish, float scale, float* __restrict__ part_a,
+                                                 int rows, int dim, int chunk, int tile, int finish, float scale,
+                                                 float softcap, float* __restrict__ part_a,
                                                  float* __restrict__ part_m, float* __restrict__ part_l,
                                                  float* __restrict__ out, float* __restrict__ lse) {
     extern __shared__ __align__(16) unsigned char kv_attend_shared[];
@@ -446,7 +448,7 @@ __device__ __forceinline__ void kv_attend_chunks(const T* __restrict__ q, kv_i64
             kv_attend_stage_keys<T>(k, h, c0 + at, m, row_words, s.keys, lane, width);
         }
         __syncthreads();
-        kv_attend_logits<T>(s.keys, row_words, m, tile, at, rows, dim, chunk, scale, s, lane, width);
+        kv_attend_logits<T>(s.keys, row_words, m, tile, at, rows, dim, chunk, scale, softcap, s, lane, width);
         __syncthreads();   // the next tile's keys overwrite these
     }
     kv_attend_max(n, rows, chunk, s, lane, width);
@@ -489,7 +491,7 @@ __host__ __device__ inline kv_i64 kv_attend_count(kv_i64 count, const kv_i64* co
                                     kv_i64 slab_tokens, kv_i64 slab_head, kv_i64 slab_token,                      \
                                     const kv_i64* __restrict__ pages, kv_i64 n_pages, int page, kv_i64 count,     \
                                     const kv_i64* __restrict__ count_at, int rows, int dim, int chunk, int tile,  \
-                                    int finish, float scale, float* __restrict__ part_a,                          \
+                                    int finish, float scale, float softcap, float* __restrict__ part_a,           \
                                     float* __restrict__ part_m, float* __restrict__ part_l,                       \
                                     float* __restrict__ out, float* __restrict__ lse) {                           \
         const kv_i64 total = kv_attend_count(count, count_at);                                                    \
@@ -498,8 +500,8 @@ __host__ __device__ inline kv_i64 kv_attend_count(kv_i64 count, const kv_i64* co
         }                                                                                                         \
         const kv_attend_src k = {k_slabs, k_base, slab_tokens, slab_head, slab_token, pages, n_pages, page};      \
         const kv_attend_src v = {v_slabs, v_base, slab_tokens, slab_head, slab_token, pages, n_pages, page};      \
-        kv_attend_chunks<T, WIDE>(q, q_h, q_r, k, v, total, rows, dim, chunk, tile, finish, scale, part_a,        \
-                                  part_m, part_l, out, lse);                                                      \
+        kv_attend_chunks<T, WIDE>(q, q_h, q_r, k, v, total, rows, dim, chunk, tile, finish, scale, softcap,       \
+                                  part_a, part_m, part_l, out, lse);                                              \
     }
 KV_ATTEND_CHUNKS(kvtier_attend_chunks_f32, float, false)
 KV_ATTEND_CHUNKS(kvtier_attend_chunks_f16, kv_half, false)

@@ -185,6 +185,33 @@ __host__ __device__ inline float kv_log(float x) {
     return kv_add(kv_mul(ef, 0x1.62e400p-1f), kv_add(kv_mul(ef, 0x1.7f7d1cp-20f), kv_add(t, kv_mul(t, p))));
 }
 
+// tanh y from rounded adds, multiplies, one divide and kv_exp (its twin: twins.tanh): below |y| = 1/8 by its
+// series y (1 - y^2/3 + 2 y^4/15 - 17 y^6/315) in Horner's order (the next term is under 2^-24 of it there);
+// above, with t = e^(-2|y|), (1 - t) / (1 + t) with the sign of y. Within 4 ulp of tanh y; +-1 from
+// |y| = 9 or so, NaN stays NaN.
+__host__ __device__ inline float kv_tanh(float y) {
+    if (y != y) {
+        return y;
+    }
+    const float a = y < 0.0f ? -y : y;
+    if (a < 0.125f) {
+        const float y2 = kv_mul(y, y);
+        float p = -0x1.ba1ba2p-5f;                   // -17/315
+        p = kv_add(kv_mul(p, y2), 0x1.111112p-3f);   // 2/15
+        p = kv_add(kv_mul(p, y2), -0x1.555556p-2f);  // -1/3
+        p = kv_add(kv_mul(p, y2), 1.0f);
+        return kv_mul(y, p);
+    }
+    const float t = kv_exp(kv_mul(a, -2.0f));
+    const float r = kv_div(kv_sub(1.0f, t), kv_add(1.0f, t));
+    return y < 0.0f ? -r : r;
+}
+
+// A logit soft-capped as Gemma 2 caps its scores: cap tanh(x / cap); cap 0 leaves x as it is.
+__host__ __device__ __forceinline__ float kv_softcap(float x, float cap) {
+    return cap > 0.0f ? kv_mul(kv_tanh(kv_div(x, cap)), cap) : x;
+}
+
 // log(sum_i e^v[i * stride]) over i = 0 .. n - 1 (n >= 1) in a fixed order: the largest value m (NaN wins),
 // then the sum of e^(v - m) from +0 in order, then m + log(sum). -inf when every value is, +inf when one
 // is (and none is NaN). The twin is twins.logsumexp.

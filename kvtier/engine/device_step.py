@@ -47,7 +47,8 @@ class DeviceDecoding:
     """The decode step on the device, a part of `LayerEngine` (uses its pool, index, table, recall buffer,
     transfers, counters and `graphs`)."""
 
-    def _decode_on_device(self, query: torch.Tensor, scale: float, sinks: torch.Tensor | None) -> torch.Tensor:
+    def _decode_on_device(self, query: torch.Tensor, scale: float, softcap: float | None,
+                          sinks: torch.Tensor | None) -> torch.Tensor:
         """A decode step's attention over the device entries, its own token and the recalled pages:
         ``[1, 1, q_heads, dim]`` in the query's dtype (the graph's own tensor where one was replayed: read it
         within the step). Where `write` left it the step's scoring and staging (`_writes_in_attention`), they
@@ -56,13 +57,13 @@ class DeviceDecoding:
         writes = not p.staged
         inputs = (query, p.k, p.v) if writes else (query,)
         if writes:   # what a step planned whole before the model runs (`plan_steady`) assumes of the next one
-            self._steady_how = (scale, sinks, *(shapes(t) for t in inputs))
+            self._steady_how = (scale, sinks, softcap, *(shapes(t) for t in inputs))
         # a step on a layer with disk pages reads its choice back: its launches are not replayed, and its prefetch
         # is queued after them, from the table as the step leaves it (a promotion round may have moved pages)
         disk = self.holds_disk_pages()
-        run, sources, recall_key = self._prepare_decode(scale, sinks, p.pos if writes else None,
+        run, sources, recall_key = self._prepare_decode(scale, softcap, sinks, p.pos if writes else None,
                                                         self._prefetches_in_step() and not disk)
-        buf, spare, ahead = run[2], run[4], run[10]
+        buf, spare, ahead = run[3], run[5], run[11]
         try:
             if disk:   # counted among the steps run eagerly
                 self.graphs.eager += 1
@@ -84,8 +85,8 @@ class DeviceDecoding:
             self._prefetch(buf, shortlist[:, :buf.pages], sources, recall_key)
         return out
 
-    def _prepare_decode(self, scale: float, sinks: torch.Tensor | None, positions: torch.Tensor | None,
-                        in_step: bool) -> tuple[tuple, tuple, Callable[[], StepKey]]:
+    def _prepare_decode(self, scale: float, softcap: float | None, sinks: torch.Tensor | None,
+                        positions: torch.Tensor | None, in_step: bool) -> tuple[tuple, tuple, Callable[[], StepKey]]:
         """The host's part of a decode step before its launches: the recall buffer made or kept, the prefetch
         queued into it waited for on the device, the host slots' mirror and the address tables made. Returns
         ``(run, sources, recall_key)``: `_decode_launches`' arguments (`positions`: the step's, where its launches
@@ -99,7 +100,7 @@ class DeviceDecoding:
         spare = buf.pages > r
         if positions is not None:
             self._nan_max()   # made before the launches: kept from step to step
-        run = (scale, sinks, buf, sources, spare, self.pool.counted(1), self.pool.addresses(),
+        run = (scale, softcap, sinks, buf, sources, spare, self.pool.counted(1), self.pool.addresses(),
                self.index.bounds.addresses(self.device), self.index.codes.addresses(self.device),
                positions, spare and in_step)
         return run, sources, KeyOnce(lambda: self._recall_key(buf, sources))
@@ -131,7 +132,7 @@ class DeviceDecoding:
         reads). With `ahead` in `run`, the run ends with the prefetch of the pages ranked after the choice.
         Where the layer has pages on disk, the plan reads the choice back and reads the chosen disk pages first
         (`_read_disk_pages`): the run then waits for the device once and is run eagerly, never replayed."""
-        scale, sinks, buf, sources, spare, counted, pool_addresses, _, _, positions, ahead = run
+        scale, softcap, sinks, buf, sources, spare, counted, pool_addresses, _, _, positions, ahead = run
         H = self.heads
         if k is not None:
             score = checked_scores(self.scorer, k, v, positions, self.layer_idx, check_nan=False)[0]
@@ -139,7 +140,7 @@ class DeviceDecoding:
             self.pool.stage(k, v, positions.expand(H, 1))
         packed = query.reshape(H, query.shape[1] // H, query.shape[3])
         out, lse = native.attend_slabs(packed, self.pool.k, self.pool.v, self.pool.count + 1, scale,
-                                       addresses=pool_addresses, counted=counted)
+                                       addresses=pool_addresses, counted=counted, softcap=softcap)
         parts = [(out[None], lse[None])]
         if sinks is not None:
             parts.append(sink_part(sinks, H, 1, query.shape[3]))
@@ -151,7 +152,7 @@ class DeviceDecoding:
         plan = self._plan_and_copy(buf, ids, sources, spare, note=False, shortlist=shortlist)
         whole = parts[0] if len(parts) == 1 else merge_with_lse(parts, kernels=True)
         out, lse = native.attend_pages(packed, buf.k, buf.v, plan.where, self.cfg.page_size, scale,
-                                       whole=(whole[0][0], whole[1][0]))
+                                       whole=(whole[0][0], whole[1][0]), softcap=softcap)
         if k is not None:
             self.pool.commit_launches(score)
         if ahead and shortlist.shape[1] > ids.shape[1]:   # the choice read: the next-ranked pages into spare slots
@@ -162,7 +163,8 @@ class DeviceDecoding:
         """Every tensor and scalar `_decode_launches` bakes into its launches, for `run` (its arguments) and its
         inputs (copied into a graph's own buffers: `inputs` are their `shapes`), with `recall_key` (`_recall_key`
         of the run's buffer and sources): two steps with the same key issue the same launches."""
-        scale, sinks, buf, sources, spare, (at, base), pool_addresses, bounds_at, codes_at, positions, ahead = run
+        (scale, softcap, sinks, buf, sources, spare, (at, base), pool_addresses, bounds_at, codes_at, positions,
+         ahead) = run
         pool, index = self.pool, self.index
         pool_addresses = pool_addresses or ()
         held = (
@@ -170,7 +172,7 @@ class DeviceDecoding:
             index.bounds.slabs[0], index.codes.slabs[0], bounds_at, codes_at,   # the recall index likewise
         )
         values = (
-            *inputs, scale, spare, ahead,
+            *inputs, scale, softcap, spare, ahead,
             # the model's sinks by address (a caller may hand a new tensor at the same place every step)
             None if sinks is None else (sinks.data_ptr(), *shapes(sinks)), len(pool.k), len(pool_addresses), base,
             index.n, index.uses_kernels, len(index.bounds.slabs), len(index.codes.slabs),

@@ -278,7 +278,7 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
         q_len = query.shape[2]
         if q_len == 1 and not weights and self._pool_kernels(query, softcap) and self.recalls_on_device():
             # a decode step whose attention and recall are launches only (a CUDA graph can replay them)
-            return self._decode_on_device(query, scale, sinks), None
+            return self._decode_on_device(query, scale, softcap, sinks), None
         self._stage(p)
         outs, maps = [], []
         for b0 in range(0, q_len, QUERY_BLOCK):
@@ -314,12 +314,12 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
 
     def _pool_kernels(self, query: torch.Tensor, softcap: float | None) -> bool:
         """Whether a decode step's attention runs through `native.attend_slabs` (and, with recall planned on
-        the device, `native.attend_pages`): where the kernels choose pages, for logits without a soft-cap and
-        queries of the cache's dtype, at most `native.ATTEND_ROWS` query heads per KV head."""
-        return softcap is None and self._pool_kernels_for(query.shape[1], query.dtype)
+        the device, `native.attend_pages`): where the kernels choose pages, for queries of the cache's dtype, at
+        most `native.ATTEND_ROWS` query heads per KV head (logits soft-capped or not: the kernels cap them)."""
+        return self._pool_kernels_for(query.shape[1], query.dtype)
 
     def _pool_kernels_for(self, q_heads: int, dtype: torch.dtype) -> bool:
-        """`_pool_kernels` for a query of `q_heads` heads and `dtype`, without a soft-cap."""
+        """`_pool_kernels` for a query of `q_heads` heads and `dtype`."""
         return (self.index.uses_kernels and q_heads // self.heads <= native.ATTEND_ROWS and dtype == self.pool.dtype
                 and not native.build_failed(self.device, "attend_slabs"))
 
@@ -334,7 +334,7 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
         packed = query.reshape(self.heads, query.shape[1] // self.heads, query.shape[3])
         # the count as the pool keeps it on the device: the same launch every step of a slab
         out, lse = native.attend_slabs(packed, self.pool.k, self.pool.v, n, scale, addresses=self.pool.addresses(),
-                                       counted=self.pool.counted(1))
+                                       counted=self.pool.counted(1), softcap=softcap)
         parts = [(out[None], lse[None])]
         if sinks is not None:
             parts.append(sink_part(sinks, self.heads, 1, query.shape[3]))

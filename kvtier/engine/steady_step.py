@@ -72,10 +72,10 @@ class SteadySteps:
         if self._unordered:   # as `attend` does: what reads the demoted pages comes after their copies
             self.transfer.order_after(self._unordered)
             self._unordered = []
-        scale, sinks = how[0], how[1]
+        scale, sinks, softcap = how[0], how[1], how[2]
         positions = self.shared.positions(self.seen, 1, self.device)
-        run, _, recall_key = self._prepare_decode(scale, sinks, positions, in_step=True)
-        key = lambda: self._decode_key(how[2:], run, recall_key())   # noqa: E731
+        run, _, recall_key = self._prepare_decode(scale, softcap, sinks, positions, in_step=True)
+        key = lambda: self._decode_key(how[3:], run, recall_key())   # noqa: E731
         count = self.pool.count + 1
         return SteadyStep(run, key, self.pool.placeholder(count), how, fills_slab=count == self.pool.capacity)
 
@@ -90,7 +90,7 @@ class SteadySteps:
             return False
         if not (self.table.n > 0 and cfg.recall_pages > 0 and cfg.mode == "tier"):
             return False
-        (q_shape, _, q_dtype), (k_shape, _, k_dtype) = how[2], how[3]
+        (q_shape, _, q_dtype), (k_shape, _, k_dtype) = how[3], how[4]
         if self.write_in_attention is False or k_shape[2] != 1 or k_dtype != pool.dtype:
             return False
         if self.holds_disk_pages():   # its step reads its choice back to read disk pages: not launches only
@@ -106,12 +106,12 @@ class SteadySteps:
                         scale: float, softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
         """The planned step's launches with the model's `query`, `k`, `v` (those it planned for: a step called
         otherwise is refused before anything is launched); its attention output ``[1, 1, q_heads, dim]``."""
-        got = (scale, sinks, shapes(query), shapes(k), shapes(v))
-        if softcap is not None or got[0] != step.how[0] or got[1] is not step.how[1] or got[2:] != step.how[2:]:
+        got = (scale, sinks, softcap, shapes(query), shapes(k), shapes(v))
+        if got[0] != step.how[0] or got[1] is not step.how[1] or got[2] != step.how[2] or got[3:] != step.how[3:]:
             raise StepMismatch(
                 f"layer {self.layer_idx}'s decode step was planned for the attention of the step before "
-                f"(scale {step.how[0]}, shapes {step.how[2:]}) but was called with scale {scale}, softcap {softcap}, "
-                f"shapes {got[2:]}")
+                f"(scale {step.how[0]}, softcap {step.how[2]}, shapes {step.how[3:]}) but was called with scale "
+                f"{scale}, softcap {softcap}, shapes {got[3:]}")
         step.launched = True
         out, ids, _ = self._decode_launches(step.run, query, k, v)
         step.ids = ids

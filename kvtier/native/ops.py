@@ -9,6 +9,7 @@ every other case the torch twin runs, on whatever device the tensors are. Both g
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -922,7 +923,7 @@ def attend_slabs(q: torch.Tensor, k_slabs: Sequence[torch.Tensor], v_slabs: Sequ
                  addresses: tuple[torch.Tensor, torch.Tensor] | None = None,
                  whole: tuple[torch.Tensor, torch.Tensor] | None = None,
                  counted: tuple[torch.Tensor, int] | None = None,
-                 wide: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 wide: bool | None = None, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of a decoding step's queries over the first `count` entries of a device pool, in one launch
     (two where the pool spans several chunks or a `whole` part is merged in): in place of an attention call
     per slab and the log-sum-exp of their log-sum-exps.
@@ -952,6 +953,9 @@ def attend_slabs(q: torch.Tensor, k_slabs: Sequence[torch.Tensor], v_slabs: Sequ
     wide
         Read the entries 16 bytes a load, several in flight, and stage the values like the keys, where their
         rows allow it (whole 16-byte words, aligned); the same bits either way. None: `ATTEND_WIDE`.
+    softcap
+        The model's logit soft-cap (Gemma 2): each logit ``softcap * tanh(logit / softcap)``, with the kernels'
+        own tanh (`twins.tanh`, within 4 ulp of the exact one); None: none.
 
     Returns
     -------
@@ -979,14 +983,15 @@ def attend_slabs(q: torch.Tensor, k_slabs: Sequence[torch.Tensor], v_slabs: Sequ
         if at.shape != (1,) or at.dtype != torch.int64 or at.device != q.device:
             raise ValueError(f"attend_slabs: counted at {list(at.shape)} {at.dtype} on {at.device}; allowed: [1] "
                              f"torch.int64 on {q.device}")
-    chunk = _check_attend(q, whole, capacity if counted is not None else count, chunk, "attend_slabs")
+    chunk = _check_attend(q, whole, capacity if counted is not None else count, chunk, "attend_slabs", softcap)
 
     def twin() -> tuple[torch.Tensor, torch.Tensor]:   # on a GPU, the host's count: reading the device's syncs
         on_host = counted is not None and counted[0].device.type == "cpu"
         if counted is not None and not on_host and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("attend_slabs: the twin takes the host's count, which a CUDA graph would replay "
                                "unchanged; allowed under capture: the kernel's path only")
-        return twins.attend_slabs(q, k_slabs, v_slabs, count, scale, chunk, whole, counted if on_host else None)
+        return twins.attend_slabs(q, k_slabs, v_slabs, count, scale, chunk, whole, counted if on_host else None,
+                                  softcap)
 
     why = _why_not(q.device, [first, v_slabs[0]])
     k_addr = v_addr = None
@@ -1000,20 +1005,20 @@ def attend_slabs(q: torch.Tensor, k_slabs: Sequence[torch.Tensor], v_slabs: Sequ
     wide = (ATTEND_WIDE if wide is None else wide) and all(   # a pool makes its slabs alike: the first ones tell
         _wide_rows(s.data_ptr(), s.stride(-3), s.stride(-2), s.element_size(), D) for s in (first, v_slabs[0]))
     return _attend(q, first.dtype, where, count, scale, chunk, whole, why, twin, "attend_slabs",
-                   None if counted is None else (counted[0], counted[1], capacity), wide)
+                   None if counted is None else (counted[0], counted[1], capacity), wide, softcap)
 
 
 def attend_pages(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, pages: torch.Tensor,
                  page_size: int, scale: float, chunk: int | None = None,
                  whole: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 wide: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 wide: bool | None = None, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`attend_slabs` over pages where a recall buffer holds them, read through a page table (no gather).
 
     `k_buffer`, `v_buffer` are ``[heads, slots * page_size, dim]`` (contiguous, the queries' dtype), `pages`
     ``[heads, n]`` int64 on their device: the slot of each page to attend, in the order attention reads them
     (which fixes the result's bits, not which slots hold the pages). Entries read: ``n * page_size``. Slots
     are not checked on the device (that would need the host); the recall plan makes them. `whole`, `chunk`,
-    `wide` and the result are as for `attend_slabs`.
+    `wide`, `softcap` and the result are as for `attend_slabs`.
     """
     if q.dim() != 3 or k_buffer.dim() != 3:
         raise ValueError(f"attend_pages: q {list(q.shape)} and buffer {list(k_buffer.shape)}; allowed: "
@@ -1030,11 +1035,11 @@ def attend_pages(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor
         raise ValueError(f"attend_pages: pages {list(pages.shape)} {pages.dtype} on {pages.device}; allowed: "
                          f"[{H}, n >= 1] torch.int64 on {q.device}")
     count = pages.shape[1] * page_size
-    chunk = _check_attend(q, whole, count, chunk, "attend_pages")
+    chunk = _check_attend(q, whole, count, chunk, "attend_pages", softcap)
     pages = _as(pages, torch.int64)
 
     def twin() -> tuple[torch.Tensor, torch.Tensor]:
-        return twins.attend_pages(q, k_buffer, v_buffer, pages, page_size, scale, chunk, whole)
+        return twins.attend_pages(q, k_buffer, v_buffer, pages, page_size, scale, chunk, whole, softcap)
 
     why = _why_not(q.device, [k_buffer, v_buffer])
     where = (_u64(0), _u64(0), _u64(k_buffer.data_ptr()), _u64(v_buffer.data_ptr()), _i64(k_buffer.shape[1]),
@@ -1042,13 +1047,16 @@ def attend_pages(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor
              np.int32(page_size))
     wide = (ATTEND_WIDE if wide is None else wide) and all(
         _wide_rows(b.data_ptr(), b.stride(0), b.stride(1), b.element_size(), D) for b in (k_buffer, v_buffer))
-    return _attend(q, k_buffer.dtype, where, count, scale, chunk, whole, why, twin, "attend_pages", wide=wide)
+    return _attend(q, k_buffer.dtype, where, count, scale, chunk, whole, why, twin, "attend_pages", wide=wide,
+                   softcap=softcap)
 
 
 def _check_attend(q: torch.Tensor, whole: tuple[torch.Tensor, torch.Tensor] | None, count: int,
-                  chunk: int | None, op: str) -> int:
-    """The chunk to use (checked), after checking the part given whole."""
+                  chunk: int | None, op: str, softcap: float | None = None) -> int:
+    """The chunk to use (checked), after checking the part given whole and the soft-cap."""
     H, R, D = q.shape
+    if softcap is not None and not (isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"{op}: softcap={softcap!r}; allowed: None or a finite number > 0")
     if whole is not None and (tuple(whole[0].shape) != (H, R, D) or tuple(whole[1].shape) != (H, R)
                               or whole[0].dtype != torch.float32 or whole[1].dtype != torch.float32
                               or whole[0].device != q.device or whole[1].device != q.device
@@ -1067,10 +1075,11 @@ def _check_attend(q: torch.Tensor, whole: tuple[torch.Tensor, torch.Tensor] | No
 def _attend(q: torch.Tensor, dtype: torch.dtype, where: tuple, count: int, scale: float, chunk: int,
             whole: tuple[torch.Tensor, torch.Tensor] | None, why: str | None, twin, op: str,
             counted: tuple[torch.Tensor, int, int] | None = None,
-            wide: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+            wide: bool = False, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The two launches of `attend_slabs` and `attend_pages` (`where`: the kernel's arguments saying where the
     entries are), or their twin; `counted` is ``(at, base, capacity)``: the count read on the device, the
-    grid made for `capacity` entries; `wide` as checked by the caller (rows of aligned 16-byte words)."""
+    grid made for `capacity` entries; `wide` as checked by the caller (rows of aligned 16-byte words); `softcap`
+    checked (None: 0 to the kernel, which then leaves the logits as they are)."""
     H, R, D = q.shape
     device = q.device
     chunks = -(-(count if counted is None else counted[2]) // chunk)
@@ -1108,7 +1117,7 @@ def _attend(q: torch.Tensor, dtype: torch.dtype, where: tuple, count: int, scale
     loader.launch(k, device, (chunks, H), (_ATTEND_THREADS,),
                   (_u64(q.data_ptr()), _i64(q.stride(0)), _i64(q.stride(1)), *where, count_arg, count_at,
                    np.int32(R), np.int32(D), np.int32(chunk), np.int32(tile), np.int32(finish), np.float32(scale),
-                   *sums, _u64(out.data_ptr()), _u64(lse.data_ptr())),
+                   np.float32(softcap or 0.0), *sums, _u64(out.data_ptr()), _u64(lse.data_ptr())),
                   shared_mem=shared)
     if not finish:
         if whole is None:

@@ -345,6 +345,30 @@ def log(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(x) | (x < 0), torch.full_like(x, float("nan")), out)
 
 
+def tanh(y: torch.Tensor) -> torch.Tensor:
+    """tanh y of float32 `y` as ``kv_tanh`` in ``native/kvtier_native.cuh`` computes it, bit for bit (its comment
+    gives the method); within 4 ulp of tanh y."""
+    y = y.float()
+    a = y.abs()
+    y2 = y * y
+    p = torch.full_like(y, float.fromhex("-0x1.ba1ba2p-5"))
+    for c in ("0x1.111112p-3", "-0x1.555556p-2", "0x1p+0"):
+        p = p * y2 + float.fromhex(c)
+    small = y * p
+    t = exp(a * -2.0)
+    r = (1.0 - t) / (1.0 + t)
+    big = torch.where(y < 0, -r, r)
+    return torch.where(torch.isnan(y), y, torch.where(a < 0.125, small, big))
+
+
+def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """``kv_softcap``: float32 logits `x` capped as ``cap tanh(x / cap)`` (`cap` None or 0: unchanged)."""
+    if not cap:
+        return x
+    c = torch.full((), cap, dtype=torch.float32, device=x.device)   # a device tensor: CUDA would divide by a host
+    return tanh(x / c) * c                                           # scalar as a multiply by its reciprocal
+
+
 def _running_max(x: torch.Tensor) -> torch.Tensor:
     """The maximum over the last axis taken in order from the first element, NaN winning (as the kernels)."""
     m = x[..., 0]
@@ -451,11 +475,11 @@ def pool_entries(slabs: Sequence[torch.Tensor], count: int) -> torch.Tensor:
 
 
 def attend_chunks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
-                  chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  chunk: int, cap: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The first step of ``kvtier_attend_chunks`` (``native/attend_slabs.cu`` states each): per chunk of
     `chunk` entries, the sums ``a [heads, chunks, rows, dim]`` and the maxima and sums of e^(s - m)
     ``m, l [heads, chunks, rows]``, bit for bit. `q` ``[heads, rows, dim]``, `keys`, `values`
-    ``[heads, n, dim]``."""
+    ``[heads, n, dim]``; `cap` the logits' soft-cap (None: none)."""
     H, R, D = q.shape
     n = keys.shape[1]
     chunks = -(-n // chunk)
@@ -466,7 +490,7 @@ def attend_chunks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sca
     s = torch.zeros(H, chunks, R, chunk, device=q.device)
     for d in range(D):
         s = s + qf[..., d] * k[:, :, None, :, d]
-    s = s * scale
+    s = softcap(s * scale, cap)
     if pad:
         s[:, -1, :, chunk - pad:] = float("-inf")
     m = _running_max(s)                                  # [H, chunks, R]
@@ -507,23 +531,24 @@ def attend_combine(a: torch.Tensor, m: torch.Tensor, l_: torch.Tensor,
 
 def attend_slabs(q: torch.Tensor, k_slabs: Sequence[torch.Tensor], v_slabs: Sequence[torch.Tensor], count: int,
                  scale: float, chunk: int, whole: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 counted: tuple[torch.Tensor, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 counted: tuple[torch.Tensor, int] | None = None,
+                 cap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of `q` ``[heads, rows, dim]`` over a device pool's first `count` entries (and a part given
     `whole`), as the two kernels of ``native/attend_slabs.cu`` compute it: ``(out [heads, rows, dim],
     lse [heads, rows])`` float32. With `counted` ``(at, base)`` the count is ``base + at[0]``, read where the
-    kernels read it (a host read where `at` is on a GPU)."""
+    kernels read it (a host read where `at` is on a GPU); `cap`: the logits' soft-cap."""
     if counted is not None:
         count = counted[1] + int(counted[0])
     return attend_combine(*attend_chunks(q, pool_entries(k_slabs, count), pool_entries(v_slabs, count), scale,
-                                         chunk), whole)
+                                         chunk, cap), whole)
 
 
 def attend_pages(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, pages: torch.Tensor,
-                 page_size: int, scale: float, chunk: int,
-                 whole: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 page_size: int, scale: float, chunk: int, whole: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 cap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`attend_slabs` over the pages of a recall buffer that the page table `pages` ``[heads, n]`` lists."""
     return attend_combine(*attend_chunks(q, paged_entries(k_buffer, pages, page_size),
-                                         paged_entries(v_buffer, pages, page_size), scale, chunk), whole)
+                                         paged_entries(v_buffer, pages, page_size), scale, chunk, cap), whole)
 
 
 # ------------------------------------------------------------------------------------------- KVP scores

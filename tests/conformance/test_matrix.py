@@ -139,9 +139,9 @@ def test_decode_graph_steps_equal_ordinary_ones(name):
 def test_steps_on_the_gpu_replay_as_eager_ones_and_whole_steps_as_ordinary_ones(name, cuda_device):
     """On a GPU, with partial recall: the layers' steps replayed from CUDA graphs, and whole steps through
     `DecodeGraph`, give the eager steps' logits bit for bit. The rows are the attention kvtier computes itself
-    with something more than a softmax: GPT-OSS's sinks (replayed), Gemma 2's soft-capped scores (attended
-    eagerly, on the general path; only the prefetch replays), Gemma 3's sliding-window layers beside full ones
-    (whose steps `DecodeGraph` leaves ordinary), and Llama's plain attention."""
+    with something more than a softmax: GPT-OSS's sinks, Gemma 2's soft-capped scores (capped by the kernels),
+    Gemma 3's sliding-window layers beside full ones (whose steps `DecodeGraph` leaves ordinary), and Llama's
+    plain attention."""
     import copy
 
     from kvtier import DecodeGraph, TieredCache, cache_kwargs, native
@@ -167,8 +167,4 @@ def test_steps_on_the_gpu_replay_as_eager_ones_and_whole_steps_as_ordinary_ones(
     assert torch.equal(runs["graphs"][0], runs["eager"][0])
     assert torch.equal(runs["whole steps"][0], runs["eager"][0])
     g = runs["graphs"][1]
-    assert g["failed"] is None, g
-    if name == "gemma2":   # soft-capped scores: the step's attention runs eagerly, its prefetch replays
-        assert g["replays"] == g["eager_steps"] == 0 and g["prefetch"]["replays"] > g["prefetch"]["eager"], g
-    else:
-        assert g["replays"] > g["eager_steps"], g
+    assert g["failed"] is None and g["replays"] > g["eager_steps"], g

@@ -637,6 +637,39 @@ def test_attend_slabs_kernel_is_the_twin(kernels, dtype, heads, rows, dim, count
     torch.testing.assert_close(lse, ref_lse[0], rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cap", [50.0, 1.0])
+@pytest.mark.parametrize("wide", [False, True], ids=["narrow", "wide"])
+def test_soft_capped_attention_kernels_are_the_twin(kernels, dtype, cap, wide):
+    """Gemma 2's soft-capped logits (`softcap`): the pool's slabs and a recall buffer's pages, bit for bit the
+    twin's attention on the CPU (its tanh is the kernels' own), within rounding of torch's tanh-capped one."""
+    g = torch.Generator().manual_seed(11)
+    H, R, D, count = 4, 4, 128, 5000
+    pool = DevicePool(H, D, dtype, kernels, 4096)
+    k = (torch.randn(1, H, count, D, generator=g) * 2).to(dtype).to(kernels)
+    v = torch.randn(1, H, count, D, generator=g).to(dtype).to(kernels)
+    pool.ensure(count)
+    pool._write(0, k, v, torch.zeros(H, count, dtype=torch.int64, device=kernels))
+    q = (torch.randn(H, R, D, generator=g) * 2).to(dtype).to(kernels)
+    used = native.attend_chunk(count, H, device=kernels)
+    out, lse = native.attend_slabs(q, pool.k, pool.v, count, D ** -0.5, addresses=pool.addresses(), wide=wide,
+                                   softcap=cap)
+    pages = torch.stack([torch.randperm(count // 16, generator=g)[:40] for _ in range(H)]).to(kernels)
+    buf_k, buf_v = k[0, :, :count // 16 * 16].contiguous(), v[0, :, :count // 16 * 16].contiguous()
+    p_out, p_lse = native.attend_pages(q, buf_k, buf_v, pages, 16, D ** -0.5, whole=(out, lse), wide=wide,
+                                       softcap=cap)
+    torch.cuda.synchronize()
+    want = twins.attend_slabs(q.cpu(), [s.cpu() for s in pool.k], [s.cpu() for s in pool.v], count, D ** -0.5,
+                              used, cap=cap)
+    assert _same_bits(out, want[0]) and _same_bits(lse, want[1])
+    p_want = twins.attend_pages(q.cpu(), buf_k.cpu(), buf_v.cpu(), pages.cpu(), 16, D ** -0.5,
+                                native.attend_chunk(40 * 16, H, device=kernels), (out.cpu(), lse.cpu()), cap)
+    assert _same_bits(p_out, p_want[0]) and _same_bits(p_lse, p_want[1])
+    logits = torch.tanh(q.float() @ k[0].float().transpose(1, 2) * D ** -0.5 / cap) * cap
+    torch.testing.assert_close(lse, torch.logsumexp(logits, dim=-1), rtol=0, atol=2e-5)
+    torch.testing.assert_close(out, torch.softmax(logits, dim=-1) @ v[0].float(), rtol=0, atol=2e-5)
+
+
 TINY = torch.finfo(torch.float32).tiny   # the smallest normal float32
 
 

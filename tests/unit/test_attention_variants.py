@@ -87,9 +87,16 @@ def _generate(model, cache, ids):
                           return_dict_in_generate=True, **cache_kwargs(cache))
 
 
+@pytest.mark.parametrize("gpu_path", [False, True], ids=["cpu-path", "gpu-path"])
 @pytest.mark.parametrize("variant", ["softcap", "sinks"])
-def test_models_whose_attention_differs_decode_the_same_with_recall(variant):
+def test_models_whose_attention_differs_decode_the_same_with_recall(variant, gpu_path, monkeypatch):
+    """With every page recalled, a soft-capped model (Gemma 2) and one with attention sinks (GPT-OSS) decode as
+    with DynamicCache; on the GPU's path too (forced here: the kernels' twins), whose decode steps attend through
+    `attend_slabs` and `attend_pages`, soft-cap included, as launches only (what a CUDA graph replays)."""
     from transformers import DynamicCache, Gemma2Config, GptOssConfig
+
+    from kvtier import native
+    from kvtier.engine.layer import LayerEngine
 
     if variant == "softcap":   # a cap small enough to change every logit
         model = _tiny(Gemma2Config, attn_logit_softcapping=1.0, final_logit_softcapping=None)
@@ -100,9 +107,22 @@ def test_models_whose_attention_differs_decode_the_same_with_recall(variant):
                 layer.self_attn.sinks.copy_(torch.linspace(-2.0, 3.0, layer.self_attn.sinks.numel()))
     ids = torch.randint(0, 256, (1, 200), generator=torch.Generator().manual_seed(2))
     ref = _generate(model, DynamicCache(config=model.config), ids)
+    launched = []
+    launches = LayerEngine._decode_launches
+    monkeypatch.setattr(LayerEngine, "_decode_launches",
+                        lambda self, run, *a: launched.append(run[1]) or launches(self, run, *a))
+    native.reset_stats()
     with TieredCache(model.config, device_budget=40, recall_pages=64) as cache:
+        for engine in cache._engines if gpu_path else ():
+            engine.device_recall = engine.select_kernels = engine.defer_nan = True
         out = _generate(model, cache, ids)
         assert cache.stats()["pages_recalled"] > 0
+    if gpu_path:   # every decode step of every tiered layer as launches only, the cap handed to the kernels
+        assert len(launched) == 9 * len(cache._engines) and {"attend_slabs", "attend_pages"} <= \
+            set(native.backend()["ops"])
+        assert set(launched) == ({model.config.attn_logit_softcapping} if variant == "softcap" else {None})
+    else:
+        assert not launched
     assert torch.equal(ref.sequences, out.sequences)
     for a, b in zip(ref.logits, out.logits):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

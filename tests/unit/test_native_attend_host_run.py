@@ -22,7 +22,7 @@ from test_native_compile import needs_nvcc
 
 HARNESS = '#include "attend_slabs.cu"\n' + HOST_IO + r"""
 // stdin, until its end, one case a line (floats and cache elements as the hex of their bits):
-//   T H R D count S chunk tile width wide scale paged page n_pages whole q[H R D] k[...] v[...]
+//   T H R D count S chunk tile width wide scale softcap paged page n_pages whole q[H R D] k[...] v[...]
 //     pages[H n_pages] x_out[H R D] x_lse[H R]
 // T the elements' type (0 float, 1 half, 2 bf16). Slab mode (paged 0): ceil(count / S) slabs of [H S D] each
 // for k and for v; paged mode: one buffer of [H S D] each, count = n_pages * page, and the page table. The
@@ -30,7 +30,7 @@ HARNESS = '#include "attend_slabs.cu"\n' + HOST_IO + r"""
 // finishes: one chunk, no whole part).
 template <typename T>
 static void attend(int H, int R, int D, long long count, long long S, int chunk, int tile, int width, bool wide,
-                   float scale, bool paged, int page, long long n_pages, bool whole) {
+                   float scale, float softcap, bool paged, int page, long long n_pages, bool whole) {
     const long long slabs = paged ? 1 : (count + S - 1) / S;
     std::vector<T> q = read_elems<T>((size_t)H * R * D);
     std::vector<std::vector<T>> ks, vs;
@@ -70,7 +70,8 @@ static void attend(int H, int R, int D, long long count, long long S, int chunk,
                     else kv_attend_stage_keys<T>(k_src, h, c0 + at, mm, row_words, s.keys, x, width);
                 }
                 for (int x = 0; x < width; ++x)
-                    kv_attend_logits<T>(s.keys, row_words, mm, tile, at, R, D, chunk, scale, s, x, width);
+                    kv_attend_logits<T>(s.keys, row_words, mm, tile, at, R, D, chunk, scale, softcap, s, x,
+                                        width);
             }
             for (int x = 0; x < width; ++x) kv_attend_max(n, R, chunk, s, x, width);
             for (int x = 0; x < width; ++x) kv_attend_exp(n, R, chunk, s, x, width);
@@ -134,17 +135,17 @@ int main() {
             const long long count = read_i(), S = read_i();
             const int chunk = (int)read_i(), tile = (int)read_i(), width = (int)read_i();
             const bool wide = read_i() != 0;
-            const float scale = kv_bits_float(read_u());
+            const float scale = kv_bits_float(read_u()), softcap = kv_bits_float(read_u());
             const bool paged = read_i() != 0;
             const int page = (int)read_i();
             const long long n_pages = read_i();
             const bool whole = read_i() != 0;
-            if (T == 0) attend<float>(H, R, D, count, S, chunk, tile, width, wide, scale, paged, page, n_pages,
-                                          whole);
-            if (T == 1) attend<kv_half>(H, R, D, count, S, chunk, tile, width, wide, scale, paged, page, n_pages,
-                                          whole);
-            if (T == 2) attend<kv_bf16>(H, R, D, count, S, chunk, tile, width, wide, scale, paged, page, n_pages,
-                                          whole);
+            if (T == 0) attend<float>(H, R, D, count, S, chunk, tile, width, wide, scale, softcap, paged, page,
+                                      n_pages, whole);
+            if (T == 1) attend<kv_half>(H, R, D, count, S, chunk, tile, width, wide, scale, softcap, paged, page,
+                                        n_pages, whole);
+            if (T == 2) attend<kv_bf16>(H, R, D, count, S, chunk, tile, width, wide, scale, softcap, paged, page,
+                                        n_pages, whole);
         }
     } catch (int) {
         return 2;
@@ -165,7 +166,8 @@ def _case(g: torch.Generator, dtype: torch.dtype, H: int, R: int, D: int, count:
 
 @needs_nvcc
 def test_the_pool_attention_kernels_code_gives_the_twins_bits(harness):
-    """The device pool (slabs) and the recall buffer (a page table), with and without a part given whole."""
+    """The device pool (slabs) and the recall buffer (a page table), with and without a part given whole, with
+    and without a soft-cap of the logits."""
     g = torch.Generator().manual_seed(5)
     cases, lines, widened = [], [], 0
     for i in range(60):
@@ -178,6 +180,7 @@ def test_the_pool_attention_kernels_code_gives_the_twins_bits(harness):
         tile = tiles[i % len(tiles)]
         spread = [1.0, 4.0, 0.05][i % 3]                  # flat and sharp softmaxes, e^x underflowing to 0
         scale = D ** -0.5
+        cap = [None, 1.0, 50.0, None, 0.3][i % 5]        # Gemma 2's 50, and caps that most logits reach
         q = (torch.randn(H, R, D, generator=g) * spread).to(dtype)
         if paged:
             page, slots = [1, 4, 16][i % 3], 3 + i % 7
@@ -195,9 +198,9 @@ def test_the_pool_attention_kernels_code_gives_the_twins_bits(harness):
         # wide (16-byte loads, values staged) wherever rows are whole 16-byte words, on every other case
         wide = int(D * dtype.itemsize % 16 == 0 and i % 2 == 0)
         widened += wide
-        cases.append((q, ks, vs, count, scale, chunk, pages, page, part))
+        cases.append((q, ks, vs, count, scale, chunk, pages, page, part, cap))
         lines.append(" ".join([f"{DTYPE_CODES[dtype]} {H} {R} {D} {count} {S} {chunk} {tile} {width} {wide}",
-                               hex_words(torch.tensor([scale]).float()),
+                               hex_words(torch.tensor([scale, cap or 0.0]).float()),
                                f"{int(paged)} {page} {n_pages} {int(whole)}", hex_words(q),
                                " ".join(hex_words(k) for k in ks), " ".join(hex_words(v) for v in vs),
                                " ".join(map(str, pages.flatten().tolist())) if paged else "",
@@ -208,15 +211,15 @@ def test_the_pool_attention_kernels_code_gives_the_twins_bits(harness):
     out = done.stdout.strip().split("\n")
     assert len(out) == len(lines)
     finished = 0
-    for (q, ks, vs, count, scale, chunk, pages, page, part), line in zip(cases, out):
+    for (q, ks, vs, count, scale, chunk, pages, page, part, cap), line in zip(cases, out):
         a_w, m_w, l_w, o_w, lse_w = (words.split() for words in line.split("|"))
         if pages is None:
             keys, values = twins.pool_entries(ks, count), twins.pool_entries(vs, count)
-            want_out, want_lse = twins.attend_slabs(q, ks, vs, count, scale, chunk, part)
+            want_out, want_lse = twins.attend_slabs(q, ks, vs, count, scale, chunk, part, cap=cap)
         else:
             keys, values = twins.paged_entries(ks[0][0], pages, page), twins.paged_entries(vs[0][0], pages, page)
-            want_out, want_lse = twins.attend_pages(q, ks[0][0], vs[0][0], pages, page, scale, chunk, part)
-        a, m, l_ = twins.attend_chunks(q, keys, values, scale, chunk)
+            want_out, want_lse = twins.attend_pages(q, ks[0][0], vs[0][0], pages, page, scale, chunk, part, cap)
+        a, m, l_ = twins.attend_chunks(q, keys, values, scale, chunk, cap)
         if m.shape[1] > 1 or part is not None:
             assert same_bits(floats(a_w), a) and same_bits(floats(m_w), m) and same_bits(floats(l_w), l_)
         else:
@@ -227,18 +230,21 @@ def test_the_pool_attention_kernels_code_gives_the_twins_bits(harness):
     assert 0 < finished < len(cases) and 0 < widened < len(cases)
 
 
+@pytest.mark.parametrize("cap", [None, 50.0, 1.5])
 @pytest.mark.parametrize("dtype", list(DTYPE_CODES))
-def test_the_twin_is_attention_over_the_pool_to_float_rounding(dtype):
+def test_the_twin_is_attention_over_the_pool_to_float_rounding(dtype, cap):
     g = torch.Generator().manual_seed(6)
     H, R, D, S = 2, 4, 64, 96
     q, ks, vs = _case(g, dtype, H, R, D, 3 * S - 5, S, 1.0)
     count = 3 * S - 5
     keys, values = twins.pool_entries(ks, count).float(), twins.pool_entries(vs, count).float()
     logits = q.float() @ keys.transpose(1, 2) * D ** -0.5
+    if cap is not None:   # as transformers soft-caps Gemma 2's scores
+        logits = torch.tanh(logits / cap) * cap
     want_lse = torch.logsumexp(logits, dim=-1)
     want = torch.softmax(logits, dim=-1) @ values
     for chunk in (1, 32, 256):
-        out, lse = ops.attend_slabs(q, ks, vs, count, D ** -0.5, chunk=chunk)
+        out, lse = ops.attend_slabs(q, ks, vs, count, D ** -0.5, chunk=chunk, softcap=cap)
         torch.testing.assert_close(out, want, rtol=0, atol=2e-6)
         torch.testing.assert_close(lse, want_lse, rtol=0, atol=2e-6)
 
@@ -284,3 +290,11 @@ def test_attend_pages_refuses_bad_tables_buffers_and_parts():
     out, lse = ops.attend_pages(q, kb, vb, pages, 4, 1.0)
     keys = twins.paged_entries(kb, pages, 4)
     torch.testing.assert_close(lse, torch.logsumexp(q @ keys.transpose(1, 2), dim=-1), rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("inf"), float("nan"), "50"])
+def test_a_soft_cap_that_is_not_a_positive_number_is_refused(bad):
+    g = torch.Generator().manual_seed(8)
+    q, ks, vs = _case(g, torch.float32, 2, 4, 16, 40, 64, 1.0)
+    with pytest.raises(ValueError, match=r"attend_slabs: softcap=.*allowed: None or a finite number > 0"):
+        ops.attend_slabs(q, ks, vs, 40, 0.25, softcap=bad)

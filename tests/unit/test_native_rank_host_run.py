@@ -23,6 +23,7 @@ from test_native_compile import needs_nvcc
 HARNESS = '#include "rank_pages.cu"\n' + HOST_IO + r"""
 // stdin, until its end, cases of two kinds (floats as the hex of their bits):
 //   x n v[n]: prints the bits of kv_exp(v), kv_log(v) for each, then of kv_logsumexp(v), on one line;
+//   t n cap v[n]: prints the bits of kv_tanh(v) and kv_softcap(v, cap) for each, on one line;
 //   r T H R D P m pages keep resident tile lanes b_per c_per scaling q[H R D] cand[H m]
 //     bounds[pages H 2D] (elements of T: 0 float, 1 half, 2 bf16) codes[pages H P W] resident[H R]:
 //     prints chosen | ranked | share bits.
@@ -91,6 +92,16 @@ int main() {
                 printf("%x\n", kv_float_bits(kv_logsumexp(v.data(), n, 1)));
                 continue;
             }
+            if (kind[0] == 't') {
+                long long n = read_i();
+                const float cap = kv_bits_float(read_u());
+                for (long long i = 0; i < n; ++i) {
+                    const float x = kv_bits_float(read_u());
+                    printf("%x %x ", kv_float_bits(kv_tanh(x)), kv_float_bits(kv_softcap(x, cap)));
+                }
+                printf("\n");
+                continue;
+            }
             const int T = (int)read_i(), H = (int)read_i(), R = (int)read_i(), D = (int)read_i(), P = (int)read_i();
             const long long m = read_i(), pages = read_i(), keep = read_i();
             const int resident = (int)read_i(), tile = (int)read_i();
@@ -135,6 +146,29 @@ def test_exp_log_and_logsumexp_compiled_for_the_host_give_the_twins_bits(harness
         assert same_bits(got_exp, twins.exp(v)), v
         assert same_bits(got_log, twins.log(v)), v
         assert same_bits(got_lse, twins.logsumexp(v[None])), v
+
+
+@needs_nvcc
+def test_tanh_and_the_soft_cap_compiled_for_the_host_give_the_twins_bits(harness):
+    g = torch.Generator().manual_seed(2)
+    vectors = [torch.tensor(SPECIALS + [0.125, 0.12499999, -0.125, 9.0, -9.5, 1e-30]), torch.randn(3000, generator=g),
+               torch.randn(3000, generator=g) * 0.1, torch.randn(3000, generator=g) * 60]
+    for cap in (50.0, 1.0, 0.3, 0.0):
+        out = _run(harness, [f"t {len(v)} {hex_words(torch.tensor([cap]))} {hex_words(v.float())}" for v in vectors])
+        for v, line in zip(vectors, out):
+            words = line.split()
+            assert same_bits(floats(words[0::2]), twins.tanh(v)), v
+            assert same_bits(floats(words[1::2]), twins.softcap(v.float(), cap or None)), (cap, v)
+
+
+def test_tanh_is_within_four_ulp_of_the_exact_value():
+    x = torch.cat([torch.linspace(-12, 12, 400001), torch.linspace(-0.2, 0.2, 100001), torch.randn(100000) * 0.3])
+    exact = torch.tanh(x.double())
+    ulp = torch.from_numpy(np.spacing(np.abs(exact.float().numpy())).astype(np.float64))
+    assert ((twins.tanh(x).double() - exact).abs() / ulp).max() <= 4
+    specials = twins.tanh(torch.tensor([float("nan"), float("inf"), float("-inf"), -0.0, 30.0]))
+    assert torch.isnan(specials[0]) and specials[1:3].tolist() == [1.0, -1.0] and specials[4] == 1.0
+    assert specials[3] == 0 and torch.signbit(specials[3])
 
 
 def test_exp_and_log_are_within_two_ulp_of_the_exact_values():

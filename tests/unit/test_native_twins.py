@@ -636,7 +636,7 @@ def _run_as_the_kernel(name: str, grid: tuple, args: tuple, block: tuple = (128,
         _tensor(lse, (H, R), torch.float32).copy_(got[1])
     elif name.startswith("kvtier_attend_chunks_"):
         (q, q_h, q_r, k_addr, v_addr, k_base, v_base, per, slab_head, slab_token, pages, n_pages, page, count,
-         count_at, rows, dim, chunk, tile, finish, scale, part_a, part_m, part_l, out, lse) = args
+         count_at, rows, dim, chunk, tile, finish, scale, softcap, part_a, part_m, part_l, out, lse) = args
         wide = name.startswith("kvtier_attend_chunks_wide_")   # an entry point of its own
         chunks, H = int(grid[0]), int(grid[1])
         R, D, count, chunk, per, page, n_pages = (int(x) for x in (rows, dim, count, chunk, per, page, n_pages))
@@ -667,7 +667,8 @@ def _run_as_the_kernel(name: str, grid: tuple, args: tuple, block: tuple = (128,
                                       count)
             values = twins.pool_entries([strided(_u64(v_addr, i), slab_head, slab_token, per)
                                          for i in range(slabs)], count)
-        a, m, l_ = twins.attend_chunks(strided(q, q_h, q_r, R), keys, values, float(scale), chunk)
+        a, m, l_ = twins.attend_chunks(strided(q, q_h, q_r, R), keys, values, float(scale), chunk,
+                                       float(softcap) or None)
         if int(finish):   # the block finishes a single chunk itself
             assert chunks == 1
             o, lse_ = twins.attend_combine(a, m, l_)
