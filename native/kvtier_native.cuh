@@ -187,7 +187,7 @@ __host__ __device__ inline float kv_log(float x) {
 
 // tanh y from rounded adds, multiplies, one divide and kv_exp (its twin: twins.tanh): below |y| = 1/8 by its
 // series y (1 - y^2/3 + 2 y^4/15 - 17 y^6/315) in Horner's order (the next term is under 2^-24 of it there);
-// above, with t = e^(-2|y|), (1 - t) / (1 + t) with the sign of y. Within 4 ulp of tanh y; +-1 from
+// above, with t = e^(-2|y|), (1 - t) / (1 + t) with the sign of y. Within 5 ulp of tanh y; +-1 from
 // |y| = 9 or so, NaN stays NaN.
 __host__ __device__ inline float kv_tanh(float y) {
     if (y != y) {

@@ -121,8 +121,8 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
         self.prefetch_in_step: bool | None = None
         self._masked_positions = np.empty(0, dtype=np.int64)   # padding positions, never stored
         self._unordered: list[int] = []   # demotion copies no device read has been ordered after yet
-        # (scale, sinks, query, key and value shapes) of the last decode step whose launches scored and staged its
-        # entry: what `plan_steady` takes the next step's to be
+        # (scale, sinks, softcap, query, key and value shapes) of the last decode step whose launches scored and
+        # staged its entry: what `plan_steady` takes the next step's to be
         self._steady_how: tuple | None = None
         self._recall_clock = 0   # recalls that brought pages up, to cool the page table's use counts every `COOL_EVERY`
         self.promote_every = PROMOTE_EVERY   # such recalls between rounds that keep disk pages on the host
@@ -276,7 +276,7 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
         p = self.pending
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
         q_len = query.shape[2]
-        if q_len == 1 and not weights and self._pool_kernels(query, softcap) and self.recalls_on_device():
+        if q_len == 1 and not weights and self._pool_kernels(query) and self.recalls_on_device():
             # a decode step whose attention and recall are launches only (a CUDA graph can replay them)
             return self._decode_on_device(query, scale, softcap, sinks), None
         self._stage(p)
@@ -286,7 +286,7 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
             b1 = b0 + block.shape[2]
             # what the block reads anyway first: its log-sum-exp is the rest of the softmax's total, which
             # the page choice needs
-            pool_kernels = q_len == 1 and self._pool_kernels(block, softcap)
+            pool_kernels = q_len == 1 and self._pool_kernels(block)
             if q_len == 1:   # a decode step: its own token sits right after the device entries
                 parts = self._attend_pool(block, scale, softcap, sinks, pool_kernels)
             else:
@@ -312,7 +312,7 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
             return out, None
         return out, torch.cat(maps, dim=2).to(query.dtype)
 
-    def _pool_kernels(self, query: torch.Tensor, softcap: float | None) -> bool:
+    def _pool_kernels(self, query: torch.Tensor) -> bool:
         """Whether a decode step's attention runs through `native.attend_slabs` (and, with recall planned on
         the device, `native.attend_pages`): where the kernels choose pages, for queries of the cache's dtype, at
         most `native.ATTEND_ROWS` query heads per KV head (logits soft-capped or not: the kernels cap them)."""

@@ -4,11 +4,11 @@ A layer's decode step on the device path is host bookkeeping around a fixed run 
 steps are alike: no slab is added, the recall buffer and the index stay where they are; only the count moves on,
 on the device and on the host. Such a *steady* step can be split in three (four where it demotes):
 
-- `plan_steady`, before the model runs: whether the step is steady, and if it is, the arguments of its launches
-  and their key (`_decode_key`), all from what the layer holds and what its last decode step looked like (the
-  query's, keys' and values' shapes, the scale, the sinks). It changes nothing the layer's length or outcome
-  depends on: what it makes (the recall buffer, the step's position, the count's place on the device), the
-  step would make anyway, so a step that then runs the ordinary way finds it made;
+- `plan_steady`, before the model runs: whether the step is steady, and if it is, the arguments of its launches and
+  their key (`_decode_key`), all from what the layer holds and what its last decode step looked like (the query's,
+  keys' and values' shapes, the scale, the sinks, the soft-cap). It changes nothing the layer's length or outcome
+  depends on: what it makes (the recall buffer, the step's position, the count's place on the device), the step
+  would make anyway, so a step that then runs the ordinary way finds it made;
 - `steady_launches`, while the model runs (called by the layer's attention): the launches alone, with the
   tensors the model made; no host state changes. Captured in a graph with the model's own launches, this is
   what a replay repeats;

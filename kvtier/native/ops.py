@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from collections.abc import Sequence
 
 import numpy as np
@@ -955,7 +956,7 @@ def attend_slabs(q: torch.Tensor, k_slabs: Sequence[torch.Tensor], v_slabs: Sequ
         rows allow it (whole 16-byte words, aligned); the same bits either way. None: `ATTEND_WIDE`.
     softcap
         The model's logit soft-cap (Gemma 2): each logit ``softcap * tanh(logit / softcap)``, with the kernels'
-        own tanh (`twins.tanh`, within 4 ulp of the exact one); None: none.
+        own tanh (`twins.tanh`, within 5 ulp of the exact one); None: none.
 
     Returns
     -------
@@ -1055,8 +1056,11 @@ def _check_attend(q: torch.Tensor, whole: tuple[torch.Tensor, torch.Tensor] | No
                   chunk: int | None, op: str, softcap: float | None = None) -> int:
     """The chunk to use (checked), after checking the part given whole and the soft-cap."""
     H, R, D = q.shape
-    if softcap is not None and not (isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0):
-        raise ValueError(f"{op}: softcap={softcap!r}; allowed: None or a finite number > 0")
+    # as the kernels get it: a float32, finite and above 0 (1e39 would be infinite there, 1e-50 zero)
+    with np.errstate(over="ignore"):
+        cap = np.float32(softcap) if isinstance(softcap, numbers.Real) and not isinstance(softcap, bool) else None
+    if softcap is not None and not (cap is not None and math.isfinite(cap) and cap > 0):
+        raise ValueError(f"{op}: softcap={softcap!r}; allowed: None or a number > 0 and finite in float32")
     if whole is not None and (tuple(whole[0].shape) != (H, R, D) or tuple(whole[1].shape) != (H, R)
                               or whole[0].dtype != torch.float32 or whole[1].dtype != torch.float32
                               or whole[0].device != q.device or whole[1].device != q.device

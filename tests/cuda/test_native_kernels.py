@@ -642,7 +642,8 @@ def test_attend_slabs_kernel_is_the_twin(kernels, dtype, heads, rows, dim, count
 @pytest.mark.parametrize("wide", [False, True], ids=["narrow", "wide"])
 def test_soft_capped_attention_kernels_are_the_twin(kernels, dtype, cap, wide):
     """Gemma 2's soft-capped logits (`softcap`): the pool's slabs and a recall buffer's pages, bit for bit the
-    twin's attention on the CPU (its tanh is the kernels' own), within rounding of torch's tanh-capped one."""
+    twin's attention on the CPU and on the GPU (its tanh is the kernels' own, and rounds alike on either), within
+    rounding of torch's tanh-capped one."""
     g = torch.Generator().manual_seed(11)
     H, R, D, count = 4, 4, 128, 5000
     pool = DevicePool(H, D, dtype, kernels, 4096)
@@ -665,6 +666,10 @@ def test_soft_capped_attention_kernels_are_the_twin(kernels, dtype, cap, wide):
     p_want = twins.attend_pages(q.cpu(), buf_k.cpu(), buf_v.cpu(), pages.cpu(), 16, D ** -0.5,
                                 native.attend_chunk(40 * 16, H, device=kernels), (out.cpu(), lse.cpu()), cap)
     assert _same_bits(p_out, p_want[0]) and _same_bits(p_lse, p_want[1])
+    on_gpu = twins.attend_slabs(q, pool.k, pool.v, count, D ** -0.5, used, cap=cap)   # the twin on the GPU too
+    assert _same_bits(out, on_gpu[0]) and _same_bits(lse, on_gpu[1])
+    x = torch.randn(100_000, generator=g) * 3 * cap
+    assert _same_bits(twins.softcap(x.to(kernels), cap), twins.softcap(x, cap))
     logits = torch.tanh(q.float() @ k[0].float().transpose(1, 2) * D ** -0.5 / cap) * cap
     torch.testing.assert_close(lse, torch.logsumexp(logits, dim=-1), rtol=0, atol=2e-5)
     torch.testing.assert_close(out, torch.softmax(logits, dim=-1) @ v[0].float(), rtol=0, atol=2e-5)

@@ -292,9 +292,14 @@ def test_attend_pages_refuses_bad_tables_buffers_and_parts():
     torch.testing.assert_close(lse, torch.logsumexp(q @ keys.transpose(1, 2), dim=-1), rtol=0, atol=2e-6)
 
 
-@pytest.mark.parametrize("bad", [0.0, -1.0, float("inf"), float("nan"), "50"])
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("inf"), float("nan"), "50", True, 1e39, 1e-50])
 def test_a_soft_cap_that_is_not_a_positive_number_is_refused(bad):
     g = torch.Generator().manual_seed(8)
     q, ks, vs = _case(g, torch.float32, 2, 4, 16, 40, 64, 1.0)
-    with pytest.raises(ValueError, match=r"attend_slabs: softcap=.*allowed: None or a finite number > 0"):
+    with pytest.raises(ValueError, match=r"attend_slabs: softcap=.*allowed: None or a number > 0 and finite in "
+                                         r"float32"):
         ops.attend_slabs(q, ks, vs, 40, 0.25, softcap=bad)
+    import numpy as np
+
+    out = ops.attend_slabs(q, ks, vs, 40, 0.25, softcap=np.float32(50.0))   # any real number works
+    assert torch.equal(out[0], ops.attend_slabs(q, ks, vs, 40, 0.25, softcap=50.0)[0])
