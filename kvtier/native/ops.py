@@ -1052,15 +1052,20 @@ def attend_pages(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor
                    softcap=softcap)
 
 
+def _check_softcap(softcap: float, op: str) -> None:
+    """A soft-cap as the kernels get it: a float32, finite and above 0 (1e39 would be infinite there, 1e-50 zero)."""
+    with np.errstate(over="ignore"):
+        cap = np.float32(softcap) if isinstance(softcap, numbers.Real) and not isinstance(softcap, bool) else None
+    if not (cap is not None and math.isfinite(cap) and cap > 0):
+        raise ValueError(f"{op}: softcap={softcap!r}; allowed: None or a number > 0 and finite in float32")
+
+
 def _check_attend(q: torch.Tensor, whole: tuple[torch.Tensor, torch.Tensor] | None, count: int,
                   chunk: int | None, op: str, softcap: float | None = None) -> int:
     """The chunk to use (checked), after checking the part given whole and the soft-cap."""
     H, R, D = q.shape
-    # as the kernels get it: a float32, finite and above 0 (1e39 would be infinite there, 1e-50 zero)
-    with np.errstate(over="ignore"):
-        cap = np.float32(softcap) if isinstance(softcap, numbers.Real) and not isinstance(softcap, bool) else None
-    if softcap is not None and not (cap is not None and math.isfinite(cap) and cap > 0):
-        raise ValueError(f"{op}: softcap={softcap!r}; allowed: None or a number > 0 and finite in float32")
+    if softcap is not None:   # asked each layer and step: nothing to do in the usual case, no cap
+        _check_softcap(softcap, op)
     if whole is not None and (tuple(whole[0].shape) != (H, R, D) or tuple(whole[1].shape) != (H, R)
                               or whole[0].dtype != torch.float32 or whole[1].dtype != torch.float32
                               or whole[0].device != q.device or whole[1].device != q.device
