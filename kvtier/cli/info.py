@@ -16,7 +16,7 @@ import click
 import psutil
 import torch
 
-from ..native.loader import NATIVE_OFF
+from ..native.loader import switched_off
 from .common import UserError, check_writable_folder, one_line, user_errors
 from .format import human_bytes
 
@@ -90,7 +90,7 @@ def kernel_limits(gpus: bool, torch_cuda: str | None, cupy_version: str | None, 
     which torch's CUDA packages do not bring, so every kernel would fail to build and its torch twin run)."""
     if not gpus:
         return []
-    if switch is not None and switch.strip().lower() in NATIVE_OFF:
+    if switched_off(switch):
         return [f"KVTIER_NATIVE={switch} switches the native kernels off: their torch twins run, and no decode step "
                 "is replayed from a CUDA graph"]
     major = int(torch_cuda.split(".")[0]) if torch_cuda else None

@@ -44,7 +44,6 @@ _streams: dict[tuple[int, int], Any] = {}          # (device, torch stream handl
 _mapped: dict[tuple[int, int], int] = {}           # (device, host allocation) -> its device address
 _stats: dict[str, dict[str, Any]] = {}
 _dry = False                                       # under `dry_run`
-NATIVE_OFF = ("0", "off", "false", "no")            # KVTIER_NATIVE's values that switch every kernel off
 _status: dict[str, str | None] = {}                # KVTIER_NATIVE's value -> `status()`
 _launchers: dict[str, str] = {}                    # KVTIER_LAUNCH's value -> `launcher()`
 _functions: dict[int, int] = {}                    # id of a loaded kernel (kept in _kernels) -> its CUfunction
@@ -109,13 +108,18 @@ def status() -> str | None:
         return None
     switch = os.environ.get("KVTIER_NATIVE", "1")
     if switch not in _status:   # asked before every launch: the answer is kept per setting of the switch
-        if switch.strip().lower() in NATIVE_OFF:
+        if switched_off(switch):
             _status[switch] = "switched off by KVTIER_NATIVE"
         elif not torch.cuda.is_available():
             _status[switch] = "no CUDA device"
         else:
             _status[switch] = None if cupy_module() is not None else _cupy_error
     return _status[switch]
+
+
+def switched_off(switch: str | None) -> bool:
+    """Whether `switch`, a value of ``KVTIER_NATIVE``, switches every kernel off (0, off, false, no)."""
+    return switch is not None and switch.strip().lower() in ("0", "off", "false", "no")
 
 
 class FirstUseInCapture(RuntimeError):
