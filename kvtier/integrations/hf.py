@@ -1,9 +1,9 @@
 """`TieredCache`: a transformers ``Cache`` whose layers keep KV in GPU, host and disk tiers.
 
-Works with transformers 5.5 and later (``get_mask_sizes(query_length)``; both ``past_key_values=`` and,
-from 5.24, ``cache=``). Each layer reports the logical length from ``get_seq_length()`` and, from
-``get_mask_sizes()``, the number of entries ``update`` returns with the offset of the rest, the way
-transformers' sliding-window layer does.
+Works with the transformers releases `requirement` allows (``get_mask_sizes(query_length)``; both
+``past_key_values=`` and, from 5.24, ``cache=``). Each layer reports the logical length from
+``get_seq_length()`` and, from ``get_mask_sizes()``, the number of entries ``update`` returns with the offset
+of the rest, the way transformers' sliding-window layer does.
 """
 
 from __future__ import annotations

@@ -618,3 +618,13 @@ def test_the_command_knows_when_it_started_only_when_it_is_the_process(monkeypat
     assert command_started() == psutil.Process().create_time()
     monkeypatch.setattr(sys, "argv", ["/src/kvtier/__main__.py", "bench", "gpu"])
     assert command_started() == psutil.Process().create_time()
+
+
+@pytest.mark.parametrize("args", [[], ["bench"]])
+def test_a_group_alone_shows_its_help(args):
+    """No command: the group's help, as click shows it, exit 2, never a traceback."""
+    result = run(*args)
+    assert result.exit_code == 2, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    assert "Usage:" in result.output and "Commands:" in result.output
+    assert "Traceback" not in result.output
