@@ -396,6 +396,9 @@ def _fraction(value: str, option: str) -> float:
               help="kvtier decode steps at the smallest context over which memory growth is measured (0: skip).")
 @click.option("--growth-seconds", default=120.0, show_default=True, type=click.FloatRange(min=0),
               help="Stop the growth run past this many seconds (recorded; the target then has no verdict).")
+@click.option("--time-limit", default=285.0, show_default=True, type=click.FloatRange(min=0),
+              help="Seconds the whole command may take, start-up included: the memory-growth run comes last and "
+                   "stops in time to keep to them (0: no limit).")
 @click.option("--prefill-chunk", default=8192, show_default=True, type=click.IntRange(min=1),
               help="Tokens per prefill forward (keeps activation memory small).")
 @click.option("--copy-mib", default=1024, show_default=True, type=click.IntRange(min=1),
@@ -430,9 +433,9 @@ def _fraction(value: str, option: str) -> float:
 @user_errors
 def gpu(contexts: str, million: bool, million_context: str, million_layers: str, device_budget: str,
         recall_pages: int, layers: int | None, shape: str, steps: int, warmup: int, growth_steps: int,
-        growth_seconds: float, prefill_chunk: int, copy_mib: int, batch_mib: int, eager: bool, decode_graph: bool,
-        sustained_steps: int, no_prefetch: bool, disk_host_budget: str, profile_steps: int, device: str,
-        threads: int | None, seed: int, out_path: str, quiet: bool) -> None:
+        growth_seconds: float, time_limit: float, prefill_chunk: int, copy_mib: int, batch_mib: int, eager: bool,
+        decode_graph: bool, sustained_steps: int, no_prefetch: bool, disk_host_budget: str, profile_steps: int,
+        device: str, threads: int | None, seed: int, out_path: str, quiet: bool) -> None:
     """Demotion/recall GB/s vs a raw pinned copy; decode step of the Llama-3.1-8B shape (random weights, bf16,
     batch 1) with kvtier vs DynamicCache on the GPU vs DynamicCache(offloading=True); a synthetic 1M row; KVP
     scoring as a fraction of prefill. Prints a table and writes JSON with each target's pass/fail."""
@@ -470,7 +473,8 @@ def gpu(contexts: str, million: bool, million_context: str, million_layers: str,
     cfg = GpuBenchConfig(device=device, shape=shape, layers=layers, contexts=ctx, million=million,
                          million_context=m_ctx, million_layers=m_layers, device_budget=budget,
                          recall_pages=recall_pages, steps=steps, warmup=warmup, growth_steps=growth_steps,
-                         growth_seconds=growth_seconds, prefill_chunk=prefill_chunk, copy_mib=copy_mib,
+                         growth_seconds=growth_seconds, time_limit=time_limit or None, prefill_chunk=prefill_chunk,
+                         copy_mib=copy_mib,
                          batch_mib=batch_mib, eager=eager, decode_graph=decode_graph,
                          sustained_steps=sustained_steps, no_prefetch=no_prefetch, disk_host_budget=disk_host,
                          profile_steps=profile_steps,

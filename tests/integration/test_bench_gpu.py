@@ -143,12 +143,15 @@ def test_decode_rows_and_ratios(cpu_run):
         assert kv["cuda_graphs_timed"]["replays"] == kv["cuda_graphs_timed"]["captures"] == 0
         assert kv["tiers"]["host"]["tokens"] > 0 and kv["tiers"]["device"]["tokens"] > 0   # demoted, not dropped
         assert 0 < r["kvp_scoring"]["fraction_of_prefill"] and r["kvp_scoring"]["layers"] == 2
-    growth = rows[0]["rows"]["kvtier"]["growth"]
+    # the memory-growth run comes last, at the smallest context, on a cache of its own
+    growth = cpu_run[1]["growth"]
+    assert growth["context"] == 1024 and list(cpu_run[1]["seconds"])[-2:] == ["growth", "total"]
     assert growth["steps"] == 24 and growth["new_tokens"] == 24 and not growth["stopped_early"]
+    assert growth["stopped_by"] is None
     # about one step in 18 demotes a page per head at 10% (the budget grows 0.1 token a step)
     assert 1 <= growth["demoting_steps"] < 24 and growth["demoting_step_ms_median"] > 0
     assert growth["other_step_ms_median"] > 0
-    assert "growth" not in rows[1]["rows"]["kvtier"]
+    assert all("growth" not in r["rows"]["kvtier"] for r in rows)
     for r in rows:   # the one-graph row over a long decode: every step, its mean, how each ran (on a CPU: ordinary)
         run_ = r["rows"]["kvtier_graph"]["sustained"]
         assert run_["steps"] == 20 and run_["step_ms_mean"] > 0 and run_["demoting_steps"] >= 1, run_
@@ -255,6 +258,7 @@ def test_tiny_on_cuda_measures_every_row(tmp_path):
         assert all("skipped" not in r["rows"][n] for n in ("kvtier", "dynamic", "offloading")), r["rows"]
         assert r["ratios"]["offloading_over_kvtier"] is not None
     assert data["million"]["gpu_allocated_bytes"] > 0
+    assert data["growth"]["steps"] == 24 and not data["growth"]["stopped_early"], data["growth"]
     assert all(t["measured"] is not None for t in data["targets"]), data["targets"]
     cost = data["launch_cost"]   # with cupy, a native op is one kernel launch
     assert cost["torch_op_us"] > 0 and (cost["native_path"] == "kernel") == (kvtier_native_status() is None)
@@ -399,7 +403,7 @@ def test_a_failure_after_a_rows_timed_steps_keeps_them(monkeypatch):
     result = run_gpu_bench(cfg)
     row = result["decode"][0]["rows"]["kvtier"]
     assert row["step_ms_median"] > 0 and "skipped" not in row
-    assert row["growth"]["skipped"].startswith("RuntimeError: CUDA error: an illegal memory access"), row["growth"]
+    assert result["growth"]["skipped"].startswith("RuntimeError: CUDA error: an illegal memory access")
     assert result["decode"][0]["rows"]["dynamic"]["timed_in_turn_with_kvtier"] is True
     mil = result["million"]
     assert mil["step_ms_median"] > 0 and mil["decode_graph"]["skipped"].startswith("RuntimeError: CUDA error")
@@ -409,3 +413,35 @@ def test_a_failure_after_a_rows_timed_steps_keeps_them(monkeypatch):
     assert judged["no_device_memory_growth"]["note"].startswith("growth run skipped: RuntimeError")
     text = format_report(result)
     assert "memory growth run skipped (RuntimeError" in text and "stepped by DecodeGraph: skipped (Runtime" in text
+
+
+def test_the_growth_run_keeps_to_the_time_limit():
+    """The memory-growth run comes last and takes what the time limit leaves: none left, it is skipped and says
+    why; stopped by the limit, it says so and the target gives no verdict. The other rows run as they would."""
+    from kvtier import TieredCache, cache_kwargs
+    from kvtier.bench.gpu import GpuBenchConfig, run_gpu_bench
+    from kvtier.bench.gpu.growth import _growth
+    from kvtier.bench.gpu.model import build_model
+    from kvtier.bench.gpu.timing import Clock, Progress
+    from kvtier.errors import ConfigError
+
+    cfg = GpuBenchConfig(device="cpu", shape="tiny", layers=1, contexts=(1024,), million=False, copy_mib=1,
+                         batch_mib=1, repeats=1, steps=2, warmup=1, growth_steps=4, sustained_steps=0,
+                         prefill_chunk=512, disk_host_budget=None, eager=False, decode_graph=False, time_limit=60.0)
+    late = run_gpu_bench(cfg, started=time.time() - 90.0)   # the command began longer ago than its limit
+    assert late["decode"][0]["rows"]["kvtier"]["step_ms_median"] > 0
+    assert "left under the time limit of 60 s" in late["growth"]["skipped"], late["growth"]
+    judged = {t["name"]: t for t in late["targets"]}
+    assert judged["no_host_memory_growth"]["pass"] is None and "--time-limit" in judged["no_host_memory_growth"]["note"]
+
+    model, _ = build_model("tiny", 1, torch.device("cpu"), 0)
+    with TieredCache(model.config, device_budget=0.1, scorer="keynorm") as cache, torch.no_grad():
+        model(torch.arange(300)[None], **cache_kwargs(cache))
+        cut = _growth(cfg, model, cache, torch.tensor([[5]]), 1, Clock(torch.device("cpu")), Progress(False),
+                      deadline=time.perf_counter())
+    assert cut["steps"] == 1 and cut["stopped_early"] and cut["stopped_by"] == "time_limit"
+    note = evaluate_targets({"growth": cut, "decode": [], "bandwidth": {}})
+    growth_note = next(t for t in note if t["name"] == "no_device_memory_growth")
+    assert growth_note["pass"] is None and growth_note["note"] == "1 of 4 steps (stopped at --time-limit)"
+    with pytest.raises(ConfigError, match="time_limit=0"):
+        GpuBenchConfig(device="cpu", time_limit=0)

@@ -69,18 +69,32 @@ def _fill_from(cache: Any, kv: list[tuple[torch.Tensor, torch.Tensor]], chunk: i
                 layer.commit()
 
 
+def _prompt(cfg: GpuBenchConfig, model: Any, context: int, device: torch.device) -> torch.Tensor:
+    """The context's token ids, the same wherever the context is prefilled."""
+    g = torch.Generator().manual_seed(cfg.seed + context)
+    return torch.randint(model.config.vocab_size, (1, context), generator=g).to(device)
+
+
+def _default_tiered(cfg: GpuBenchConfig, model: Any, scorer: Any, host_budget: float | None = None,
+                    graphs: bool = True, prefetch: int | None = None) -> Any:
+    """A TieredCache with the run's budget and recall, otherwise as made by default."""
+    from ...integrations.hf import TieredCache
+
+    return TieredCache(model.config, device_budget=cfg.device_budget, host_budget=host_budget, scorer=scorer,
+                       recall_pages=cfg.recall_pages, cuda_graphs=graphs, prefetch_pages=prefetch)
+
+
 def run_context(cfg: GpuBenchConfig, model: Any, context: int, scorer: Any, clock: Clock, progress: Progress,
-                growth: bool, checkpoint: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+                first: bool, checkpoint: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """One context: prefill once (DynamicCache, chunked), then each cache's decode step on the same K/V.
-    `checkpoint` gets the context's row so far after each cache's row."""
+    `first`: the smallest context, where the kvtier row also profiles a demoting step. `checkpoint` gets the
+    context's row so far after each cache's row."""
     from transformers import DynamicCache
 
-    from ...integrations.hf import TieredCache
     from ...integrations.model_graph import DecodeGraph
 
     device, layers = clock.device, cfg.num_layers
-    g = torch.Generator().manual_seed(cfg.seed + context)
-    ids = torch.randint(model.config.vocab_size, (1, context), generator=g).to(device)
+    ids = _prompt(cfg, model, context, device)
     token = ids[:, -1:]
     row: dict[str, Any] = {"context": context, "rows": {}}
     progress.say(f"{context:,} tokens: prefill through the model (chunks of {cfg.prefill_chunk:,})")
@@ -101,9 +115,7 @@ def run_context(cfg: GpuBenchConfig, model: Any, context: int, scorer: Any, cloc
         if device.type != "cuda" and not (graphs and prefetch is None and in_step is None):
             raise Skip("not run on cpu: without CUDA graphs or prefetch there it is the kvtier row again")
         # `disk`: a host budget sends pages to disk; recall planned on the "device" (on CUDA, the default) or "host"
-        host_budget = None if disk is None else cfg.disk_host_budget
-        cache = TieredCache(model.config, device_budget=cfg.device_budget, host_budget=host_budget, scorer=scorer,
-                            recall_pages=cfg.recall_pages, cuda_graphs=graphs, prefetch_pages=prefetch)
+        cache = _default_tiered(cfg, model, scorer, None if disk is None else cfg.disk_host_budget, graphs, prefetch)
         for engine in cache._engines:   # where a step's prefetch runs (None: in its graph, where it has one)
             engine.prefetch_in_step = in_step
             if disk is not None:
@@ -168,9 +180,6 @@ def run_context(cfg: GpuBenchConfig, model: Any, context: int, scorer: Any, cloc
                 progress.say(f"{context:,} tokens: {cfg.sustained_steps} steps through DecodeGraph, demotions "
                              "included")
                 out["sustained"] = extra("sustained run", sustained)
-            if demoting and cfg.growth_steps:   # the steps that demote, and those that capture after, included
-                progress.say(f"memory growth: up to {cfg.growth_steps} kvtier decode steps at {context:,}")
-                out["growth"] = extra("memory growth", lambda: _growth(cfg, model, cache, t, layers, clock, progress))
             return out
         finally:
             cache.close()
@@ -213,7 +222,7 @@ def run_context(cfg: GpuBenchConfig, model: Any, context: int, scorer: Any, cloc
             ("kvtier_side_prefetch", lambda: tiered(in_step=False, profile=False)),
             ("kvtier_no_prefetch", lambda: tiered(prefetch=0, profile=False)), ("offloading", offloaded),
             ("kvtier_graph", lambda: tiered(whole=True)),
-            ("kvtier", lambda: tiered(demoting=growth, in_turn=True)), ("dynamic", dynamic),
+            ("kvtier", lambda: tiered(demoting=first, in_turn=True)), ("dynamic", dynamic),
             ("kvtier_disk", lambda: tiered(disk="device", profile=False)),
             ("kvtier_disk_host_plan", lambda: tiered(disk="host", profile=False)))
     # the kvtier row (DynamicCache's steps in turn with it) and DynamicCache's own after the others: DynamicCache's
@@ -270,3 +279,32 @@ def run_context(cfg: GpuBenchConfig, model: Any, context: int, scorer: Any, cloc
             row["ratios"][key] = (_r(k_ms / other) if name == "kvtier_no_prefetch" else _r(other / k_ms)) \
                 if other and k_ms else None
     return row
+
+
+def run_growth(cfg: GpuBenchConfig, model: Any, context: int, scorer: Any, clock: Clock, progress: Progress,
+               deadline: float | None) -> dict[str, Any]:
+    """The memory-growth run, the command's last: the kvtier cache as made by default, filled with a prefill of
+    `context`'s tokens, warmed until its steps replay, then `cfg.growth_steps` steps (those that demote, and those
+    that capture after, included), stopped at `cfg.growth_seconds` or at `deadline` (a `time.perf_counter()`).
+    Last, so that it takes what the time limit leaves and never the time of the rows the other targets judge."""
+    from transformers import DynamicCache
+
+    device, layers = clock.device, cfg.num_layers
+    ids = _prompt(cfg, model, context, device)
+    token = ids[:, -1:]
+    full = DynamicCache(config=model.config)
+    prefill(model, ids, full, cfg.prefill_chunk, clock, progress)
+    del ids
+    kv = [_layer_kv(full, i) for i in range(layers)]
+    del full
+    cache = _default_tiered(cfg, model, scorer)
+    try:
+        _fill_from(cache, kv, cfg.prefill_chunk, progress, "kvtier fill")
+        del kv
+        _, t = decode_steps(model, cache, token, cfg.warmup, clock)
+        _, t = warm_until_replayed(model, cache, t, clock)
+        progress.say(f"memory growth: up to {cfg.growth_steps} kvtier decode steps at {context:,}")
+        return {"context": context, **_growth(cfg, model, cache, t, layers, clock, progress, deadline=deadline)}
+    finally:
+        cache.close()
+        cache.detach_attention()

@@ -54,14 +54,18 @@ def growth_allowance(cfg: GpuBenchConfig, layers: int, new_tokens: int) -> dict[
 
 
 def _growth(cfg: GpuBenchConfig, model: Any, cache: Any, token: torch.Tensor, layers: int, clock: Clock,
-            progress: Progress, steps: int | None = None, stepper: Any = None) -> dict[str, Any]:
+            progress: Progress, steps: int | None = None, stepper: Any = None,
+            deadline: float | None = None) -> dict[str, Any]:
     """`steps` decode steps (`cfg.growth_steps` by default) through `stepper` (the cache, or a `DecodeGraph` over
-    it), stopped at `cfg.growth_seconds`: memory before and after, and what the steps took, those that demote and
-    those that capture included (their mean is what a long decode sees)."""
+    it), stopped at `cfg.growth_seconds` or at `deadline` (a `time.perf_counter()`), whichever comes first: memory
+    before and after, and what the steps took, those that demote and those that capture included (their mean is
+    what a long decode sees)."""
     steps = cfg.growth_steps if steps is None else steps
     before = memory_snapshot(cache, clock.device)
     seen0 = cache.get_seq_length()
-    deadline = time.perf_counter() + cfg.growth_seconds
+    own = time.perf_counter() + cfg.growth_seconds
+    stop_by = "growth_seconds" if deadline is None or own <= deadline else "time_limit"
+    deadline = own if deadline is None else min(own, deadline)
     demoted: list[bool] = []
     times, _ = decode_steps(model, cache if stepper is None else stepper, token, steps, clock, progress, "growth",
                             deadline, demoted)
@@ -76,6 +80,7 @@ def _growth(cfg: GpuBenchConfig, model: Any, cache: Any, token: torch.Tensor, la
     gpu = delta.get("gpu_allocated_bytes", pools)
     host = max(delta.get("pinned_allocator_bytes", 0), delta.get("cache_host_reserved_bytes", 0))
     return {"steps": len(times), "steps_asked": steps, "stopped_early": len(times) < steps,
+            "stopped_by": stop_by if len(times) < steps else None,
             "new_tokens": new, "before": before, "after": after, "growth": delta,
             "device_growth_bytes": gpu, "host_growth_bytes": host, "allowance": allow,
             "device_ok": gpu <= allow["device_bytes"], "host_ok": host <= allow["host_bytes"],

@@ -174,12 +174,11 @@ def format_report(result: dict[str, Any]) -> str:
                          f"/ {r['per_slab_ms']:.3f} [{_replayed(r)}] ({r['slabs']} slabs, {r['one_pass_path']}"
                          + ("" if r.get("wide_same_bits", True) else ", WIDE DIFFERS") + ")"
                          for r in pool["rows"]))
-    growth = next((r["rows"]["kvtier"]["growth"] for r in result["decode"]
-                   if "growth" in r.get("rows", {}).get("kvtier", {})), None)
+    growth = result.get("growth")
     if growth and growth.get("skipped"):
         lines.append(f"  memory growth run skipped ({growth['skipped']})")
     elif growth:
-        lines.append(f"  memory over {growth['steps']} kvtier steps at {_tokens(result['decode'][0]['context'])}: "
+        lines.append(f"  memory over {growth['steps']} kvtier steps at {_tokens(growth['context'])}: "
                      f"device {growth['device_growth_bytes'] / MiB:+.1f} MiB, "
                      f"host {growth['host_growth_bytes'] / MiB:+.1f} MiB "
                      f"(allowed {growth['allowance']['device_bytes'] / MiB:.1f} / "

@@ -13,14 +13,14 @@ import torch
 
 from ...native import indexed_device
 from .bandwidth import measure_bandwidth
-from .context import run_context
+from .context import run_context, run_growth
 from .launch_cost import measure_launch_cost
 from .million import run_million
 from .model import ROPE, SHAPES, build_model, kv_bytes_per_token, kvp_for
 from .pool_attention import measure_pool_attention
 from .settings import GpuBenchConfig
 from .targets import evaluate_targets
-from .timing import Clock, Progress, _attempt, _free, _r
+from .timing import Clock, Progress, Skip, _attempt, _free, _r
 
 
 def machine(device: torch.device) -> dict[str, Any]:
@@ -54,6 +54,9 @@ def run_gpu_bench(cfg: GpuBenchConfig, progress: Progress | None = None,
             checkpoint(snapshot)
 
     t_start = time.perf_counter()
+    # where the time limit ends, on the perf_counter clock (the command's start-up counts where it is known)
+    limit_at = None if cfg.time_limit is None else \
+        t_start + cfg.time_limit - (0.0 if started is None else max(0.0, time.time() - started))
     device = torch.device(cfg.device)
     if device.type == "cuda":
         # indexed ("cuda" is the current device): what the run makes is compared with the tensors' "cuda:N"
@@ -112,7 +115,7 @@ def run_gpu_bench(cfg: GpuBenchConfig, progress: Progress | None = None,
             for i, context in enumerate(sorted(cfg.contexts)):
                 t = time.perf_counter()
                 row = _attempt(f"{context:,} tokens", lambda: run_context(
-                    cfg, model, context, scorer, clock, progress, growth=i == 0,
+                    cfg, model, context, scorer, clock, progress, first=i == 0,
                     checkpoint=lambda so_far: done(f"context_{context}", so_far)), device, progress)
                 row.setdefault("context", context)
                 result["decode"].append(row)
@@ -124,6 +127,12 @@ def run_gpu_bench(cfg: GpuBenchConfig, progress: Progress | None = None,
         t = time.perf_counter()
         result["million"] = _attempt("1M", lambda: run_million(cfg, scorer_for, clock, progress), device, progress)
         seconds["million"] = _r(time.perf_counter() - t, 2)
+        done("million")
+    if cfg.contexts and cfg.growth_steps:
+        t = time.perf_counter()
+        result["growth"] = _attempt("memory growth", lambda: _growth_last(cfg, result, scorer_for, clock, progress,
+                                                                          limit_at), device, progress)
+        seconds["growth"] = _r(time.perf_counter() - t, 2)
     seconds["total"] = _r(time.perf_counter() - t_start, 2)
     if started is not None:   # the command's own wall clock, start-up and imports included
         seconds["process"] = _r(time.time() - started, 2)
@@ -131,3 +140,28 @@ def run_gpu_bench(cfg: GpuBenchConfig, progress: Progress | None = None,
     result["targets_note"] = ("the issue's targets, set for an H200" + ("" if device.type == "cuda" else
                               f"; on {device.type} the verdicts only exercise the code, they judge nothing"))
     return result
+
+
+GROWTH_MARGIN = 5.0   # seconds kept back from the time limit for what follows the growth run (targets, JSON, table)
+
+
+def _growth_last(cfg: GpuBenchConfig, result: dict[str, Any], scorer_for: Callable[[Any], tuple[Any, str]],
+                 clock: Clock, progress: Progress, limit_at: float | None) -> dict[str, Any]:
+    """The memory-growth run at the smallest context, after everything else, stopped where the time limit says.
+    Skipped where what is left would not cover its set-up (that context's prefill and kvtier fill, as measured
+    by its rows) and a few steps."""
+    context = min(cfg.contexts)
+    deadline = None if limit_at is None else limit_at - GROWTH_MARGIN
+    if deadline is not None:
+        row = next((r for r in result["decode"] if r.get("context") == context), {})
+        setup = (row.get("prefill_seconds") or 0.0) + (row.get("rows", {}).get("kvtier", {}).get("fill_seconds") or 0.0)
+        left = deadline - time.perf_counter()
+        if left < 2 * setup:
+            raise Skip(f"{max(0.0, left):.0f} s left under the time limit of {cfg.time_limit:g} s, where its set-up "
+                       f"(prefill and fill at {context:,}) took {setup:.0f} s (--time-limit)")
+    model, _ = build_model(cfg.shape, cfg.num_layers, clock.device, cfg.seed)   # the contexts' model, seeded
+    try:
+        return run_growth(cfg, model, context, scorer_for(model.config)[0], clock, progress, deadline)
+    finally:
+        del model
+        _free(clock.device, host=True)

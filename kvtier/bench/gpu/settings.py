@@ -24,6 +24,8 @@ class GpuBenchConfig:
     warmup: int = 3
     growth_steps: int = 1000
     growth_seconds: float = 120.0         # stop the growth run early past this (recorded)
+    time_limit: float | None = 285.0      # seconds for the whole command, start-up included: the growth run goes
+                                          # last and stops in time to keep to it; None: no limit
     prefill_chunk: int = 8192
     fill_chunk: int = 65536               # synthetic 1M fill: tokens per update
     copy_mib: int = 1024                  # the raw pinned copy
@@ -51,6 +53,8 @@ class GpuBenchConfig:
             if getattr(self, name) < (0 if name in ("warmup", "profile_steps", "sustained_steps") else 1):
                 raise ConfigError(f"{name}={getattr(self, name)} is out of range")
 
+        if self.time_limit is not None and not self.time_limit > 0:
+            raise ConfigError(f"time_limit={self.time_limit}; allowed: seconds > 0, or None for no limit")
         if self.disk_host_budget is not None and not 0 < self.disk_host_budget < 1:
             raise ConfigError(f"disk_host_budget={self.disk_host_budget}; allowed: a fraction between 0 and 1 "
                               "(exclusive), or None for no disk rows")

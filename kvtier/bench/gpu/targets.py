@@ -77,14 +77,15 @@ def evaluate_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
                                           "fewer layers)" + (f"; {note}" if note else "")) if ratio else why,
                            context=mil["context"],
                            with_decode_graph=_r(graph / per_layer_base, 4) if graph and per_layer_base else None))
-    growth = next((r["rows"]["kvtier"]["growth"] for r in rows if "growth" in r["rows"].get("kvtier", {})), None)
+    growth = result.get("growth")
     for side in ("device", "host"):
         g = growth or {}
         measured = g.get(f"{side}_growth_bytes")
         limit = g.get("allowance", {}).get(f"{side}_bytes", 0)
         note = ("growth run did not happen" if growth is None else
                 f"growth run skipped: {growth['skipped']}" if growth.get("skipped") else
-                f"{g['steps']} of {g['steps_asked']} steps (stopped at --growth-seconds)" if g["stopped_early"] else
+                f"{g['steps']} of {g['steps_asked']} steps (stopped at "
+                f"--{(g.get('stopped_by') or 'growth_seconds').replace('_', '-')})" if g["stopped_early"] else
                 f"{g['steps']} steps, {g['new_tokens']} new tokens")
         t = _target(f"no_{side}_memory_growth",
                     f"no growth of {'GPU' if side == 'device' else 'pinned host'} memory over 1,000 decode steps "
