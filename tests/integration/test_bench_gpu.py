@@ -17,7 +17,7 @@ from kvtier.native import kernel_status as kvtier_native_status
 
 TINY = ["bench", "gpu", "--shape", "tiny", "--layers", "2", "--contexts", "1K,2K", "--million-context", "8K",
         "--steps", "2", "--warmup", "1", "--growth-steps", "24", "--sustained-steps", "20", "--copy-mib", "8",
-        "--batch-mib", "1", "--prefill-chunk", "512", "--threads", "1", "--profile-steps", "1"]
+        "--batch-mib", "1", "--prefill-chunk", "512", "--threads", "1", "--profile-steps", "1", "--time-limit", "0"]
 TARGETS = {"demotion_vs_raw_copy", "recall_vs_raw_copy", "decode_vs_dynamic_gpu", "decode_vs_offloading",
            "million_gpu_bytes", "million_decode_vs_dynamic", "no_device_memory_growth", "no_host_memory_growth",
            "under_5_minutes"}
@@ -146,6 +146,7 @@ def test_decode_rows_and_ratios(cpu_run):
     # the memory-growth run comes last, at the smallest context, on a cache of its own
     growth = cpu_run[1]["growth"]
     assert growth["context"] == 1024 and list(cpu_run[1]["seconds"])[-2:] == ["growth", "total"]
+    assert cpu_run[1]["settings"]["time_limit"] is None   # --time-limit 0: none
     assert growth["steps"] == 24 and growth["new_tokens"] == 24 and not growth["stopped_early"]
     assert growth["stopped_by"] is None
     # about one step in 18 demotes a page per head at 10% (the budget grows 0.1 token a step)
@@ -385,9 +386,9 @@ def test_every_checkpoint_carries_the_targets_judged_so_far():
 
 
 def test_a_failure_after_a_rows_timed_steps_keeps_them(monkeypatch):
-    """A row's profiles and long runs (the memory growth run, the 1M row's steps through `DecodeGraph`) come after
-    its timed steps: a failure in one is recorded under its own name, and the row keeps the steps the targets
-    judge, in the JSON, the table and the targets."""
+    """A row's profiles and long runs (the 1M row's steps through `DecodeGraph`) come after its timed steps: a
+    failure in one is recorded under its own name, and the row keeps the steps the targets judge, in the JSON, the
+    table and the targets. The memory-growth run, a section of its own, fails alone too."""
     from kvtier.bench.gpu import GpuBenchConfig, context, run_gpu_bench
     from kvtier.bench.gpu.report import format_report
     from kvtier.integrations import model_graph

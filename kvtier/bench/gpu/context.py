@@ -4,6 +4,7 @@ the same K/V, with the share of the prefill that KVP scoring of every entry woul
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
 import torch
@@ -301,8 +302,13 @@ def run_growth(cfg: GpuBenchConfig, model: Any, context: int, scorer: Any, clock
     try:
         _fill_from(cache, kv, cfg.prefill_chunk, progress, "kvtier fill")
         del kv
+        # as the rows' timed steps begin (warmed, replaying), then as many steps as a row times: the state the
+        # growth run started from when it followed the kvtier row's timed steps
         _, t = decode_steps(model, cache, token, cfg.warmup, clock)
         _, t = warm_until_replayed(model, cache, t, clock)
+        _, t = decode_steps(model, cache, t, cfg.steps, clock)
+        if deadline is not None and time.perf_counter() > deadline:
+            raise Skip("the time limit was reached during its set-up (--time-limit)")
         progress.say(f"memory growth: up to {cfg.growth_steps} kvtier decode steps at {context:,}")
         return {"context": context, **_growth(cfg, model, cache, t, layers, clock, progress, deadline=deadline)}
     finally:

@@ -78,7 +78,8 @@ def _growth(cfg: GpuBenchConfig, model: Any, cache: Any, token: torch.Tensor, la
              if isinstance(before.get(k), int) and isinstance(after.get(k), int)}
     pools = delta.get("cache_device_reserved_bytes", 0) + delta.get("cache_index_bytes", 0)
     gpu = delta.get("gpu_allocated_bytes", pools)
-    host = max(delta.get("pinned_allocator_bytes", 0), delta.get("cache_host_reserved_bytes", 0))
+    host = max(delta.get("pinned_allocator_bytes", 0), delta.get("pinned_active_bytes", 0),
+               delta.get("cache_host_reserved_bytes", 0))
     return {"steps": len(times), "steps_asked": steps, "stopped_early": len(times) < steps,
             "stopped_by": stop_by if len(times) < steps else None,
             "new_tokens": new, "before": before, "after": after, "growth": delta,
@@ -91,5 +92,5 @@ def _growth(cfg: GpuBenchConfig, model: Any, cache: Any, token: torch.Tensor, la
             "other_step_ms_median": _r(_median(split["other"]) * 1e3) if split["other"] else None,
             "rule": ("growth over the steps must stay within the K/V of the tokens they added plus one allocation "
                      "unit per layer of each pool (device slab, index slab, host slabs); device: "
-                     "torch.cuda.memory_allocated on CUDA, else the cache's device pools; host: the larger of the "
-                     "pinned allocator's bytes and the cache's host pools")}
+                     "torch.cuda.memory_allocated on CUDA, else the cache's device pools; host: the largest of the "
+                     "pinned allocator's bytes (cached blocks included), its bytes in use and the cache's host pools")}

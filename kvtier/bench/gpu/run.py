@@ -150,15 +150,19 @@ def _growth_last(cfg: GpuBenchConfig, result: dict[str, Any], scorer_for: Callab
     """The memory-growth run at the smallest context, after everything else, stopped where the time limit says.
     Skipped where what is left would not cover its set-up (that context's prefill and kvtier fill, as measured
     by its rows) and a few steps."""
+    # the pinned blocks torch's host allocator keeps from the rows before (the 1M row's, tens of GiB) go back
+    # first: cached, they could serve the run's new pinned memory unseen, and freeing them takes time
+    _free(clock.device, host=True)
     context = min(cfg.contexts)
     deadline = None if limit_at is None else limit_at - GROWTH_MARGIN
     if deadline is not None:
         row = next((r for r in result["decode"] if r.get("context") == context), {})
-        setup = (row.get("prefill_seconds") or 0.0) + (row.get("rows", {}).get("kvtier", {}).get("fill_seconds") or 0.0)
+        setup = sum(x or 0.0 for x in (row.get("prefill_seconds"), row.get("rows", {}).get("kvtier", {}).get(
+            "fill_seconds"), result["seconds"].get("model_init")))
         left = deadline - time.perf_counter()
         if left < 2 * setup:
             raise Skip(f"{max(0.0, left):.0f} s left under the time limit of {cfg.time_limit:g} s, where its set-up "
-                       f"(prefill and fill at {context:,}) took {setup:.0f} s (--time-limit)")
+                       f"(model, prefill and fill at {context:,}) took {setup:.0f} s (--time-limit)")
     model, _ = build_model(cfg.shape, cfg.num_layers, clock.device, cfg.seed)   # the contexts' model, seeded
     try:
         return run_growth(cfg, model, context, scorer_for(model.config)[0], clock, progress, deadline)
