@@ -1,5 +1,6 @@
 """One context's rows: prefill once, then kvtier, DynamicCache and DynamicCache(offloading=True) decode on
-the same K/V, with the share of the prefill that KVP scoring of every entry would take.
+the same K/V, with the share of the prefill that KVP scoring of every entry would take; and the memory-growth
+run, set up from a context the same way.
 """
 
 from __future__ import annotations
