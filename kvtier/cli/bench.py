@@ -474,11 +474,9 @@ def gpu(contexts: str, million: bool, million_context: str, million_layers: str,
                          million_context=m_ctx, million_layers=m_layers, device_budget=budget,
                          recall_pages=recall_pages, steps=steps, warmup=warmup, growth_steps=growth_steps,
                          growth_seconds=growth_seconds, time_limit=time_limit or None, prefill_chunk=prefill_chunk,
-                         copy_mib=copy_mib,
-                         batch_mib=batch_mib, eager=eager, decode_graph=decode_graph,
+                         copy_mib=copy_mib, batch_mib=batch_mib, eager=eager, decode_graph=decode_graph,
                          sustained_steps=sustained_steps, no_prefetch=no_prefetch, disk_host_budget=disk_host,
-                         profile_steps=profile_steps,
-                         seed=seed)
+                         profile_steps=profile_steps, seed=seed)
     out_file = Path(out_path).expanduser()
 
     def write(result: dict) -> None:   # whole or not at all: a run killed mid-write keeps the last checkpoint

@@ -71,10 +71,18 @@ def _fill_from(cache: Any, kv: list[tuple[torch.Tensor, torch.Tensor]], chunk: i
                 layer.commit()
 
 
-def _prompt(cfg: GpuBenchConfig, model: Any, context: int, device: torch.device) -> torch.Tensor:
-    """The context's token ids, the same wherever the context is prefilled."""
+def _prefilled(cfg: GpuBenchConfig, model: Any, context: int, clock: Clock,
+               progress: Progress) -> tuple[Any, list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, float]:
+    """The context's seeded tokens (the same wherever it is prefilled) through the model into a `DynamicCache`, in
+    chunks: the cache, its layers' K/V, the last token (the first decode step's input) and the prefill's seconds."""
+    from transformers import DynamicCache
+
     g = torch.Generator().manual_seed(cfg.seed + context)
-    return torch.randint(model.config.vocab_size, (1, context), generator=g).to(device)
+    ids = torch.randint(model.config.vocab_size, (1, context), generator=g).to(clock.device)
+    progress.say(f"{context:,} tokens: prefill through the model (chunks of {cfg.prefill_chunk:,})")
+    full = DynamicCache(config=model.config)
+    seconds = prefill(model, ids, full, cfg.prefill_chunk, clock, progress)
+    return full, [_layer_kv(full, i) for i in range(cfg.num_layers)], ids[:, -1:].clone(), seconds
 
 
 def _default_tiered(cfg: GpuBenchConfig, model: Any, scorer: Any, host_budget: float | None = None,
@@ -96,14 +104,9 @@ def run_context(cfg: GpuBenchConfig, model: Any, context: int, scorer: Any, cloc
     from ...integrations.model_graph import DecodeGraph
 
     device, layers = clock.device, cfg.num_layers
-    ids = _prompt(cfg, model, context, device)
-    token = ids[:, -1:]
     row: dict[str, Any] = {"context": context, "rows": {}}
-    progress.say(f"{context:,} tokens: prefill through the model (chunks of {cfg.prefill_chunk:,})")
-    full = DynamicCache(config=model.config)
-    row["prefill_seconds"] = _r(prefill(model, ids, full, cfg.prefill_chunk, clock, progress), 3)
-    del ids
-    kv = [_layer_kv(full, i) for i in range(layers)]
+    full, kv, token, seconds = _prefilled(cfg, model, context, clock, progress)
+    row["prefill_seconds"] = _r(seconds, 3)
     row["kvp_scoring"] = _attempt("KVP scoring", lambda: kvp_scoring(scorer, full, layers, cfg.prefill_chunk, clock,
                                                                       row["prefill_seconds"]), device, progress)
 
@@ -289,16 +292,8 @@ def run_growth(cfg: GpuBenchConfig, model: Any, context: int, scorer: Any, clock
     `context`'s tokens, warmed until its steps replay, then `cfg.growth_steps` steps (those that demote, and those
     that capture after, included), stopped at `cfg.growth_seconds` or at `deadline` (a `time.perf_counter()`).
     Last, so that it takes what the time limit leaves and never the time of the rows the other targets judge."""
-    from transformers import DynamicCache
-
-    device, layers = clock.device, cfg.num_layers
-    ids = _prompt(cfg, model, context, device)
-    token = ids[:, -1:]
-    full = DynamicCache(config=model.config)
-    prefill(model, ids, full, cfg.prefill_chunk, clock, progress)
-    del ids
-    kv = [_layer_kv(full, i) for i in range(layers)]
-    del full
+    full, kv, token, _ = _prefilled(cfg, model, context, clock, progress)
+    del full   # `kv` holds its tensors
     cache = _default_tiered(cfg, model, scorer)
     try:
         _fill_from(cache, kv, cfg.prefill_chunk, progress, "kvtier fill")
@@ -311,7 +306,8 @@ def run_growth(cfg: GpuBenchConfig, model: Any, context: int, scorer: Any, clock
         if deadline is not None and time.perf_counter() > deadline:
             raise Skip("the time limit was reached during its set-up (--time-limit)")
         progress.say(f"memory growth: up to {cfg.growth_steps} kvtier decode steps at {context:,}")
-        return {"context": context, **_growth(cfg, model, cache, t, layers, clock, progress, deadline=deadline)}
+        return {"context": context, **_growth(cfg, model, cache, t, cfg.num_layers, clock, progress,
+                                              deadline=deadline)}
     finally:
         cache.close()
         cache.detach_attention()

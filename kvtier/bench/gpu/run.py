@@ -148,8 +148,8 @@ GROWTH_MARGIN = 5.0   # seconds kept back from the time limit for what follows t
 def _growth_last(cfg: GpuBenchConfig, result: dict[str, Any], scorer_for: Callable[[Any], tuple[Any, str]],
                  clock: Clock, progress: Progress, limit_at: float | None) -> dict[str, Any]:
     """The memory-growth run at the smallest context, after everything else, stopped where the time limit says.
-    Skipped where what is left would not cover its set-up (that context's prefill and kvtier fill, as measured
-    by its rows) and a few steps."""
+    Skipped where what is left would not cover twice its set-up (the model's build, and that context's prefill
+    and kvtier fill, as this run measured them before)."""
     # the pinned blocks torch's host allocator keeps from the rows before (the 1M row's, tens of GiB) go back
     # first: cached, they could serve the run's new pinned memory unseen, and freeing them takes time
     _free(clock.device, host=True)
