@@ -280,12 +280,9 @@ def launches(context: str, steps: int, demote_pages: str, prefetch_at: str, host
         # on CUDA, eager steps: a replayed graph dispatches nothing the counter could see
         cache = TieredCache(lm.config, device_budget=budget, host_budget=host, recall_pages=recall_pages,
                             demote_pages=demote, scorer=None if scorer == "auto" else scorer, cuda_graphs=False)
-        for engine in cache._engines:   # recall planned, pages chosen, entries scored and checked as on a GPU
-            engine.select_kernels = engine.defer_nan = True
-            engine.device_recall = plan == "device"
+        cache.take_gpu_path(plan_on_device=plan == "device")   # pages chosen, entries scored and checked as on a GPU
+        for engine in cache._engines:
             engine.prefetch_in_step = prefetch_at == "in-step"
-            if hasattr(engine.scorer, "native_score"):
-                engine.scorer.native_score = True
         return cache
 
     makers = {"DynamicCache": lambda: DynamicCache(config=lm.config)}

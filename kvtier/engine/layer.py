@@ -144,6 +144,18 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
             self.index.native_select = self.select_kernels
             self.tiers[0] = HostPool(self.cfg.page_size, self.head_dim, dtype, self.pin)
 
+    def take_gpu_path(self, plan_on_device: bool = True) -> None:
+        """Take the decode path a CUDA device takes, on whatever device this layer runs: recall planned on the
+        device (unless not `plan_on_device`), pages chosen and the pool attended by the kernels (their torch
+        twins off CUDA), the NaN check deferred, and a scorer with a one-launch form scoring through it. So a
+        machine without a GPU checks and counts the GPU's work (tests, `kvtier bench launches`)."""
+        self.device_recall = plan_on_device
+        self.select_kernels = self.defer_nan = True
+        if self.index is not None:   # made already: it read `select_kernels` then
+            self.index.native_select = True
+        if hasattr(self.scorer, "native_score"):
+            self.scorer.native_score = True
+
     @property
     def host(self) -> HostPool | None:
         return self.tiers[0]

@@ -263,6 +263,16 @@ class TieredCache(OneSequence, Cache):
         super().reset()
         self._state.broken = None
 
+    def take_gpu_path(self, plan_on_device: bool = True) -> TieredCache:
+        """Make every tiered layer take the decode path a CUDA device takes, whatever the device
+        (`LayerEngine.take_gpu_path`): how a machine without a GPU checks and counts the GPU's work. The
+        kernels' sums round in another order than the CPU's matrix products, so outputs may differ from the
+        CPU path's in the last bits. Returns the cache."""
+        self._state.check()
+        for engine in self._engines:
+            engine.take_gpu_path(plan_on_device)
+        return self
+
     @property
     def broken(self) -> str | None:
         """Why the cache is broken (a step failed midway), or None; `reset()` clears it."""

@@ -119,8 +119,7 @@ def test_decode_graph_steps_equal_ordinary_ones(name):
     runs = []
     for graphed in (False, True):
         with TieredCache(model.config, device_budget=48, recall_pages=2, prefetch_pages=2, scorer="keynorm") as c:
-            for engine in c._engines:
-                engine.device_recall = engine.select_kernels = engine.defer_nan = True
+            c.take_gpu_path()
             step = DecodeGraph(model, c) if graphed else (lambda t, c=c: model(t, **cache_kwargs(c)).logits)
             with torch.no_grad():
                 logits, got = step(archs.prompt())[:, -1:], []

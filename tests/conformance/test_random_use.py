@@ -47,16 +47,6 @@ def _model(arch):
     return archs.model(name, "float32", attn)
 
 
-def _planned_on_device(cache: TieredCache) -> TieredCache:
-    """Recall planned and pages chosen on the device, as on a GPU (the kernels' torch twins run here)."""
-    for engine in cache._engines:
-        engine.device_recall = engine.select_kernels = engine.defer_nan = True
-        engine.scorer.native_score = True
-        if engine.index is not None:
-            engine.index.native_select = True
-    return cache
-
-
 class Run:
     """A TieredCache `a` and a reference `b` fed the same tokens; `check` compares each forward's last logits."""
 
@@ -95,7 +85,7 @@ class Run:
                 self.a.resume()
             twin = copy.deepcopy(self.a)
             self.a.close()
-            self.a = _planned_on_device(twin) if self.on_device else twin
+            self.a = twin.take_gpu_path() if self.on_device else twin
         assert self.a.get_seq_length() == self.seen
 
 
@@ -112,7 +102,7 @@ def test_every_page_recalled_follows_dynamic_cache(tmp_path, arch, s, on_device,
     model = _model(arch)
     a = TieredCache(model.config, disk_dir=tmp_path, recall_pages=10_000, **s)
     if on_device:
-        _planned_on_device(a)
+        a.take_gpu_path()
 
     def close_enough(x, y, seen):
         assert torch.allclose(x, y, **TOLERANCE[torch.float32]), \
@@ -138,7 +128,7 @@ def test_a_cache_parked_resumed_or_copied_goes_on_as_its_twin(tmp_path, arch, s,
     twins = [TieredCache(model.config, disk_dir=tmp_path, recall_pages=recall,
                          retain_pages=0 if on_device else retain, **s) for _ in range(2)]
     if on_device:
-        twins = [_planned_on_device(c) for c in twins]
+        twins = [c.take_gpu_path() for c in twins]
 
     def same(x, y, seen):
         assert torch.equal(x, y), f"{arch} {s}: logits {(x - y).abs().max():.1e} apart after {seen} tokens"
@@ -157,7 +147,7 @@ def test_a_cache_parked_resumed_or_copied_goes_on_as_its_twin(tmp_path, arch, s,
        first=st.integers(1, 200), uses=USES, seed=st.integers(0, 2**16))
 def test_decode_graph_steps_equal_ordinary_ones(tmp_path, arch, s, recall, first, uses, seed):
     model = _model(arch)
-    a, b = (_planned_on_device(TieredCache(model.config, disk_dir=tmp_path, recall_pages=recall, **s))
+    a, b = (TieredCache(model.config, disk_dir=tmp_path, recall_pages=recall, **s).take_gpu_path()
             for _ in range(2))
     graph, calls = DecodeGraph(model, a), []
 

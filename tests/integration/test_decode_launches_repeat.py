@@ -175,9 +175,7 @@ def test_what_changes_between_decode_steps_is_known(monkeypatch):
     inputs: dict[int, str] = {}
     _watch_inputs(monkeypatch, recorder, inputs)
     cache = TieredCache(model.config, device_budget=0.1, recall_pages=8, scorer=random_kvp(model))
-    for engine in cache._engines:   # the GPU's path, as `kvtier bench launches` counts it
-        engine.device_recall = engine.select_kernels = engine.defer_nan = True
-        engine.scorer.native_score = True
+    cache.take_gpu_path()   # the GPU's path, as `kvtier bench launches` counts it
     steps, pages = [], [[True] * len(cache._engines)]   # the prefill demoted: its pages land in the next step
     try:
         with torch.no_grad():
@@ -282,9 +280,8 @@ def test_decode_steps_with_one_graph_key_issue_the_same_launches(monkeypatch, in
 
     monkeypatch.setattr(StepGraphs, "run", watched)
     cache = TieredCache(model.config, device_budget=0.1, recall_pages=8, scorer=random_kvp(model))
-    for engine in cache._engines:   # the GPU's path, as `kvtier bench launches` counts it
-        engine.device_recall = engine.select_kernels = engine.defer_nan = True
-        engine.scorer.native_score = True
+    cache.take_gpu_path()   # the GPU's path, as `kvtier bench launches` counts it
+    for engine in cache._engines:
         engine.prefetch_in_step = in_step
     try:
         with torch.no_grad():

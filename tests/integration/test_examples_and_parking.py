@@ -51,10 +51,7 @@ def test_a_conversation_stepped_by_decode_graph_is_bit_identical(fresh_attention
 
     def gpu_path_cache():
         cache = TieredCache(model.config, device_budget=0.2, host_budget=None, recall_pages=4)   # no disk pages
-        for engine in cache._engines:   # recall planned, pages chosen, entries scored and checked as on a GPU
-            engine.device_recall = engine.select_kernels = engine.defer_nan = True
-            engine.scorer.native_score = True   # KVP, the default model's scorer: its one-launch form
-        return cache
+        return cache.take_gpu_path()   # recall planned, pages chosen, entries scored and checked as on a GPU
 
     stepped = ChatSession(model, tok, cache=gpu_path_cache(), decode_graph=True)
     plain = ChatSession(model, tok, cache=gpu_path_cache())

@@ -47,9 +47,7 @@ def test_the_gpu_decode_path_answers_as_the_cpu_path(default_model):
     for gpu_path in (False, True):
         cache = TieredCache(model.config, device_budget=0.1, recall_pages=8)
         if gpu_path:   # the NaN check deferred too, as on CUDA: a decode step's write then joins its attention
-            for engine in cache._engines:
-                engine.device_recall = engine.select_kernels = engine.defer_nan = True
-                engine.scorer.native_score = True
+            cache.take_gpu_path()
         native.reset_stats()
         try:
             runs.append((_decode(model, task.input_ids, cache), native.backend()["ops"], cache.stats()))
@@ -74,10 +72,7 @@ def test_the_gpu_decode_path_runs_under_inference_mode():
     ids = random_ids(model, 900)
     runs = []
     for mode in (torch.no_grad, torch.inference_mode):
-        cache = TieredCache(model.config, device_budget=0.1, recall_pages=4, scorer=random_kvp(model))
-        for engine in cache._engines:
-            engine.device_recall = engine.select_kernels = engine.defer_nan = True
-            engine.scorer.native_score = True
+        cache = TieredCache(model.config, device_budget=0.1, recall_pages=4, scorer=random_kvp(model)).take_gpu_path()
         try:
             with mode():
                 logits = model(ids, **cache_kwargs(cache)).logits[:, -1]
@@ -111,10 +106,8 @@ def test_a_decode_step_written_by_its_attention_equals_one_written_before_it(mon
     monkeypatch.setattr(LayerEngine, "_decode_launches", spy)
     runs = []
     for later in (None, False):
-        cache = TieredCache(model.config, device_budget=0.1, recall_pages=4, scorer=random_kvp(model))
+        cache = TieredCache(model.config, device_budget=0.1, recall_pages=4, scorer=random_kvp(model)).take_gpu_path()
         for engine in cache._engines:
-            engine.device_recall = engine.select_kernels = engine.defer_nan = True
-            engine.scorer.native_score = True
             engine.write_in_attention = later
         written_by_attention.clear()
         try:
@@ -132,3 +125,28 @@ def test_a_decode_step_written_by_its_attention_equals_one_written_before_it(mon
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     for (n, pos, score), (n0, pos0, score0) in zip(pools, pools0):
         assert n == n0 and torch.equal(pos, pos0) and torch.equal(score, score0)
+
+
+def test_take_gpu_path_sets_every_switch_of_every_layer_and_refuses_a_closed_cache():
+    """`TieredCache.take_gpu_path`: recall planned on the device (or not, as asked), the kernels' page choice,
+    including an index made before the call, the deferred NaN check and KVP's one-launch scoring; a scorer with
+    no such form is left as it is."""
+    from kvtier.errors import ClosedCacheError
+
+    model = small_llama()
+    ids = random_ids(model, 300)
+    with TieredCache(model.config, device_budget=0.1, recall_pages=4, scorer=random_kvp(model)) as cache:
+        with torch.no_grad():
+            model(ids, **cache_kwargs(cache))   # the layers' indexes are made, from the switches as they were
+        assert all(e.index is not None and e.index.native_select is None for e in cache._engines)
+        assert cache.take_gpu_path() is cache
+        for e in cache._engines:
+            assert e.device_recall is e.select_kernels is e.defer_nan is True
+            assert e.index.native_select is True and e.scorer.native_score is True
+        cache.take_gpu_path(plan_on_device=False)
+        assert not any(e.device_recall for e in cache._engines)
+    with pytest.raises(ClosedCacheError, match="closed"):
+        cache.take_gpu_path()
+    with TieredCache(model.config, device_budget=0.1, scorer="keynorm") as plain:
+        plain.take_gpu_path()
+        assert all(not hasattr(e.scorer, "native_score") and e.select_kernels for e in plain._engines)

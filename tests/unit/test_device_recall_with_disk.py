@@ -206,9 +206,7 @@ def test_the_gpu_decode_step_with_disk_pages_answers_as_the_cpu_path(tmp_path, m
     for gpu_path in (False, True):
         with TieredCache(model.config, disk_dir=tmp_path, **settings) as cache:
             if gpu_path:
-                for engine in cache._engines:
-                    engine.device_recall = engine.select_kernels = engine.defer_nan = True
-                    engine.scorer.native_score = True
+                cache.take_gpu_path()
             native.reset_stats()
             through_graphs.clear()
             logits = greedy_logits(model, cache, prompt=400, steps=24, seed=6)
@@ -279,8 +277,8 @@ def test_the_gpu_decode_step_notes_its_host_read_before_promotion_stores_pages(t
     model = tiny_llama()
     with TieredCache(model.config, disk_dir=tmp_path, device_budget=0.1, host_budget=0.25, recall_pages=4,
                      page_size=8, read_ahead=False, prefetch_pages=0, promote=True) as cache:
+        cache.take_gpu_path()
         for engine in cache._engines:
-            engine.device_recall = engine.select_kernels = engine.defer_nan = True
             engine.promote_every = 1
         greedy_logits(model, cache, prompt=400, steps=24, seed=6)
         assert cache.stats()["promotion"]["pages"] > 0

@@ -25,15 +25,9 @@ from tiny_models import random_kvp, tiny_llama
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 
 
-def _gpu_path(cache: TieredCache) -> TieredCache:
-    for engine in cache._engines:   # recall planned, pages chosen and the pool attended as on a GPU
-        engine.device_recall = engine.select_kernels = engine.defer_nan = True
-    return cache
-
-
 def _cache(model, **kw) -> TieredCache:
     kw = {"device_budget": 48, "recall_pages": 2, "prefetch_pages": 2, **kw}
-    return _gpu_path(TieredCache(model.config, **kw))
+    return TieredCache(model.config, **kw).take_gpu_path()
 
 
 def _prompt(n=200, seed=3):

@@ -29,21 +29,11 @@ def _twins(model, disk_dir, **extra):
     return [TieredCache(model.config, disk_dir=disk_dir, **{**SETTINGS, **extra}) for _ in range(2)]
 
 
-def _plan_on_device(cache):
-    """Recall planned and pages chosen on the device, as on a GPU (the kernels' torch twins run here)."""
-    for engine in cache._engines:
-        engine.device_recall = engine.select_kernels = engine.defer_nan = True
-        engine.scorer.native_score = True
-        if engine.index is not None:
-            engine.index.native_select = True
-    return cache
-
-
 @torch.no_grad()
 def _decode_side_by_side(model, caches, ops, on_device=False):
     """Feed both caches the same tokens; between steps apply `ops` (`park:host`, `park:disk`, `resume`, `copy`)
     to the first only (`chunk`: a few tokens at once to both). Every step's logits must be the same bits."""
-    a, b = (_plan_on_device(c) for c in caches) if on_device else caches
+    a, b = (c.take_gpu_path() for c in caches) if on_device else caches
     ids = torch.randint(0, 128, (1, 51), generator=torch.Generator().manual_seed(0))
     x = model(ids, **cache_kwargs(a)).logits[:, -1]
     assert torch.equal(x, model(ids, **cache_kwargs(b)).logits[:, -1])
@@ -53,7 +43,7 @@ def _decode_side_by_side(model, caches, ops, on_device=False):
                 a.resume()
             a2 = copy.deepcopy(a)
             a.close()
-            a = _plan_on_device(a2) if on_device else a2
+            a = a2.take_gpu_path() if on_device else a2
         elif op.startswith("park:"):
             a.park(op[5:])
         elif op == "resume":

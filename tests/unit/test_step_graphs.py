@@ -20,12 +20,6 @@ from kvtier.errors import ConfigError
 from tiny_models import greedy_logits, tiny_llama
 
 
-def _on_the_gpu_path(cache: TieredCache) -> TieredCache:
-    for engine in cache._engines:   # recall planned, pages chosen and the pool attended as on a GPU
-        engine.device_recall = engine.select_kernels = engine.defer_nan = True
-    return cache
-
-
 def test_cuda_graphs_must_be_a_bool():
     model = tiny_llama()
     with pytest.raises(ConfigError, match=r"cuda_graphs='yes'; allowed: True or False"):
@@ -36,7 +30,7 @@ def test_cuda_graphs_are_on_by_default_and_can_be_turned_off():
     """Where a cache runs on CUDA its steps replay from graphs unless asked not to; on a CPU the setting is kept
     (a copy moved to a GPU would use it) and changes nothing."""
     model = tiny_llama()
-    with _on_the_gpu_path(TieredCache(model.config, device_budget=48, recall_pages=2)) as cache:
+    with TieredCache(model.config, device_budget=48, recall_pages=2).take_gpu_path() as cache:
         assert cache.settings.cuda_graphs is True
         greedy_logits(model, cache, steps=4)
         assert all(not e.graphs.enabled and not e.prefetch_graphs.enabled for e in cache._engines)
@@ -51,7 +45,7 @@ def test_without_cuda_the_steps_run_eagerly_with_the_same_output():
     model = tiny_llama()
     runs = {}
     for on in (False, True):
-        with _on_the_gpu_path(TieredCache(model.config, device_budget=48, recall_pages=2, cuda_graphs=on)) as cache:
+        with TieredCache(model.config, device_budget=48, recall_pages=2, cuda_graphs=on).take_gpu_path() as cache:
             runs[on] = (greedy_logits(model, cache), cache.stats()["cuda_graphs"])
             if on:
                 assert copy.deepcopy(cache).settings.cuda_graphs is True
@@ -70,7 +64,7 @@ def test_a_prefetch_at_the_end_of_the_step_brings_up_what_the_side_stream_one_do
     model = tiny_llama()
     runs = {}
     for in_step in (False, True):
-        with _on_the_gpu_path(TieredCache(model.config, device_budget=48, recall_pages=2, prefetch_pages=3)) as cache:
+        with TieredCache(model.config, device_budget=48, recall_pages=2, prefetch_pages=3).take_gpu_path() as cache:
             for engine in cache._engines:
                 engine.prefetch_in_step = in_step
             out = greedy_logits(model, cache)
@@ -84,7 +78,7 @@ def test_a_prefetch_at_the_end_of_the_step_brings_up_what_the_side_stream_one_do
 def test_prefetch_in_step_follows_the_graphs_unless_set():
     """By default a step prefetches at its end only where its work is captured (graphs on and none failed)."""
     model = tiny_llama()
-    with _on_the_gpu_path(TieredCache(model.config, device_budget=48, recall_pages=2)) as cache:
+    with TieredCache(model.config, device_budget=48, recall_pages=2).take_gpu_path() as cache:
         greedy_logits(model, cache, steps=2)
         engine = cache._engines[0]
         assert engine._prefetches_in_step() is False   # a CPU: no graph is captured
@@ -140,7 +134,7 @@ def test_decode_keys_repeat_until_a_demotion():
         keys.setdefault((id(self), len(inputs)), []).append(key())
         return run(self, key, inputs, work, **kwargs)
 
-    with _on_the_gpu_path(TieredCache(model.config, device_budget=48, recall_pages=2)) as cache:
+    with TieredCache(model.config, device_budget=48, recall_pages=2).take_gpu_path() as cache:
         StepGraphs.run = keyed
         try:
             greedy_logits(model, cache, steps=60)
@@ -162,7 +156,7 @@ def test_a_decode_step_whose_write_fails_before_its_attention_is_not_taken(monke
     from kvtier.tiers.device import DevicePool
 
     model = tiny_llama()
-    with _on_the_gpu_path(TieredCache(model.config, device_budget=48, recall_pages=2)) as cache:
+    with TieredCache(model.config, device_budget=48, recall_pages=2).take_gpu_path() as cache:
         want = greedy_logits(model, cache, steps=12)
     ensure, failed = DevicePool.ensure, []
 
@@ -173,7 +167,7 @@ def test_a_decode_step_whose_write_fails_before_its_attention_is_not_taken(monke
             raise CapacityError("no room (injected)")
         return ensure(self, n)
 
-    with _on_the_gpu_path(TieredCache(model.config, device_budget=48, recall_pages=2)) as cache:
+    with TieredCache(model.config, device_budget=48, recall_pages=2).take_gpu_path() as cache:
         ids = torch.randint(0, 128, (1, 200), generator=torch.Generator().manual_seed(3))
         got = []
         with torch.no_grad():
