@@ -162,16 +162,20 @@ def _leave_capture_rng(index: int) -> None:
     a failed one every random draw on the device outside a capture (sampling in `generate`, `torch.randn`) raises
     "Offset increment outside graph capture encountered unexpectedly". Where a draw shows it so (torch builds
     that keep a state per capture do not leave it), a copy of the state (the same seed and offset, not in capture
-    mode) takes its place; graphs captured before keep the state they hold."""
+    mode) takes its place; graphs captured before keep the state they hold. Where the draw works, the state it
+    moved on is put back, so that seeded sampling draws what it would have drawn had no capture failed."""
+    generator = torch.cuda.default_generators[index]
     with torch.cuda.device(index):
         if torch.cuda.is_current_stream_capturing():
             return   # the caller's own capture: a draw would be part of it
         try:
+            state = generator.get_state()
             torch.empty(1, device=torch.device("cuda", index)).uniform_()
-            return   # draws work: the generator's state is left as it is
         except RuntimeError:
             pass
-    generator = torch.cuda.default_generators[index]
+        else:
+            generator.set_state(state)   # draws work: the state is left as it was before the probe
+            return
     try:
         generator.graphsafe_set_state(generator.clone_state())
     except (AttributeError, NotImplementedError, RuntimeError) as e:   # a torch without graph-safe states

@@ -914,6 +914,16 @@ def _attend_tile(rows: int, dim: int, chunk: int, row_words: int, wide: bool = F
     return tile, _attend_shared(rows, dim, chunk, tile, row_words, wide)
 
 
+def _unaligned(tensors: Sequence[torch.Tensor]) -> str | None:
+    """Why the attention kernels cannot read these keys or values (None if they can): they read each row as
+    4-byte words, so a view starting between two words (an odd offset of 2-byte elements) would fault on the
+    device. A slab storage is passed as its first slab, as for `_why_not`."""
+    for t in tensors:
+        if t.data_ptr() % 4:
+            return f"keys or values at address {t.data_ptr():#x}, not 4-byte aligned"
+    return None
+
+
 def _wide_rows(base: int, head_stride: int, token_stride: int, itemsize: int, dim: int) -> bool:
     """Whether every entry's row is whole 16-byte words at a 16-byte aligned address (what `wide` reads)."""
     return not (base % 16 or head_stride * itemsize % 16 or token_stride * itemsize % 16 or dim * itemsize % 16)
@@ -994,7 +1004,7 @@ def attend_slabs(q: torch.Tensor, k_slabs: Sequence[torch.Tensor], v_slabs: Sequ
         return twins.attend_slabs(q, k_slabs, v_slabs, count, scale, chunk, whole, counted if on_host else None,
                                   softcap)
 
-    why = _why_not(q.device, [first, v_slabs[0]])
+    why = _why_not(q.device, [first, v_slabs[0]]) or _unaligned([first, v_slabs[0]])
     k_addr = v_addr = None
     if why is None:
         k_addr = _addresses(k_slabs, q.device, None if addresses is None else addresses[0])
@@ -1042,7 +1052,7 @@ def attend_pages(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor
     def twin() -> tuple[torch.Tensor, torch.Tensor]:
         return twins.attend_pages(q, k_buffer, v_buffer, pages, page_size, scale, chunk, whole, softcap)
 
-    why = _why_not(q.device, [k_buffer, v_buffer])
+    why = _why_not(q.device, [k_buffer, v_buffer]) or _unaligned([k_buffer, v_buffer])
     where = (_u64(0), _u64(0), _u64(k_buffer.data_ptr()), _u64(v_buffer.data_ptr()), _i64(k_buffer.shape[1]),
              _i64(k_buffer.stride(0)), _i64(k_buffer.stride(1)), _u64(pages.data_ptr()), _i64(pages.shape[1]),
              np.int32(page_size))

@@ -536,6 +536,7 @@ def test_a_failed_capture_reports_what_the_work_raised_and_the_step_runs_eagerly
 
     graphs = StepGraphs(cuda_device, enabled=True)
     x = torch.arange(8.0, device=cuda_device)
+    rng = torch.cuda.get_rng_state(cuda_device)
     for _ in range(3):   # first sight eager, second captured (fails, then eager), third eager
         (y,) = graphs.run(lambda: "key", (x,), work)
         assert torch.equal(y, x * 2)
@@ -544,7 +545,9 @@ def test_a_failed_capture_reports_what_the_work_raised_and_the_step_runs_eagerly
     assert gc.isenabled()
     torch.cuda.synchronize()   # the failed capture left no stream capturing
     # nor the device's random generator in capture mode (torch leaves it so after a capture that failed): a draw
-    # outside a capture works, as sampling in `generate` must
+    # outside a capture works, as sampling in `generate` must; and the generator is where it was, so seeded
+    # sampling draws what it would have drawn without the failed capture (the check's own probe draw undone)
+    assert torch.equal(torch.cuda.get_rng_state(cuda_device), rng)
     assert torch.randn(4, device=cuda_device).isfinite().all()
 
 

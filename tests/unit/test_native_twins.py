@@ -1052,6 +1052,32 @@ def test_attend_pages_launches_give_the_twins_attention(replayed_kernels, dtype,
         [f"kvtier_attend_chunks_{_SUFFIX[dtype]}"] + ["kvtier_attend_combine"] * two
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_keys_and_values_between_4_byte_words_are_never_launched(replayed_kernels, dtype):
+    """The attention kernels read rows as 4-byte words: buffers or slabs that are contiguous views starting at
+    an odd 2-byte element (which would fault on a device) go to the twin, with its attention; aligned, the
+    same views launch."""
+    g = torch.Generator().manual_seed(5)
+    H, R, D, P, slots = 2, 3, 16, 4, 6
+    q = torch.randn(H, R, D, generator=g).to(dtype)
+    pages = torch.stack([torch.randperm(slots, generator=g)[:5] for _ in range(H)])
+    for offset in (1, 2):   # 2 bytes past a word, then a whole word
+        flat = [torch.randn(H * slots * P * D + 2, generator=g).to(dtype) for _ in range(2)]
+        kb, vb = (f[offset:offset + H * slots * P * D].view(H, slots * P, D) for f in flat)
+        assert kb.is_contiguous() and (kb.data_ptr() % 4 != 0) == (offset == 1)
+        replayed_kernels.clear()
+        got = native.attend_pages(q, kb, vb, pages, P, 0.25, chunk=64, wide=False)
+        want = twins.attend_pages(q, kb, vb, pages, P, 0.25, 64)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert bool(replayed_kernels) == (offset == 2), replayed_kernels
+        slabs = [kb.unsqueeze(0)], [vb.unsqueeze(0)]
+        replayed_kernels.clear()
+        got = native.attend_slabs(q, *slabs, 20, 0.25, chunk=64, wide=False)
+        want = twins.attend_slabs(q, *slabs, 20, 0.25, 64)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert bool(replayed_kernels) == (offset == 2), replayed_kernels
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_wide_reads_are_asked_for_only_where_rows_are_aligned_16_byte_words(replayed_kernels, dtype, monkeypatch):
     """`wide` (16-byte loads, the values staged) reaches the kernel where asked and every row is whole aligned
