@@ -1,6 +1,7 @@
 """Random I/O faults (disk full, I/O error, too many open files, file too large) at a random call of `os.pwritev`,
 `os.preadv`, `os.write`, `os.open` or `os.fsync`, during random uses of a cache with pages on disk (prompt chunks,
-greedy steps, parks, resumes). Whatever fails and wherever, the cache
+greedy steps, parks, resumes), on the CPU's path or the GPU's (`take_gpu_path`: recall planned on the device, through
+the kernels' twins). Whatever fails and wherever, the cache
 - completes the use (a failed read ahead is read again on demand), or
 - raises a kvtier error and is as it was: the same use again, without the fault, gives its untouched twin's bits, or
 - raises a kvtier error and is broken: every later use says so.
@@ -95,11 +96,12 @@ class Twins:
 @settings(max_examples=100, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(name=st.sampled_from(NAMES), s=st.fixed_dictionaries(SETTINGS), first=st.integers(20, 200),
-       uses=st.lists(st.tuples(USE, FAULT), min_size=1, max_size=8), seed=st.integers(0, 999))
-def test_a_fault_anywhere_leaves_the_cache_as_it_was_or_broken(tmp_path, name, s, first, uses, seed):
+       uses=st.lists(st.tuples(USE, FAULT), min_size=1, max_size=8), seed=st.integers(0, 999),
+       on_device=st.booleans())
+def test_a_fault_anywhere_leaves_the_cache_as_it_was_or_broken(tmp_path, name, s, first, uses, seed, on_device):
     model = archs.model(name, "float32", archs.BY_NAME[name].attn[0])
-    twins = Twins(model, *(TieredCache(model.config, disk_dir=tmp_path, scorer="keynorm", **s) for _ in range(2)),
-                  seed)
+    caches = [TieredCache(model.config, disk_dir=tmp_path, scorer="keynorm", **s) for _ in range(2)]
+    twins = Twins(model, *(c.take_gpu_path() if on_device else c for c in caches), seed)
     a, b = twins.a, twins.b
     try:
         prompt = twins.inputs(("chunk", first))[0]
