@@ -73,7 +73,7 @@ def clone_counters(src, dst) -> None:
     dst.bytes_moved.update(src.bytes_moved)
     dst.pages_recalled.update(src.pages_recalled)
     for name in ("recall_steps", "pages_reused", "pages_prefetched", "prefetch_used", "pages_promoted",
-                 "pages_dropped_clean", "promotions_skipped", "tokens_dropped", "demotions", "tokens_masked",
-                 "disk_wait_seconds"):
+                 "pages_dropped_clean", "promotions_skipped", "spills_deferred", "spill_error", "tokens_dropped",
+                 "demotions", "tokens_masked", "disk_wait_seconds"):
         setattr(dst, name, getattr(src, name))
 

@@ -17,7 +17,7 @@ import torch
 
 from .. import native
 from ..config import TieredCacheConfig
-from ..errors import ScorerError, UnsupportedError
+from ..errors import CapacityError, ScorerError, UnsupportedError
 from ..placement import page_rank, plan_device_demotion, plan_host_overflow, protected_count
 from ..placement.page_table import DISK, HOST, PageTable
 from ..recall import PageIndex, grouped, select_pages
@@ -556,8 +556,15 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
         uses = self.table.uses if self.cfg.promote else None
         plans = plan_host_overflow(rank, np.full((self.heads, n), P), on_host, budget, 0, movable, uses)
         heads = np.concatenate([np.full(len(ids), h) for h, ids in enumerate(plans)]).astype(np.int64)
-        if len(heads):
+        if not len(heads):
+            return
+        try:
             self.move_down(heads, np.concatenate(plans).astype(np.int64))
+        except CapacityError as e:
+            # all or nothing: the pages stay on the host, over its budget, and the step goes on with the same
+            # answers (a page is read the same from either tier); the next demotion tries again. Breaking the
+            # step for it would cost the whole context
+            self.shared.spill_deferred(self.layer_idx, e)
 
     def move_down(self, heads: np.ndarray, pids: np.ndarray) -> None:
         """Move host pages ``(heads[i], pids[i])`` to disk, then free their host slots (all or nothing): a page

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import shutil
 import signal
@@ -25,6 +26,8 @@ from ..tiers.disk import DiskStore
 from ..transfer import TransferManager, make_transfer_manager
 from .graphs import GraphSwitch
 from .stats import MoveCounters
+
+log = logging.getLogger(__name__)
 
 PREFIX = "kvtier-"
 OWNER_FILE = ".kvtier-owner"      # in every private folder: who made it (pid, start time, host, boot, PID namespace)
@@ -59,6 +62,17 @@ class SharedResources:
         if self.closed:
             raise ClosedCacheError("the cache is closed: it makes no files and takes no entries any more; "
                                    "make a new TieredCache")
+
+    def spill_deferred(self, layer_idx: int, error: CapacityError) -> None:
+        """Note host pages the disk refused (`LayerEngine._host_overflow`): counted, the reason kept for
+        `stats()`, and said once per cache in the log, so that a host over its budget is never silent."""
+        c = self.counters
+        c.spills_deferred += 1
+        c.spill_error = f"layer {layer_idx}: {error}"
+        if c.spills_deferred == 1:
+            log.warning("host pages could not go down to disk (%s); they stay in host memory, over host_budget, "
+                        "and each later demotion tries again (stats()['spills_deferred'] counts these)",
+                        c.spill_error)
 
     def transfer(self, device: torch.device) -> TransferManager:
         self._check_open()

@@ -20,6 +20,8 @@ class MoveCounters:
     pages_promoted: int = 0      # disk pages recall brought up that the host tier then kept
     pages_dropped_clean: int = 0  # host pages moved down to their clean disk copy, unwritten
     promotions_skipped: int = 0   # rounds stopped by a full disk or no memory (pages stay where each move left them)
+    spills_deferred: int = 0     # moves of host pages to disk the disk refused (the pages stayed on the host)
+    spill_error: str | None = None   # what the last one said
     tokens_dropped: int = 0
     demotions: int = 0           # demotions (or drops) from the device tier, summed over layers
     tokens_masked: int = 0       # padding the attention mask left out, never stored

@@ -58,7 +58,8 @@ class TieredCache(OneSequence, Cache):
         Tokens per KV head on the device: fraction (0, 1] of the tokens seen, or a token count.
     host_budget
         Tokens per KV head in host memory (fraction or count); lower-ranked pages go to disk. ``None``:
-        no limit (nothing goes to disk).
+        no limit (nothing goes to disk). Pages a full or failing disk refuses stay on the host, over it, until
+        a later demotion moves them down (``stats()["spills_deferred"]``).
     disk_dir
         Folder for disk pages (a private subfolder is made and removed on close); ``None``: a temporary folder.
     scorer
@@ -304,7 +305,9 @@ class TieredCache(OneSequence, Cache):
         move is all or nothing, the output the same); zero with ``promote=False``. ``read_ahead``: disk pages served
         from host memory (``hits``) or read on demand (``misses``), the ``hit_rate``, and the layer steps that
         skipped reading ahead where it did not pay (``steps_paused``); all zero without a ring
-        (``read_ahead=False``), every disk page then read on demand.
+        (``read_ahead=False``), every disk page then read on demand. ``spills_deferred``: moves of host pages
+        to disk that the disk refused (full, failing; ``rounds``, and the ``last_error``): the pages stayed in
+        host memory, over ``host_budget``, the answers the same, and each later demotion tries again.
         Budgets and the tier figures count the tiered (full-attention) layers only; ``window`` gives the
         sliding-window layers, which keep transformers' own window on the device.
         ``bytes_moved`` per direction,
@@ -370,6 +373,9 @@ class TieredCache(OneSequence, Cache):
             "promotion": {"pages": c.pages_promoted, "moved_down_unwritten": c.pages_dropped_clean,
                           # rounds stopped by a full disk or no memory (each move all or nothing)
                           "rounds_skipped": c.promotions_skipped},
+            # moves of host pages to disk that the disk refused (full, failing): the pages stayed on the host,
+            # over its budget, with the same answers; the last reason
+            "spills_deferred": {"rounds": c.spills_deferred, "last_error": c.spill_error},
             "tokens_dropped": c.tokens_dropped,
             "demotions": c.demotions,
             "tokens_masked": c.tokens_masked,

@@ -2,7 +2,7 @@
 `os.preadv`, `os.write`, `os.open` or `os.fsync`, during random uses of a cache with pages on disk (prompt chunks,
 greedy steps, parks, resumes), on the CPU's path or the GPU's (`take_gpu_path`: recall planned on the device, through
 the kernels' twins). Whatever fails and wherever, the cache
-- completes the use (a failed read ahead is read again on demand), or
+- completes the use (a failed read ahead is read again on demand; host pages the disk refuses stay on the host), or
 - raises a kvtier error and is as it was: the same use again, without the fault, gives its untouched twin's bits, or
 - raises a kvtier error and is broken: every later use says so.
 
