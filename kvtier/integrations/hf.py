@@ -244,7 +244,8 @@ class TieredCache(OneSequence, Cache):
         return True
 
     def resume(self) -> None:
-        """Restore every parked layer now (otherwise each comes back at its next use)."""
+        """Restore every parked layer now (otherwise they come back together at the next step, before any layer
+        takes it)."""
         self._state.check()
         for window in self._state.windows:
             window.restore()

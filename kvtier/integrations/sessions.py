@@ -57,7 +57,7 @@ class SessionStore:
             self.dropped.append(other)
 
     def resume(self, name: str) -> TieredCache:
-        """Take a session back; its layers return to the device at their next use."""
+        """Take a session back; its layers return to the device at its next step (or `resume()`)."""
         if name not in self._parked:
             why = (f" (a session {name!r} was closed to keep the parked sessions within disk_bytes="
                    f"{self.disk_bytes:,}: see `dropped`)" if name in self.dropped else "")

@@ -70,7 +70,24 @@ class CacheState:
             self.check()
         if key_states.dim() == 4 and key_states.shape[0] != 1:
             raise batch_refusal(key_states.shape[0])
+        if layer_idx == self.first and self.parked():
+            # every parked layer back before any takes the step: a restore that fails then leaves each layer's
+            # length as it was (the cache not broken, the step free to be tried again), where a later layer's
+            # failing after the first ones had taken the step would break it
+            self.guard(self.restore_all, "restoring a parked layer ", "a parked layer could not be restored",
+                       before=before)
         return self.guard(run, f"{layer} {action} ", f"{layer} could not take the step", before=before)
+
+    def parked(self) -> bool:
+        return any(e.parked is not None for e in self.engines) or any(w.parked for w in self.windows)
+
+    def restore_all(self) -> None:
+        """Bring every parked layer back (each all or nothing: one that fails stays parked, those before it are
+        back, and no layer's length moves)."""
+        for window in self.windows:
+            window.restore()
+        for engine in self.engines:
+            engine.restore()
 
     def guard(self, run: Callable[[], Any], where: str, capacity: str, before: int | None = None) -> Any:
         """`run()` without autograd; a failure breaks the cache if any layer's length moved (always, when

@@ -217,7 +217,8 @@ def _host_state(engine: LayerEngine) -> dict:
     parts = {"engine": engine, "pool": engine.pool, "index": engine.index, "table": engine.table,
              "buffer": engine.recalled, "host": engine.host, "graphs": engine.graphs}
     state = {name: of(obj) for name, obj in parts.items() if obj is not None}
-    state["counters"] = {k: v if isinstance(v, (int, float)) else dict(v) for k, v in vars(engine.counters).items()}
+    state["counters"] = {k: v if v is None or isinstance(v, (int, float, str)) else dict(v)
+                         for k, v in vars(engine.counters).items()}
     return state
 
 

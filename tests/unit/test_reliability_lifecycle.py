@@ -213,6 +213,29 @@ def test_disk_full_while_placing_a_step_keeps_the_pages_on_the_host_and_the_step
     b.close()
 
 
+def test_a_parked_layer_that_cannot_be_restored_fails_the_step_before_any_layer_takes_it(model, tmp_path):
+    """Every parked layer comes back at the start of a step: with layer 1's parked file missing, the step raises
+    naming it, no layer took it, so the cache is not broken (layer 0 is back, layer 1 still parked); with the
+    file back, the same step gives the logits of a twin that was never parked."""
+    a, b = (TieredCache(model.config, disk_dir=tmp_path, scorer="keynorm", **SETTINGS) for _ in range(2))
+    nxt = torch.tensor([[7]])
+    with torch.no_grad():
+        assert torch.equal(model(PROMPT, **cache_kwargs(a)).logits, model(PROMPT, **cache_kwargs(b)).logits)
+        a.park("disk")
+        path = a._engines[1].parked.file
+        data = open(path, "rb").read()
+        os.remove(path)
+        with pytest.raises(KVTierError, match=r"parked layer file .*layer001"):
+            model(nxt, **cache_kwargs(a))
+        assert a.broken is None and [e.parked is None for e in a._engines] == [True, False]
+        assert a.get_seq_length() == b.get_seq_length()
+        open(path, "wb").write(data)
+        assert torch.equal(model(nxt, **cache_kwargs(a)).logits, model(nxt, **cache_kwargs(b)).logits)
+    assert a.parked is None
+    a.close()
+    b.close()
+
+
 def test_a_gpu_out_of_memory_in_the_first_layers_slab_is_a_capacity_error_and_changes_nothing(model, tmp_path,
                                                                                                expected, monkeypatch):
     """The device running out of memory between a slab's key and value tensors, in the first tiered layer of the
