@@ -451,7 +451,7 @@ class PageFetching:
         try:
             # each move is all or nothing; where one cannot be made (a full disk for a host page without a clean
             # copy, no memory for a new host slab), the pages stay where they are: the step reads what it
-            # brought up either way, and the next placement that needs the room says what failed
+            # brought up either way, and the next placement that needs the room tries again
             if len(down_p):
                 self.move_down(down_h, down_p)
             at = np.flatnonzero(kept)
