@@ -126,6 +126,10 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
         self._steady_how: tuple | None = None
         self._recall_clock = 0   # recalls that brought pages up, to cool the page table's use counts every `COOL_EVERY`
         self.promote_every = PROMOTE_EVERY   # such recalls between rounds that keep disk pages on the host
+        # host pages the disk refused (`_host_overflow`): demotions to let pass before trying again, and how many
+        # tries in a row failed (the wait doubles with each, so a disk that stays full is not written to with the
+        # whole backlog at every demotion)
+        self._spill_wait, self._spill_failures = 0, 0
 
     # ------------------------------------------------------------------ write
     def _init(self, device: torch.device, dtype: torch.dtype) -> None:
@@ -539,16 +543,21 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
         The pages of demotions whose copies are still landing stay where they are this time (their ranks are
         not known without waiting for the copies), unless the other host pages cannot make room.
         """
-        budget = self.cfg.host_tokens(self.seen)
+        budget = limit = self.cfg.host_tokens(self.seen)
         if budget is None or self.table.n == 0:
             return
         P = self.cfg.page_size
         budget = max(0, budget - self._readahead_pages() * P)
         n = self.table.n
         on_host = self.table.tier == HOST
-        over = on_host.sum(axis=1) * P - budget
+        held = on_host.sum(axis=1) * P
+        over = held - budget
         if (over <= 0).all():
             return   # within budget: no ranks needed, so nothing waits for the last demotion's copies
+        held = int(held.max())
+        if self._spill_wait and held <= 2 * limit:   # the disk refused the last try: wait a while longer
+            self._spill_wait -= 1
+            return
         rank, landed = self.table.landed_rank()
         movable = on_host & landed[None, :]
         if (movable.sum(axis=1) * P < over).any():   # the landed pages cannot make room: wait for the others
@@ -562,9 +571,17 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
             self.move_down(heads, np.concatenate(plans).astype(np.int64))
         except CapacityError as e:
             # all or nothing: the pages stay on the host, over its budget, and the step goes on with the same
-            # answers (a page is read the same from either tier); the next demotion tries again. Breaking the
-            # step for it would cost the whole context
+            # answers (a page is read the same from either tier), where breaking it would cost the whole context;
+            # a later demotion tries again. Up to twice the budget: past that the error stands (a disk that stays
+            # full, or refuses every page, must not let the host grow without end)
+            if held > 2 * limit:
+                raise CapacityError(f"{e}; the host already holds {held:,} tokens a head, over twice its budget "
+                                    f"({limit:,}), so the pages cannot wait there for room on disk") from e
             self.shared.spill_deferred(self.layer_idx, e)
+            self._spill_failures = min(self._spill_failures + 1, 4)
+            self._spill_wait = 2 ** self._spill_failures - 1
+            return
+        self._spill_failures = 0
 
     def move_down(self, heads: np.ndarray, pids: np.ndarray) -> None:
         """Move host pages ``(heads[i], pids[i])`` to disk, then free their host slots (all or nothing): a page
@@ -625,10 +642,18 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
         got = parked.read(self.disk, self.table, self.cfg.page_size)
         meta = got["meta"]
         dev = self.device
-        self.pool.replace(got["k"].to(dev), got["v"].to(dev), meta["pos"].to(dev), meta["score"].to(dev))
-        if self.index is not None:
-            self.index.load_state({name: meta[name] for name in ("bounds", "codes")})
-        parked.release(got, self.disk, self.host, self.table, self.readahead)
+        try:
+            self.pool.replace(got["k"].to(dev), got["v"].to(dev), meta["pos"].to(dev), meta["score"].to(dev))
+            if self.index is not None:
+                self.index.load_state({name: meta[name] for name in ("bounds", "codes")})
+            parked.release(got, self.disk, self.host, self.table, self.readahead)
+        except BaseException:
+            # all or nothing: the device lets go of what it took back (the release changes nothing unless it
+            # goes through: its host pages could not come back, say), and the layer stays parked as it was
+            self.pool.clear()
+            if self.index is not None:
+                self.index.release()
+            raise
         kind = "host_to_device" if parked.where == "host" else "disk_to_device"
         self.counters.bytes_moved[kind] += sum(t.numel() * t.element_size() for t in (got["k"], got["v"]))
         self.parked = None

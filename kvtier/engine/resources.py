@@ -70,8 +70,8 @@ class SharedResources:
         c.spills_deferred += 1
         c.spill_error = f"layer {layer_idx}: {error}"
         if c.spills_deferred == 1:
-            log.warning("host pages could not go down to disk (%s); they stay in host memory, over host_budget, "
-                        "and each later demotion tries again (stats()['spills_deferred'] counts these)",
+            log.warning("host pages could not go down to disk (%s); they stay in host memory, over host_budget "
+                        "(up to twice it), and later demotions try again (stats()['spills_deferred'] counts these)",
                         c.spill_error)
 
     def transfer(self, device: torch.device) -> TransferManager:

@@ -58,8 +58,9 @@ class TieredCache(OneSequence, Cache):
         Tokens per KV head on the device: fraction (0, 1] of the tokens seen, or a token count.
     host_budget
         Tokens per KV head in host memory (fraction or count); lower-ranked pages go to disk. ``None``:
-        no limit (nothing goes to disk). Pages a full or failing disk refuses stay on the host, over it, until
-        a later demotion moves them down (``stats()["spills_deferred"]``).
+        no limit (nothing goes to disk). Pages a full or failing disk refuses stay on the host, up to twice the
+        budget, until a later demotion moves them down (``stats()["spills_deferred"]``); past that the disk's
+        error stands.
     disk_dir
         Folder for disk pages (a private subfolder is made and removed on close); ``None``: a temporary folder.
     scorer
@@ -186,8 +187,8 @@ class TieredCache(OneSequence, Cache):
     def park(self, to: str = "host") -> None:
         """Move the whole cache off the device between turns: ``"host"`` memory or ``"disk"``.
 
-        The next forward restores each layer just before it is used (so restoring overlaps that forward,
-        layer by layer), and generation continues exactly as if the cache had never moved.
+        The next forward restores every layer before any takes its step (a restore that fails then leaves the
+        cache usable), and generation continues exactly as if the cache had never moved.
 
         Sliding-window layers go to host memory for either target (they hold at most a window each).
 
@@ -308,7 +309,7 @@ class TieredCache(OneSequence, Cache):
         skipped reading ahead where it did not pay (``steps_paused``); all zero without a ring
         (``read_ahead=False``), every disk page then read on demand. ``spills_deferred``: moves of host pages
         to disk that the disk refused (full, failing; ``rounds``, and the ``last_error``): the pages stayed in
-        host memory, over ``host_budget``, the answers the same, and each later demotion tries again.
+        host memory, over ``host_budget`` (up to twice it), the answers the same, and later demotions try again.
         Budgets and the tier figures count the tiered (full-attention) layers only; ``window`` gives the
         sliding-window layers, which keep transformers' own window on the device.
         ``bytes_moved`` per direction,

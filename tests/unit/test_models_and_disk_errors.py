@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvtier import ModelNotInstalledError, load_default_model, load_model
+from kvtier import CapacityError, ModelNotInstalledError, load_default_model, load_model
 from kvtier.placement.page_table import DISK, HOST
 
 
@@ -46,9 +46,9 @@ def _where(engine):
     return out
 
 
-def test_a_full_disk_keeps_pages_on_the_host_and_nothing_is_lost(make_engine, monkeypatch, caplog):
-    """A demotion's host pages that the disk refuses stay on the host, over its budget (all or nothing): the step
-    goes on, counted in the stats and said once in the log, and the next demotion with room moves them down."""
+def test_a_full_disk_past_twice_the_host_budget_is_an_error_and_nothing_is_lost(make_engine, monkeypatch):
+    """Host pages the disk refuses may wait on the host up to twice its budget; past that, the disk's error
+    stands. The move is all or nothing either way: every entry is still held, and with room the layer goes on."""
     engine = make_engine(device_budget=16, host_budget=8, recall_pages=10_000)
     g = torch.Generator().manual_seed(0)
     k = torch.randn(1, engine.heads, 40, engine.head_dim, generator=g)
@@ -64,11 +64,10 @@ def test_a_full_disk_keeps_pages_on_the_host_and_nothing_is_lost(make_engine, mo
     monkeypatch.setattr(os, "pwritev", full)
     monkeypatch.setattr(os, "pwrite", full)
     k2 = torch.randn(1, engine.heads, 40, engine.head_dim, generator=g)
-    engine.write(k2, k2 + 1)
-    with caplog.at_level(logging.WARNING, logger="kvtier"):
+    engine.write(k2, k2 + 1)   # 40 more: the host would hold 48 tokens a head, its budget 8
+    with pytest.raises(CapacityError, match="disk full.* over twice its budget"):
         engine.commit()
-    assert engine.counters.spills_deferred == 1 and "disk full" in engine.counters.spill_error
-    assert [r.getMessage() for r in caplog.records if "could not go down to disk" in r.getMessage()] != []
+    assert engine.counters.spills_deferred == 0
     monkeypatch.undo()
     # the pages that could not go down are still on the host; every position is still somewhere, intact
     tiers = engine.table.tier
@@ -88,3 +87,51 @@ def test_a_full_disk_keeps_pages_on_the_host_and_nothing_is_lost(make_engine, mo
     engine.commit()
     assert len(_where(engine)) == engine.heads * 92
     assert (engine.table.tokens(HOST) <= 8).all()
+
+
+def test_a_full_disk_keeps_pages_on_the_host_up_to_twice_its_budget_trying_less_and_less_often(make_engine,
+                                                                                               monkeypatch, caplog):
+    """Host pages a full disk refuses stay on the host (all or nothing), each demotion's step going on: counted in
+    the stats, said once in the log. The tries thin out (the wait doubles after each refusal), the host never
+    holds more than twice its budget without the error standing, and with room again the backlog goes down."""
+    from kvtier.tiers.disk import DiskStore
+
+    engine = make_engine(device_budget=16, host_budget=64, recall_pages=10_000, read_ahead=False)
+    g = torch.Generator().manual_seed(1)
+    fed = []
+
+    def feed(n):
+        k = torch.randn(1, engine.heads, n, engine.head_dim, generator=g)
+        fed.append(k)
+        engine.write(k, k + 1)
+        engine.commit()
+
+    feed(96)   # 80 demoted: the host holds its 64, the rest on disk
+    assert engine.disk is not None and (engine.table.tokens(HOST) == 64).all()
+    tries = []
+    store = DiskStore.store
+
+    def full(disk, k, v):
+        tries.append(engine.layer_idx)
+        raise CapacityError("disk full (ENOSPC: No space left on device)")
+
+    monkeypatch.setattr(DiskStore, "store", full)
+    commits = 0
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        while int(engine.table.tokens(HOST).max()) + 8 <= 128:   # up to twice the budget
+            feed(8)
+            commits += 1
+    assert commits == 8 and engine.counters.spills_deferred == len(tries) == 3   # tried at 1, 3 and 7
+    assert sum("could not go down to disk" in r.getMessage() for r in caplog.records) == 1
+    with pytest.raises(CapacityError, match="over twice its budget"):   # 136 tokens a head: no more waiting
+        feed(8)   # (an engine's failed commit keeps what its write took: its cache would be broken)
+    monkeypatch.setattr(DiskStore, "store", store)
+    while engine._spill_wait:   # room again: at the next try the backlog goes down
+        feed(8)
+    feed(8)
+    assert (engine.table.tokens(HOST) <= 64).all() and engine._spill_failures == 0
+    everything = torch.cat(fed, dim=2)
+    where = _where(engine)
+    assert len(where) == engine.heads * everything.shape[2]
+    for (h, p), (key, value) in where.items():
+        assert torch.equal(key, everything[0, h, p]) and torch.equal(value, everything[0, h, p] + 1)

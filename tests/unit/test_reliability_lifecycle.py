@@ -186,7 +186,8 @@ def test_disk_full_while_placing_a_step_keeps_the_pages_on_the_host_and_the_step
     """Every layer's pages refused by a full disk in the middle of a step stay on the host, over its budget: the
     step goes through with the logits of a twin that had room, the stats say so, and with room again the next
     demotions bring the host back under its budget, the answers still the twin's."""
-    a, b = (TieredCache(model.config, disk_dir=tmp_path, scorer="keynorm", **SETTINGS) for _ in range(2))
+    settings = {**SETTINGS, "host_budget": 40}   # what waits on the host stays within twice the budget
+    a, b = (TieredCache(model.config, disk_dir=tmp_path, scorer="keynorm", **settings) for _ in range(2))
     more = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         assert torch.equal(model(PROMPT, **cache_kwargs(a)).logits, model(PROMPT, **cache_kwargs(b)).logits)
@@ -213,25 +214,45 @@ def test_disk_full_while_placing_a_step_keeps_the_pages_on_the_host_and_the_step
     b.close()
 
 
-def test_a_parked_layer_that_cannot_be_restored_fails_the_step_before_any_layer_takes_it(model, tmp_path):
-    """Every parked layer comes back at the start of a step: with layer 1's parked file missing, the step raises
-    naming it, no layer took it, so the cache is not broken (layer 0 is back, layer 1 still parked); with the
-    file back, the same step gives the logits of a twin that was never parked."""
+@pytest.mark.parametrize("fault", ["file missing", "no host memory"])
+def test_a_parked_layer_that_cannot_be_restored_fails_the_step_before_any_layer_takes_it(model, tmp_path,
+                                                                                        monkeypatch, fault):
+    """Every parked layer comes back at the start of a step: with layer 1's parked file missing, or no host memory
+    for the host pages it parked on disk, the step raises, no layer took it, so the cache is not broken (layer 0
+    is back; layer 1 still parked, holding nothing on the device); with the fault gone, the same step gives the
+    logits of a twin that was never parked."""
+    from kvtier.tiers.host import HostPool
+
     a, b = (TieredCache(model.config, disk_dir=tmp_path, scorer="keynorm", **SETTINGS) for _ in range(2))
     nxt = torch.tensor([[7]])
     with torch.no_grad():
         assert torch.equal(model(PROMPT, **cache_kwargs(a)).logits, model(PROMPT, **cache_kwargs(b)).logits)
+        assert a.stats()["host"]["tokens"] > 0   # parked on disk with the layer: they come back to the host
         a.park("disk")
-        path = a._engines[1].parked.file
+        layer1 = a._engines[1]
+        path = layer1.parked.file
         data = open(path, "rb").read()
-        os.remove(path)
-        with pytest.raises(KVTierError, match=r"parked layer file .*layer001"):
+        if fault == "file missing":
+            os.remove(path)
+        else:
+            store = HostPool.store
+
+            def no_memory(pool, k, v):
+                if pool is layer1.host:
+                    raise CapacityError("could not allocate a host slab (injected)")
+                return store(pool, k, v)
+
+            monkeypatch.setattr(HostPool, "store", no_memory)
+        with pytest.raises(KVTierError, match=r"parked layer file .*layer001" if fault == "file missing" else
+                           "could not allocate a host slab"):
             model(nxt, **cache_kwargs(a))
         assert a.broken is None and [e.parked is None for e in a._engines] == [True, False]
-        assert a.get_seq_length() == b.get_seq_length()
-        open(path, "wb").write(data)
+        assert layer1.pool.count == 0 and a.get_seq_length() == b.get_seq_length()
+        if fault == "file missing":
+            open(path, "wb").write(data)
+        monkeypatch.undo()
         assert torch.equal(model(nxt, **cache_kwargs(a)).logits, model(nxt, **cache_kwargs(b)).logits)
-    assert a.parked is None
+    assert a.parked is None and a.stats()["host"]["tokens"] == b.stats()["host"]["tokens"]
     a.close()
     b.close()
 
