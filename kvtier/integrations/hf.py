@@ -270,7 +270,8 @@ class TieredCache(OneSequence, Cache):
         """Make every tiered layer take the decode path a CUDA device takes, whatever the device
         (`LayerEngine.take_gpu_path`): how a machine without a GPU checks and counts the GPU's work. The
         kernels' sums round in another order than the CPU's matrix products, so outputs may differ from the
-        CPU path's in the last bits. Returns the cache."""
+        CPU path's in the last bits. A scorer object given to several caches switches for all of them (KVP's
+        one-launch scoring is the scorer's own setting). Returns the cache."""
         self._state.check()
         for engine in self._engines:
             engine.take_gpu_path(plan_on_device)
