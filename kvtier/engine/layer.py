@@ -550,11 +550,11 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
         budget = max(0, budget - self._readahead_pages() * P)
         n = self.table.n
         on_host = self.table.tier == HOST
-        held = on_host.sum(axis=1) * P
-        over = held - budget
+        per_head = on_host.sum(axis=1) * P
+        over = per_head - budget
         if (over <= 0).all():
             return   # within budget: no ranks needed, so nothing waits for the last demotion's copies
-        held = int(held.max())
+        held = int(per_head.max())
         if self._spill_wait and held <= 2 * limit:   # the disk refused the last try: wait a while longer
             self._spill_wait -= 1
             return

@@ -248,16 +248,7 @@ class TieredCache(OneSequence, Cache):
         """Restore every parked layer now (otherwise they come back together at the next step, before any layer
         takes it)."""
         self._state.check()
-        for window in self._state.windows:
-            window.restore()
-        for engine in self._engines:
-            try:
-                engine.restore()
-            except BaseException as e:
-                err = capacity_error(e, f"layer {engine.layer_idx} could not be restored")
-                if err is None:
-                    raise
-                raise err from e
+        self._state.restore_all()
 
     def reset(self) -> None:
         """Forget every entry (the cache stays open); also makes a broken cache usable again."""

@@ -83,11 +83,17 @@ class CacheState:
 
     def restore_all(self) -> None:
         """Bring every parked layer back (each all or nothing: one that fails stays parked, those before it are
-        back, and no layer's length moves)."""
+        back, and no layer's length moves); a resource failure is a `CapacityError` naming the layer."""
         for window in self.windows:
             window.restore()
         for engine in self.engines:
-            engine.restore()
+            try:
+                engine.restore()
+            except BaseException as e:
+                err = capacity_error(e, f"layer {engine.layer_idx} could not be restored")
+                if err is None:
+                    raise
+                raise err from e
 
     def guard(self, run: Callable[[], Any], where: str, capacity: str, before: int | None = None) -> Any:
         """`run()` without autograd; a failure breaks the cache if any layer's length moved (always, when
