@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -63,15 +64,29 @@ _WORD_SHIFTS: dict[torch.device, torch.Tensor] = {}
 
 
 def unpacked(codes: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The codes of ``[..., dim/4]`` bytes as floats ``[..., dim]``, and the channel order they come in.
+    """The codes of ``[..., dim/4]`` bytes as floats ``[..., dim]``, and the channel order they come in
+    (None for the natural one): the cheapest unpacking for the device, measured.
 
-    With 16 channels to a 32-bit word, four shifts and masks of the words unpack every code at once, but
-    leave the channels of a word in the order ``4 * byte + shift``; the returned order (channel of each
-    column, None for the natural one) lets the caller permute its other operand instead of the codes.
+    On the CPU numpy's row lookup in the byte table (natural order) takes a third of the word shifts' time,
+    and spares the caller its permutation; elsewhere the word shifts (`shifted_words`) win over the lookup.
     """
+    if codes.device.type == "cpu":
+        table = _table(codes.device).numpy()
+        c = torch.from_numpy(np.take(table, codes.numpy(), axis=0)).view(*codes.shape[:-1], -1)[..., :dim]
+        return c, None
     if dim % 16 or sys.byteorder != "little" or not codes.is_contiguous():
         c = F.embedding(codes.long(), _table(codes.device)).view(*codes.shape[:-1], -1)[..., :dim]
         return c, None
+    return shifted_words(codes, dim)
+
+
+def shifted_words(codes: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`unpacked` by shifts of 32-bit words (contiguous codes, `dim` a multiple of 16, a little-endian host).
+
+    With 16 channels to a word, four shifts and masks of the words unpack every code at once, but leave the
+    channels of a word in the order ``4 * byte + shift``; the returned order (channel of each column) lets
+    the caller permute its other operand instead of the codes.
+    """
     words = codes.view(torch.int32)
     key = (dim, codes.device)
     if key not in _ORDERS:

@@ -117,6 +117,23 @@ def test_codes_round_trip_within_half_a_step(seed, dim, page_size):
     assert (err <= step / 2 + 1e-5).all()
 
 
+@pytest.mark.parametrize("dim", [16, 64, 128, 10])
+def test_every_unpacking_gives_the_same_codes(dim):
+    """The CPU's table lookup, the word shifts a GPU takes (in their channel order) and the decoded keys agree."""
+    from kvtier.recall.codes import shifted_words, unpacked
+    g = torch.Generator().manual_seed(dim)
+    keys = torch.randn(2, 5, 16, dim, generator=g)
+    lo, hi, codes = _index(keys)
+    c, order = unpacked(codes, dim)
+    assert order is None and c.shape == (2, 5, 16, dim) and c.dtype == torch.float32
+    assert set(c.unique().tolist()) <= {0.0, 1.0, 2.0, 3.0}
+    torch.testing.assert_close(lo[:, :, None] + c * ((hi - lo) / 3)[:, :, None], decode_codes(codes, lo, hi))
+    assert torch.equal(unpacked(codes[:, 1:4], dim)[0], c[:, 1:4])   # a view of the codes, as the selector's chunks
+    if dim % 16 == 0:
+        words, order = shifted_words(codes, dim)
+        assert torch.equal(words, c.index_select(3, order))
+
+
 def test_page_shares_are_exact_when_keys_sit_on_code_levels():
     g = torch.Generator().manual_seed(3)
     kv_heads, pages, page_size, dim = 2, 6, 4, 8
