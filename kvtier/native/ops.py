@@ -21,6 +21,7 @@ from .layout import CODES_PER_BYTE
 
 _THREADS = 128
 _MAX_BLOCKS = 1 << 20   # grid-stride loops cover the rest
+_GRID_Y_MAX = 65535     # blocks a grid's second dimension takes (heads there, in the two-dimensional launches)
 SHARED_MAX = 48 * 1024  # bytes of shared memory a block gets without opting in to more
 # the kernel-name suffix of each cache dtype a templated kernel is built for
 DTYPE_SUFFIX = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
@@ -614,8 +615,8 @@ def code_logits(q: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, codes: to
     why = _why_not(q.device, [q, lo, step, codes])
     if why is None and any(t.device != q.device for t in (lo, step, codes)):
         why = "tensors differ in device"
-    if why is None and c and H > 65535:
-        why = "more heads than a grid's second dimension takes"
+    if why is None and c and R and not 1 <= H <= _GRID_Y_MAX:
+        why = f"{H} heads: allowed 1 to {_GRID_Y_MAX} (a grid's second dimension)"
     logits = _out(None if out is None else out[0], (H, c, R, P), q.device, "code_logits")
     base = _out(None if out is None else out[1], (H, c, R), q.device, "code_logits")
     k = loader.kernel("page_select", "kvtier_code_logits", q.device) if why is None and c and R else None
@@ -692,6 +693,9 @@ def rank_pages(q: torch.Tensor, cand: torch.Tensor, pages: int, bounds: tuple[Se
     if cand.dim() != 2 or cand.shape[0] != H or cand.dtype != torch.int64 or cand.device != q.device:
         raise ValueError(f"rank_pages: cand {list(cand.shape)} {cand.dtype} on {cand.device}; allowed: "
                          f"[{H}, m] torch.int64 on {q.device}")
+    if not (H and R):
+        raise ValueError(f"rank_pages: q {list(q.shape)}; allowed: at least one head and one query row (a ranking "
+                         "by the share of no query's attention has no order)")
     m = cand.shape[1]
     if not 1 <= keep <= m:
         raise ValueError(f"rank_pages: keep={keep}; allowed: 1 to {m} (the candidates)")
@@ -795,6 +799,8 @@ def kvp_score(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
         why = "keys and values of another dtype, or channels not contiguous"
     if why is None and _weights_unfit(weights, keys.device):
         why = "weights not float32, contiguous, on the keys' device"
+    if why is None and not 1 <= H <= _GRID_Y_MAX:
+        why = f"{H} heads: allowed 1 to {_GRID_Y_MAX} (a grid's second dimension)"
     if why is None and (hidden > _KVP_THREADS_MAX or 4 * (d_in + 2 * hidden) > SHARED_MAX):
         why = f"networks of {d_in} inputs and {hidden} hidden units: more than a block's threads or shared memory"
     k = loader.kernel("kvp_score", f"kvtier_kvp_score_{suffix}", keys.device) if why is None and T else None
@@ -1110,6 +1116,8 @@ def _attend(q: torch.Tensor, dtype: torch.dtype, where: tuple, count: int, scale
     suffix = DTYPE_SUFFIX.get(dtype)
     if why is None and (suffix is None or q.dtype != dtype or q.stride(2) != 1):
         why = "a query of another dtype than the keys', or channels not contiguous"
+    if why is None and not (1 <= H <= _GRID_Y_MAX and R):   # grids of (chunks, H) and (R, H) blocks
+        why = f"{H} heads of {R} query rows: allowed 1 to {_GRID_Y_MAX} heads of at least one row"
     if why is None and (row_bytes % 4 or R > twins.ATTEND_ROWS):
         why = f"keys of {D} channels (not whole 4-byte words) or {R} query rows (over {twins.ATTEND_ROWS})"
     tile, shared = _attend_tile(R, D, chunk, row_words, True) if wide else (0, 0)

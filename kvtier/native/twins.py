@@ -242,7 +242,7 @@ def unpack_codes(codes: torch.Tensor, dim: int) -> torch.Tensor:
     bits ``2 (d % 4)`` and ``2 (d % 4) + 1`` of byte ``d // 4``, as `kvtier.recall.codes.encode` packs them)."""
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=codes.device)
     c = (codes[..., None] >> shifts) & 3
-    return c.reshape(*codes.shape[:-1], -1)[..., :dim].float()
+    return c.reshape(*codes.shape[:-1], 4 * codes.shape[-1])[..., :dim].float()
 
 
 def code_logits(q: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, codes: torch.Tensor,

@@ -733,6 +733,7 @@ def replayed_kernels(monkeypatch):
             assert shared_mem == 4 * (int(args[3]) + 3) <= ops.SHARED_MAX
         assert [type(a) for a in args] == kinds, f"{k}: launched with {[type(a).__name__ for a in args]}"
         assert all(g >= 1 for g in grid) and len(grid) <= 3 and block[0] % 32 == 0
+        assert grid[0] < 2 ** 31 and all(g <= ops._GRID_Y_MAX for g in grid[1:]), (k, grid)   # CUDA's limits
         launches.append((k, grid, block))
         _run_as_the_kernel(k, grid, args, block)
 
@@ -932,6 +933,42 @@ def test_rank_pages_launch_gives_the_twins_ranking(replayed_kernels, dtype):
     assert ran[-1] == f"kvtier_rank_pages_{_SUFFIX[dtype]}" and ran.count(ran[-1]) == 1   # after the index's writes
 
 
+def test_grids_no_device_takes_go_to_the_twins(replayed_kernels):
+    """Zero query rows or heads (a grid dimension of 0) and more heads than a grid's second dimension takes
+    never launch: the twin answers, with the shape asked for (a ranking of pages for no query is refused)."""
+    g = torch.Generator().manual_seed(2)
+    D, P = 16, 4
+    for H, R in ((2, 0), (0, 3)):
+        q = torch.randn(H, R, D, generator=g)
+        pool = DevicePool(H, D, torch.float32, torch.device("cpu"), 64)
+        pool.ensure(8)
+        out, lse = native.attend_slabs(q, pool.k, pool.v, 8, 0.25)
+        assert out.shape == (H, R, D) and lse.shape == (H, R)
+        kb = torch.randn(H, 3 * P, D, generator=g)
+        pages = torch.zeros(H, 2, dtype=torch.int64)
+        if H:   # pages of no head cannot be asked for ([0, n] is refused first)
+            out, lse = native.attend_pages(q, kb, kb.clone(), pages, P, 0.25)
+            assert out.shape == (H, R, D) and lse.shape == (H, R)
+        index = PageIndex(max(H, 1), P, D, torch.float32, torch.device("cpu"))
+        index.add(torch.randn(max(H, 1), 5, P, D, generator=g))
+        if H:
+            cand = torch.stack([torch.randperm(5, generator=g)[:3] for _ in range(H)])
+            stores = (index.bounds.slabs, index.bounds.rows_per_slab), (index.codes.slabs, index.codes.rows_per_slab)
+            with pytest.raises(ValueError, match=r"q \[2, 0, 16\]; allowed: at least one head and one query row"):
+                native.rank_pages(q, cand, index.n, *stores, P, 0.25, 2)
+        logits, base = native.code_logits(q, torch.zeros(H, 2, D), torch.ones(H, 2, D),
+                                          torch.zeros(H, 2, P, D // 4, dtype=torch.uint8), 0.25)
+        assert logits.shape == (H, 2, R, P) and base.shape == (H, 2, R)
+    assert not any(k.startswith(("kvtier_attend", "kvtier_code")) for k, _, _ in replayed_kernels), replayed_kernels
+    H = ops._GRID_Y_MAX + 1
+    q = torch.randn(H, 1, D, generator=g)
+    slab = torch.randn(1, H, 2, D, generator=g)
+    got = native.attend_slabs(q, [slab], [slab.clone()], 2, 0.25, chunk=32)
+    assert not any(k.startswith("kvtier_attend") for k, _, _ in replayed_kernels)
+    want = twins.attend_slabs(q, [slab], [slab.clone()], 2, 0.25, 32)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_rank_pages_refuses_bad_arguments_naming_them():
     index = PageIndex(2, 4, 8, torch.float32, torch.device("cpu"))
     index.add(torch.randn(2, 5, 4, 8))
@@ -960,6 +997,8 @@ def test_kvp_score_launch_gives_the_twins_scores(replayed_kernels, dtype):
     got = native.kvp_score(k, v, pos, w, 2 * H)
     assert torch.equal(got, twins.kvp_score(k, v, pos, w, 2 * H))
     assert [name for name, _, _ in replayed_kernels] == [f"kvtier_kvp_score_{_SUFFIX[dtype]}"]
+    none = native.kvp_score(k[:0], v[:0], pos, w, 0)   # no heads: no launch (a grid dimension of 0)
+    assert none.shape == (0, 4) and len(replayed_kernels) == 1
 
 
 def test_merge_parts_launches_give_the_twins_merge(replayed_kernels):
