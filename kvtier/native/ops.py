@@ -546,11 +546,11 @@ def _one_launch(q: torch.Tensor, spans: Sequence[torch.Tensor], heads: int, out:
                 addresses: torch.Tensor, rows_per_slab: int | None, total: int) -> bool:
     """`page_upper_bounds` over every slab of one storage in one launch, if the kernel can take it."""
     if rows_per_slab is None or rows_per_slab % heads or spans[0].dtype != spans[-1].dtype or addresses.dim() != 1 \
-            or addresses.shape[0] < len(spans) or addresses.dtype != torch.int64 \
+            or addresses.shape[0] < len(spans) or addresses.dtype != torch.int64 or not addresses.is_contiguous() \
             or (len(spans) > 1 and spans[0].shape[0] != rows_per_slab) or spans[-1].shape[0] > rows_per_slab:
         raise ValueError(f"page_upper_bounds: addresses {list(addresses.shape)} {addresses.dtype} with "
                          f"rows_per_slab={rows_per_slab} for spans of {[b.shape[0] for b in spans]} rows; allowed: "
-                         "int64 addresses of at least every span's slab, every span but the last holding "
+                         "contiguous int64 addresses of at least every span's slab, every span but the last holding "
                          "rows_per_slab rows (a multiple of heads) and the last at most that, one dtype")
     why = _why_not(q.device, [q, out, spans[0]]) or (None if addresses.device == q.device else "addresses elsewhere")
     if why is not None or spans[0].device != q.device:
@@ -1116,8 +1116,8 @@ def _attend(q: torch.Tensor, dtype: torch.dtype, where: tuple, count: int, scale
     suffix = DTYPE_SUFFIX.get(dtype)
     if why is None and (suffix is None or q.dtype != dtype or q.stride(2) != 1):
         why = "a query of another dtype than the keys', or channels not contiguous"
-    if why is None and not (1 <= H <= _GRID_Y_MAX and R):   # grids of (chunks, H) and (R, H) blocks
-        why = f"{H} heads of {R} query rows: allowed 1 to {_GRID_Y_MAX} heads of at least one row"
+    if why is None and not (1 <= H <= _GRID_Y_MAX and R and D):   # grids of (chunks, H) and (R, H) blocks of D
+        why = f"{H} heads of {R} query rows of {D} channels: allowed 1 to {_GRID_Y_MAX} heads, rows and channels"
     if why is None and (row_bytes % 4 or R > twins.ATTEND_ROWS):
         why = f"keys of {D} channels (not whole 4-byte words) or {R} query rows (over {twins.ATTEND_ROWS})"
     tile, shared = _attend_tile(R, D, chunk, row_words, True) if wide else (0, 0)

@@ -734,6 +734,7 @@ def replayed_kernels(monkeypatch):
         assert [type(a) for a in args] == kinds, f"{k}: launched with {[type(a).__name__ for a in args]}"
         assert all(g >= 1 for g in grid) and len(grid) <= 3 and block[0] % 32 == 0
         assert grid[0] < 2 ** 31 and all(g <= ops._GRID_Y_MAX for g in grid[1:]), (k, grid)   # CUDA's limits
+        assert 1 <= block[0] <= 1024 and shared_mem <= ops.SHARED_MAX, (k, block, shared_mem)
         launches.append((k, grid, block))
         _run_as_the_kernel(k, grid, args, block)
 
@@ -913,6 +914,9 @@ def test_page_upper_bounds_over_every_index_slab_is_one_launch(replayed_kernels,
         native.page_upper_bounds(q, spans, H, addresses=addresses, rows_per_slab=3)
     with pytest.raises(ValueError, match="at least every span"):
         native.page_upper_bounds(q, spans, H, addresses=addresses[:2], rows_per_slab=index.bounds.rows_per_slab)
+    strided = torch.stack([addresses, addresses], dim=1).reshape(-1)[::2]   # the same values, every other word
+    with pytest.raises(ValueError, match="contiguous int64 addresses"):
+        native.page_upper_bounds(q, spans, H, addresses=strided, rows_per_slab=index.bounds.rows_per_slab)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -934,8 +938,8 @@ def test_rank_pages_launch_gives_the_twins_ranking(replayed_kernels, dtype):
 
 
 def test_grids_no_device_takes_go_to_the_twins(replayed_kernels):
-    """Zero query rows or heads (a grid dimension of 0) and more heads than a grid's second dimension takes
-    never launch: the twin answers, with the shape asked for (a ranking of pages for no query is refused)."""
+    """Zero query rows, heads or channels (a grid or block dimension of 0) and more heads than a grid's second
+    dimension takes never launch: the twin answers, with the shape asked for (a ranking of pages for no query is refused)."""
     g = torch.Generator().manual_seed(2)
     D, P = 16, 4
     for H, R in ((2, 0), (0, 3)):
@@ -960,6 +964,10 @@ def test_grids_no_device_takes_go_to_the_twins(replayed_kernels):
                                           torch.zeros(H, 2, P, D // 4, dtype=torch.uint8), 0.25)
         assert logits.shape == (H, 2, R, P) and base.shape == (H, 2, R)
     assert not any(k.startswith(("kvtier_attend", "kvtier_code")) for k, _, _ in replayed_kernels), replayed_kernels
+    for chunk in (32, 64):   # keys of no channel: one launch, or two (a combine of 0 threads a block)
+        slab = torch.zeros(1, 2, 64, 0)
+        out, lse = native.attend_slabs(torch.zeros(2, 3, 0), [slab], [slab], 40, 1.0, chunk=chunk)
+        assert out.shape == (2, 3, 0) and lse.shape == (2, 3)
     H = ops._GRID_Y_MAX + 1
     q = torch.randn(H, 1, D, generator=g)
     slab = torch.randn(1, H, 2, D, generator=g)
