@@ -15,6 +15,8 @@ from ..placement.page_table import DISK, EMPTY, HOST
 from .layer import LayerEngine
 
 _PAGES_PER_BATCH = 1024   # pages moved at a time, so a copy's extra memory stays bounded
+_SWITCHES = ("device_recall", "select_kernels", "defer_nan", "write_in_attention", "prefetch_in_step", "cuda_graphs",
+             "promote_every")
 
 
 def copy_layer(src: LayerEngine, dst: LayerEngine) -> None:
@@ -22,6 +24,8 @@ def copy_layer(src: LayerEngine, dst: LayerEngine) -> None:
     if src.parked is not None:
         raise UnsupportedError(f"copy.deepcopy of a parked TieredCache (layer {src.layer_idx} is parked in "
                                f"{src.parked.where}); call cache.resume() first")
+    for name in _SWITCHES:   # the path its steps take (`take_gpu_path`, tests), read by `_init` and each step
+        setattr(dst, name, getattr(src, name))
     src.flush()
     src.table.settle()     # the source's host pages and index codes are read below: its copies must have landed
     src.settle_counts()
@@ -54,6 +58,7 @@ def copy_layer(src: LayerEngine, dst: LayerEngine) -> None:
         for name in ("hits", "misses", "read_ahead", "steps_paused"):
             setattr(dst.readahead, name, getattr(src.readahead, name))
     dst._recall_clock = src._recall_clock
+    dst._spill_wait, dst._spill_failures = src._spill_wait, src._spill_failures   # a disk that refused pages
     dst.layout_kept = src.recall_layout()   # the copy's first recall buffer holds the same pages in the same slots
 
 

@@ -554,7 +554,7 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
         over = per_head - budget
         if (over <= 0).all():
             return   # within budget: no ranks needed, so nothing waits for the last demotion's copies
-        held = int(per_head.max())
+        held = int(per_head.max()) + self._readahead_pages() * P   # the ring's pages are host memory too
         if self._spill_wait and held <= 2 * limit:   # the disk refused the last try: wait a while longer
             self._spill_wait -= 1
             return
@@ -581,7 +581,7 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
             self._spill_failures = min(self._spill_failures + 1, 4)
             self._spill_wait = 2 ** self._spill_failures - 1
             return
-        self._spill_failures = 0
+        self._spill_wait = self._spill_failures = 0   # a try past twice the budget may land while others wait
 
     def move_down(self, heads: np.ndarray, pids: np.ndarray) -> None:
         """Move host pages ``(heads[i], pids[i])`` to disk, then free their host slots (all or nothing): a page
@@ -724,6 +724,7 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
         self._nan = self._nan_buf = None
         self._steady_how = None
         self._recall_clock = 0
+        self._spill_wait = self._spill_failures = 0
         self.settle_counts()
         if self.parked is not None:
             self.parked.discard(self.disk)

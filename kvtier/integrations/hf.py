@@ -30,7 +30,7 @@ from ..placement.budget import Budget
 from ..scoring import QueryScorer, Scorer, check_scorer_model, make_scorer, scorer_name
 from .attention import restore_attention, use_tiered_attention
 from .layers import NO_CACHE, TIERED, WINDOWED, LayerPlan, WindowLayer, layer_plan
-from .tiered_layer import CacheState, GuardedWindow, OneSequence, TieredLayer, capacity_error
+from .tiered_layer import CacheState, GuardedWindow, OneSequence, TieredLayer, capacity_error, plain_tensors
 
 
 def _close(state: CacheState) -> None:
@@ -199,6 +199,11 @@ class TieredCache(OneSequence, Cache):
         st = self._state
         st.check()
         check_target(to)
+        with plain_tensors():   # what the parked layers keep is written again after they come back
+            self._park(to)
+
+    def _park(self, to: str) -> None:
+        st = self._state
         done: list[tuple[LayerEngine, str | None]] = []
         moved = [w for w in st.windows if not w.parked]   # only these go back if the call fails
         try:
@@ -248,7 +253,8 @@ class TieredCache(OneSequence, Cache):
         """Restore every parked layer now (otherwise they come back together at the next step, before any layer
         takes it)."""
         self._state.check()
-        self._state.restore_all()
+        with plain_tensors():   # what comes back is written by later steps, which may run outside inference mode
+            self._state.restore_all()
 
     def reset(self) -> None:
         """Forget every entry (the cache stays open); also makes a broken cache usable again."""
@@ -405,21 +411,25 @@ class TieredCache(OneSequence, Cache):
                           cuda_graphs=s.cuda_graphs, read_ahead=s.read_ahead,
                           promote=s.promote)
         try:
-            for mine, theirs in zip(self.layers, new.layers):
-                if isinstance(mine, TieredLayer):
-                    copy_layer(mine.engine, theirs.engine)
-                    theirs.is_initialized = mine.is_initialized
-                elif isinstance(mine, WindowLayer):
-                    if mine.parked:
-                        raise UnsupportedError("copy.deepcopy of a parked TieredCache; call cache.resume() first")
-                    state = {k: v for k, v in vars(mine).items() if k != "_state"}
-                    vars(theirs).update(copy.deepcopy(state, memo))
+            with plain_tensors():   # the copy's tiers are written by its later steps, maybe outside inference mode
+                self._copy_layers_into(new, memo)
             clone_counters(self.counters, new.counters)
         except BaseException:
             new.close()
             raise
         memo[id(self)] = new
         return new
+
+    def _copy_layers_into(self, new: TieredCache, memo: dict) -> None:
+        for mine, theirs in zip(self.layers, new.layers):
+            if isinstance(mine, TieredLayer):
+                copy_layer(mine.engine, theirs.engine)
+                theirs.is_initialized = mine.is_initialized
+            elif isinstance(mine, WindowLayer):
+                if mine.parked:
+                    raise UnsupportedError("copy.deepcopy of a parked TieredCache; call cache.resume() first")
+                state = {k: v for k, v in vars(mine).items() if k != "_state"}
+                vars(theirs).update(copy.deepcopy(state, memo))
 
     def __copy__(self) -> TieredCache:
         raise UnsupportedError("copy.copy of a TieredCache would share its tiers with the original; allowed: "

@@ -98,13 +98,8 @@ class CacheState:
     def guard(self, run: Callable[[], Any], where: str, capacity: str, before: int | None = None) -> Any:
         """`run()` without autograd; a failure breaks the cache if any layer's length moved (always, when
         `before` is None: the layer already took the step), and a resource failure becomes a `CapacityError`."""
-        # inference only: stored entries never carry an autograd graph; and what the cache keeps is made as plain
-        # tensors even under inference mode, so that it can be written later outside it (stats, reset, close)
         try:
-            inference = torch.is_inference_mode_enabled()
-            if not inference and not torch.is_grad_enabled():   # as a model's step runs (`generate`, `no_grad`)
-                return run()
-            with torch.no_grad(), torch.inference_mode(False) if inference else contextlib.nullcontext():
+            with plain_tensors():
                 return run()
         except BaseException as e:
             if before is None or any(n != before for n in self.lengths()):
@@ -113,6 +108,20 @@ class CacheState:
             if err is None:
                 raise
             raise err from e
+
+
+def plain_tensors() -> contextlib.AbstractContextManager:
+    """Where the cache changes what it keeps: no autograd (stored entries never carry a graph), and plain tensors
+    even under inference mode, so that they can be written later outside it (the next step, stats, reset)."""
+    inference = torch.is_inference_mode_enabled()
+    if not inference and not torch.is_grad_enabled():   # as a model's step runs (`generate`, `no_grad`)
+        return contextlib.nullcontext()
+    if not inference:
+        return torch.no_grad()
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.no_grad())
+    stack.enter_context(torch.inference_mode(False))
+    return stack
 
 
 def capacity_error(e: BaseException, what: str) -> CapacityError | None:

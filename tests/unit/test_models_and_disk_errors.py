@@ -135,3 +135,67 @@ def test_a_full_disk_keeps_pages_on_the_host_up_to_twice_its_budget_trying_less_
     assert len(where) == engine.heads * everything.shape[2]
     for (h, p), (key, value) in where.items():
         assert torch.equal(key, everything[0, h, p]) and torch.equal(value, everything[0, h, p] + 1)
+
+
+def test_the_wait_after_a_full_disk_ends_with_a_try_that_lands_and_with_reset(make_engine, monkeypatch):
+    """A try made past twice the budget while the wait runs, which lands, ends the wait: the next demotions spill
+    again. A reset forgets the wait too: the next sequence places its pages as a fresh engine's."""
+    from kvtier.tiers.disk import DiskStore
+
+    engine = make_engine(device_budget=16, host_budget=64, recall_pages=10_000, read_ahead=False)
+    fresh = make_engine(device_budget=16, host_budget=64, recall_pages=10_000, read_ahead=False)
+
+    def feed(e, n, g=torch.Generator().manual_seed(3)):
+        k = torch.randn(1, e.heads, n, e.head_dim, generator=g)
+        e.write(k, k + 1)
+        e.commit()
+
+    def refuse(disk, k, v):
+        raise CapacityError("disk full (ENOSPC: No space left on device)")
+
+    feed(engine, 96)
+    store = DiskStore.store
+    monkeypatch.setattr(DiskStore, "store", refuse)
+    while engine._spill_failures < 2:   # refused at a demotion and again at the next try: a wait of 3
+        feed(engine, 8)
+    assert engine._spill_wait == 3
+    monkeypatch.setattr(DiskStore, "store", store)
+    feed(engine, 64)   # past twice the budget: tried at once, and the disk has room
+    assert engine._spill_wait == engine._spill_failures == 0 and (engine.table.tokens(HOST) <= 64).all()
+    feed(engine, 24)
+    assert (engine.table.tokens(HOST) <= 64).all()
+    monkeypatch.setattr(DiskStore, "store", refuse)
+    feed(engine, 8)
+    assert engine._spill_wait == 1
+    monkeypatch.setattr(DiskStore, "store", store)
+    engine.reset()
+    assert engine._spill_wait == engine._spill_failures == 0
+    feed(engine, 96, torch.Generator().manual_seed(4))
+    feed(fresh, 96, torch.Generator().manual_seed(4))
+    assert np.array_equal(engine.table.tokens(HOST), fresh.table.tokens(HOST))
+    assert np.array_equal(engine.table.tokens(DISK), fresh.table.tokens(DISK))
+
+
+def test_pages_waiting_for_the_disk_and_the_read_ahead_ring_stay_within_twice_the_host_budget(make_engine,
+                                                                                              monkeypatch):
+    """The read-ahead ring's pages are host memory too: with them, the pages that wait for a full disk never take
+    the host past twice its budget; the step that would is refused."""
+    from kvtier.tiers.disk import DiskStore
+
+    engine = make_engine(device_budget=16, host_budget=64, recall_pages=8, read_ahead=True)
+    g = torch.Generator().manual_seed(5)
+
+    def feed(n):
+        k = torch.randn(1, engine.heads, n, engine.head_dim, generator=g)
+        engine.write(k, k + 1)
+        engine.commit()
+
+    feed(96)
+    ring = engine._readahead_pages() * 4
+    assert engine.readahead is not None and ring > 0
+    monkeypatch.setattr(DiskStore, "store", lambda disk, k, v: (_ for _ in ()).throw(CapacityError("disk full")))
+    with pytest.raises(CapacityError, match="over twice its budget"):
+        for _ in range(40):
+            feed(8)
+            assert int(engine.table.tokens(HOST).max()) + ring <= 128
+    assert int(engine.table.tokens(HOST).max()) + ring > 128 - 8

@@ -43,7 +43,9 @@ def _decode_side_by_side(model, caches, ops, on_device=False):
                 a.resume()
             a2 = copy.deepcopy(a)
             a.close()
-            a = a2.take_gpu_path() if on_device else a2
+            a = a2   # a copy takes the path its original took
+            assert all((e.device_recall, e.select_kernels, e.defer_nan, e.index is None or e.index.native_select)
+                       == ((True,) * 4 if on_device else (None, None, None, None)) for e in a._engines)
         elif op.startswith("park:"):
             a.park(op[5:])
         elif op == "resume":

@@ -214,6 +214,57 @@ def test_disk_full_while_placing_a_step_keeps_the_pages_on_the_host_and_the_step
     b.close()
 
 
+def test_a_copy_made_while_pages_wait_for_the_disk_places_them_as_its_original(model, tmp_path, monkeypatch):
+    """`copy.deepcopy` of a cache whose host pages wait for room on disk carries the wait: fed the same tokens,
+    the copy and its original hold the same pages in each tier at every step."""
+    import copy
+
+    a = TieredCache(model.config, disk_dir=tmp_path, scorer="keynorm", **{**SETTINGS, "host_budget": 40})
+    more = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        model(PROMPT, **cache_kwargs(a))
+        monkeypatch.setattr(os, "pwritev", lambda *args: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
+        x = model(more, **cache_kwargs(a)).logits[:, -1:]
+        monkeypatch.undo()
+        assert a.stats()["spills_deferred"]["rounds"] > 0
+        c = copy.deepcopy(a)
+        for _ in range(24):
+            token = x.argmax(-1)
+            x, y = model(token, **cache_kwargs(a)).logits, model(token, **cache_kwargs(c)).logits
+            assert torch.equal(x, y)
+            assert [(a.stats()[t]["tokens"], c.stats()[t]["tokens"]) for t in ("device", "host", "disk")] == \
+                [(a.stats()[t]["tokens"],) * 2 for t in ("device", "host", "disk")]
+    a.close()
+    c.close()
+
+
+@pytest.mark.parametrize("op", ["resume", "deepcopy", "park"])
+def test_resume_copy_and_park_under_inference_mode_leave_a_cache_that_steps_outside_it(model, tmp_path, op):
+    """What `resume`, `copy.deepcopy` and `park` make under `torch.inference_mode()` is kept as plain tensors, as
+    a step's guard keeps what it makes: the next steps may run outside inference mode, with a twin's logits."""
+    import copy
+
+    a, b = (TieredCache(model.config, disk_dir=tmp_path, scorer="keynorm", **SETTINGS) for _ in range(2))
+    with torch.no_grad():
+        x = model(PROMPT, **cache_kwargs(a)).logits
+        assert torch.equal(x, model(PROMPT, **cache_kwargs(b)).logits)
+    if op == "resume":
+        a.park("disk")
+    with torch.inference_mode():
+        if op == "resume":
+            a.resume()
+        elif op == "deepcopy":
+            a2 = copy.deepcopy(a)
+            a.close()
+            a = a2
+        else:
+            a.park("host")
+            a.resume()
+    assert same(continue_greedy(model, a, x.clone(), 8), continue_greedy(model, b, x.clone(), 8))
+    a.close()
+    b.close()
+
+
 @pytest.mark.parametrize("fault", ["file missing", "no host memory"])
 def test_a_parked_layer_that_cannot_be_restored_fails_the_step_before_any_layer_takes_it(model, tmp_path,
                                                                                         monkeypatch, fault):
