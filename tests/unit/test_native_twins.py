@@ -939,7 +939,8 @@ def test_rank_pages_launch_gives_the_twins_ranking(replayed_kernels, dtype):
 
 def test_grids_no_device_takes_go_to_the_twins(replayed_kernels):
     """Zero query rows, heads or channels (a grid or block dimension of 0) and more heads than a grid's second
-    dimension takes never launch: the twin answers, with the shape asked for (a ranking of pages for no query is refused)."""
+    dimension takes never launch: the twin answers, with the shape asked for (a ranking of pages for no query is
+    refused)."""
     g = torch.Generator().manual_seed(2)
     D, P = 16, 4
     for H, R in ((2, 0), (0, 3)):
