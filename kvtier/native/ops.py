@@ -27,8 +27,10 @@ SHARED_MAX = 48 * 1024  # bytes of shared memory a block gets without opting in 
 DTYPE_SUFFIX = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 
 
-def _host_rows(rows: np.ndarray | torch.Tensor) -> tuple[np.ndarray | None, torch.Tensor]:
-    """``(numpy rows or None if they live on a device, int64 tensor)``."""
+def _host_rows(rows: np.ndarray | torch.Tensor, what: str) -> tuple[np.ndarray | None, torch.Tensor]:
+    """``(numpy rows or None if they live on a device, int64 tensor)``, the rows one-dimensional."""
+    if rows.ndim != 1:
+        raise ValueError(f"{what}: rows of shape {list(rows.shape)}; allowed: one dimension [n]")
     if isinstance(rows, np.ndarray):
         r = np.ascontiguousarray(rows, dtype=np.int64)
         return r, torch.from_numpy(r)
@@ -133,6 +135,18 @@ def _ptr(t: torch.Tensor | None) -> np.uint64:
     return _u64(0 if t is None else t.data_ptr())
 
 
+def _check_q(q: torch.Tensor, what: str) -> None:
+    if q.dim() != 3:
+        raise ValueError(f"{what}: q is {list(q.shape)}; allowed: [heads, rows, dim]")
+
+
+def _check_devices(what: str, first: torch.Tensor, **others: torch.Tensor | None) -> None:
+    """Every tensor given on `first`'s device (the twins would fail on a mix with torch's own words)."""
+    for name, t in others.items():
+        if t is not None and t.device != first.device:
+            raise ValueError(f"{what}: {name} on {t.device}; allowed: on {first.device}, with the others")
+
+
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`t` as a contiguous tensor of `dtype` (itself when it is one: no dispatch on the hot path)."""
     return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
@@ -164,7 +178,7 @@ def gather_pages(slabs: Sequence[torch.Tensor], rows_per_slab: int, rows: np.nda
     second storage laid out as the first (a layer's values beside its keys), is gathered by the same rows in the
     same launch.
     """
-    r_np, r = _host_rows(rows)
+    r_np, r = _host_rows(rows, "gather_pages")
     row_shape = tuple(out.shape[1:])
     _check_layout(slabs, rows_per_slab, row_shape, out.dtype, "gather_pages")
     _check_rows(r_np, len(slabs) * rows_per_slab, "gather_pages")
@@ -219,6 +233,8 @@ def recall_pages(slabs: Sequence[torch.Tensor], rows_per_slab: int, src_rows: to
     storage laid out as the first (a layer's values beside its keys), is copied by the same plan in the same
     launch.
     """
+    if src_rows.dim() != 2:
+        raise ValueError(f"recall_pages: src_rows {list(src_rows.shape)}; allowed: [heads, r]")
     heads, r = src_rows.shape
     if dst_rows.shape != src_rows.shape or count.shape != (heads,):
         raise ValueError(f"recall_pages: src_rows {list(src_rows.shape)}, dst_rows {list(dst_rows.shape)}, "
@@ -226,7 +242,8 @@ def recall_pages(slabs: Sequence[torch.Tensor], rows_per_slab: int, src_rows: to
     row_shape = tuple(out.shape[1:])
     _check_layout(slabs, rows_per_slab, row_shape, out.dtype, "recall_pages")
     _check_pair(pair, slabs, rows_per_slab, out, "recall_pages")
-    if heads * r == 0 or not slabs:
+    _check_devices("recall_pages", out, src_rows=src_rows, dst_rows=dst_rows, count=count)
+    if heads * r == 0 or not slabs or out.shape[0] == 0:   # no row of `out` to write: every row is skipped
         return out
     src_rows, dst_rows, count = _as(src_rows, torch.int64), _as(dst_rows, torch.int64), _as(count, torch.int64)
     why = _why_not(out.device, [out, slabs[0]] if pair is None else [out, slabs[0], pair[1], *pair[0][:1]])
@@ -267,6 +284,10 @@ def plan_recall(want: torch.Tensor, held: torch.Tensor, pages: int, host_slots: 
     on the device (that would need the host). `want`'s rows may be a wider tensor's (a short list's first
     columns): the kernel reads them where they are.
     """
+    if want.dim() != 2 or held.dim() != 2:
+        raise ValueError(f"plan_recall: want {list(want.shape)} and held {list(held.shape)}; allowed: [heads, w] "
+                         "and [heads, slots]")
+    _check_devices("plan_recall", want, held=held, host_slots=host_slots, ahead=ahead, counts=counts)
     heads, w = want.shape
     R = held.shape[1]
     if held.shape[0] != heads or R < w:
@@ -313,7 +334,7 @@ def scatter_pages(slabs: Sequence[torch.Tensor], rows_per_slab: int, rows: np.nd
                   values: torch.Tensor, addresses: torch.Tensor | None = None) -> None:
     """Row ``rows[i]`` of a slab storage ``= values[i]`` (``[n, *row]``); rows must be distinct.
     `addresses`: as for `gather_pages`."""
-    r_np, r = _host_rows(rows)
+    r_np, r = _host_rows(rows, "scatter_pages")
     row_shape = tuple(values.shape[1:])
     _check_layout(slabs, rows_per_slab, row_shape, slabs[0].dtype if slabs else values.dtype, "scatter_pages")
     _check_rows(r_np, len(slabs) * rows_per_slab, "scatter_pages", distinct=True)
@@ -359,6 +380,8 @@ def index_pages(keys: torch.Tensor, bounds: Sequence[torch.Tensor], rows_per_sla
     if keys.dim() != 4:
         raise ValueError(f"index_pages: keys {list(keys.shape)}; allowed: [heads, pages, page_size, dim]")
     H, m, P, D = keys.shape
+    if P < 1 or D < 1:
+        raise ValueError(f"index_pages: keys {list(keys.shape)}; allowed: pages of at least one entry and channel")
     _check_layout(bounds, rows_per_slab, (2 * D,), keys.dtype, "index_pages")
     if first < 0 or (first + m * H > len(bounds) * rows_per_slab and m * H):
         raise IndexError(f"index_pages: rows {first} to {first + m * H - 1}; allowed: 0 to "
@@ -508,10 +531,11 @@ def page_upper_bounds(q: torch.Tensor, spans: Sequence[torch.Tensor], heads: int
     ``[heads, sum(pages_i)]`` float32, in the kernel's summation order (see `twins.page_upper_bounds`); equal
     to `kvtier.recall.bounds.upper_bounds` up to float rounding. No query rows give -inf.
     """
+    _check_q(q, "page_upper_bounds")
     q = _as(q, torch.float32)
     H, R, D = q.shape
-    if H != heads:
-        raise ValueError(f"page_upper_bounds: q has {H} heads; allowed: {heads} (one per KV head)")
+    if H != heads or heads < 1:
+        raise ValueError(f"page_upper_bounds: q has {H} heads for heads={heads}; allowed: as many, at least one")
     # the slabs of one storage are alike: its first and last spans stand for them all (checks in O(1))
     one_storage = addresses is not None and len(spans) > 2
     for i, b in ((0, spans[0]), (len(spans) - 1, spans[-1])) if one_storage else enumerate(spans):
@@ -598,6 +622,8 @@ def code_logits(q: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, codes: to
     ``(logits [heads, c, rows, page_size], base [heads, c, rows])`` float32: a key's estimated logit is
     ``base + logits`` (see `twins.code_logits` for the exact order of the sums).
     """
+    _check_q(q, "code_logits")
+    _check_devices("code_logits", q, lo=lo, step=step, codes=codes)
     q = q.float().contiguous()
     lo, step = lo.float().contiguous(), step.float().contiguous()
     codes = codes.contiguous()
@@ -613,8 +639,6 @@ def code_logits(q: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, codes: to
     s = float(np.float32(scaling))
     P = codes.shape[2]
     why = _why_not(q.device, [q, lo, step, codes])
-    if why is None and any(t.device != q.device for t in (lo, step, codes)):
-        why = "tensors differ in device"
     if why is None and c and R and not 1 <= H <= _GRID_Y_MAX:
         why = f"{H} heads: allowed 1 to {_GRID_Y_MAX} (a grid's second dimension)"
     logits = _out(None if out is None else out[0], (H, c, R, P), q.device, "code_logits")
@@ -688,6 +712,7 @@ def rank_pages(q: torch.Tensor, cand: torch.Tensor, pages: int, bounds: tuple[Se
     ascending id, all candidates best first (ties in short-list order), and the log shares (float32); see
     ``native/rank_pages.cu`` for every step, which the twin follows bit for bit.
     """
+    _check_q(q, "rank_pages")
     q = _as(q, torch.float32)
     H, R, D = q.shape
     if cand.dim() != 2 or cand.shape[0] != H or cand.dtype != torch.int64 or cand.device != q.device:
@@ -840,6 +865,8 @@ def merge_parts(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[tor
     """
     if not parts:
         raise ValueError("merge_parts: no parts; allowed: at least one (out, lse) pair")
+    if parts[0][0].dim() != 3:
+        raise ValueError(f"merge_parts: an out of {list(parts[0][0].shape)}; allowed: [heads, rows, dim]")
     H, R, D = parts[0][0].shape
     for o, lse in parts:
         if (tuple(o.shape) != (H, R, D) or tuple(lse.shape) != (H, R) or o.dtype != torch.float32
@@ -1043,10 +1070,11 @@ def attend_pages(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor
     H, R, D = q.shape
     if (tuple(k_buffer.shape) != tuple(v_buffer.shape) or k_buffer.shape[0] != H or k_buffer.shape[2] != D
             or k_buffer.dtype != v_buffer.dtype or k_buffer.device != q.device or v_buffer.device != q.device
-            or page_size < 1 or k_buffer.shape[1] % page_size):
+            or not 1 <= page_size < 2 ** 31 or k_buffer.shape[1] % page_size or k_buffer.shape[1] == 0):
         raise ValueError(f"attend_pages: buffers {list(k_buffer.shape)} {k_buffer.dtype} and "
                          f"{list(v_buffer.shape)} {v_buffer.dtype} with page_size={page_size}; allowed: two "
-                         f"[{H}, slots * page_size, {D}] buffers of one dtype on {q.device}, page_size >= 1")
+                         f"[{H}, slots * page_size, {D}] buffers of one dtype on {q.device}, at least one slot, "
+                         "page_size 1 to 2**31 - 1")
     if pages.dim() != 2 or pages.shape[0] != H or pages.shape[1] < 1 or pages.dtype != torch.int64 \
             or pages.device != q.device:
         raise ValueError(f"attend_pages: pages {list(pages.shape)} {pages.dtype} on {pages.device}; allowed: "

@@ -139,7 +139,7 @@ def pack_entries(slabs: Sequence[torch.Tensor], idx: torch.Tensor) -> torch.Tens
     if _reads_free(rows):
         out = torch.empty(idx.numel(), *shape[2:], dtype=rows[0].dtype)
         for s, lanes, at in _entry_groups(idx, S, len(rows)):
-            out.index_copy_(0, lanes, rows[s].view(-1, *shape[2:]).index_select(0, at))
+            out.index_copy_(0, lanes, rows[s].reshape(rows[s].shape[0] * S, *shape[2:]).index_select(0, at))
         return out.view(shape)
     slab, off = torch.div(idx, S, rounding_mode="floor"), idx % S
     at = off.view(*idx.shape, *tail).expand(shape)
@@ -166,9 +166,9 @@ def unpack_entries(slabs: Sequence[torch.Tensor], idx: torch.Tensor, values: tor
         rows[0].scatter_(1, idx.view(*idx.shape, *extra).expand(values.shape), values)
         return
     if _reads_free(rows):
-        flat = values.reshape(-1, *values.shape[2:])
+        flat = values.reshape(idx.numel(), *values.shape[2:])
         for s, lanes, at in _entry_groups(idx, S, len(rows)):
-            rows[s].view(-1, *values.shape[2:]).index_copy_(0, at, flat.index_select(0, lanes))
+            rows[s].view(rows[s].shape[0] * S, *values.shape[2:]).index_copy_(0, at, flat.index_select(0, lanes))
         return
     slab, off = torch.div(idx, S, rounding_mode="floor"), idx % S
     for s, r in enumerate(rows):

@@ -1194,3 +1194,38 @@ def test_callers_gates_follow_build_failures(monkeypatch):
     monkeypatch.setitem(loader._ready, ("merge_parts", 0), "merge_parts.cu did not build (injected)")
     monkeypatch.setattr(loader, "_failed", {("kvp_score", 0), ("merge_parts", 0)})   # as `kernel` notes them
     assert not scorer._kernel_scores(gpu) and not index.uses_kernels
+
+
+def test_inputs_of_the_wrong_shape_or_device_are_refused_naming_them():
+    """What no caller of the engine passes, but a direct call may: a ValueError naming the argument and what is
+    allowed, where torch's own error (or a kernel reading the wrong memory) came before."""
+    st = [torch.zeros(3, 4), torch.zeros(3, 4)]
+    meta = torch.zeros(1, 1, 4, device="meta")
+    cases = [
+        (lambda: native.gather_pages(st, 3, np.array([[5], [0]]), torch.empty(2, 4)), r"rows of shape \[2, 1\]"),
+        (lambda: native.scatter_pages(st, 3, torch.tensor([[1, 2]]), torch.zeros(1, 4)), r"rows of shape \[1, 2\]"),
+        (lambda: native.recall_pages(st, 3, torch.tensor([1]), torch.tensor([0]), torch.tensor([1]), torch.zeros(2, 4)),
+         r"src_rows \[1\]; allowed: \[heads, r\]"),
+        (lambda: native.plan_recall(torch.tensor([[1]]), torch.tensor([1, -1]), 4), r"held \[2\]; allowed"),
+        (lambda: native.plan_recall(torch.tensor([[1]]), torch.tensor([[1, -1]]), 4,
+                                    counts=torch.zeros(4, dtype=torch.int64, device="meta")), "counts on meta"),
+        (lambda: native.index_pages(torch.zeros(1, 1, 0, 4), [torch.zeros(4, 8)], 4, 0),
+         "pages of at least one entry"),
+        (lambda: native.page_upper_bounds(torch.zeros(0, 1, 8), [torch.zeros(0, 16)], 0), "at least one"),
+        (lambda: native.page_upper_bounds(torch.zeros(1, 8), [torch.zeros(1, 16)], 1), r"q is \[1, 8\]"),
+        (lambda: native.code_logits(torch.zeros(1, 1, 4), meta, torch.zeros(1, 1, 4),
+                                    torch.zeros(1, 1, 2, 1, dtype=torch.uint8), 1.0), "lo on meta"),
+        (lambda: native.code_logits(torch.zeros(1, 4), torch.zeros(1, 1, 4), torch.zeros(1, 1, 4),
+                                    torch.zeros(1, 1, 2, 1, dtype=torch.uint8), 1.0), r"q is \[1, 4\]"),
+        (lambda: native.merge_parts([(torch.zeros(2, 4), torch.zeros(2))]), r"an out of \[2, 4\]"),
+        (lambda: native.attend_pages(torch.zeros(1, 1, 4), torch.zeros(1, 0, 4), torch.zeros(1, 0, 4),
+                                     torch.zeros(1, 1, dtype=torch.long), 4, 1.0), "at least one slot"),
+    ]
+    for call, match in cases:
+        with pytest.raises(ValueError, match=match):
+            call()
+    out = torch.ones(0, 4)   # an out of no row: every row of the plan is skipped, as the rows outside it are
+    assert native.recall_pages(st, 3, torch.tensor([[1]]), torch.tensor([[0]]), torch.tensor([1]), out) is out
+    slabs = [torch.zeros(1, 2, 4, 0), torch.zeros(1, 2, 4, 0)]   # entries of no channel, in two slabs
+    assert native.pack_entries(slabs, torch.tensor([[0, 5], [1, 6]])).shape == (2, 2, 0)
+    native.move_entries(slabs, torch.tensor([[0, 5], [1, 6]]), torch.tensor([[1, 4], [2, 7]]))
