@@ -308,8 +308,6 @@ def plan_recall(want: torch.Tensor, held: torch.Tensor, pages: int, host_slots: 
     held = _as(held, torch.int64)
     given = [t for t in (host_slots, ahead, counts) if t is not None]
     why = _why_not(want.device, [held, *given])
-    if why is None and any(t.device != want.device for t in (held, *given)):
-        why = "tensors differ in device"
     if why is None and (w * R > PLAN_MARKS_MAX or w + R > SHARED_MAX):
         why = f"{w} wanted pages x {R} slots is past the kernel's limit"
     k = loader.kernel("plan_recall", "kvtier_plan_recall", want.device) if why is None and heads and w else None
