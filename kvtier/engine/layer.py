@@ -547,14 +547,15 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
         if budget is None or self.table.n == 0:
             return
         P = self.cfg.page_size
-        budget = max(0, budget - self._readahead_pages() * P)
+        ring = self._readahead_pages() * P   # host memory too: the pages' share is what it leaves
+        budget = max(0, budget - ring)
         n = self.table.n
         on_host = self.table.tier == HOST
         per_head = on_host.sum(axis=1) * P
         over = per_head - budget
         if (over <= 0).all():
             return   # within budget: no ranks needed, so nothing waits for the last demotion's copies
-        held = int(per_head.max()) + self._readahead_pages() * P   # the ring's pages are host memory too
+        held = int(per_head.max()) + ring
         if self._spill_wait and held <= 2 * limit:   # the disk refused the last try: wait a while longer
             self._spill_wait -= 1
             return

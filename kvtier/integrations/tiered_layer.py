@@ -116,12 +116,13 @@ def plain_tensors() -> contextlib.AbstractContextManager:
     inference = torch.is_inference_mode_enabled()
     if not inference and not torch.is_grad_enabled():   # as a model's step runs (`generate`, `no_grad`)
         return contextlib.nullcontext()
-    if not inference:
-        return torch.no_grad()
-    stack = contextlib.ExitStack()
-    stack.enter_context(torch.no_grad())
-    stack.enter_context(torch.inference_mode(False))
-    return stack
+    return _outside_inference() if inference else torch.no_grad()
+
+
+@contextlib.contextmanager
+def _outside_inference():
+    with torch.no_grad(), torch.inference_mode(False):
+        yield
 
 
 def capacity_error(e: BaseException, what: str) -> CapacityError | None:
