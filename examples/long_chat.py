@@ -1,6 +1,8 @@
 """A scripted long multi-turn chat: between turns the conversation's cache is parked (host memory, or disk
-once the store's host budget is full) and comes back layer by layer during the next turn's prefill.
-A second copy of the conversation that is never parked checks that parking changes nothing.
+once the store's host budget is full); when the next turn comes, the store starts reading it back from disk
+at once (`SessionStore.resume`; `SessionStore.prefetch` starts earlier, while the user types), and every layer
+is restored before the turn's prefill. A second copy of the conversation that is never parked checks that
+parking changes nothing.
 
     python examples/long_chat.py [--short]
 """
@@ -30,7 +32,7 @@ store = SessionStore(host_bytes=0 if short else 2 * 2**20)                  # a 
 
 for n, text in enumerate(turns, 1):
     if n > 1:
-        store.resume("ada")  # its layers come back during this turn's prefill
+        store.resume("ada")  # read back from disk while the turn is rendered; restored at its first step
     reply = chat.ask(text, max_new_tokens=24 if short else 80)
     assert reply == twin.ask(text, max_new_tokens=24 if short else 80), "parking changed the conversation"
     store.park("ada", chat.cache)

@@ -6,6 +6,7 @@ import itertools
 import json
 import os
 import platform
+import statistics
 from typing import Callable
 
 import click
@@ -42,6 +43,21 @@ def _machine(device: str) -> dict:
 _DEMOTE_PAGES = click.option("--demote-pages", default="auto", show_default=True,
                              help="Comma list of demote_pages settings, one TieredCache row each (auto: the "
                                   "cache's default).")
+
+
+def _model_run_options(f: Callable) -> Callable:
+    """The options of the benches that run a model over a filler prompt (`decode`, `resume`): the pages recalled,
+    the scorer, the model, where it runs and on how many threads."""
+    for option in reversed([
+        click.option("--recall-pages", default=64, show_default=True, type=click.IntRange(min=0),
+                     help="Pages recalled per layer and KV head per step."),
+        click.option("--scorer", default="auto", show_default=True,
+                     help="auto: KVP where weights ship for the model, else keynorm."),
+        click.option("--model", default=None, help="A Hugging Face id or local path (default: the packaged model)."),
+        click.option("--device", default="cpu", show_default=True, help="Where the model runs (cpu, cuda)."),
+        click.option("--threads", default=1, show_default=True, type=THREADS, help="torch CPU threads.")]):
+        f = option(f)
+    return f
 
 
 def _needle_bench_options(*own: Callable) -> Callable[[Callable], Callable]:
@@ -93,12 +109,7 @@ def _needle_budget(context: str, device_budget: str, recall_pages: int,
               help="Interleaved rounds; the median is reported.")
 @click.option("--device-budget", default="0.25", show_default=True, help="Device tokens per KV head.")
 @click.option("--host-budget", default="none", show_default=True, help="Host tokens per KV head ('none' = no limit).")
-@click.option("--recall-pages", default=64, show_default=True, type=click.IntRange(min=0),
-              help="Pages recalled per layer and KV head per step.")
-@click.option("--scorer", default="auto", show_default=True, help="auto: KVP where weights ship for the model, else keynorm.")
-@click.option("--model", default=None, help="A Hugging Face id or local path (default: the packaged model).")
-@click.option("--device", default="cpu", show_default=True, help="Where the model runs (cpu, cuda).")
-@click.option("--threads", default=1, show_default=True, type=THREADS, help="torch CPU threads.")
+@_model_run_options
 @_DEMOTE_PAGES
 @click.option("--cold-disk", is_flag=True,
               help="Before each timed step, drop the disk tier's file from the page cache (Linux), so that disk "
@@ -183,6 +194,82 @@ def decode(context: int, new_tokens: int, rounds: int, device_budget: str, host_
     width = max(18, *(len(r["cache"]) + 2 for r in out["results"]))
     for r in out["results"]:
         click.echo(f"  {r['cache']:<{width}}{r['tokens_per_second']:>8.1f} tokens/s   x{r['ratio']:.2f}")
+
+
+@bench.command("resume")
+@click.option("--context", default=8192, show_default=True, type=click.IntRange(16, 2**24),
+              help="Prompt tokens of the conversation before it is parked.")
+@click.option("--rounds", default=3, show_default=True, type=click.IntRange(min=1),
+              help="Rounds, the rows taking turns in each; the median is reported.")
+@click.option("--think-ms", default="0,1000", show_default=True,
+              help="Comma list of milliseconds between the start of the reads ahead (prefetch) and the step, one "
+                   "row each: the time the application has before the conversation's next turn.")
+@click.option("--device-budget", default="0.1", show_default=True, help="Device tokens per KV head.")
+@click.option("--host-budget", default="0.2", show_default=True,
+              help="Host tokens per KV head while the conversation is live ('none' = no limit).")
+@_model_run_options
+@click.option("--cold-disk/--warm-disk", default=True, show_default=True,
+              help="Drop the cache's files from the page cache (Linux) before each row's clock starts, so that the "
+                   "restore reads the disk itself, as for a conversation parked long ago.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@user_errors
+def resume(context: int, rounds: int, think_ms: str, device_budget: str, host_budget: str, recall_pages: int,
+           scorer: str, model: str | None, device: str, threads: int, cold_disk: bool, as_json: bool) -> None:
+    """Time to the first token of a conversation parked on disk: restored on demand, or read back ahead while
+    the application waits for its next turn (`TieredCache.prefetch`)."""
+    from .common import split_list
+
+    budget, host = parse_budget(device_budget, "--device-budget"), parse_budget(host_budget, "--host-budget")
+    check_cache_options(budget, host, None, recall_pages)
+    thinks = []
+    for item in split_list(think_ms, "--think-ms"):
+        try:
+            value = float(item)
+        except ValueError:
+            value = -1.0
+        if not 0 <= value <= 600_000:
+            raise bad_option("--think-ms", think_ms, "a comma list of milliseconds from 0 to 600000, like 0,1000",
+                             f"has {item!r}")
+        thinks.append(value / 1000)
+    if cold_disk and not hasattr(os, "posix_fadvise"):
+        raise bad_option("--cold-disk", "set", "--warm-disk on a system without posix_fadvise (Linux)",
+                         "cannot drop the page cache here")
+    lm, tok = _checked_and_loaded(scorer, device, model, threads, as_json)
+
+    from ..bench.resume import compare_resume
+    from ..integrations.hf import TieredCache
+    from ..tasks.needle import NOISE
+
+    unit = tok(NOISE, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    ids = unit.repeat(1, context // unit.shape[1] + 1)[:, :context].to(device)
+    echo = (lambda s: None) if as_json else click.echo
+    rows, identical, parked = compare_resume(
+        lm, ids, lambda: TieredCache(lm.config, device_budget=budget, host_budget=host, recall_pages=recall_pages,
+                                     scorer=None if scorer == "auto" else scorer),
+        thinks, rounds, cold_disk, progress=echo)
+    base = rows[1].median_seconds
+    out = {
+        "machine": _machine(device),
+        "context": context, "rounds": rounds, "identical_logits": identical,
+        "settings": {"device_budget": budget, "host_budget": host, "recall_pages": recall_pages, "scorer": scorer,
+                     "cold_disk": cold_disk},
+        "parked_disk_bytes": parked.get("disk", {}).get("bytes"),
+        "rows": [{"row": r.name, "think_ms": None if r.think_seconds is None else r.think_seconds * 1000,
+                  "first_token_ms": round(r.median_seconds * 1000, 2),
+                  "rounds_ms": [round(t * 1000, 2) for t in r.first_token_seconds],
+                  "on_demand_over_this": round(base / r.median_seconds, 3),
+                  "restore_waited_ms": round(statistics.median(r.waited_seconds) * 1000, 2),
+                  "layers_read_ahead": r.layers_read_ahead[-1]} for r in rows],
+    }
+    if as_json:
+        click.echo(json.dumps(out, indent=2))
+        return
+    click.echo(f"\ncontext {context:,} tokens parked on disk ({parked.get('disk', {}).get('bytes', 0) / 2**20:,.1f} "
+               f"MiB), {'cold' if cold_disk else 'warm'} disk, {rounds} rounds, {device}")
+    for r in out["rows"]:
+        click.echo(f"  {r['row']:<28}{r['first_token_ms']:>9.1f} ms to the first token   "
+                   f"on demand / this x{r['on_demand_over_this']:.2f}")
+    click.echo(f"  same logits in every row: {'yes' if identical else 'NO'}")
 
 
 @bench.command("prefetch")

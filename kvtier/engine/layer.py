@@ -635,12 +635,14 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
                 self.index.release()
         self.parked = current
 
-    def restore(self) -> None:
-        """Bring a parked layer back to the state it was parked in."""
+    def restore(self, got: dict | None = None) -> None:
+        """Bring a parked layer back to the state it was parked in (`got`: what `ParkedLayer.read` read of it
+        ahead, `kvtier.engine.unpark`; else it is read now)."""
         parked = self.parked
         if parked is None:
             return
-        got = parked.read(self.disk, self.table, self.cfg.page_size)
+        if got is None:
+            got = parked.read(self.disk, self.table, self.cfg.page_size)
         meta = got["meta"]
         dev = self.device
         try:

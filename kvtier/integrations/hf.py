@@ -38,6 +38,7 @@ def _close(state: CacheState) -> None:
     if os.getpid() != state.pid:   # a forked child: the pools and files are its parent's
         return
     try:
+        state.drop_reads()   # before the files they read go
         for engine in state.engines:
             engine.close()
         for window in state.windows:
@@ -199,6 +200,7 @@ class TieredCache(OneSequence, Cache):
         st = self._state
         st.check()
         check_target(to)
+        st.drop_reads()   # reads made ahead (`prefetch`) stop before the layers move
         with plain_tensors():   # what the parked layers keep is written again after they come back
             self._park(to)
 
@@ -249,9 +251,25 @@ class TieredCache(OneSequence, Cache):
                 return False
         return True
 
+    def prefetch(self) -> bool:
+        """Start reading the layers parked on disk back into host memory on a thread of their own, and return at
+        once: for an application that knows the conversation is coming back (its user is typing, its request
+        waits behind others), so that the restore at the next step (or `resume()`) waits for less.
+
+        The restore takes what was read, checked as every disk read is, and is otherwise unchanged: the same
+        state, bit for bit, and a read that failed is made again by the restore, which raises what it would have
+        raised. Until the restore, the reads hold about the layers' parked bytes in host memory
+        (``stats()["resume_prefetch"]["held_bytes"]``); `park()`, `reset()` and `close()` stop them and let them
+        go. Layers parked on the host need no read. Returns whether reads started (False: nothing is parked on
+        disk, or reads are under way).
+        """
+        st = self._state
+        st.check()
+        return st.start_reads()
+
     def resume(self) -> None:
         """Restore every parked layer now (otherwise they come back together at the next step, before any layer
-        takes it)."""
+        takes it); after `prefetch()`, waiting for its reads first."""
         self._state.check()
         with plain_tensors():   # what comes back is written by later steps, which may run outside inference mode
             self._state.restore_all()
@@ -260,6 +278,7 @@ class TieredCache(OneSequence, Cache):
         """Forget every entry (the cache stays open); also makes a broken cache usable again."""
         if self._state.closed:
             self._state.check()
+        self._state.drop_reads()
         super().reset()
         self._state.broken = None
 
@@ -316,7 +335,10 @@ class TieredCache(OneSequence, Cache):
         (their share of the chosen pages: the hit rate of "what is on the device is what will be chosen"; the
         rest were fetched on demand), ``prefetch`` (``pages`` brought up ahead of the next step on the side
         stream, ``used``: those a later step chose, ``hit_rate``: ``used / pages``),
-        ``transfer_wait_seconds`` (blocked on copies and disk reads).
+        ``transfer_wait_seconds`` (blocked on copies and disk reads). ``resume_prefetch``: parked layers restored
+        from reads made ahead by `prefetch` (``layers``), those reads that failed and were made again by the
+        restore (``failed``), the seconds restores waited for reads still under way (``wait_seconds``), whether
+        reads are under way (``in_flight``) and the host bytes the reads not yet taken hold (``held_bytes``).
         """
         tiers: dict[str, dict[str, int]] = {t: {"tokens": 0, "bytes": 0, "reserved_bytes": 0}
                                              for t in ("device", "host", "disk")}
@@ -387,6 +409,13 @@ class TieredCache(OneSequence, Cache):
                            # from the page cache), it pauses for a while
                            "steps_paused": sum(r.steps_paused for r in ahead)},
             "parked": self.parked,
+            # parked layers read back ahead of their restore (`prefetch`): those restored from such reads, the
+            # reads that failed (made again by the restore), the seconds restores waited for reads under way, and
+            # what reads not yet taken hold
+            "resume_prefetch": {"layers": c.layers_read_before_resume, "failed": c.resume_reads_failed,
+                                "wait_seconds": c.resume_wait_seconds,
+                                "in_flight": self._state.reads is not None and not self._state.reads.done(),
+                                "held_bytes": 0 if self._state.reads is None else self._state.reads.held_bytes()},
             "mode": s.mode,
             "scorer": s.scorer_name,
         }

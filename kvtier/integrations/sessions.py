@@ -57,21 +57,36 @@ class SessionStore:
             self.dropped.append(other)
 
     def resume(self, name: str) -> TieredCache:
-        """Take a session back; its layers return to the device at its next step (or `resume()`)."""
+        """Take a session back; its layers return to the device at its next step (or `resume()`). Layers parked on
+        disk start being read back at once (`TieredCache.prefetch`), while the caller prepares the next turn."""
+        cache = self._parked.pop(self._known(name))
+        cache.prefetch()
+        return cache
+
+    def prefetch(self, name: str) -> bool:
+        """Start reading a session parked on disk back into host memory while it stays here (`TieredCache.prefetch`):
+        for a conversation about to come back, so that `resume` and its next step wait for less. The reads count in
+        `host_bytes_used` until the session is resumed; parking it again lets them go. Returns whether reads
+        started."""
+        return self._parked[self._known(name)].prefetch()
+
+    def _known(self, name: str) -> str:
         if name not in self._parked:
             why = (f" (a session {name!r} was closed to keep the parked sessions within disk_bytes="
                    f"{self.disk_bytes:,}: see `dropped`)" if name in self.dropped else "")
             raise KeyError(f"no parked session {name!r}{why}; parked: {', '.join(self._parked) or 'none'}")
-        return self._parked.pop(name)
+        return name
 
     def host_bytes_used(self) -> int:
-        """Host memory of the sessions parked there (sliding-window layers go to host memory for either target)."""
+        """Host memory of the sessions parked there (sliding-window layers go to host memory for either target),
+        and what the reads of sessions being prefetched hold."""
         used = 0
         for cache in self._parked.values():
             stats = cache.stats()
             if cache.parked == "host":
                 used += stats["host"]["bytes"]
             used += stats["window"]["bytes"] if cache.parked else 0
+            used += stats["resume_prefetch"]["held_bytes"]
         return used
 
     def disk_bytes_used(self) -> int:

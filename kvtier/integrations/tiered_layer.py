@@ -19,6 +19,7 @@ from transformers.cache_utils import CacheLayerMixin
 from ..engine.layer import LayerEngine
 from ..engine.resources import SharedResources
 from ..engine.steady_step import SteadyStep, StepMismatch
+from ..engine.unpark import ParkedReads
 from ..errors import (BrokenCacheError, CapacityError, ClosedCacheError, ConfigError, UnsupportedError,
                       is_resource_error, os_reason)
 from .attention import claim, masked_new_tokens
@@ -37,6 +38,7 @@ class CacheState:
         self.closed = False
         self.broken: str | None = None     # what failed, in words (no exception is kept: it would hold frames)
         self.pid = os.getpid()
+        self.reads: ParkedReads | None = None   # parked layers being read ahead of their restore
 
     def check(self) -> None:
         """Raise unless the cache can be used."""
@@ -81,14 +83,37 @@ class CacheState:
     def parked(self) -> bool:
         return any(e.parked is not None for e in self.engines) or any(w.parked for w in self.windows)
 
+    def start_reads(self) -> bool:
+        """Start reading the layers parked on disk on a thread (`ParkedReads`), unless reads are under way or
+        none is parked there; returns whether they started."""
+        if self.reads is not None and self.reads.layers:
+            return False
+        reads = ParkedReads(self.engines)
+        self.reads = reads if reads.layers else None
+        return self.reads is not None
+
+    def drop_reads(self) -> None:
+        """Stop reading ahead and let what was read go (the layers are about to be emptied or closed)."""
+        reads, self.reads = self.reads, None
+        if reads is not None:
+            reads.cancel()
+
     def restore_all(self) -> None:
         """Bring every parked layer back (each all or nothing: one that fails stays parked, those before it are
-        back, and no layer's length moves); a resource failure is a `CapacityError` naming the layer."""
+        back, and no layer's length moves); a resource failure is a `CapacityError` naming the layer. Layers read
+        ahead (`start_reads`) take what was read; the others, and those whose read failed, are read now."""
+        reads, self.reads = self.reads, None   # a restore that fails reads its layers again when tried again
+        counters = self.shared.counters
+        if reads is not None:
+            counters.resume_wait_seconds += reads.wait()
+            counters.resume_reads_failed += reads.failed
         for window in self.windows:
             window.restore()
         for engine in self.engines:
+            got = None if reads is None else reads.take(engine)
             try:
-                engine.restore()
+                engine.restore(got)
+                counters.layers_read_before_resume += int(got is not None)
             except BaseException as e:
                 err = capacity_error(e, f"layer {engine.layer_idx} could not be restored")
                 if err is None:

@@ -106,6 +106,21 @@ def test_bench_json():
     assert data["machine"]["threads"] == 1
 
 
+@pytest.mark.parametrize("disk", ["--cold-disk", "--warm-disk"])
+def test_bench_resume_json(disk):
+    """`kvtier bench resume`: a row never parked, one restored on demand and one per think time, each starting
+    from a copy of the same cache; every row's logits the same bits, the rows read ahead taking every layer."""
+    result = run("bench", "resume", "--context", "400", "--rounds", "1", "--think-ms", "0,20", "--scorer",
+                 "keynorm", disk, "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output[result.output.index("{"):])
+    assert data["identical_logits"] is True and data["settings"]["cold_disk"] is (disk == "--cold-disk")
+    names = [r["row"] for r in data["rows"]]
+    assert names == ["never parked", "restored on demand", "prefetch, 0 ms later", "prefetch, 20 ms later"]
+    assert [r["layers_read_ahead"] for r in data["rows"]] == [0, 0, 30, 30]
+    assert data["parked_disk_bytes"] > 0 and all(r["first_token_ms"] > 0 for r in data["rows"])
+
+
 def test_bench_decode_cold_disk(monkeypatch):
     """`--cold-disk` drops the page file from the page cache before every timed step of the kvtier rows (the
     data stays: the rows still decode), and says so in the JSON with the read-ahead counters; `--read-ahead`

@@ -240,6 +240,20 @@ def test_bench_prefetch_bad_options(args, words):
 
 
 @pytest.mark.parametrize("args, words", [
+    (["--think-ms", "0,x"], ["--think-ms", "'x'", "milliseconds from 0 to 600000"]),
+    (["--think-ms", "-1"], ["--think-ms", "'-1'"]),
+    (["--think-ms", "nan"], ["--think-ms", "'nan'"]),
+    (["--think-ms", "0,"], ["--think-ms", "empty item"]),
+    (["--context", "5"], ["--context", "5"]),
+    (["--rounds", "0"], ["--rounds", "0"]),
+    (["--device-budget", "5"], ["device_budget=5"]),
+    (["--host-budget", "2.5"], ["host_budget=2.5"]),
+])
+def test_bench_resume_bad_options(args, words):
+    assert_one_line(run("bench", "resume", *args), 2, *words)
+
+
+@pytest.mark.parametrize("args, words", [
     (["--plan-recall", "device,gpu"], ["--plan-recall", "'gpu'", "'device', 'host'"]),
     (["--host-budget", "2.5"], ["host_budget=2.5"]),
     (["--host-budget", "abc"], ["--host-budget", "'abc'"]),

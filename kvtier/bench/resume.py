@@ -1,0 +1,102 @@
+"""A conversation coming back from disk: the time from its return to its first token, with its parked layers
+restored on demand at that step, or read back ahead (`TieredCache.prefetch`) while the application waited.
+
+Every row starts from a copy of the same prefilled cache (`copy.deepcopy`), parked on disk and, for a cold
+disk, dropped from the operating system's page cache before the clock starts; the rows take turns round by
+round, so a drift in the machine's speed meets them alike. A row of copies never parked gives the step's own
+cost. Every row must give the same logits, bit for bit.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ..errors import CapacityError
+from ..integrations.hf import cache_kwargs
+
+
+@dataclass
+class ResumeRow:
+    name: str
+    think_seconds: float | None        # None: restored on demand; for the row never parked, nothing to restore
+    parked: bool
+    first_token_seconds: list[float] = field(default_factory=list)   # per round: return -> the step's logits
+    waited_seconds: list[float] = field(default_factory=list)        # per round: the restore waiting for reads
+    layers_read_ahead: list[int] = field(default_factory=list)
+
+    @property
+    def median_seconds(self) -> float:
+        return statistics.median(self.first_token_seconds)
+
+
+def drop_from_page_cache(folder: str) -> None:
+    """Write every file of a cache's private folder back and drop it from the page cache (Linux), so that the
+    next reads come from the disk itself."""
+    if not hasattr(os, "posix_fadvise"):
+        raise CapacityError("dropping files from the page cache needs posix_fadvise (Linux); not available here")
+    for name in os.listdir(folder):
+        fd = os.open(os.path.join(folder, name), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def rows_for(thinks: list[float]) -> list[ResumeRow]:
+    """The rows a run times: never parked, restored on demand, and read ahead for each think time."""
+    rows = [ResumeRow("never parked", None, parked=False), ResumeRow("restored on demand", None, parked=True)]
+    rows += [ResumeRow(f"prefetch, {t * 1000:g} ms later", t, parked=True) for t in thinks]
+    return rows
+
+
+@torch.no_grad()
+def compare_resume(model: Any, prompt: torch.Tensor, make_cache: Callable[[], Any], thinks: list[float],
+                   rounds: int, cold: bool, progress: Callable[[str], None] | None = None
+                   ) -> tuple[list[ResumeRow], bool, dict]:
+    """Prefill `prompt` once into `make_cache()`, then time, for `rounds` rounds, each row's first step after the
+    conversation's return (the next token after the prompt). Returns the rows, whether every row's logits were
+    the same bits, and the parked cache's `stats()` (what a restore reads)."""
+    say = progress or (lambda s: None)
+    master = make_cache()
+    try:
+        logits = model(prompt, **cache_kwargs(master)).logits[:, -1:]
+        token = logits.argmax(-1)
+        rows = rows_for(thinks)
+        reference, identical, parked_stats = None, True, {}
+        for r in range(rounds):
+            for row in rows:
+                cache = copy.deepcopy(master)
+                try:
+                    if row.parked:
+                        cache.park("disk")
+                        parked_stats = cache.stats()
+                    if cold and cache.disk_path is not None:
+                        drop_from_page_cache(cache.disk_path)
+                    if row.think_seconds is not None:
+                        cache.prefetch()
+                        time.sleep(row.think_seconds)    # the application waits for its user; the reads go on
+                    start = time.perf_counter()
+                    out = model(token, **cache_kwargs(cache)).logits
+                    if out.is_cuda:
+                        torch.cuda.synchronize(out.device)
+                    row.first_token_seconds.append(time.perf_counter() - start)
+                    resumed = cache.stats()["resume_prefetch"]
+                    row.waited_seconds.append(resumed["wait_seconds"])
+                    row.layers_read_ahead.append(resumed["layers"])
+                finally:
+                    cache.close()
+                if reference is None:
+                    reference = out
+                identical = identical and torch.equal(out, reference)
+                say(f"  round {r + 1}/{rounds}  {row.name:<26}{row.first_token_seconds[-1] * 1000:9.1f} ms")
+        return rows, identical, parked_stats
+    finally:
+        master.close()

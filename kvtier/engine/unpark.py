@@ -1,0 +1,87 @@
+"""Reading parked layers back ahead of their restore, on a thread of their own.
+
+A conversation parked on disk between turns comes back when its next step starts; what makes that step wait
+is reading the layers' pages and index files from disk and checking them. Started when the application knows
+the conversation is coming back (its user has started typing, its request is queued behind others), the reads
+run while the application does something else, and the restore then only takes what was read.
+
+The reads change nothing (`ParkedLayer.read` is a pure read), so the results stand only while each layer is
+still parked as it was: the cache waits for the thread and lets them go before anything changes its layers
+(park, reset, close), and a restore uses a layer's result only where the layer is the one that was read. A
+read that failed is simply made again by the restore, which then raises what a restore without reading ahead
+would: reading ahead never changes what a restore does, only when the disk is read.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import torch
+
+
+def _nbytes(got: dict) -> int:
+    tensors = [got["k"], got["v"], *got["meta"].values()]
+    if got["host_pages"] is not None:
+        tensors += list(got["host_pages"][1:])
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class ParkedReads:
+    """The reads of every layer parked on disk among `engines`, made on one thread started here.
+
+    Layers parked on the host are not read: their entries already wait in host memory.
+    """
+
+    def __init__(self, engines: list[Any]) -> None:
+        self._jobs = [(e, e.parked) for e in engines if e.parked is not None and e.parked.where == "disk"]
+        self._got: dict[int, tuple[Any, dict]] = {}   # engine id -> (the parked layer read, what was read)
+        self._stop = threading.Event()
+        self.failed = 0                               # layers whose read failed (the restore reads them again)
+        self.read_seconds = 0.0
+        self._thread = threading.Thread(target=self._run, name="kvtier-unpark", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        start = time.perf_counter()
+        with torch.no_grad():   # a new thread is outside inference mode: its tensors are plain ones
+            for engine, parked in self._jobs:
+                if self._stop.is_set():
+                    break
+                try:
+                    got = parked.read(engine.disk, engine.table, engine.cfg.page_size)
+                except BaseException:   # no exception is kept (it would hold frames): the restore meets it again
+                    self.failed += 1
+                    continue
+                self._got[id(engine)] = (parked, got)
+        self.read_seconds = time.perf_counter() - start
+
+    @property
+    def layers(self) -> int:
+        """Layers this read ahead covers."""
+        return len(self._jobs)
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self) -> float:
+        """Wait for the thread; returns the seconds waited."""
+        start = time.perf_counter()
+        self._thread.join()
+        return time.perf_counter() - start
+
+    def take(self, engine: Any) -> dict | None:
+        """What was read for `engine`, if it is still parked as it was when read (after `wait`)."""
+        parked, got = self._got.pop(id(engine), (None, None))
+        return got if parked is not None and engine.parked is parked else None
+
+    def held_bytes(self) -> int:
+        """Host memory the reads hold now (results not yet taken; read while the thread runs)."""
+        return sum(_nbytes(got) for _, got in list(self._got.values()))
+
+    def cancel(self) -> None:
+        """Stop after the layer being read, wait, and let every result go."""
+        self._stop.set()
+        self._thread.join()
+        self._got.clear()
