@@ -86,27 +86,26 @@ class CacheState:
     def start_reads(self) -> bool:
         """Start reading the layers parked on disk on a thread (`ParkedReads`), unless reads are under way or
         none is parked there; returns whether they started."""
-        if self.reads is not None and self.reads.layers:
+        if self.reads is not None or not any(e.parked is not None and e.parked.where == "disk" for e in self.engines):
             return False
-        reads = ParkedReads(self.engines)
-        self.reads = reads if reads.layers else None
-        return self.reads is not None
+        self.reads = ParkedReads(self.engines)
+        return True
 
     def drop_reads(self) -> None:
         """Stop reading ahead and let what was read go (the layers are about to be emptied or closed)."""
-        reads, self.reads = self.reads, None
-        if reads is not None:
-            reads.cancel()
+        if self.reads is not None:
+            self.reads.cancel()   # kept until the thread has stopped: an interruption here leaves it to a later call
+            self.reads = None
 
     def restore_all(self) -> None:
         """Bring every parked layer back (each all or nothing: one that fails stays parked, those before it are
         back, and no layer's length moves); a resource failure is a `CapacityError` naming the layer. Layers read
         ahead (`start_reads`) take what was read; the others, and those whose read failed, are read now."""
-        reads, self.reads = self.reads, None   # a restore that fails reads its layers again when tried again
-        counters = self.shared.counters
+        reads, counters = self.reads, self.shared.counters
         if reads is not None:
-            counters.resume_wait_seconds += reads.wait()
+            counters.resume_wait_seconds += reads.wait()   # kept until the thread has stopped, as in `drop_reads`
             counters.resume_reads_failed += reads.failed
+            self.reads = None   # a restore that fails reads its layers again when tried again
         for window in self.windows:
             window.restore()
         for engine in self.engines:
