@@ -1,5 +1,5 @@
 """A conversation coming back from disk: the time from its return to its first token, with its parked layers
-restored on demand at that step, or read back ahead (`TieredCache.prefetch`) while the application waited.
+restored on demand at that step, or read back ahead (`TieredCache.prefetch_parked`) while the application waited.
 
 Every row starts from a copy of the same prefilled cache (`copy.deepcopy`), parked on disk and, for a cold
 disk, dropped from the operating system's page cache before the clock starts; the rows take turns round by
@@ -81,7 +81,7 @@ def compare_resume(model: Any, prompt: torch.Tensor, make_cache: Callable[[], An
                     if cold and cache.disk_path is not None:
                         drop_from_page_cache(cache.disk_path)
                     if row.think_seconds is not None:
-                        cache.prefetch()
+                        cache.prefetch_parked()
                         time.sleep(row.think_seconds)    # the application waits for its user; the reads go on
                     start = time.perf_counter()
                     out = model(token, **cache_kwargs(cache)).logits

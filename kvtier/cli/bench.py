@@ -216,7 +216,7 @@ def decode(context: int, new_tokens: int, rounds: int, device_budget: str, host_
 def resume(context: int, rounds: int, think_ms: str, device_budget: str, host_budget: str, recall_pages: int,
            scorer: str, model: str | None, device: str, threads: int, cold_disk: bool, as_json: bool) -> None:
     """Time to the first token of a conversation parked on disk: restored on demand, or read back ahead while
-    the application waits for its next turn (`TieredCache.prefetch`)."""
+    the application waits for its next turn (`TieredCache.prefetch_parked`)."""
     from .common import split_list
 
     budget, host = parse_budget(device_budget, "--device-budget"), parse_budget(host_budget, "--host-budget")

@@ -200,7 +200,7 @@ class TieredCache(OneSequence, Cache):
         st = self._state
         st.check()
         check_target(to)
-        st.drop_reads()   # reads made ahead (`prefetch`) stop before the layers move
+        st.drop_reads()   # reads made ahead (`prefetch_parked`) stop before the layers move
         with plain_tensors():   # what the parked layers keep is written again after they come back
             self._park(to)
 
@@ -251,7 +251,7 @@ class TieredCache(OneSequence, Cache):
                 return False
         return True
 
-    def prefetch(self) -> bool:
+    def prefetch_parked(self) -> bool:
         """Start reading the layers parked on disk back into host memory on a thread of their own, and return at
         once: for an application that knows the conversation is coming back (its user is typing, its request
         waits behind others), so that the restore at the next step (or `resume()`) waits for less.
@@ -269,7 +269,7 @@ class TieredCache(OneSequence, Cache):
 
     def resume(self) -> None:
         """Restore every parked layer now (otherwise they come back together at the next step, before any layer
-        takes it); after `prefetch()`, waiting for its reads first."""
+        takes it); after `prefetch_parked()`, waiting for its reads first."""
         self._state.check()
         with plain_tensors():   # what comes back is written by later steps, which may run outside inference mode
             self._state.restore_all()
@@ -336,7 +336,7 @@ class TieredCache(OneSequence, Cache):
         rest were fetched on demand), ``prefetch`` (``pages`` brought up ahead of the next step on the side
         stream, ``used``: those a later step chose, ``hit_rate``: ``used / pages``),
         ``transfer_wait_seconds`` (blocked on copies and disk reads). ``resume_prefetch``: parked layers restored
-        from reads made ahead by `prefetch` (``layers``), those reads that failed and were made again by the
+        from reads made ahead by `prefetch_parked` (``layers``), those reads that failed and were made again by the
         restore (``failed``), the seconds restores waited for reads still under way (``wait_seconds``), whether
         reads are under way (``in_flight``) and the host bytes the reads not yet taken hold (``held_bytes``).
         """
@@ -409,7 +409,7 @@ class TieredCache(OneSequence, Cache):
                            # from the page cache), it pauses for a while
                            "steps_paused": sum(r.steps_paused for r in ahead)},
             "parked": self.parked,
-            # parked layers read back ahead of their restore (`prefetch`): those restored from such reads, the
+            # parked layers read back ahead of their restore (`prefetch_parked`): those restored from such reads, the
             # reads that failed (made again by the restore), the seconds restores waited for reads under way, and
             # what reads not yet taken hold
             "resume_prefetch": {"layers": c.layers_read_before_resume, "failed": c.resume_reads_failed,

@@ -58,17 +58,17 @@ class SessionStore:
 
     def resume(self, name: str) -> TieredCache:
         """Take a session back; its layers return to the device at its next step (or `resume()`). Layers parked on
-        disk start being read back at once (`TieredCache.prefetch`), while the caller prepares the next turn."""
+        disk start being read back at once (`TieredCache.prefetch_parked`), while the caller prepares the next turn."""
         cache = self._parked.pop(self._known(name))
-        cache.prefetch()
+        cache.prefetch_parked()
         return cache
 
     def prefetch(self, name: str) -> bool:
-        """Start reading a session parked on disk back into host memory while it stays here (`TieredCache.prefetch`):
-        for a conversation about to come back, so that `resume` and its next step wait for less. The reads count in
-        `host_bytes_used` until the session is resumed; parking it again lets them go. Returns whether reads
-        started."""
-        return self._parked[self._known(name)].prefetch()
+        """Start reading a session parked on disk back into host memory while it stays here
+        (`TieredCache.prefetch_parked`): for a conversation about to come back, so that `resume` and its next step
+        wait for less. The reads count in `host_bytes_used` until the session is resumed; parking it again lets
+        them go. Returns whether reads started."""
+        return self._parked[self._known(name)].prefetch_parked()
 
     def _known(self, name: str) -> str:
         if name not in self._parked:

@@ -1,4 +1,4 @@
-"""Reading parked layers back ahead of their restore (`TieredCache.prefetch`, `SessionStore.prefetch`) changes
+"""Reading parked layers back ahead of their restore (`TieredCache.prefetch_parked`, `SessionStore.prefetch`) changes
 when the disk is read, never what a restore does: the same logits, bit for bit, the same errors, and nothing
 left reading once the cache is parked again, reset or closed."""
 
@@ -55,8 +55,8 @@ def _wait_for_reads(cache):
 
 def test_read_ahead_restores_the_same_state_bit_for_bit(llama, tmp_path, never_parked):
     cache, logits = _prefilled(llama, tmp_path, park="disk")
-    assert cache.prefetch() is True
-    assert cache.prefetch() is False                      # under way already
+    assert cache.prefetch_parked() is True
+    assert cache.prefetch_parked() is False                      # under way already
     _wait_for_reads(cache)
     held = cache.stats()["resume_prefetch"]
     assert held["held_bytes"] > 0 and not held["in_flight"] and held["layers"] == 0
@@ -80,7 +80,7 @@ def test_resume_waits_for_reads_under_way(llama, tmp_path, never_parked, monkeyp
         return real(self, *args)
 
     monkeypatch.setattr(parking.ParkedLayer, "read", slow_read)
-    assert cache.prefetch()
+    assert cache.prefetch_parked()
     assert cache.stats()["resume_prefetch"]["in_flight"]
     threading.Timer(0.2, gate.set).start()
     cache.resume()                                        # waits for the reads, then takes them
@@ -95,13 +95,14 @@ def test_resume_waits_for_reads_under_way(llama, tmp_path, never_parked, monkeyp
 def test_nothing_to_read_ahead(llama, tmp_path):
     live, _ = _prefilled(llama, tmp_path / "a")
     on_host, _ = _prefilled(llama, tmp_path / "b", park="host")
-    assert live.prefetch() is False and on_host.prefetch() is False   # host-parked entries are in memory already
+    assert live.prefetch_parked() is False
+    assert on_host.prefetch_parked() is False            # host-parked entries are in memory already
     assert _readers() == []
     live.close()
     on_host.close()
     live.close()
     with pytest.raises(Exception, match="closed"):
-        live.prefetch()
+        live.prefetch_parked()
 
 
 def test_a_read_that_failed_ahead_is_made_again_by_the_restore(llama, tmp_path, never_parked, monkeypatch):
@@ -115,7 +116,7 @@ def test_a_read_that_failed_ahead_is_made_again_by_the_restore(llama, tmp_path, 
         return real(self, *args)
 
     monkeypatch.setattr(parking.ParkedLayer, "read", fail_once)
-    cache.prefetch()
+    cache.prefetch_parked()
     _wait_for_reads(cache)
     tokens, last = continue_greedy(llama, cache, logits, n=6)
     assert calls == ["kvtier-unpark"] * 3 + ["MainThread"]   # the failed layer read again, on demand
@@ -132,7 +133,7 @@ def test_a_damaged_layer_fails_the_restore_as_without_reading_ahead(llama, tmp_p
     with open(path, "r+b") as f:
         f.seek(len(data) // 2)
         f.write(bytes([data[len(data) // 2] ^ 0xFF]))
-    cache.prefetch()
+    cache.prefetch_parked()
     with pytest.raises(CorruptPageError, match="fails its CRC-32 check"):
         continue_greedy(llama, cache, logits, n=1)
     assert cache.broken is None and [e.parked is None for e in cache._engines] == [True, False, False]
@@ -148,7 +149,7 @@ def test_a_damaged_layer_fails_the_restore_as_without_reading_ahead(llama, tmp_p
 def test_park_reset_and_close_stop_the_reads_and_let_them_go(llama, tmp_path, never_parked, then):
     cache, logits = _prefilled(llama, tmp_path, park="disk")
     folder = cache.disk_path
-    cache.prefetch()
+    cache.prefetch_parked()
     if then == "close":
         cache.close()
         assert _readers() == [] and not os.path.exists(folder)
@@ -171,7 +172,7 @@ def test_a_copy_of_a_cache_reading_ahead_is_refused_as_for_any_parked_cache(llam
     import copy
 
     cache, _ = _prefilled(llama, tmp_path, park="disk")
-    cache.prefetch()
+    cache.prefetch_parked()
     with pytest.raises(UnsupportedError, match="parked"):
         copy.deepcopy(cache)
     cache.close()
@@ -180,7 +181,7 @@ def test_a_copy_of_a_cache_reading_ahead_is_refused_as_for_any_parked_cache(llam
 def test_a_dropped_cache_reading_ahead_is_closed(llama, tmp_path):
     cache, _ = _prefilled(llama, tmp_path, park="disk")
     folder = cache.disk_path
-    cache.prefetch()
+    cache.prefetch_parked()
     del cache
     gc.collect()
     assert _readers() == [] and not os.path.exists(folder)
