@@ -319,7 +319,8 @@ def prefetch(context: str, new_tokens: int, device_budget: str, recall_pages: in
     click.echo(f"  {'prefetch':>8}  {'on device':>9}  {'on demand':>9}  {'prefetched':>10}  {'prefetch hits':>13}")
     for r in out["rows"]:
         hit = "-" if r["prefetch_hit_rate"] is None else f"{r['prefetch_hit_rate']:.1%}"
-        click.echo(f"  {r['prefetch_pages']:>8}  {r['on_device_when_chosen']:>9.1%}  "
+        held = "-" if r["on_device_when_chosen"] is None else f"{r['on_device_when_chosen']:.1%}"   # none chosen
+        click.echo(f"  {r['prefetch_pages']:>8}  {held:>9}  "
                    f"{r['on_demand_pages_per_step']:>9.2f}  {r['prefetched_pages_per_step']:>10.2f}  {hit:>13}")
     click.echo("  (on device: chosen pages already there when chosen; pages per layer, KV head and step)")
     click.echo(f"  same tokens in every setting: {'yes' if out['same_tokens'] else 'NO'}")
@@ -357,6 +358,11 @@ def launches(context: str, steps: int, demote_pages: str, prefetch_at: str, host
     from transformers import DynamicCache
 
     from ..bench.launches import count_launches, time_cache_host, time_decode_graph_host
+    from ..integrations.layers import TIERED, layer_plan
+
+    if TIERED not in layer_plan(lm.config).kinds:
+        raise bad_option("--model", model, "a model with full-attention layers",
+                         "has none: every layer keeps its sliding window, so a TieredCache tiers nothing to count")
     from ..integrations.hf import TieredCache
     from ..tasks.needle import make_needle_task
 

@@ -66,7 +66,7 @@ def chat(device_budget: str, host_budget: str, park_to: str, max_new_tokens: int
                                           if session.decode_graph is not None else {})}))
                 continue
             click.echo(f"model> {reply}")
-            per = s["layers"] * s["kv_heads"]
+            per = max(s["layers"] * s["kv_heads"], 1)   # a model of sliding-window layers only tiers none
             tiers = "  ".join(f"{t} {s[t]['tokens'] // per:,} tok/head ({human_bytes(s[t]['bytes'])})"
                               for t in ("device", "host", "disk"))
             click.echo(click.style(f"  [turn {turn}: {s['tokens_seen']:,} tokens | {tiers}"

@@ -14,7 +14,7 @@ def human_bytes(n: float) -> str:
 
 def tier_lines(stats: dict) -> list[str]:
     """Tokens and bytes per tier, and what moved, from `TieredCache.stats()`."""
-    per = stats["layers"] * stats["kv_heads"]
+    per = max(stats["layers"] * stats["kv_heads"], 1)   # a model of sliding-window layers only tiers none
     lines = []
     for tier in ("device", "host", "disk"):
         t = stats[tier]

@@ -15,6 +15,7 @@ import warnings
 import weakref
 from typing import Any
 
+import torch
 import transformers
 from packaging.version import Version
 from transformers.cache_utils import Cache
@@ -109,6 +110,7 @@ class TieredCache(OneSequence, Cache):
                  recent_tokens: int | float = DEFAULT_RECENT_TOKENS, scorer_kwargs: dict[str, Any] | None = None,
                  demote_pages: int | None = None, cuda_graphs: bool = True, read_ahead: bool | None = None,
                  promote: bool = False) -> None:
+        _check_config(config)
         plan = layer_plan(config)
         shape = ModelShape.from_config(config)
         if scorer_kwargs is not None and not isinstance(scorer_kwargs, dict):
@@ -129,7 +131,7 @@ class TieredCache(OneSequence, Cache):
             shape=shape,
             device_budget=Budget(device_budget, "device_budget"),
             host_budget=None if host_budget is None else Budget(host_budget, "host_budget", allow_zero=True),
-            disk_dir=None if disk_dir is None else os.fspath(disk_dir),
+            disk_dir=_folder(disk_dir),
             mode=mode, recall_pages=recall_pages, prefetch_pages=prefetch_pages, retain_pages=retain_pages,
             page_size=page_size, sink_tokens=sink_tokens,
             recent_tokens=recent_tokens, demote_pages=demote_pages, cuda_graphs=cuda_graphs, read_ahead=read_ahead,
@@ -485,6 +487,24 @@ class TieredCache(OneSequence, Cache):
     def detach_attention(self) -> None:
         """Give the model back its own attention implementation."""
         restore_attention(self.model_config)
+
+
+def _check_config(config: Any) -> None:
+    """Refuse, naming it, what is not a model's config (the model itself is the usual slip)."""
+    if isinstance(config, torch.nn.Module):
+        raise ConfigError(f"config is a model ({type(config).__name__}); allowed: the model's config, model.config")
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    if not isinstance(getattr(text, "num_hidden_layers", None), int):
+        raise ConfigError(f"config of type {type(config).__name__} has no num_hidden_layers; allowed: the model's "
+                          "config (model.config, a transformers PreTrainedConfig)")
+
+
+def _folder(disk_dir: Any) -> str | None:
+    """`disk_dir` as a path string, refused by name where it is no folder path."""
+    path = os.fspath(disk_dir) if isinstance(disk_dir, (str, os.PathLike)) else disk_dir
+    if path is not None and not isinstance(path, str):
+        raise ConfigError(f"disk_dir={disk_dir!r}; allowed: a folder path (str or os.PathLike of str) or None")
+    return path
 
 
 def _scorer_class(name: str) -> Any | None:

@@ -31,9 +31,8 @@ class Budget:
 
     def __post_init__(self) -> None:
         v = self.value
-        low = "0" if self.allow_zero else "a positive"
         allowed = (f"a fraction in {'[0, 1]' if self.allow_zero else '(0, 1]'} of the tokens seen, "
-                   f"or {low} whole number of tokens")
+                   f"or a whole number of tokens >= {0 if self.allow_zero else 1}")
         if isinstance(v, bool) or not isinstance(v, numbers.Real):
             raise ConfigError(f"{self.name}={v!r} is not a number; allowed: {allowed}")
         if isinstance(v, numbers.Integral):

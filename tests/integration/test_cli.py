@@ -82,6 +82,15 @@ def test_chat_json_parks_between_turns():
     assert again[-1]["decode_graph"]["ordinary"] > 0 and again[-1]["decode_graph"]["replays"] == 0
 
 
+def test_bench_prefetch_text_where_no_page_is_ever_chosen():
+    """A device budget that holds the whole prompt chooses no page: the share of chosen pages already on the device
+    has no value, and the table says so with a dash."""
+    result = run("bench", "prefetch", "--context", "300", "--device-budget", "1.0", "--new-tokens", "2",
+                 "--prefetch-pages", "0")
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines()[-3].split()[:2] == ["0", "-"]
+
+
 def test_bench_prefetch_json():
     """Recall planned on the device, as on a GPU: prefetching raises the share of chosen pages already on the
     device, and the tokens do not change."""

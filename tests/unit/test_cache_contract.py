@@ -250,3 +250,28 @@ def test_a_first_step_interrupted_between_layers_is_caught(model):
             model(PROMPT[:, 100:120], **cache_kwargs(cache))
         cache.reset()
         assert greedy(model, cache, PROMPT[:, :50], n=2)   # reset makes it usable again
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_a_left_padded_prompt_at_full_budget_gives_the_tokens_and_logits_within_rounding(attention):
+    """The padding of a left-padded prompt is never stored, where DynamicCache keeps it as masked columns: the
+    attention sums over fewer columns, so the logits agree within float rounding (not bit for bit, as the docs
+    say), and the tokens are the same."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, vocab_size=256, pad_token_id=0, eos_token_id=None,
+                         attn_implementation=attention)
+    lm = LlamaForCausalLM(config).eval()
+    ids = torch.randint(3, 256, (1, 150), generator=torch.Generator().manual_seed(1))
+    padded = torch.cat([torch.zeros(1, 7, dtype=torch.long), ids], 1)
+    mask = torch.cat([torch.zeros(1, 7, dtype=torch.long), torch.ones_like(ids)], 1)
+    kw = dict(attention_mask=mask, max_new_tokens=10, return_dict_in_generate=True, output_logits=True,
+              do_sample=False)
+    plain = lm.generate(padded, **cache_kwargs(DynamicCache(config=config)), **kw)
+    with TieredCache(config, device_budget=1.0) as cache:
+        tiered = lm.generate(padded, **cache_kwargs(cache), **kw)
+    assert torch.equal(plain.sequences, tiered.sequences)
+    for a, b in zip(plain.logits, tiered.logits):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)

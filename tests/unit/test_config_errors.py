@@ -98,3 +98,35 @@ def test_attention_implementations_that_cannot_work_are_refused_by_name(impl, wh
     cfg = types.SimpleNamespace(**{**vars(CONFIG), "_attn_implementation": impl})
     with pytest.raises(UnsupportedError, match=rf"attn_implementation={impl!r}.*{why}"):
         TieredCache(cfg)
+
+
+@pytest.mark.parametrize("disk_dir", [123, True, b"/tmp"])
+def test_a_disk_dir_that_is_no_folder_path_is_refused_by_name(disk_dir):
+    with pytest.raises(ConfigError, match=r"disk_dir=.*; allowed: a folder path \(str or os.PathLike of str\)"):
+        TieredCache(CONFIG, host_budget=8, disk_dir=disk_dir)
+
+
+def test_a_model_or_nothing_in_place_of_the_config_is_refused_by_name():
+    from tiny_models import tiny_llama
+
+    with pytest.raises(ConfigError, match=r"config is a model \(LlamaForCausalLM\); allowed: the model's config"):
+        TieredCache(tiny_llama())
+    with pytest.raises(ConfigError, match="config of type NoneType has no num_hidden_layers; allowed"):
+        TieredCache(None)
+
+
+@pytest.mark.parametrize("allow_zero, words", [(True, "a whole number of tokens >= 0"),
+                                               (False, "a whole number of tokens >= 1")])
+def test_the_budgets_allowed_values_read_plainly(allow_zero, words):
+    with pytest.raises(ConfigError, match=words):
+        Budget(-1, "host_budget" if allow_zero else "device_budget", allow_zero=allow_zero)
+
+
+def test_the_tier_lines_of_a_cache_that_tiers_no_layer():
+    """`kvtier demo` and `chat` print them for every model, one whose layers all keep a sliding window too."""
+    from kvtier.cli.format import tier_lines
+
+    stats = {"layers": 0, "kv_heads": 2, "tokens_seen": 40, "bytes_moved": {}, "pages_recalled": 0,
+             "pages_recalled_from": {"host": 0, "disk": 0}, "recall_steps": 0, "transfer_wait_seconds": 0.0,
+             **{t: {"tokens": 0, "bytes": 0} for t in ("device", "host", "disk")}}
+    assert tier_lines(stats)[0].split()[:2] == ["device", "0"]
