@@ -68,8 +68,15 @@ class ParkedReads:
     def wait(self) -> float:
         """Wait for the thread; returns the seconds waited."""
         start = time.perf_counter()
-        self._thread.join()
+        self._join()
         return time.perf_counter() - start
+
+    def _join(self) -> None:
+        # the cache's finalizer may run on this very thread (a garbage collection its reads set off): it cannot
+        # wait for itself, and the stop already set ends the reads at the next layer (a read cut short by the
+        # cache's close fails, and failures are kept by no one)
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
 
     def take(self, engine: Any) -> dict | None:
         """What was read for `engine`, if it is still parked as it was when read (after `wait`)."""
@@ -83,5 +90,5 @@ class ParkedReads:
     def cancel(self) -> None:
         """Stop after the layer being read, wait, and let every result go."""
         self._stop.set()
-        self._thread.join()
+        self._join()
         self._got.clear()

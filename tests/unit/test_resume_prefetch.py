@@ -208,3 +208,26 @@ def test_session_store_reads_back_on_resume_and_ahead_of_it(llama, tmp_path, nev
     assert again.parked is None and again.stats()["resume_prefetch"]["layers"] == 6
     store.close()
     again.close()
+
+
+def test_a_cache_collected_on_its_own_reading_thread_is_closed_without_waiting_for_itself(llama, tmp_path,
+                                                                                          monkeypatch):
+    """A garbage collection that the reads set off may run the cache's finalizer on the reading thread."""
+    cache, _ = _prefilled(llama, tmp_path, park="disk")
+    folder, state = cache.disk_path, cache._state
+    real, closed = parking.ParkedLayer.read, []
+
+    def read_then_collect(self, *args):
+        got = real(self, *args)
+        if not closed:
+            closed.append(threading.current_thread().name)
+            cache_ref[0]._finalizer()                      # as a collection on this thread would
+        return got
+
+    cache_ref = [cache]
+    monkeypatch.setattr(parking.ParkedLayer, "read", read_then_collect)
+    cache.prefetch_parked()
+    state.reads._thread.join(5)
+    assert closed == ["kvtier-unpark"] and state.closed and not os.path.exists(folder)
+    assert state.reads is None and all(e.tiers == [None, None] for e in state.engines)   # every layer closed
+    assert _readers() == []
