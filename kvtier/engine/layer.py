@@ -645,8 +645,13 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
             got = parked.read(self.disk, self.table, self.cfg.page_size)
         meta = got["meta"]
         dev = self.device
+        n = got["k"].shape[1]
+        if "pinned" in got:   # read ahead into pinned memory: copied whole at the link's speed, cut on the device
+            k, v = (t.to(dev)[:, :n] for t in got["pinned"])
+        else:
+            k, v = got["k"].to(dev), got["v"].to(dev)
         try:
-            self.pool.replace(got["k"].to(dev), got["v"].to(dev), meta["pos"].to(dev), meta["score"].to(dev))
+            self.pool.replace(k, v, meta["pos"].to(dev), meta["score"].to(dev))
             if self.index is not None:
                 self.index.load_state({name: meta[name] for name in ("bounds", "codes")})
             parked.release(got, self.disk, self.host, self.table, self.readahead)

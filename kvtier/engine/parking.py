@@ -99,22 +99,31 @@ class ParkedLayer:
         return replace(self, where="disk", entries=None, meta={}, slots=slots.reshape(H, pages),
                        was_on_host=(heads, pids), file=path, file_crc=crc, file_bytes=size)
 
-    def read(self, disk, table: PageTable, page_size: int) -> dict:
+    def read(self, disk, table: PageTable, page_size: int, pin: bool = False) -> dict:
         """Everything a restore needs, read and verified first (nothing is changed): the entries ``k, v``
-        ``[heads, n, dim]``, the meta, and the pages to put back on the host."""
+        ``[heads, n, dim]``, the meta, and the pages to put back on the host. With `pin`, the entries are read
+        into pinned memory, whose copy to a GPU runs at the link's speed (pinning costs time of its own: for
+        reads made ahead of the restore, `kvtier.engine.unpark`)."""
         if self.where == "host":
             k, v = self.entries
             return {"k": k, "v": v, "meta": self.meta, "host_pages": None}
         H, pages = self.slots.shape
-        k, v = disk.load(self.slots.reshape(-1))
+        out = None
+        if pin:
+            out = tuple(torch.empty(H * pages, page_size, disk.head_dim, dtype=disk.dtype, pin_memory=True)
+                        for _ in range(2))
+        k, v = disk.load(self.slots.reshape(-1), out=out)
         n = self.count
         heads, pids = self.was_on_host
         back = None
         if len(heads):
             disk_slots = table.lookup(heads, pids)[1]
             back = (disk_slots, *disk.load(disk_slots))
-        return {"k": k.reshape(H, pages * page_size, -1)[:, :n], "v": v.reshape(H, pages * page_size, -1)[:, :n],
-                "meta": _read_meta(self.file, self.file_crc), "host_pages": back}
+        k, v = k.reshape(H, pages * page_size, -1), v.reshape(H, pages * page_size, -1)
+        got = {"k": k[:, :n], "v": v[:, :n], "meta": _read_meta(self.file, self.file_crc), "host_pages": back}
+        if pin:   # whole: a cut of pinned memory would go to the device through a pageable copy of itself
+            got["pinned"] = (k, v)
+        return got
 
     def release(self, restored: dict, disk, host, table: PageTable, readahead=None) -> None:
         """After the layer took its entries back: host pages return to the host, parking slots and file go."""

@@ -31,7 +31,9 @@ def _nbytes(got: dict) -> int:
 class ParkedReads:
     """The reads of every layer parked on disk among `engines`, made on one thread started here.
 
-    Layers parked on the host are not read: their entries already wait in host memory.
+    Layers parked on the host are not read: their entries already wait in host memory. Where the layers pin their
+    host memory (a GPU), the entries are read into pinned memory, so that the restore's copy to the device runs at
+    the link's speed and the pinning's own cost falls on the thread.
     """
 
     def __init__(self, engines: list[Any]) -> None:
@@ -50,7 +52,7 @@ class ParkedReads:
                 if self._stop.is_set():
                     break
                 try:
-                    got = parked.read(engine.disk, engine.table, engine.cfg.page_size)
+                    got = parked.read(engine.disk, engine.table, engine.cfg.page_size, pin=engine.pin)
                 except BaseException:   # no exception is kept (it would hold frames): the restore meets it again
                     self.failed += 1
                     continue

@@ -270,6 +270,32 @@ def test_session_store_on_gpu(cuda_device, tmp_path):
     back.close()
 
 
+@torch.no_grad()
+def test_a_cache_read_back_ahead_on_gpu_goes_on_as_one_never_parked(cuda_device, tmp_path):
+    """`prefetch_parked` on a GPU: the entries are read into pinned memory on the thread, copied whole to the device
+    and cut there; the steps after give the logits of a copy never parked, bit for bit."""
+    model = _llama(cuda_device)
+    settings = dict(device_budget=64, host_budget=120, recall_pages=16, scorer="keynorm")
+    twin = TieredCache(model.config, disk_dir=tmp_path / "twin", **settings)
+    cache = TieredCache(model.config, disk_dir=tmp_path / "parked", **settings)
+    ids = _prompt(453, cuda_device)
+    first = [model(ids, **cache_kwargs(c)).logits[:, -1:] for c in (twin, cache)]
+    cache.park("disk")
+    assert cache.prefetch_parked()
+    cache._state.reads.wait()
+    got = next(iter(cache._state.reads._got.values()))[1]
+    assert got["pinned"][0].is_pinned() and got["k"].shape[1] <= got["pinned"][0].shape[1]
+    out = []
+    for c, logits in zip((twin, cache), first):
+        steps = [logits]
+        for _ in range(12):
+            steps.append(model(steps[-1].argmax(-1), **cache_kwargs(c)).logits[:, -1:])
+        out.append(torch.cat(steps))
+    assert torch.equal(out[0], out[1]) and cache.stats()["resume_prefetch"]["layers"] == len(cache._engines)
+    twin.close()
+    cache.close()
+
+
 def _before_a_step_that_demotes_nowhere(model, cache, token):
     """Decode from `token` until the next step demotes in no layer; returns the token that step takes."""
     for _ in range(32):

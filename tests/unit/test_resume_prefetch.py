@@ -75,9 +75,9 @@ def test_resume_waits_for_reads_under_way(llama, tmp_path, never_parked, monkeyp
     gate = threading.Event()
     real = parking.ParkedLayer.read
 
-    def slow_read(self, *args):
+    def slow_read(self, *args, **kwargs):
         gate.wait(5)
-        return real(self, *args)
+        return real(self, *args, **kwargs)
 
     monkeypatch.setattr(parking.ParkedLayer, "read", slow_read)
     assert cache.prefetch_parked()
@@ -109,11 +109,11 @@ def test_a_read_that_failed_ahead_is_made_again_by_the_restore(llama, tmp_path, 
     cache, logits = _prefilled(llama, tmp_path, park="disk")
     real, calls = parking.ParkedLayer.read, []
 
-    def fail_once(self, *args):
+    def fail_once(self, *args, **kwargs):
         calls.append(threading.current_thread().name)
         if len(calls) == 2:
             raise OSError(5, "Input/output error")
-        return real(self, *args)
+        return real(self, *args, **kwargs)
 
     monkeypatch.setattr(parking.ParkedLayer, "read", fail_once)
     cache.prefetch_parked()
@@ -217,8 +217,8 @@ def test_a_cache_collected_on_its_own_reading_thread_is_closed_without_waiting_f
     folder, state = cache.disk_path, cache._state
     real, closed = parking.ParkedLayer.read, []
 
-    def read_then_collect(self, *args):
-        got = real(self, *args)
+    def read_then_collect(self, *args, **kwargs):
+        got = real(self, *args, **kwargs)
         if not closed:
             closed.append(threading.current_thread().name)
             cache_ref[0]._finalizer()                      # as a collection on this thread would
