@@ -41,12 +41,10 @@ class ParkedReads:
         self._got: dict[int, tuple[Any, dict]] = {}   # engine id -> (the parked layer read, what was read)
         self._stop = threading.Event()
         self.failed = 0                               # layers whose read failed (the restore reads them again)
-        self.read_seconds = 0.0
         self._thread = threading.Thread(target=self._run, name="kvtier-unpark", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        start = time.perf_counter()
         with torch.no_grad():   # a new thread is outside inference mode: its tensors are plain ones
             for engine, parked in self._jobs:
                 if self._stop.is_set():
@@ -57,7 +55,6 @@ class ParkedReads:
                     self.failed += 1
                     continue
                 self._got[id(engine)] = (parked, got)
-        self.read_seconds = time.perf_counter() - start
 
     @property
     def layers(self) -> int:

@@ -263,7 +263,7 @@ class TieredCache(OneSequence, Cache):
         raised. Until the restore, the reads hold about the layers' parked bytes in host memory
         (``stats()["resume_prefetch"]["held_bytes"]``); `park()`, `reset()` and `close()` stop them and let them
         go. Layers parked on the host need no read. Returns whether reads started (False: nothing is parked on
-        disk, or reads are under way).
+        disk, reads are under way, or no thread could be started: the restore then reads as it would have).
         """
         st = self._state
         st.check()

@@ -60,7 +60,8 @@ class SessionStore:
         """Take a session back; its layers return to the device at its next step (or `resume()`). Layers parked on
         disk start being read back at once (`TieredCache.prefetch_parked`), while the caller prepares the next turn."""
         cache = self._parked.pop(self._known(name))
-        cache.prefetch_parked()
+        if not cache.closed and cache.broken is None:   # such a cache says why at its next use
+            cache.prefetch_parked()
         return cache
 
     def prefetch(self, name: str) -> bool:

@@ -84,11 +84,14 @@ class CacheState:
         return any(e.parked is not None for e in self.engines) or any(w.parked for w in self.windows)
 
     def start_reads(self) -> bool:
-        """Start reading the layers parked on disk on a thread (`ParkedReads`), unless reads are under way or
-        none is parked there; returns whether they started."""
+        """Start reading the layers parked on disk on a thread (`ParkedReads`), unless reads are under way, none is
+        parked there or no thread can be started (the restore then reads them itself); returns whether they started."""
         if self.reads is not None or not any(e.parked is not None and e.parked.where == "disk" for e in self.engines):
             return False
-        self.reads = ParkedReads(self.engines)
+        try:
+            self.reads = ParkedReads(self.engines)
+        except RuntimeError:   # "can't start new thread": a head start, never needed
+            return False
         return True
 
     def drop_reads(self) -> None:

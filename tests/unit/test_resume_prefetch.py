@@ -231,3 +231,36 @@ def test_a_cache_collected_on_its_own_reading_thread_is_closed_without_waiting_f
     assert closed == ["kvtier-unpark"] and state.closed and not os.path.exists(folder)
     assert state.reads is None and all(e.tiers == [None, None] for e in state.engines)   # every layer closed
     assert _readers() == []
+
+
+def test_no_thread_for_the_reads_leaves_them_to_the_restore(llama, tmp_path, never_parked, monkeypatch):
+    cache, logits = _prefilled(llama, tmp_path, park="disk")
+
+    def refuse(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    assert cache.prefetch_parked() is False and cache._state.reads is None
+    monkeypatch.undo()
+    tokens, last = continue_greedy(llama, cache, logits, n=6)
+    assert torch.equal(last, never_parked[1]) and cache.stats()["resume_prefetch"]["layers"] == 0
+    cache.close()
+
+
+def test_a_broken_or_closed_session_comes_back_from_the_store_to_say_so_itself(llama, tmp_path):
+    from kvtier import BrokenCacheError, ClosedCacheError
+
+    store = SessionStore(host_bytes=0)
+    broken, _ = _prefilled(llama, tmp_path / "a")
+    closed, _ = _prefilled(llama, tmp_path / "b")
+    store.park("broken", broken)
+    store.park("closed", closed)
+    broken._state.break_with("a failure for the test")
+    closed.close()
+    assert store.resume("broken") is broken and store.resume("closed") is closed
+    with pytest.raises(BrokenCacheError):
+        broken.resume()
+    with pytest.raises(ClosedCacheError):
+        closed.resume()
+    broken.close()
+    store.close()
