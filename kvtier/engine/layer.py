@@ -624,8 +624,11 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
         if to == "disk":
             path = os.path.join(self.shared.private_dir(), f"layer{self.layer_idx:03d}.parked.safetensors")
             current = current.to_disk(self._disk(), self.host, self.table, path, self.cfg.page_size)
-        if to == "disk" and self.readahead is not None:   # a layer parked on disk holds no host memory
-            self.readahead.clear()
+        if to == "disk":   # a layer parked on disk holds no host memory: the ring's and the host pool's slabs go
+            if self.readahead is not None:
+                self.readahead.close()
+            if self.host is not None:
+                self.host.release()
         if self.parked is None:   # everything that could fail has succeeded: let the device go
             self.counters.bytes_moved["device_to_host"] += moved
             self.pool.clear()
@@ -704,7 +707,7 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
                 host_bytes += self.parked.host_bytes()
             else:
                 disk_tokens += tokens
-                disk_bytes += self.parked.disk_bytes(0 if self.host is None else self.host.page_bytes())
+                disk_bytes += self.parked.disk_bytes(self.disk.payload_size)
         return {
             "device": {"tokens": device_tokens, "bytes": device_tokens * entry,
                        "reserved_bytes": 0 if self.pool is None else self.pool.reserved_bytes(),

@@ -33,17 +33,21 @@ class SessionStore:
     def park(self, name: str, cache: TieredCache) -> None:
         """Park `cache` under `name` in host memory, then push the coldest sessions to disk as needed.
 
-        If pushing a session to disk fails, every session stays whole where it was (each park is all or
-        nothing), `cache` is parked and kept, and a `CapacityError` says how far the host budget is exceeded.
+        A session already parked under `name` (another cache) is closed: the name now means `cache`. If pushing a
+        session to disk fails, every session stays whole where it was (each park is all or nothing), `cache` is
+        parked and kept, and a `CapacityError` says how far the host budget is exceeded.
         """
         cache.park("host")
+        replaced = self._parked.get(name)
         self._parked[name] = cache
         self._parked.move_to_end(name)
+        if replaced is not None and replaced is not cache:   # the name's earlier session: nobody can reach it now
+            replaced.close()
         for other, parked in list(self._parked.items()):  # coldest first
             if self.host_bytes_used() <= self.host_bytes:
                 break
-            if parked.parked == "host":
-                try:
+            if _host_bytes(parked):   # layers parked on the host (all, or those a failed restore had brought
+                try:                  # back before the session was parked again), or reads ahead, which this drops
                     parked.park("disk")
                 except CapacityError as e:
                     over = self.host_bytes_used() - self.host_bytes
@@ -67,8 +71,9 @@ class SessionStore:
     def prefetch(self, name: str) -> bool:
         """Start reading a session parked on disk back into host memory while it stays here
         (`TieredCache.prefetch_parked`): for a conversation about to come back, so that `resume` and its next step
-        wait for less. The reads count in `host_bytes_used` until the session is resumed; parking it again lets
-        them go. Returns whether reads started."""
+        wait for less. The reads count in `host_bytes_used` until the session is resumed; parking it again, or a
+        later park that must make room in host memory and comes to it, lets them go. Returns whether reads
+        started."""
         return self._parked[self._known(name)].prefetch_parked()
 
     def _known(self, name: str) -> str:
@@ -81,14 +86,7 @@ class SessionStore:
     def host_bytes_used(self) -> int:
         """Host memory of the sessions parked there (sliding-window layers go to host memory for either target),
         and what the reads of sessions being prefetched hold."""
-        used = 0
-        for cache in self._parked.values():
-            stats = cache.stats()
-            if cache.parked == "host":
-                used += stats["host"]["bytes"]
-            used += stats["window"]["bytes"] if cache.parked else 0
-            used += stats["resume_prefetch"]["held_bytes"]
-        return used
+        return sum(_host_bytes(cache) for cache in self._parked.values())
 
     def disk_bytes_used(self) -> int:
         return sum(c.stats()["disk"]["bytes"] for c in self._parked.values())
@@ -98,6 +96,20 @@ class SessionStore:
         return {name: cache.parked for name, cache in self._parked.items()}
 
     def close(self) -> None:
-        for cache in self._parked.values():
-            cache.close()
-        self._parked.clear()
+        """Close every parked session (each one, even where closing another failed; the first failure is raised)."""
+        parked, self._parked = list(self._parked.values()), OrderedDict()
+        failure = None
+        for cache in parked:
+            try:
+                cache.close()
+            except BaseException as e:
+                failure = failure or e
+        if failure is not None:
+            raise failure
+
+
+def _host_bytes(cache: TieredCache) -> int:
+    """Host memory a parked session holds: its layers parked on the host (their entries, index and host pages), its
+    sliding-window layers (in host memory for either target), and what reads ahead of its return hold."""
+    stats = cache.stats()
+    return stats["host"]["bytes"] + stats["window"]["bytes"] + stats["resume_prefetch"]["held_bytes"]

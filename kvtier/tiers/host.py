@@ -133,8 +133,13 @@ class HostPool:
         self._settle()
         self._free, self._next, self._used = [], 0, 0
 
+    def release(self) -> None:
+        """Let the slabs go while no page is held (a layer parked on disk): the pool takes new ones as pages come."""
+        if not self._used:
+            self.close()
+
     def close(self) -> None:
         self._settle()
         self.k.close()
         self.v.close()
-        self._free, self._next, self._used = [], 0, 0
+        self._free, self._next, self._used, self._written = [], 0, 0, 0

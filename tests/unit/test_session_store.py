@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import types
 
 import pytest
@@ -80,3 +81,83 @@ def test_a_failed_push_to_disk_keeps_every_session_whole_and_says_how_far_over(m
     first.resume()
     assert first.stats()["device"]["tokens"] > 0
     store.close()
+
+
+def _layers(cache):
+    return [None if e.parked is None else e.parked.where for e in cache._engines]
+
+
+def test_a_layer_parked_on_disk_lets_its_host_slabs_go_and_takes_new_ones_back(tmp_path):
+    cache = _session(tokens=400)
+    assert cache.stats()["host"]["reserved_bytes"] > 0
+    cache.park("disk")
+    assert cache.stats()["host"]["reserved_bytes"] == 0 and cache.stats()["host"]["bytes"] == 0
+    cache.resume()
+    held = cache.stats()
+    assert held["host"]["bytes"] > 0 and held["host"]["reserved_bytes"] >= held["host"]["bytes"]
+    k = torch.randn(1, 2, 100, 8, generator=torch.Generator().manual_seed(9))
+    for layer in range(2):                                 # the host tier takes pages again after the park
+        cache.update(k, k, layer)
+        cache.layers[layer].engine.commit()
+    assert cache.stats()["host"]["bytes"] > held["host"]["bytes"]
+    cache.close()
+
+
+def test_an_evict_mode_cache_parked_on_disk_counts_its_pages():
+    cache = TieredCache(CONFIG, device_budget=0.25, mode="evict", scorer="keynorm")
+    k = torch.randn(1, 2, 200, 8, generator=torch.Generator().manual_seed(0))
+    for layer in range(2):
+        cache.update(k, k, layer)
+        cache.layers[layer].engine.commit()
+    cache.park("disk")
+    store = cache._shared.disk_store
+    assert cache.stats()["disk"]["bytes"] >= store.pages() * store.payload_size > 0
+    cache.close()
+
+
+def test_a_session_parked_partly_on_the_host_is_counted_and_pushed_to_disk():
+    """A restore that failed at a later layer leaves the first layers back; parked again, they go to the host."""
+    from kvtier import CorruptPageError
+
+    cache = _session(tokens=400)
+    cache.park("disk")
+    path = cache._engines[1].parked.file
+    os.rename(path, path + ".away")
+    with pytest.raises(CorruptPageError):
+        cache.resume()
+    os.rename(path + ".away", path)
+    cache.park("host")
+    assert _layers(cache) == ["host", "disk"] and cache.parked == "disk"
+    store = SessionStore(host_bytes=0)
+    store.park("s", cache)
+    assert _layers(cache) == ["disk", "disk"] and store.host_bytes_used() == 0
+    store.close()
+
+
+def test_parking_under_a_name_in_use_closes_the_session_it_named():
+    store = SessionStore(host_bytes=2**30)
+    first, second = _session(seed=0), _session(seed=1)
+    store.park("ada", first)
+    store.park("ada", first)                               # the same session again: kept
+    assert not first.closed and store.where() == {"ada": "host"}
+    store.park("ada", second)
+    assert first.closed and store.resume("ada") is second
+    second.close()
+    store.close()
+
+
+def test_closing_the_store_closes_every_session_when_one_fails(monkeypatch):
+    store = SessionStore(host_bytes=2**30)
+    caches = [_session(seed=i) for i in range(3)]
+    for i, cache in enumerate(caches):
+        store.park(f"s{i}", cache)
+
+    def fails():
+        raise OSError("cannot close")
+
+    monkeypatch.setattr(caches[0], "close", fails)
+    with pytest.raises(OSError, match="cannot close"):
+        store.close()
+    assert caches[1].closed and caches[2].closed and store.where() == {}
+    monkeypatch.undo()
+    caches[0].close()
