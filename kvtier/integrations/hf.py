@@ -485,7 +485,8 @@ class TieredCache(OneSequence, Cache):
         self.close()
 
     def detach_attention(self) -> None:
-        """Give the model back its own attention implementation."""
+        """Give the model back its own attention implementation: on the model's config, so for every TieredCache of
+        that model (their next step then refuses to go on; a new TieredCache routes the attention again)."""
         restore_attention(self.model_config)
 
 

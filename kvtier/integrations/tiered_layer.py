@@ -363,8 +363,9 @@ class TieredLayer(OneSequence, CacheLayerMixin):
             raise UnsupportedError(
                 "the model's attention did not run through kvtier on the last step, so demoted entries would "
                 "never be recalled; build the TieredCache with the model's own config (model.config), not a "
-                "copy of it (e.g. copy.deepcopy(model.config)), and do not change the model's "
-                "attn_implementation after building the cache")
+                "copy of it (e.g. copy.deepcopy(model.config)), do not change the model's attn_implementation "
+                "after building the cache, and call detach_attention() only when no TieredCache of the model will "
+                "step again (it acts on the model's config, which they share)")
         self.engine.flush()
         stored = self.engine.stored
         return stored + int(query_length), self.engine.seen - stored

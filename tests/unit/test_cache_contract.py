@@ -275,3 +275,23 @@ def test_a_left_padded_prompt_at_full_budget_gives_the_tokens_and_logits_within_
     assert torch.equal(plain.sequences, tiered.sequences)
     for a, b in zip(plain.logits, tiered.logits):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+@torch.no_grad()
+def test_detaching_the_attention_acts_for_every_cache_of_the_model_and_says_so():
+    """`detach_attention` gives the config back its attention: a second cache of the same model cannot recall
+    through it, and says why; a new cache routes the attention again."""
+    lm = tiny_llama(seed=4)
+    ids = torch.randint(0, 128, (1, 60), generator=torch.Generator().manual_seed(0))
+    first, second = (TieredCache(lm.config, device_budget=24, recall_pages=1000, scorer="keynorm") for _ in range(2))
+    token = lm(ids, **cache_kwargs(second)).logits[:, -1:].argmax(-1)
+    first.detach_attention()
+    lm(token, **cache_kwargs(second))     # the model's own attention: the step's entries wait for kvtier's
+    with pytest.raises(UnsupportedError, match=r"call detach_attention\(\) only when no TieredCache of the model"):
+        lm(token, **cache_kwargs(second))
+    third = TieredCache(lm.config, device_budget=24, recall_pages=1000, scorer="keynorm")
+    lm(ids, **cache_kwargs(third))        # routed again
+    for cache in (first, second, third):
+        cache.close()
+    from kvtier.integrations.attention import restore_attention
+    restore_attention(lm.config)
