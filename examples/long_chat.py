@@ -32,7 +32,8 @@ store = SessionStore(host_bytes=0 if short else 2 * 2**20)                  # a 
 
 for n, text in enumerate(turns, 1):
     if n > 1:
-        store.resume("ada")  # read back from disk while the turn is rendered; restored at its first step
+        store.prefetch("ada")   # the user has started typing: read the conversation back from disk meanwhile
+        store.resume("ada")     # restored at the turn's first step, from what was read
     reply = chat.ask(text, max_new_tokens=24 if short else 80)
     assert reply == twin.ask(text, max_new_tokens=24 if short else 80), "parking changed the conversation"
     store.park("ada", chat.cache)
@@ -40,7 +41,8 @@ for n, text in enumerate(turns, 1):
     per = s["layers"] * s["kv_heads"]
     print(f"[{n}] you: {text}\n    model: {reply}")
     print("    " + ", ".join(f"{t} {s[t]['tokens'] // per} tok/head ({human_bytes(s[t]['bytes'])})"
-                             for t in ("device", "host", "disk")) + f"; parked on {store.where()['ada']}")
+                             for t in ("device", "host", "disk")) + f"; parked on {store.where()['ada']}; "
+          f"{s['resume_prefetch']['layers']} layer restores read back ahead so far")
 print("identical to the never-parked conversation: yes")
 store.close()
 twin.cache.close()
