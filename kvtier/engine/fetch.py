@@ -331,7 +331,7 @@ class PageFetching:
         """What a plan and copy into `buf` bake in (a step's and a prefetch's alike): the buffer, the host slots'
         mirror and slabs' address tables (`sources`), the host slabs and the device counters."""
         host = self.host
-        return StepKey((buf.k, buf.v, buf.held, buf.ahead, *sources, host.k.slabs[0], host.v.slabs[0],
+        return StepKey((buf.k, buf.v, buf.held, buf.ahead, *sources, *host.k.slabs[:1], *host.v.slabs[:1],
                         self.device_counts), (len(sources), len(host.k.slabs)))
 
     def _host_slots(self) -> torch.Tensor:

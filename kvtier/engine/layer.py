@@ -657,6 +657,8 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
             self.pool.replace(k, v, meta["pos"].to(dev), meta["score"].to(dev))
             if self.index is not None:
                 self.index.load_state({name: meta[name] for name in ("bounds", "codes")})
+            if self.host is not None:   # before the release, after which nothing may fail
+                self.host.reopen()
             parked.release(got, self.disk, self.host, self.table, self.readahead)
         except BaseException:
             # all or nothing: the device lets go of what it took back (the release changes nothing unless it

@@ -14,6 +14,7 @@ would: reading ahead never changes what a restore does, only when the disk is re
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Any
@@ -49,8 +50,9 @@ class ParkedReads:
             for engine, parked in self._jobs:
                 if self._stop.is_set():
                     break
-                try:
-                    got = parked.read(engine.disk, engine.table, engine.cfg.page_size, pin=engine.pin)
+                try:   # pinned memory is made in the layer's device's context (a new thread's is device 0's)
+                    with torch.cuda.device(engine.device) if engine.pin else contextlib.nullcontext():
+                        got = parked.read(engine.disk, engine.table, engine.cfg.page_size, pin=engine.pin)
                 except BaseException:   # no exception is kept (it would hold frames): the restore meets it again
                     self.failed += 1
                     continue

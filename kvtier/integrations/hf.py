@@ -338,9 +338,10 @@ class TieredCache(OneSequence, Cache):
         rest were fetched on demand), ``prefetch`` (``pages`` brought up ahead of the next step on the side
         stream, ``used``: those a later step chose, ``hit_rate``: ``used / pages``),
         ``transfer_wait_seconds`` (blocked on copies and disk reads). ``resume_prefetch``: parked layers restored
-        from reads made ahead by `prefetch_parked` (``layers``), those reads that failed and were made again by the
-        restore (``failed``), the seconds restores waited for reads still under way (``wait_seconds``), whether
-        reads are under way (``in_flight``) and the host bytes the reads not yet taken hold (``held_bytes``).
+        from reads made ahead by `prefetch_parked` (``layers``), the reads made ahead that failed (``failed``: the
+        restore reads those layers itself), the seconds restores waited for reads still under way
+        (``wait_seconds``), whether reads are under way (``in_flight``) and the host bytes the reads not yet taken
+        hold (``held_bytes``).
         """
         tiers: dict[str, dict[str, int]] = {t: {"tokens": 0, "bytes": 0, "reserved_bytes": 0}
                                              for t in ("device", "host", "disk")}

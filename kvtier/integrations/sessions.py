@@ -41,8 +41,15 @@ class SessionStore:
         replaced = self._parked.get(name)
         self._parked[name] = cache
         self._parked.move_to_end(name)
-        if replaced is not None and replaced is not cache:   # the name's earlier session: nobody can reach it now
-            replaced.close()
+        try:
+            self._make_room(name)
+        finally:
+            if replaced is not None and replaced is not cache:   # the name's earlier session: nobody can reach it now
+                replaced.close()
+
+    def _make_room(self, name: str) -> None:
+        """Push the coldest sessions holding host memory to disk past `host_bytes`, then close the coldest past
+        `disk_bytes` (never `name`, just parked)."""
         for other, parked in list(self._parked.items()):  # coldest first
             if self.host_bytes_used() <= self.host_bytes:
                 break

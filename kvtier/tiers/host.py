@@ -39,6 +39,7 @@ class HostPool:
         self._used = 0
         self._reads = ReadMark()   # the end of the last device read of the slabs
         self._written = 0    # slots from here on have never held a page (so no device read of them is queued)
+        self._released = False   # the slabs were let go by `release`
 
     def _take(self, n: int) -> np.ndarray:
         """`n` slots: freed ones first, lowest first, then never used ones in order (a range: a demotion's batch of
@@ -134,9 +135,18 @@ class HostPool:
         self._free, self._next, self._used = [], 0, 0
 
     def release(self) -> None:
-        """Let the slabs go while no page is held (a layer parked on disk): the pool takes new ones as pages come."""
+        """Let the slabs go while no page is held (a layer parked on disk); `reopen` takes one back."""
         if not self._used:
+            self._released = self._released or bool(self.k.slabs)
             self.close()
+
+    def reopen(self) -> None:
+        """After `release`, a slab again, as the pool had (the layer is back: its steps' work reads the first slab
+        whether or not a page is on the host)."""
+        if self._released:
+            self._released = False
+            self.k.ensure(1)
+            self.v.ensure(self.k.capacity)
 
     def close(self) -> None:
         self._settle()

@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from kvtier import ConfigError, TieredCache
+from kvtier import ConfigError, TieredCache, cache_kwargs
 from kvtier.integrations.sessions import SessionStore
 
 CONFIG = types.SimpleNamespace(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -161,3 +161,30 @@ def test_closing_the_store_closes_every_session_when_one_fails(monkeypatch):
     assert caches[1].closed and caches[2].closed and store.where() == {}
     monkeypatch.undo()
     caches[0].close()
+
+
+def test_a_layer_back_from_disk_with_no_host_page_has_a_host_slab_again_and_steps_on_the_gpu_path(tmp_path):
+    """Every page of the layer on disk (`host_budget=0`): the park lets the host slabs go and the restore brings
+    none back with pages. A layer's steps on the GPU's path read the first host slab (its recall key) whether or not
+    a page is on the host: the restore takes one back, as a layer never parked has."""
+    from tiny_models import continue_greedy, random_ids, small_llama
+
+    lm = small_llama(layers=2)
+    settings = dict(device_budget=24, host_budget=0, recall_pages=2, scorer="keynorm")
+    caches = []
+    for park in (False, True):
+        cache = TieredCache(lm.config, disk_dir=tmp_path / str(park), **settings)
+        with torch.no_grad():
+            logits = lm(random_ids(lm, 150), **cache_kwargs(cache)).logits
+        if park:
+            cache.park("disk")
+            assert [len(e.host.k.slabs) for e in cache._engines] == [0, 0]
+            cache.resume()
+        assert [len(e.host.k.slabs) for e in cache._engines] == [1, 1]
+        cache.take_gpu_path()
+        for engine in cache._engines:   # keys made as on CUDA, where steps are captured
+            engine.graphs.enabled = engine.prefetch_graphs.enabled = True
+        caches.append((cache, continue_greedy(lm, cache, logits, n=3)[1]))
+    assert caches[1][0].broken is None and torch.equal(caches[0][1], caches[1][1])
+    for cache, _ in caches:
+        cache.close()
