@@ -34,6 +34,15 @@ def _checked_and_loaded(scorer: str, device: str, model: str | None, threads: in
     return lm, tok
 
 
+def _filler_ids(tok, context: int, device: str) -> torch.Tensor:
+    """`context` tokens of filler text ``[1, context]`` on `device`: the prompt of the benches that time a model
+    over a long context with nothing to find in it (`decode`, `resume`)."""
+    from ..tasks.needle import NOISE
+
+    unit = tok(NOISE, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    return unit.repeat(1, context // unit.shape[1] + 1)[:, :context].to(device)
+
+
 def _machine(device: str) -> dict:
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "torch": torch.__version__, "threads": torch.get_num_threads(), "device": device}
@@ -152,10 +161,8 @@ def decode(context: int, new_tokens: int, rounds: int, device_budget: str, host_
 
     from ..bench.decode import compare_decode, drop_cached_disk
     from ..integrations.hf import TieredCache
-    from ..tasks.needle import NOISE
 
-    unit = tok(NOISE, add_special_tokens=False, return_tensors="pt")["input_ids"]
-    ids = unit.repeat(1, context // unit.shape[1] + 1)[:, :context].to(device)
+    ids = _filler_ids(tok, context, device)
     caches = {"DynamicCache": lambda: DynamicCache(config=lm.config)}
     settings = {}
     for d, a, p, r in itertools.product(demotes, aheads, promotes, retains):
@@ -238,10 +245,8 @@ def resume(context: int, rounds: int, think_ms: str, device_budget: str, host_bu
 
     from ..bench.resume import compare_resume
     from ..integrations.hf import TieredCache
-    from ..tasks.needle import NOISE
 
-    unit = tok(NOISE, add_special_tokens=False, return_tensors="pt")["input_ids"]
-    ids = unit.repeat(1, context // unit.shape[1] + 1)[:, :context].to(device)
+    ids = _filler_ids(tok, context, device)
     echo = (lambda s: None) if as_json else click.echo
     rows, identical, parked = compare_resume(
         lm, ids, lambda: TieredCache(lm.config, device_budget=budget, host_budget=host, recall_pages=recall_pages,
