@@ -15,6 +15,7 @@ MODES = ("tier", "evict")
 # defaults, defined once: the cache's keywords, its settings and the tools that train and grade scorers use them
 DEFAULT_RECALL_PAGES = 64
 DEFAULT_PAGE_SIZE = 16
+MAX_PAGE_SIZE = 1024   # a page is what recall moves: larger ones make it coarse and reserve memory by the page
 DEFAULT_SINK_TOKENS = 4
 # the recent window: a whole number of tokens, or a float in (0, 1): that share of the device budget.
 # A quarter of the budget, from measurement (docs/scorer-objective.md): against a fixed 16 tokens it lowers
@@ -128,7 +129,9 @@ class TieredCacheConfig:
         another order, so the output agrees with a buffer that keeps none within rounding, not bit for bit.
         A copy or a resumed cache takes the same pages into the same slots, so either goes on bit for bit.
     page_size
-        Tokens per page in the host and disk tiers.
+        Tokens per page in the host and disk tiers: 1 to `MAX_PAGE_SIZE` (1,024). A page is what recall brings
+        up and what the pools reserve memory by, so a larger one makes recall coarse and reserves memory out of
+        proportion to a short prompt.
     sink_tokens, recent_tokens
         The first and the latest tokens, always kept on the device. `recent_tokens` is a token count, or a
         float in (0, 1): that share of the device budget (the window grows with the budget).
@@ -190,6 +193,9 @@ class TieredCacheConfig:
             _whole("prefetch_pages", self.prefetch_pages, 0)
         _whole("retain_pages", self.retain_pages, 0)
         _whole("page_size", self.page_size, 1)
+        if self.page_size > MAX_PAGE_SIZE:
+            raise ConfigError(f"page_size={self.page_size!r} is not allowed; allowed: a whole number from 1 to "
+                              f"{MAX_PAGE_SIZE}")
         _whole("sink_tokens", self.sink_tokens, 0)
         if self.demote_pages is not None:
             _whole("demote_pages", self.demote_pages, 1)

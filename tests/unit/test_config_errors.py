@@ -34,13 +34,20 @@ def test_token_budget_must_leave_room_for_sinks_and_window():
 @pytest.mark.parametrize("kwargs, name", [
     ({"host_budget": -3}, "host_budget"), ({"host_budget": 2.0}, "host_budget"),
     ({"recall_pages": -1}, "recall_pages"), ({"recall_pages": 1.5}, "recall_pages"),
-    ({"page_size": 0}, "page_size"), ({"mode": "drop"}, "mode"), ({"scorer": "oracle"}, "scorer"),
+    ({"page_size": 0}, "page_size"), ({"page_size": 1025}, "page_size"),
+    ({"page_size": 2 ** 20}, "page_size"), ({"mode": "drop"}, "mode"), ({"scorer": "oracle"}, "scorer"),
     ({"scorer": 42}, "scorer"), ({"sink_tokens": -1}, "sink_tokens"), ({"demote_pages": 0}, "demote_pages"),
     ({"demote_pages": 2.0}, "demote_pages"), ({"demote_pages": True}, "demote_pages"),
 ])
 def test_other_bad_settings(kwargs, name):
     with pytest.raises(ConfigError, match=name):
         TieredCache(CONFIG, **kwargs)
+
+
+def test_largest_page_size_is_allowed():
+    with pytest.raises(ConfigError, match=r"page_size=1025 .* from 1 to 1024"):
+        TieredCache(CONFIG, page_size=1025)
+    TieredCache(CONFIG, page_size=1024).close()
 
 
 def test_evict_mode_rejects_lower_tiers():
