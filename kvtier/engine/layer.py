@@ -90,6 +90,7 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
         self.readahead: DiskReadAhead | None = None
         self.pending: _Pending | None = None
         self.parked: ParkedLayer | None = None
+        self.torn = False   # a restore interrupted midway: the cache must say it is broken (`CacheState`)
         self.last_recall: torch.Tensor | None = None   # [heads, pages] ids recalled for the last query block
         self.recalled: RecallBuffer | None = None       # those pages, on the device
         # the layout of the recall buffer a park let go (or that of the layer a copy was made from): the next
@@ -659,13 +660,20 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
                 self.index.load_state({name: meta[name] for name in ("bounds", "codes")})
             if self.host is not None:   # before the release, after which nothing may fail
                 self.host.reopen()
-            parked.release(got, self.disk, self.host, self.table, self.readahead)
+            host_slots = parked.store_host_pages(got, self.host)
         except BaseException:
-            # all or nothing: the device lets go of what it took back (the release changes nothing unless it
-            # goes through: its host pages could not come back, say), and the layer stays parked as it was
+            # all or nothing: the device lets go of what it took back (its host pages could not come back, say),
+            # and the layer stays parked as it was
             self.pool.clear()
             if self.index is not None:
                 self.index.release()
+            raise
+        try:
+            parked.release(got, host_slots, self.disk, self.table, self.readahead)
+        except BaseException:
+            # only bookkeeping is left, so only an interruption (Ctrl-C) lands here: the page table and the
+            # parked layer may disagree, which the cache says from now on (`torn`)
+            self.torn = True
             raise
         kind = "host_to_device" if parked.where == "host" else "disk_to_device"
         self.counters.bytes_moved[kind] += sum(t.numel() * t.element_size() for t in (got["k"], got["v"]))
@@ -742,6 +750,7 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
         if self.parked is not None:
             self.parked.discard(self.disk)
             self.parked = None
+        self.torn = False
         if self.disk is not None:
             heads, pids = self.table.pages_in(DISK)
             slots = self.table.lookup(heads, pids)[1]

@@ -125,14 +125,24 @@ class ParkedLayer:
             got["pinned"] = (k, v)
         return got
 
-    def release(self, restored: dict, disk, host, table: PageTable, readahead=None) -> None:
-        """After the layer took its entries back: host pages return to the host, parking slots and file go."""
+    def store_host_pages(self, restored: dict, host) -> np.ndarray | None:
+        """Put the pages that were on the host before the park back into `host`; returns their slots (None: no
+        such page). Where it fails (no host memory), nothing the layer holds has changed."""
+        if self.where != "disk" or restored["host_pages"] is None:
+            return None
+        _, hk, hv = restored["host_pages"]
+        return host.store(hk, hv)
+
+    def release(self, restored: dict, host_slots: np.ndarray | None, disk, table: PageTable,
+                readahead=None) -> None:
+        """After the layer took its entries back and its host pages are stored (`store_host_pages`): the page
+        table learns where those are, and the parking slots and file go. Bookkeeping only: nothing here fails."""
         if self.where != "disk":
             return
-        if restored["host_pages"] is not None:
+        if host_slots is not None:
             heads, pids = self.was_on_host
-            disk_slots, hk, hv = restored["host_pages"]
-            table.place(heads, pids, HOST, host.store(hk, hv))
+            disk_slots = restored["host_pages"][0]
+            table.place(heads, pids, HOST, host_slots)
             if readahead is not None:
                 readahead.forget(disk_slots)
             disk.free(disk_slots)
@@ -141,8 +151,8 @@ class ParkedLayer:
     def discard(self, disk) -> None:
         """Drop what the parked layer keeps on disk (the layer is being reset or closed)."""
         if self.slots is not None and disk is not None:
-            disk.free(self.slots.reshape(-1))
-            self.slots = None
+            slots, self.slots = self.slots, None   # forgotten first: a discard cut short leaks slots, never frees twice
+            disk.free(slots.reshape(-1))
         if self.file is not None:
             with contextlib.suppress(OSError):   # gone already, or cannot go: the folder goes on close
                 os.remove(self.file)

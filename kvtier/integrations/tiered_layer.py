@@ -117,6 +117,8 @@ class CacheState:
                 engine.restore(got)
                 counters.layers_read_before_resume += int(got is not None)
             except BaseException as e:
+                if engine.torn:
+                    self.break_with(e, f"restoring layer {engine.layer_idx} was interrupted midway and ")
                 err = capacity_error(e, f"layer {engine.layer_idx} could not be restored")
                 if err is None:
                     raise

@@ -308,6 +308,60 @@ def test_a_parked_layer_that_cannot_be_restored_fails_the_step_before_any_layer_
     b.close()
 
 
+@pytest.mark.parametrize("site", ["place", "forget", "free"])
+def test_a_restore_interrupted_in_its_bookkeeping_breaks_the_cache(model, tmp_path, monkeypatch, site):
+    """Once a parked layer's host pages are back, its restore only updates the page table and lets the disk slots
+    go; an interruption there (Ctrl-C between two of those calls) leaves the page table and the parked layer
+    disagreeing, so the cache says it is broken from then on (where before it went on as if unparked), and
+    reset() makes it usable again."""
+    from kvtier.placement.page_table import PageTable
+    from kvtier.tiers.disk import DiskStore
+    from kvtier.tiers.readahead import DiskReadAhead
+
+    settings = dict(device_budget=24, host_budget=64, recall_pages=8, scorer="keynorm")   # a ring of one page
+    cache = TieredCache(model.config, disk_dir=tmp_path, read_ahead=True, **settings)
+    ids = torch.randint(0, 128, (1, 200), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        model(ids, **cache_kwargs(cache))
+        assert cache.stats()["host"]["tokens"] > 0   # host pages parked on disk: the release puts them back
+        cache.park("disk")
+        layer1 = cache._engines[1]
+        owner, name = {"place": (PageTable, "place"), "forget": (DiskReadAhead, "forget"),
+                       "free": (DiskStore, "free")}[site]
+        real = getattr(owner, name)
+        restoring = [False]
+
+        def interrupted(obj, *args, **kwargs):
+            if restoring[0]:
+                raise KeyboardInterrupt
+            return real(obj, *args, **kwargs)
+
+        real_release = type(layer1.parked).release
+
+        def release(parked, *args, **kwargs):
+            restoring[0] = parked is layer1.parked
+            try:
+                return real_release(parked, *args, **kwargs)
+            finally:
+                restoring[0] = False
+
+        monkeypatch.setattr(owner, name, interrupted)
+        monkeypatch.setattr(type(layer1.parked), "release", release)
+        if site == "forget":
+            assert layer1.readahead is not None
+        with pytest.raises(KeyboardInterrupt):
+            model(torch.tensor([[7]]), **cache_kwargs(cache))
+        monkeypatch.undo()
+        assert cache.broken is not None and "restoring layer 1 was interrupted midway" in cache.broken
+        with pytest.raises(BrokenCacheError, match="restoring layer 1"):
+            model(torch.tensor([[7]]), **cache_kwargs(cache))
+        cache.reset()
+        assert cache.broken is None and not layer1.torn
+        with TieredCache(model.config, disk_dir=tmp_path, read_ahead=True, **settings) as fresh:
+            assert same(generate(model, cache, ids), generate(model, fresh, ids))
+    cache.close()
+
+
 def test_a_gpu_out_of_memory_in_the_first_layers_slab_is_a_capacity_error_and_changes_nothing(model, tmp_path,
                                                                                                expected, monkeypatch):
     """The device running out of memory between a slab's key and value tensors, in the first tiered layer of the
