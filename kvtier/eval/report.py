@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from pathlib import Path
 from statistics import mean
@@ -67,6 +68,8 @@ def summary_lines(results: list[dict[str, Any]], budget: float = 0.1, scorer: st
     present = {r["policy"] for r in results}
 
     def cell(value: float, ppl: bool) -> str:
+        if math.isnan(value):   # not run (no full cache asked for, say)
+            return "-"
         return f"{value:.2f}" if ppl else f"{value:.1f}"
 
     def best_of(group: list[str]):
@@ -91,13 +94,14 @@ def summary_lines(results: list[dict[str, Any]], budget: float = 0.1, scorer: st
     budgets = sorted({r["budget"] for r in results if r["policy"] != "full"})
     policies = sorted({r["policy"] for r in results}, key=lambda p: (p != "full", not p.startswith("tier"), p))
     means = {p: {b: mean(table[t][p][b] for t in generation) for b in budgets + [1.0]
-                 if all(b in table[t].get(p, {}) for t in generation)} for p in policies}
-    out += ["", f"Mean accuracy over the {len(generation)} generation tasks:\n",
-            "| policy | " + " | ".join(f"{b:.0%}" for b in budgets) + " |",
-            "| --- | " + " | ".join("---" for _ in budgets) + " |"]
-    for p in policies:
-        vals = [means[p].get(1.0 if p == "full" else b) for b in budgets]
-        out.append(f"| {p} | " + " | ".join("" if v is None else f"{v:.1f}" for v in vals) + " |")
+                 if generation and all(b in table[t].get(p, {}) for t in generation)} for p in policies}
+    if generation:   # a perplexity-only run has no accuracy to average
+        out += ["", f"Mean accuracy over the {len(generation)} generation tasks:\n",
+                "| policy | " + " | ".join(f"{b:.0%}" for b in budgets) + " |",
+                "| --- | " + " | ".join("---" for _ in budgets) + " |"]
+        for p in policies:
+            vals = [means[p].get(1.0 if p == "full" else b) for b in budgets]
+            out.append(f"| {p} | " + " | ".join("" if v is None else f"{v:.1f}" for v in vals) + " |")
     out.append("")
     checks = []
     gaps = [(abs(d), d, t) for t in generation if budget in table[t].get(tier, {}) and "full" in table[t]
@@ -116,7 +120,7 @@ def summary_lines(results: list[dict[str, Any]], budget: float = 0.1, scorer: st
         same = sum(r["output"] == f["output"] for r, f in cells)
         checks.append(f"- {tier} at {budget:.0%}, example by example: below the full cache's score on {below} of "
                       f"{len(cells)}, above on {above}; the very same answer text on {same}.")
-    if "perplexity" in table and budget in table["perplexity"].get(tier, {}):
+    if "perplexity" in table and budget in table["perplexity"].get(tier, {}) and "full" in table["perplexity"]:
         full_n = _by_length(results, "perplexity", "full", 1.0)
         tier_n = _by_length(results, "perplexity", tier, budget)
         per = [f"{100 * (tier_n[n] / full_n[n] - 1):+.2f}% at {n}" for n in tier_n if n in full_n]

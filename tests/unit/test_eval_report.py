@@ -31,6 +31,23 @@ def test_summary_compares_policies_and_checks_targets():
     assert "attention-free scorers by mean accuracy: keynorm 75.0, kvp 50.0." in text
 
 
+def test_a_perplexity_only_run_and_a_run_without_full_are_reported(tmp_path):
+    """`kvtier eval --tasks perplexity` has no generation task to average, and `--policies tier:kvp` no full cache
+    to compare with: both are reported (tables and plot), without the parts that need what is missing."""
+    from kvtier.eval.report import write_report
+
+    only_ppl = [_row("perplexity", "full", 1.0, ppl=10.0), _row("perplexity", "tier:kvp", 0.1, ppl=10.1)]
+    text = "\n".join(summary_lines(only_ppl))
+    assert "| perplexity | 10.00 | 10.10 |" in text and "Mean accuracy" not in text
+    assert "perplexity +1.00% against the full cache" in text
+    no_full = [_row("niah", "tier:kvp", 0.1, score=1.0), _row("perplexity", "tier:kvp", 0.1, ppl=10.1)]
+    text = "\n".join(summary_lines(no_full))
+    assert "| niah | - | 100.0 |" in text and "against the full cache" not in text
+    for i, rows in enumerate((only_ppl, no_full)):
+        png = write_report(rows, tmp_path / f"report{i}.md", "kvtier eval")
+        assert png.exists() and "## All tables" in (tmp_path / f"report{i}.md").read_text()
+
+
 class CountingScorer:
     name = "counting"
 
