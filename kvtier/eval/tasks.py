@@ -77,21 +77,46 @@ def variable_tracking(tokenizer, length, rng):
     return chat_ids(tokenizer, needle_prompt(hay, q, intro)), names[:4], 32
 
 
+def ranked_words(counts: dict[str, int], rng: random.Random) -> list[str]:
+    """Each word its count of times, in a shuffled order."""
+    words = [w for w, n in counts.items() for _ in range(n)]
+    rng.shuffle(words)
+    return words
+
+
 def common_words(tokenizer, length, rng):
+    """A numbered list in which three words are each about a tenth of the list, and every other word strictly less
+    frequent, so the three are the answer whatever the length."""
     common = rng.sample(WORDS, 3)
     rare = [w for w in WORDS if w not in common]
     n_words = max(30, length // 5)
-    words = [rng.choice(common) if rng.random() < 0.3 else rng.choice(rare) for _ in range(n_words)]
-    listing = " ".join(f"{i + 1}. {w}" for i, w in enumerate(words))
+    top = max(3, round(0.1 * n_words))
+    counts = dict.fromkeys(common, top)
+    for _ in range(n_words - 3 * top):
+        open_ = [w for w in rare if counts.get(w, 0) < top - 1]
+        if not open_:
+            break
+        w = rng.choice(open_)
+        counts[w] = counts.get(w, 0) + 1
+    listing = " ".join(f"{i + 1}. {w}" for i, w in enumerate(ranked_words(counts, rng)))
     q = "What are the 3 most common words in the list above? Answer with the words only."
     return chat_ids(tokenizer, f"Below is a numbered list of words.\n\n{listing}\n\n{q}"), common, 24
 
 
 def frequent_words(tokenizer, length, rng):
-    vocab = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(5)) for _ in range(40)]
-    weights = [1 / (i + 1) ** 1.5 for i in range(len(vocab))]  # Zipf-like
+    """Coded words in Zipf-like proportions; the three most frequent are each strictly more frequent than any
+    other (raised where rounding would have tied them)."""
+    vocab: list[str] = []
+    while len(vocab) < 40:   # distinct: two equal codes would share one count
+        code = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(5))
+        if code not in vocab:
+            vocab.append(code)
+    weights = [1 / (i + 1) ** 1.5 for i in range(len(vocab))]
     n_words = max(30, length // 3)
-    text = " ".join(rng.choices(vocab, weights, k=n_words))
+    counts = [max(1, round(n_words * w / sum(weights))) for w in weights]
+    for i in (2, 1, 0):
+        counts[i] = max(counts[i], counts[3] + 1)
+    text = " ".join(ranked_words(dict(zip(vocab, counts)), rng))
     q = "What are the 3 most frequently used coded words in the text above? Answer with the words only."
     return chat_ids(tokenizer, f"Read the following coded text and track how often each coded word appears.\n\n"
                                f"{text}\n\n{q}"), vocab[:3], 24
