@@ -43,6 +43,22 @@ def test_random_is_seeded():
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 
+def test_random_scores_depend_on_the_entry_only():
+    """An entry's score is a function of seed, layer, KV head and position: the same whatever was scored before
+    (an evaluation's runs share one scorer, and a resumed run must give a whole run's numbers), and a prompt
+    scored in two chunks gets the scores of one pass; uniform in [0, 1) and unrelated between heads and layers."""
+    scorer = make_scorer("random", seed=7)
+    k = torch.zeros(1, 4, 4000, 8)
+    whole = scorer.score(k, k, torch.arange(4000), 1)
+    scorer.score(k[:, :, :100], k[:, :, :100], torch.arange(100), 0)   # other calls in between change nothing
+    parts = torch.cat([scorer.score(k[:, :, :1500], k[:, :, :1500], torch.arange(1500), 1),
+                       scorer.score(k[:, :, 1500:], k[:, :, 1500:], torch.arange(1500, 4000), 1)], dim=2)
+    assert torch.equal(whole, parts) and whole.dtype == torch.float32
+    assert 0 <= whole.min() and whole.max() < 1 and abs(whole.mean().item() - 0.5) < 0.02
+    assert not torch.equal(whole, scorer.score(k, k, torch.arange(4000), 2))
+    assert abs(torch.corrcoef(whole[0, :2])[0, 1].item()) < 0.1
+
+
 class _Bad:
     name = "bad"
 
