@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from ..training.collect import NEEDLE_SEEDS
 from .common import (THREADS, check_model, check_output_file, check_writable_folder, load,
                      parse_fractions, parse_ints, read_manifest, set_threads, user_errors)
 
@@ -26,7 +27,7 @@ def _bar(desc: str, quiet: bool = False):
               help="Which half of the corpus (and which task seeds) to use; the two never overlap.")
 @click.option("--texts", default=48, show_default=True, type=click.IntRange(min=0),
               help="Prose traces (continuation = the text itself).")
-@click.option("--needles", default=16, show_default=True, type=click.IntRange(min=0),
+@click.option("--needles", default=16, show_default=True, type=click.IntRange(0, NEEDLE_SEEDS),
               help="Needle-task traces (continuation = greedy answer).")
 @click.option("--prompt-tokens", default="1024", show_default=True,
               help="Prompt length of the prose traces, or a comma list taken in turn (e.g. 512,1024,2048,3072): "
@@ -39,7 +40,8 @@ def _bar(desc: str, quiet: bool = False):
                    "then a question about the fact (continuation = greedy answer).")
 @click.option("--chat-context", default="4096", show_default=True,
               help="Length of the conversations in tokens, or a comma list taken in turn (each >= 512).")
-@click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0))
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(0, NEEDLE_SEEDS - 1),
+              help="Seed of the windows and tasks; the two splits' needle tasks never overlap for any of them.")
 @click.option("--threads", default=2, show_default=True, type=THREADS)
 @click.option("--corpus", type=click.Choice(["stdlib", "packages", "both"]), default="stdlib", show_default=True,
               help="Prose for the text traces: the standard library's docstrings, the documentation installed "
@@ -155,7 +157,7 @@ def train(trace_dirs: tuple[str, ...], out: str, objective: str, steps: int, see
 @click.option("--texts", default=4, show_default=True, type=click.IntRange(min=1),
               help="Training-split prose windows, taken in turn at each of --lengths.")
 @click.option("--lengths", default="2048,4096", show_default=True, help="Comma list of prompt lengths.")
-@click.option("--needles", default=4, show_default=True, type=click.IntRange(min=0),
+@click.option("--needles", default=4, show_default=True, type=click.IntRange(0, NEEDLE_SEEDS),
               help="Training-split needle tasks, scored on the full cache's own answer: recency that loses a fact "
                    "costs there what it gains on prose.")
 @click.option("--needle-context", default="1500,4096", show_default=True,
@@ -164,7 +166,8 @@ def train(trace_dirs: tuple[str, ...], out: str, objective: str, steps: int, see
               help="Comma list of extra recency slopes to try (each lowers the term by slope x ln(1 + age)).")
 @click.option("--budgets", default="0.05,0.1,0.25", show_default=True, help="Comma list of device budgets.")
 @click.option("--corpus", type=click.Choice(["stdlib", "packages", "both"]), default="both", show_default=True)
-@click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0))
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(0, NEEDLE_SEEDS - 1),
+              help="Seed of the windows and tasks; the two splits' needle tasks never overlap for any of them.")
 @click.option("--threads", default=2, show_default=True, type=THREADS)
 @user_errors
 def calibrate(kvp_path: str, out: str, model: str | None, texts: int, lengths: str, needles: int,

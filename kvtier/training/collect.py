@@ -9,12 +9,14 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..errors import ConfigError
 from ..tasks import make_needle_task
 from .chats import conversations, greedy_answer
 from .corpus import corpus_prose, in_turn, joined_ids
 from .traces import record_answer_trace, record_trace, save_trace
 
 
+NEEDLE_SEEDS = 1000   # needle task seeds per run seed: the train split's are below NEEDLE_SEEDS ** 2
 CORPUS_NAMES = {
     "stdlib": "Python standard library docstrings (stdlib, split by module)",
     "packages": "documentation shipped in installed Python packages (license texts excluded, split by file)",
@@ -64,12 +66,18 @@ def needle_tasks(tokenizer: Any, split: str, context_tokens: int | Sequence[int]
     prompts ranks them wrongly in long ones.
     """
     lengths = in_turn(context_tokens)
-    base = 1_000_000 if split == "eval" else 0
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < NEEDLE_SEEDS:
+        raise ConfigError(f"seed={seed!r} for needle tasks; allowed: 0 to {NEEDLE_SEEDS - 1} (a split's task seeds "
+                          f"are seed * {NEEDLE_SEEDS} + i, and the eval split's start at {NEEDLE_SEEDS ** 2})")
+    if count > NEEDLE_SEEDS:
+        raise ConfigError(f"{count} needle tasks; allowed: at most {NEEDLE_SEEDS} per seed (the next seed's tasks "
+                          "would repeat them)")
+    base = NEEDLE_SEEDS ** 2 if split == "eval" else 0
     out = []
     for i in range(count):
         task = make_needle_task(tokenizer, lengths[i % len(lengths)], depth=(i % 9 + 0.5) / 9,
-                                seed=base + seed * 1000 + i)
-        out.append((f"needle:seed={base + seed * 1000 + i}", task.input_ids))
+                                seed=base + seed * NEEDLE_SEEDS + i)
+        out.append((f"needle:seed={base + seed * NEEDLE_SEEDS + i}", task.input_ids))
     return out
 
 

@@ -17,6 +17,21 @@ def test_needle_haystacks_take_the_lengths_in_turn(default_model):
     assert len({source for source, _, _ in out}) == 3
 
 
+def test_the_splits_needle_tasks_never_overlap(default_model):
+    """Every allowed seed keeps the train split's needle tasks apart from the eval split's (a train seed of 1,000
+    had drawn exactly the eval split's tasks of seed 0), and the seeds and counts that would not are refused."""
+    from kvtier import ConfigError
+    from kvtier.training.collect import NEEDLE_SEEDS, needle_tasks
+
+    _, tok = default_model
+    train = {source for source, _ in needle_tasks(tok, "train", 256, 2, seed=NEEDLE_SEEDS - 1)}
+    evals = {source for source, _ in needle_tasks(tok, "eval", 256, 2, seed=0)}
+    assert train == {"needle:seed=999000", "needle:seed=999001"} and not train & evals
+    for seed, count in ((NEEDLE_SEEDS, 1), (-1, 1), (0, NEEDLE_SEEDS + 1)):
+        with pytest.raises(ConfigError, match="needle tasks"):
+            needle_tasks(tok, "train", 256, count, seed=seed)
+
+
 def test_a_conversation_has_the_fact_prose_turns_and_the_question(default_model):
     model, tok = default_model
     torch.manual_seed(0)
