@@ -54,8 +54,10 @@ def ranking(agents: KVPAgents, features: torch.Tensor, ages: torch.Tensor) -> to
 
 def flatten_untrained_ages(agents: KVPAgents, max_age: int) -> None:
     """Hold the recency term flat past the oldest age training saw: knots it never reached keep no
-    meaning of their own (their initial zeros would make the term jump), so they take the last trained value."""
-    last = int(math.floor(math.log2(1 + max(max_age, 0))))
+    meaning of their own (their initial zeros would make the term jump), so they take the last trained value.
+    The last knot kept is the one above the oldest age (its interpolation reaches it), so the term is unchanged
+    at every age training saw and the validated ranking is the one saved."""
+    last = int(math.ceil(math.log2(1 + max(max_age, 0))))
     if last + 1 < agents.age.shape[1]:
         with torch.no_grad():
             agents.age[:, last + 1:] = agents.age[:, last:last + 1]

@@ -178,9 +178,14 @@ def test_untrained_knots_hold_the_last_trained_value():
     agents = KVPAgents(2, 4, hidden=8)
     with torch.no_grad():
         agents.age.copy_(torch.arange(2 * AGE_KNOTS, dtype=torch.float32).view(2, AGE_KNOTS))
-    flatten_untrained_ages(agents, max_age=300)            # log2(301) = 8.2: knots up to 8 were trained
-    assert agents.age[0, :9].tolist() == list(range(9)) and agents.age[0, 9:].tolist() == [8.0] * (AGE_KNOTS - 9)
-    assert torch.equal(agents.age_bias(torch.tensor([10 ** 6]))[:, 0], agents.age[:, 8])
+    ages = torch.arange(301)
+    before = agents.age_bias(ages)
+    flatten_untrained_ages(agents, max_age=300)   # log2(301) = 8.2: ages up to 300 reach knots 8 and 9
+    assert agents.age[0, :10].tolist() == list(range(10)) and agents.age[0, 10:].tolist() == [9.0] * (AGE_KNOTS - 10)
+    assert torch.equal(agents.age_bias(torch.tensor([10 ** 6]))[:, 0], agents.age[:, 9])
+    assert torch.equal(agents.age_bias(ages), before)   # unchanged wherever training saw an age
+    flatten_untrained_ages(agents, max_age=255)   # log2(256) = 8 exactly: knot 9 has weight 0 at age 255
+    assert torch.equal(agents.age_bias(ages[:256]), before[:, :256])
 
 
 def test_age_only_training_keeps_the_network_and_learns_the_term():
@@ -195,3 +200,25 @@ def test_age_only_training_keeps_the_network_and_learns_the_term():
     curve = agents.age_bias(torch.tensor([0, 3, 15, 63]))
     assert bool((curve[:, :-1] > curve[:, 1:]).all()), curve
     assert report["best_val_reward"] > report["history"][0]["val_reward"]
+
+
+def test_the_saved_agents_score_the_reported_validation_reward():
+    """What training saves (the best checkpoint, its untrained knots flattened) ranks the validation traces as
+    the report says: the flattening had moved a knot training used, and the saved term scored otherwise."""
+    import random
+
+    from kvtier.training.train import mean_reward
+
+    g = torch.Generator().manual_seed(0)
+    traces = []
+    for n in (700, 900, 1000, 800):
+        keys = torch.randn(2, n, 4, generator=g)
+        ages = torch.arange(n - 1, -1, -1)
+        importance = (torch.exp(-ages.float() / 300) + 0.3 * torch.rand(n, generator=g)).expand(2, n).contiguous()
+        features = torch.cat([keys, keys, torch.zeros(2, n, 8)], dim=-1)
+        traces.append(TraceTensors(features, importance, {"positions": torch.arange(n)}, torch.arange(n)))
+    settings = TrainSettings(steps=60, eval_every=10, tokens_per_trace=256, hidden=8, val_share=0.25, seed=0)
+    agents, report = train_agents(traces, 4, settings)
+    order = list(range(len(traces)))
+    random.Random(settings.seed).shuffle(order)
+    assert mean_reward(agents, [traces[i] for i in order[:1]]) == pytest.approx(report["best_val_reward"], abs=1e-6)
