@@ -119,6 +119,15 @@ def train(trace_dirs: tuple[str, ...], out: str, objective: str, steps: int, see
         settings = TrainSettings(objective=objective, steps=steps, seed=seed, lr=lr, top_tokens=top_tokens)
     except ConfigError as e:
         raise click.BadParameter(str(e), param_hint="'--top-tokens'") from e
+    base, base_meta = (None, {}) if age_only is None else load_agents(age_only)
+    signature = ("num_layers", "num_kv_heads", "head_dim", "hidden_size", "vocab_size")   # the model, whatever its name
+    differ = [k for k in signature if k in base_meta and k in first and base_meta[k] != first[k]]
+    if differ:
+        raise click.BadParameter(
+            f"{age_only!r} holds agents of model {base_meta.get('model')!r} "
+            f"({', '.join(f'{k}={base_meta[k]!r}' for k in differ)}); the traces are of {first.get('model')!r} "
+            f"({', '.join(f'{k}={first[k]!r}' for k in differ)}); allowed: weights of the traces' model",
+            param_hint="'--age-only'")
     set_threads(threads)
     data, corpora, sources = [], [], set()
     for folder, manifest in zip(trace_dirs, manifests):
@@ -126,7 +135,6 @@ def train(trace_dirs: tuple[str, ...], out: str, objective: str, steps: int, see
         data += traces
         corpora += [c for c in [part.get("corpus", "unknown")] if c not in corpora]
         sources |= {t["continuation"] for t in part["traces"]}
-    base, base_meta = (None, {}) if age_only is None else load_agents(age_only)
     Path(out).expanduser().absolute().parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     agents, report = train_agents(data, first["head_dim"], settings, progress=_bar(f"train ({objective})"),

@@ -64,6 +64,21 @@ def test_train_refuses_folders_of_different_models(tmp_path):
     assert not (tmp_path / "w.safetensors").exists()
 
 
+def test_age_only_refuses_weights_of_another_model(tmp_path):
+    """`--age-only` weights of another model (4 layers of 1 KV head against the traces' 2 of 2) are refused by
+    name before any training; they had trained, and the file written claimed the other model."""
+    from kvtier.scoring.kvp import KVPAgents, save_agents
+
+    folder, other = _folder(tmp_path), tmp_path / "other.safetensors"
+    save_agents(KVPAgents(4, 8, hidden=16), other, {"model": "other-model", "num_layers": 4, "num_kv_heads": 1,
+                                                    "head_dim": 8})
+    result = CliRunner().invoke(main, ["train", "--traces", str(folder), "--out", str(tmp_path / "w.safetensors"),
+                                       "--steps", "3", "--age-only", str(other), "--threads", "1"])
+    assert result.exit_code == 2 and "--age-only" in result.output
+    assert "'other-model'" in result.output and "num_layers=4" in result.output and "num_layers=2" in result.output
+    assert not (tmp_path / "w.safetensors").exists()
+
+
 def test_train_refuses_more_top_tokens_than_a_problem_holds(tmp_path):
     folder = _folder(tmp_path)
     result = CliRunner().invoke(main, ["train", "--traces", str(folder), "--out", str(tmp_path / "w.safetensors"),
