@@ -25,7 +25,8 @@ _LEGAL_NAMES = ("license", "licence", "copying", "copyright", "notice", "authors
 _LEGAL_WORDS = ("gnu general public license", "gnu lesser general public license", "gnu free documentation",
                 "mozilla public license", "apache license", "permission is hereby granted",
                 "redistribution and use in source and binary forms", "creative commons", "the software is provided",
-                "warranty of merchantability", "eclipse public license", "common development and distribution")
+                "warranty of merchantability", "eclipse public license", "common development and distribution",
+                "artistic license", "merchantibility", 'provided "as is"', "provided 'as is'", "without warranty")
 
 
 def _split_of(name: str, eval_share: float = 0.25) -> str:
