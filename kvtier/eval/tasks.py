@@ -138,12 +138,13 @@ def multi_turn(tokenizer, length, rng):
 
 def perplexity(tokenizer, length, rng):
     """A window of held-out prose (the evaluation half of the corpus): prompt, then 256 tokens to score."""
-    from ..training.corpus import stdlib_prose
+    from ..training.corpus import stdlib_prose, window_start
 
     docs = stdlib_prose("eval")
     stream = tokenizer("\n\n".join(t for _, t in docs), add_special_tokens=False, return_tensors="pt")["input_ids"]
     cont = 256
-    start = rng.randrange(0, stream.shape[1] - length - cont)
+    start = window_start(rng, stream.shape[1], length + cont, f"a perplexity window of {length} prompt and {cont} "
+                         "scored tokens")
     window = stream[:, start:start + length + cont]
     return window[:, :length], window[:, length:]
 

@@ -17,7 +17,7 @@ from transformers import DynamicCache
 
 from ..integrations.hf import cache_kwargs
 from ..tasks.needle import KEYS, magic_number
-from .corpus import corpus_prose, in_turn, joined_ids
+from .corpus import corpus_prose, in_turn, joined_ids, window_start
 
 FACTS = (
     "Before we start, please note: the access code for the {key} room is {value}.",
@@ -84,7 +84,7 @@ def conversations(model: Any, tokenizer: Any, split: str, context_tokens: int | 
             size = room // (READING_TURNS - turn)
             if size < 32:
                 break
-            start = rng.randrange(0, stream.shape[1] - size)
+            start = window_start(rng, stream.shape[1], size, f"a reading turn of a {target}-token conversation")
             text = tokenizer.decode(stream[0, start:start + size])
             turns.append({"role": "user", "content": f"{rng.choice(REQUESTS)}\n\n{text}"})
             turns.append(_reply(model, tokenizer, turns, reply_tokens))

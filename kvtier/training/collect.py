@@ -12,7 +12,7 @@ import torch
 from ..errors import ConfigError
 from ..tasks import make_needle_task
 from .chats import conversations, greedy_answer
-from .corpus import corpus_prose, in_turn, joined_ids
+from .corpus import corpus_prose, in_turn, joined_ids, window_start
 from .traces import record_answer_trace, record_trace, save_trace
 
 
@@ -51,7 +51,8 @@ def text_chunks(tokenizer: Any, split: str, prompt_tokens: int | Sequence[int], 
         if found is None:   # short modules: join several into one stream
             if stream is None:
                 stream = joined_ids(tokenizer, docs)
-            start = rng.randrange(0, stream.shape[1] - need)
+            start = window_start(rng, stream.shape[1], need, f"a window of {prompt} prompt and "
+                                 f"{continuation_tokens} continuation tokens")
             found = (f"{corpus}:joined@{start}", stream[:, start:start + need])
         source, window = found
         out.append((source, window[:, :prompt], window[:, prompt:]))

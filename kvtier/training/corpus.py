@@ -15,6 +15,8 @@ import sysconfig
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..errors import ConfigError
+
 SPLITS = ("train", "eval")
 CORPORA = ("stdlib", "packages", "both")
 DOC_SUFFIXES = (".md", ".rst", ".txt")
@@ -125,6 +127,15 @@ def joined_ids(tokenizer: Any, docs: list[tuple[str, str]]) -> Any:
     document are cut from it."""
     return tokenizer("\n\n".join(text for _, text in docs), return_tensors="pt",
                      add_special_tokens=False)["input_ids"]
+
+
+def window_start(rng: Any, tokens: int, need: int, what: str) -> int:
+    """A random start of `need` tokens in a stream of `tokens` (`rng`: a `random.Random`), or a `ConfigError`
+    saying `what` asked for more than the corpus holds."""
+    if need >= tokens:
+        raise ConfigError(f"{what} of {need} tokens does not fit the corpus, {tokens} tokens in all; allowed: "
+                          f"at most {tokens - 1} tokens")
+    return rng.randrange(0, tokens - need)
 
 
 def in_turn(lengths: int | Sequence[int]) -> list[int]:

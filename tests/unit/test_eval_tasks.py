@@ -81,6 +81,20 @@ def test_word_answers_are_the_three_most_frequent_words_strictly(task, length):
         assert ranked[2][1] > ranked[3][1], (seed, ranked[:5])
 
 
+def test_windows_longer_than_the_corpus_are_refused_by_length(tokenizer):
+    """A perplexity window (kvtier eval --lengths) or a trace's prose window (kvtier traces --prompt-tokens) longer
+    than the corpus is a ConfigError naming the length and the longest allowed (it was random's ValueError)."""
+    import random
+
+    from kvtier.eval.tasks import perplexity
+    from kvtier.training.collect import text_chunks
+
+    with pytest.raises(ConfigError, match=r"perplexity window of 5000000 prompt .* allowed: at most \d+ tokens"):
+        perplexity(tokenizer, 5_000_000, random.Random(0))
+    with pytest.raises(ConfigError, match=r"window of 5000000 prompt and 128 continuation tokens .* at most"):
+        text_chunks(tokenizer, "eval", 5_000_000, 128, 1, seed=0)
+
+
 def test_needle_task_is_pinned_and_shares_the_eval_texts(tokenizer):
     task = make_needle_task(tokenizer, context_tokens=1500, depth=0.5, seed=0)
     assert _digest(task.input_ids) == PINNED_NEEDLE and (task.key, task.answer) == ("window", "8056020")
