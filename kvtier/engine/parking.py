@@ -167,15 +167,16 @@ def _write_meta(path: str, meta: dict[str, torch.Tensor]) -> tuple[int, int]:
     except OSError as e:
         raise CapacityError(f"could not create {path}: {os_reason(e)}") from e
     try:
-        view, done = memoryview(data), 0
-        while done < len(data):
-            done += os.write(fd, view[done:])
+        try:
+            view, done = memoryview(data), 0
+            while done < len(data):
+                done += os.write(fd, view[done:])
+        finally:
+            os.close(fd)   # a network file system or a quota may report the failed write only here
     except OSError as e:
-        os.close(fd)
         with contextlib.suppress(OSError):
-            os.remove(path)
+            os.remove(path)   # a file left in the way would refuse every later park of the layer
         raise CapacityError(f"could not write {path}: {os_reason(e)}") from e
-    os.close(fd)
     return zlib.crc32(data), len(data)
 
 

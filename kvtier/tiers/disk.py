@@ -120,6 +120,16 @@ class _SlotMeta:
                 chunk[name][o] = values[m]
 
 
+def _wait_through_interrupts(futures: list) -> None:
+    """Wait until every future has finished, whatever interrupts arrive meanwhile (disk I/O ends on its own)."""
+    while True:
+        try:
+            wait(futures)
+            return
+        except KeyboardInterrupt:
+            continue
+
+
 class DiskStore:
     """One file of page records for a whole cache (all layers, and parked layers too).
 
@@ -177,6 +187,13 @@ class DiskStore:
                 self._pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix="kvtier-disk")
             return self._pool
 
+    def _slots(self, slots, what: str = "slots") -> np.ndarray:
+        """`slots` as int64 ``[m]``; numbers that are not whole are refused, never truncated."""
+        arr = np.asarray(slots)
+        if arr.size and not (np.issubdtype(arr.dtype, np.integer) and arr.dtype != np.bool_):
+            raise CorruptPageError(f"{what} of {self.path} must be whole numbers; got an array of {arr.dtype}")
+        return arr.astype(np.int64, copy=False).reshape(-1)
+
     def _check_used(self, slots: np.ndarray) -> np.ndarray:
         """What the store keeps of `slots` (`_META`); raises unless every slot holds a page (call with the lock
         held)."""
@@ -207,11 +224,33 @@ class DiskStore:
         return order, s, tasks
 
     def _run(self, fn, tasks: list) -> None:
-        """Run ``fn(task)`` for each task (on the I/O threads if several); all finish before any error is raised."""
+        """Run ``fn(task)`` for each task (on the I/O threads if several); all finish before any error is raised.
+
+        Interrupted (Ctrl-C), it returns only once no I/O thread reads or writes for it any more: the caller's
+        rollback then frees slots and hands buffers back safely. No task starts its I/O before every task is
+        submitted (a submit cut short by the interrupt leaves a task its caller never saw: it does nothing)."""
         if len(tasks) == 1:
             return fn(tasks[0])
-        futures = [self._executor().submit(fn, t) for t in tasks]
-        wait(futures)
+        go, stop = threading.Event(), threading.Event()
+
+        def gated(task) -> None:
+            go.wait()
+            if not stop.is_set():
+                fn(task)
+
+        futures: list = []
+        try:
+            for t in tasks:
+                futures.append(self._executor().submit(gated, t))
+            go.set()
+            wait(futures)
+        except BaseException:
+            stop.set()
+            go.set()
+            for f in futures:
+                f.cancel()
+            _wait_through_interrupts(futures)
+            raise
         for f in futures:
             f.result()
 
@@ -281,7 +320,7 @@ class DiskStore:
         """Give slots ``[m]`` back; their records can no longer be loaded and later `store` calls reuse them.
         Raises `CorruptPageError` (freeing nothing) if a slot holds no page or is given twice."""
         self._check_open()
-        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+        slots = self._slots(slots)
         with self._lock:
             self._check_used(slots)
             if len(np.unique(slots)) != len(slots):
@@ -294,15 +333,17 @@ class DiskStore:
     def _start_read(self, slots: np.ndarray, out, rows: np.ndarray | None = None):
         """Check `slots` and plan their reads: ``(tasks, read, finish)``; ``finish()`` returns ``(k, v)``."""
         fd = self._check_open()
-        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+        slots = self._slots(slots)
         n, P, D, kb, rs = len(slots), self.page_size, self.head_dim, self._kv_bytes, self.record_size
         with self._lock:
             meta = self._check_used(slots)
         m = n
         if rows is not None:   # page i goes to out[rows[i]]
-            rows = np.asarray(rows, dtype=np.int64).reshape(-1)
-            m = len(out[0]) if out is not None and len(out) == 2 else -1
-            if out is None or len(rows) != n or (n and (rows.min() < 0 or rows.max() >= m)):
+            if out is None or len(out) != 2:
+                raise CapacityError("rows needs out, the two tensors the pages are placed in")
+            rows = self._slots(rows, "rows")
+            m = len(out[0])
+            if len(rows) != n or (n and (rows.min() < 0 or rows.max() >= m)):
                 raise CapacityError(f"rows must place each of the {n} pages in out; got {len(rows)} rows "
                                     f"for an out of {m} pages")
         if out is not None and (len(out) != 2 or any(tuple(t.shape) != (m, P, D) for t in out)):

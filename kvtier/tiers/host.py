@@ -35,6 +35,7 @@ class HostPool:
         self.k = SlabRows((page_size, head_dim), dtype, "cpu", per_slab, pin)
         self.v = SlabRows((page_size, head_dim), dtype, "cpu", per_slab, pin)
         self._free: list[int] = []      # slots freed for reuse, a stack: the lowest on top
+        self._held = np.zeros(0, dtype=bool)   # whether each slot below `_next` holds a page
         self._next = 0                  # slots from here on were never handed out (or all freed by `clear`)
         self._used = 0
         self._reads = ReadMark()   # the end of the last device read of the slabs
@@ -55,6 +56,10 @@ class HostPool:
             del self._free[len(self._free) - reuse:]
         slots[reuse:] = np.arange(self._next, self._next + fresh)
         self._next += fresh
+        if len(self._held) < self._next:
+            self._held = np.concatenate([self._held, np.zeros(max(self._next, 2 * len(self._held)) - len(self._held),
+                                                              dtype=bool)])
+        self._held[slots] = True
         self._used += n
         return slots
 
@@ -107,7 +112,21 @@ class HostPool:
             self._reads.note(device)
 
     def free(self, slots: np.ndarray) -> None:
-        s = np.sort(np.asarray(slots, dtype=np.int64))
+        """Give slots back; a slot that holds no page (freed already, never handed out, given twice) is refused
+        before anything changes: two pages would share it."""
+        arr = np.asarray(slots)
+        if arr.size and not (np.issubdtype(arr.dtype, np.integer) and arr.dtype != np.bool_):
+            raise ValueError(f"host slots must be whole numbers; got an array of {arr.dtype}")
+        s = np.sort(arr.astype(np.int64, copy=False).reshape(-1))
+        if not len(s):
+            return
+        inside = (s >= 0) & (s < self._next)
+        bad = ~inside | np.concatenate([[False], s[1:] == s[:-1]])
+        bad[inside] |= ~self._held[s[inside]]
+        if bad.any():
+            raise ValueError(f"host slot {int(s[bad][0])} holds no page (freed already, never handed out, or given "
+                             "twice); nothing was freed")
+        self._held[s] = False
         self._used -= len(s)
         # the last slots handed out go back to the never-used range (a failed demotion's, given back at once,
         # leaves the pool as it was); the others onto the stack, the lowest on top
@@ -133,6 +152,7 @@ class HostPool:
         """Forget every page (the slabs stay for reuse)."""
         self._settle()
         self._free, self._next, self._used = [], 0, 0
+        self._held[:] = False
 
     def release(self) -> None:
         """Let the slabs go while no page is held (a layer parked on disk); `reopen` takes one back."""
@@ -153,3 +173,4 @@ class HostPool:
         self.k.close()
         self.v.close()
         self._free, self._next, self._used, self._written = [], 0, 0, 0
+        self._held = np.zeros(0, dtype=bool)

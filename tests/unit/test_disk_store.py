@@ -287,8 +287,54 @@ def test_rows_that_do_not_place_each_page_are_refused(make):
     for rows in (np.array([0, 1]), np.array([0, 1, 4]), np.array([-1, 0, 1])):
         with pytest.raises(CapacityError, match="rows must place each of the 3 pages in out"):
             store.load(slots, out=out, rows=rows)
-    with pytest.raises(CapacityError, match="rows must place"):
+    with pytest.raises(CapacityError, match="rows needs out, the two tensors the pages are placed in"):
         store.load(slots, rows=np.array([0, 1, 2]))
+
+
+def test_slot_numbers_that_are_not_whole_are_refused(make):
+    """A float slot had been truncated: load([0.9]) read page 0 and free([2.5]) freed page 2."""
+    store = make(page_size=4, head_dim=8, dtype=torch.float32)
+    k, v = pages(3, store)
+    slots = store.store(k, v)
+    for call in (lambda: store.load(np.array([0.9])), lambda: store.free(np.array([2.5])),
+                 lambda: store.load(np.array([True])),
+                 lambda: store.load(slots, out=(torch.zeros(3, 4, 8),) * 2, rows=np.array([0.0, 1.0, 2.0]))):
+        with pytest.raises(CorruptPageError, match="must be whole numbers"):
+            call()
+    assert store.pages() == 3 and same(store.load(slots)[0], k)
+
+
+@pytest.mark.parametrize("op", ["store", "load"])
+def test_an_interrupted_call_returns_only_once_its_io_threads_are_done(make, monkeypatch, op):
+    """A Ctrl-C while a call waits for its I/O threads: the call raises only once no thread writes the file (a
+    store's rollback frees its slots, which a later store reuses: a late write had landed on that store's
+    records, which then failed their checksum) or the caller's buffers (a load's `out`)."""
+    import signal
+    import time
+
+    store = make(page_size=16, head_dim=64, dtype=torch.float16, io_threads=2)   # records of 4 KiB
+    k = torch.randn(1024, 16, 64, dtype=torch.float16)                       # two tasks of 512 records
+    slots = store.store(k, k) if op == "load" else None
+    name = "pwritev" if op == "store" else "preadv"
+    real, late = getattr(os, name), []
+
+    def slow(*args):
+        if threading.current_thread() is not threading.main_thread() and not late:
+            late.append("started")
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)   # Ctrl-C while the call waits
+            time.sleep(0.5)
+            late.append("done")
+        return real(*args)
+
+    monkeypatch.setattr(os, name, slow)
+    with pytest.raises(KeyboardInterrupt):
+        store.store(k, k) if op == "store" else store.load(slots, out=(torch.empty_like(k), torch.empty_like(k)))
+    assert late == ["started", "done"]   # the thread's I/O ended before the call returned
+    monkeypatch.undo()
+    k2 = torch.randn(1024, 16, 64, dtype=torch.float16)
+    again = store.store(k2, k2)
+    time.sleep(0.6)
+    assert torch.equal(store.load(again)[0], k2)
 
 
 def test_short_reads_are_read_on_until_whole(make, monkeypatch):

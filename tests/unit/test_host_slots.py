@@ -69,3 +69,26 @@ def test_slots_follow_the_model(ops):
         assert len(np.unique(every)) == len(every)                         # no slot held twice
         assert pool.k.capacity == -(-model.peak // PER_SLAB) * PER_SLAB    # a slab only when needed
         assert every.size == 0 or every.max() < pool.k.capacity
+
+
+def test_a_slot_that_holds_no_page_is_refused_by_free():
+    """A slot freed twice, never handed out, or given twice in one call had gone onto the free stack again, to
+    be handed to two pages (one page's load then returned the other's data); each is refused before anything
+    changes, as the disk store refuses them."""
+    import pytest
+
+    pool = HostPool(4, 8, torch.float32, pin=False)
+    k = torch.randn(4, 4, 8)
+    slots = pool.store(k, k)
+    pool.free(slots[1:2])
+    for bad in (slots[1:2], np.array([7]), np.array([-1]), np.array([2, 2]), np.array([2.0])):
+        with pytest.raises(ValueError, match="holds no page|whole numbers"):
+            pool.free(bad)
+    assert pool.pages() == 3
+    a, b = torch.full((1, 4, 8), 1.0), torch.full((1, 4, 8), 2.0)
+    sa, sb = pool.store(a, a), pool.store(b, b)
+    assert sa[0] != sb[0] and torch.equal(pool.load(sa)[0], a) and torch.equal(pool.load(sb)[0], b)
+    pool.clear()
+    with pytest.raises(ValueError, match="holds no page"):
+        pool.free(sa)
+    pool.close()

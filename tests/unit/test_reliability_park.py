@@ -129,6 +129,35 @@ def test_disk_full_at_every_write_site_leaves_the_cache_as_it_was(model, referen
     assert failed_at == {0, 1}, failed_at   # a failure after layer 0 was parked was undone too
 
 
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_write_failure_reported_at_close_leaves_no_file_in_the_way(model, reference, tmp_path, monkeypatch, kind):
+    """A network file system or a quota may report a failed write only when the file is closed: the park fails
+    and leaves the cache as it was, with no parked-layer file left at its path (one left there refused every
+    later park of the layer, 'a file is already in the way'); once the disk is fine again the park goes through."""
+    import sys
+
+    cache = TieredCache(model.config, disk_dir=tmp_path, scorer="keynorm", **KINDS[kind])
+    logits = prefill(model, cache)
+    before = (where(cache), logits, files(cache))
+    real_close, failed = os.close, []
+
+    def close(fd):
+        real_close(fd)   # Linux closes the descriptor even where close() reports an error
+        if not failed and sys._getframe(1).f_code.co_name == "_write_meta":
+            failed.append(fd)
+            raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+
+    monkeypatch.setattr(os, "close", close)
+    with pytest.raises(CapacityError, match="could not write .* as it was"):
+        cache.park("disk")
+    monkeypatch.undo()
+    assert failed
+    check_as_before(model, cache, kind, before, reference)
+    cache.park("disk")
+    assert where(cache) == ["disk", "disk"]
+    cache.close()
+
+
 @pytest.mark.parametrize("err, words", [(errno.EMFILE, "too many open files"), (errno.EROFS, "read-only folder"),
                                         (errno.ENFILE, "too many open files"), (errno.EFBIG, "file-size limit")])
 @pytest.mark.parametrize("target", ["parked file", "page file", "folder"])
