@@ -260,13 +260,26 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
     def mask_new_tokens(self, masked: torch.Tensor) -> None:
         """Mark new tokens ``[q]`` that no query may ever attend (padding): they are dropped when placed.
 
-        Attention over what `write` returned follows the mask itself; once pages are demoted, the split
-        attention has no mask, so padding inside such a step is refused.
+        Only left padding is taken: the masked tokens, with any masked before, must be the sequence's first
+        tokens. Later steps' masks are read at an offset of the tokens dropped (`get_mask_sizes`), which is right
+        only where they all came first; padding after a real token would shift every later mask onto other
+        entries. Once pages are demoted the split attention has no mask either. Refused, the step is undone
+        (`drop_step`) by the caller where no other layer took it.
         """
-        if self.table.n and self.cfg.mode == "tier" and self.cfg.recall_pages:
-            raise UnsupportedError("masked-out (padding) tokens in a step after entries were demoted; allowed: "
-                                   "padding in the first step only (left padding), or no padding")
-        self.pending.masked = masked
+        p = self.pending
+        n = int(masked.sum())
+        leading = bool(masked[:n].all()) and len(self._masked_positions) == p.start
+        if not leading or (self.table.n and self.cfg.mode == "tier" and self.cfg.recall_pages):
+            raise UnsupportedError("masked-out (padding) tokens after a real token; allowed: left padding (every "
+                                   "masked token before the first real one, in the first step), or no padding")
+        p.masked = masked
+
+    def drop_step(self) -> None:
+        """Undo `write` for a step whose attention was refused before it ran (nothing was placed yet): the layer's
+        length is as before, and the staged entries are overwritten by the next step."""
+        if self.pending is not None:
+            self.seen = self.pending.start
+            self.pending = None
 
     # ------------------------------------------------------------------ attention
     def recalls(self) -> bool:

@@ -333,11 +333,17 @@ class TieredLayer(OneSequence, CacheLayerMixin):
                     check_plain_mask(attention_mask)
                 masked = masked_new_tokens(attention_mask, engine.pool.count, pending.k.shape[2])
                 if masked is not None:
-                    engine.mask_new_tokens(masked)
+                    try:
+                        engine.mask_new_tokens(masked)
+                    except UnsupportedError:
+                        if engine.layer_idx == self._state.first:   # no other layer took the step: undo it
+                            engine.drop_step()
+                        raise
             return engine.attend(query, **how)
 
+        before = None if engine.pending is None else engine.pending.start
         return self._state.guard(run, f"layer {engine.layer_idx} attention ",
-                                 f"layer {engine.layer_idx} could not recall its pages")
+                                 f"layer {engine.layer_idx} could not recall its pages", before=before)
 
     def commit(self, query: torch.Tensor | None = None, scaling: float | None = None) -> None:
         """The engine's `commit`; a failure breaks the cache (this layer already took the step)."""

@@ -486,3 +486,35 @@ def test_left_padding_gives_the_full_caches_tokens(model, budget):
     if budget == 24:
         assert s["pages_recalled"] > 0
     cache.close()
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("where", ["inside the prompt", "in a later step"])
+def test_padding_after_a_real_token_is_refused_and_the_cache_goes_on(model, attn, where):
+    """Padding is dropped when placed, and later steps read their mask at an offset of the tokens dropped: right
+    only for left padding. Padding after a real token (inside the prompt, or in a later step, at full budget) had
+    been taken, and every later step's mask fell on other entries (logits off DynamicCache's by 2e-2, no error).
+    It is refused before any layer took the step, so the cache is not broken and goes on as a twin never asked."""
+    model.set_attn_implementation(attn)
+    try:
+        a, b = TieredCache(model.config, device_budget=1.0), TieredCache(model.config, device_budget=1.0)
+        with torch.no_grad():
+            if where == "in a later step":
+                for c in (a, b):
+                    model(PROMPT[:, :30], **cache_kwargs(c))
+                ids = torch.cat([torch.zeros(1, 2, dtype=torch.long), PROMPT[:, 30:34]], dim=1)
+                mask = torch.ones(1, 36, dtype=torch.long)
+                mask[0, 30:32] = 0
+            else:
+                ids = torch.cat([PROMPT[:, :20], torch.zeros(1, 2, dtype=torch.long), PROMPT[:, 20:30]], dim=1)
+                mask = torch.ones_like(ids)
+                mask[0, 20:22] = 0
+            with pytest.raises(UnsupportedError, match="left padding"):
+                model(ids, attention_mask=mask, **cache_kwargs(a))
+            assert a.broken is None and a.get_seq_length() == b.get_seq_length()
+            nxt = PROMPT[:, 34:40] if where == "in a later step" else PROMPT[:, :30]
+            assert torch.equal(model(nxt, **cache_kwargs(a)).logits, model(nxt, **cache_kwargs(b)).logits)
+        a.close()
+        b.close()
+    finally:
+        model.set_attn_implementation("sdpa")
