@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 
-from ..errors import ConfigError, KVTierError
+from ..errors import ConfigError
 from .hf import TieredCache, cache_kwargs
 from .model_graph import DecodeGraph
 
@@ -19,7 +20,8 @@ class ChatSession:
     model, tokenizer
         A chat model and its tokenizer (with a chat template).
     cache
-        The conversation's cache; by default a new `TieredCache` built with `cache_settings`.
+        The conversation's cache; by default a new `TieredCache` built with `cache_settings` (settings given with a
+        cache are refused: they would not apply).
     system
         An optional system message.
     decode_graph
@@ -31,6 +33,9 @@ class ChatSession:
                  decode_graph: bool = False, **cache_settings: Any) -> None:
         if not isinstance(decode_graph, bool):
             raise ConfigError(f"decode_graph={decode_graph!r}; allowed: True or False")
+        if cache is not None and cache_settings:
+            raise ConfigError(f"cache settings {', '.join(sorted(cache_settings))} given with a cache, which has its "
+                              "own; allowed: a cache, or settings for a new one")
         self.model, self.tokenizer = model, tokenizer
         self.cache = cache if cache is not None else TieredCache(model.config, **cache_settings)
         self.decode_graph = DecodeGraph(model, self.cache) if decode_graph else None
@@ -48,8 +53,14 @@ class ChatSession:
             return self.tokenizer(full, return_tensors="pt", add_special_tokens=False)["input_ids"]
         said = self.tokenizer.decode(self.ids[0], skip_special_tokens=False)
         if not full.startswith(said):
-            raise KVTierError("the chat template renders earlier turns differently from the tokens generated, "
-                              "so the cached prefix cannot be reused; start a new ChatSession")
+            # a template that rewrites earlier turns (trims them, say): the cache cannot go on from the tokens
+            # generated, so the conversation is prefilled again as the template renders it, and says so
+            warnings.warn("the chat template renders earlier turns differently from the tokens generated; the "
+                          "cache is emptied and the whole conversation prefilled again as the template renders it",
+                          RuntimeWarning, stacklevel=3)
+            self.cache.reset()
+            self.ids = torch.empty(1, 0, dtype=torch.long)
+            return self.tokenizer(full, return_tensors="pt", add_special_tokens=False)["input_ids"]
         tail = self.tokenizer(full[len(said):], return_tensors="pt", add_special_tokens=False)["input_ids"]
         return torch.cat([self.ids, tail], dim=1)
 
@@ -76,10 +87,12 @@ class ChatSession:
                 self.cache.reset()
                 self.ids = torch.empty(1, 0, dtype=torch.long)
             raise
-        reply = self.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+        # the messages keep the reply as generated (a reply cut after "\n\n", or with a space before its end, would
+        # otherwise render differently from the tokens the cache holds); the caller gets it stripped
+        reply = self.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
         self.ids = out.cpu()
         self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
-        return reply
+        return reply.strip()
 
     def park(self, to: str = "host") -> None:
         """Move the conversation's cache off the device until the next turn."""

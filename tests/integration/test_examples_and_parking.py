@@ -71,6 +71,34 @@ def test_a_conversation_stepped_by_decode_graph_is_bit_identical(fresh_attention
     plain.cache.close()
 
 
+def test_a_reply_ending_in_whitespace_does_not_stop_the_conversation(fresh_attention):
+    """A reply cut by max_new_tokens right after "\n\n" (its tokens end so) had been kept stripped in the messages,
+    so the next turn's rendering did not start with the tokens the cache holds, and every later turn failed. The
+    messages keep the reply as generated (the caller still gets it stripped), and the conversation goes on from
+    the cache; a template that renders earlier turns otherwise prefills the conversation again, with a warning."""
+    import warnings
+
+    model, tok = fresh_attention
+    chat = ChatSession(model, tok, device_budget=1.0)
+    for q in ["Hi, I am Ada.", "What is my name?", "Tell me a joke."]:
+        reply = chat.ask(q, max_new_tokens=20)
+        assert reply == reply.strip() and chat.messages[-1]["content"].strip() == reply
+    assert tok.decode(chat.ids[0]).endswith("\n\n")
+    held = chat.cache.get_seq_length()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        chat.ask("Another one, please.", max_new_tokens=5)
+    assert chat.cache.stats()["tokens_seen"] > held   # went on from the cache, not prefilled again
+    chat.messages[0]["content"] = "Hi, I am Bob."        # the rendering no longer matches the tokens held
+    with pytest.warns(RuntimeWarning, match="prefilled again"):
+        chat.ask("Who am I?", max_new_tokens=5)
+    said = tok.decode(chat.ids[0])
+    assert "Hi, I am Bob." in said and "Hi, I am Ada." not in said
+    with pytest.raises(ConfigError, match="cache settings device_budget given with a cache"):
+        ChatSession(model, tok, cache=chat.cache, device_budget=0.1)
+    chat.cache.close()
+
+
 def test_an_interrupted_turn_leaves_the_conversation_as_it_was(fresh_attention):
     """A turn stopped midway (here by an exception from a stopping criterion) empties the cache it had
     partly filled; the next turn re-prefills and answers as a conversation never interrupted."""
