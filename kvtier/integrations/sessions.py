@@ -37,6 +37,12 @@ class SessionStore:
         session to disk fails, every session stays whole where it was (each park is all or nothing), `cache` is
         parked and kept, and a `CapacityError` says how far the host budget is exceeded.
         """
+        if not isinstance(cache, TieredCache):
+            raise ConfigError(f"park({name!r}, ...) was given a {type(cache).__name__}; allowed: a TieredCache")
+        other = next((n for n, c in self._parked.items() if c is cache and n != name), None)
+        if other is not None:   # counted twice, and closed or pushed under one name while in use under the other
+            raise ConfigError(f"this cache is parked already, as {other!r}; allowed: one name a cache (resume "
+                              f"{other!r} first, or park it again under {other!r})")
         cache.park("host")
         replaced = self._parked.get(name)
         self._parked[name] = cache
@@ -61,9 +67,11 @@ class SessionStore:
                     raise CapacityError(f"session {name!r} is parked in host memory, but moving session {other!r} "
                                         f"to disk failed ({e}); the store is {over:,} bytes over its host budget "
                                         "until a later park or resume makes room") from e
-        for other, parked in list(self._parked.items()):
-            if self.disk_bytes is None or self.disk_bytes_used() <= self.disk_bytes or other == name:
+        for other, parked in list(self._parked.items()):   # coldest first, those holding disk only
+            if self.disk_bytes is None or self.disk_bytes_used() <= self.disk_bytes:
                 break
+            if other == name or not parked.stats()["disk"]["bytes"]:   # closing it would free no disk
+                continue
             self._parked.pop(other).close()
             self.dropped.append(other)
 

@@ -188,3 +188,42 @@ def test_a_layer_back_from_disk_with_no_host_page_has_a_host_slab_again_and_step
     assert caches[1][0].broken is None and torch.equal(caches[0][1], caches[1][1])
     for cache, _ in caches:
         cache.close()
+
+
+def test_past_its_disk_budget_the_store_closes_only_sessions_that_hold_disk():
+    """A session parked in host memory with nothing on disk is not closed to make room on disk (closing it freed
+    no byte of disk, and the conversation was lost); the coldest sessions holding disk are."""
+    on_host = TieredCache(CONFIG, device_budget=0.25, scorer="keynorm")   # no host budget: no disk page
+    k = torch.randn(1, 2, 200, 8, generator=torch.Generator().manual_seed(9))
+    for layer in range(2):
+        on_host.update(k, k, layer)
+        on_host.layers[layer].engine.commit()
+    store = SessionStore(host_bytes=2 ** 30, disk_bytes=None)
+    store.park("host-only", on_host)
+    store.park("disky", _session(seed=1))
+    store.park("disky2", _session(seed=2))
+    for name in ("disky", "disky2"):   # their pages past the host budget are on disk
+        assert store._parked[name].stats()["disk"]["bytes"] > 0
+    assert on_host.stats()["disk"]["bytes"] == 0
+    store.disk_bytes = store._parked["disky2"].stats()["disk"]["bytes"]
+    store.park("disky3", _session(seed=3))
+    assert store.dropped == ["disky", "disky2"] and not on_host.closed and "host-only" in store.where()
+    store.close()
+
+
+def test_one_cache_under_two_names_and_what_is_no_tiered_cache_are_refused():
+    """Parked under a second name, one cache was counted twice, and a later resume of one name left it in the store
+    under the other, to be closed or pushed to disk while in use."""
+    from transformers import DynamicCache
+
+    store = SessionStore(host_bytes=2 ** 30)
+    cache = _session()
+    store.park("ada", cache)
+    used = store.host_bytes_used()
+    with pytest.raises(ConfigError, match="parked already, as 'ada'"):
+        store.park("bob", cache)
+    assert store.where() == {"ada": "host"} and store.host_bytes_used() == used
+    store.park("ada", cache)   # again under its own name: fine
+    with pytest.raises(ConfigError, match="given a DynamicCache; allowed: a TieredCache"):
+        store.park("eve", DynamicCache())
+    store.close()
