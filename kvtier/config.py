@@ -226,9 +226,21 @@ class TieredCacheConfig:
                               f"disk_dir={self.disk_dir!r}")
 
     def device_tokens(self, seen: int) -> int:
-        """The device budget in tokens after `seen` tokens; never below the sinks and recent window."""
+        """The device budget in tokens after `seen` tokens; never below the sinks and the recent window worked out
+        from the budget returned (a window that is a share of the budget grows with it: a budget raised only to
+        the window of the smaller budget would hold less than the planner then keeps)."""
         budget = self.device_budget.tokens(seen)
-        return max(budget, min(seen, self.sink_tokens + recent_window(self.recent_tokens, budget)))
+        sinks, recent = self.sink_tokens, self.recent_tokens
+        if budget >= min(seen, sinks + recent_window(recent, budget)):
+            return budget
+        if not isinstance(recent, float):
+            return min(seen, sinks + int(recent))
+        # the least b >= budget with b - ceil(recent * b) >= sinks (that difference never falls as b grows);
+        # it is at least sinks / (1 - recent), so the search starts just below that
+        b = max(budget, int(sinks / (1 - recent)) - 2)
+        while b < seen and b < sinks + recent_window(recent, b):
+            b += 1
+        return min(b, seen)
 
     def demotion_pages(self, budget_tokens: int) -> int:
         """Pages per KV head a demotion moves at least, for a device budget of `budget_tokens` (`demote_pages`)."""

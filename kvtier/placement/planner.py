@@ -86,7 +86,9 @@ def plan_device_demotion(
     if pages <= 0:
         return None
     m = pages * page_size
-    ranked = torch.where(protected, torch.full_like(scores, float("inf")), scores.float())
+    # a scorer's own +inf (allowed: `RecencyScorer` gives it to its sinks) stays below the always-kept set's
+    ranked = torch.where(protected, torch.full_like(scores, float("inf"), dtype=torch.float32),
+                         scores.float().clamp(max=torch.finfo(torch.float32).max))
     # lowest score first; among equal scores the older position first
     order = torch.argsort(positions, dim=1)
     by_score = torch.sort(torch.gather(ranked, 1, order), dim=1, stable=True).indices

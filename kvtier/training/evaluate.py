@@ -53,7 +53,7 @@ def kept_mass(scores: torch.Tensor, importance: torch.Tensor, budget: float, sin
     protected = torch.zeros(n, dtype=torch.bool)
     protected[:sink_tokens] = True
     protected[max(n - recent_window(recent_tokens, keep_n), 0):] = True
-    ranked = torch.where(protected, float("inf"), scores.float())
+    ranked = torch.where(protected, float("inf"), scores.float().clamp(max=torch.finfo(torch.float32).max))
     top = torch.topk(ranked, min(max(keep_n, int(protected.sum())), n), dim=-1).indices
     return torch.gather(importance, -1, top).sum(-1) / importance.sum(-1).clamp_min(1e-12)
 

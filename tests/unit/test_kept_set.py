@@ -13,6 +13,7 @@ import torch
 from kvtier import ConfigError, TieredCache
 from kvtier.config import DEFAULT_RECENT_TOKENS, DEFAULT_SINK_TOKENS, check_recent_tokens
 from kvtier.eval.policies import Policy
+from kvtier.placement import Budget
 from kvtier.placement.planner import plan_device_demotion, protected_count, recent_window
 from kvtier.training.dataset import REFERENCE_BUDGET, rankable
 from kvtier.training.evaluate import kept_mass
@@ -63,7 +64,25 @@ def test_a_share_of_the_budget_grows_with_it():
         s = cache.settings
         assert s.device_tokens(2048) == 205 and s.recent_window(2048) == 52
         assert s.device_tokens(4096) == 410 and s.recent_window(4096) == 103
-        assert s.device_tokens(10) == 5 and s.recent_window(10) == 2   # floor: sinks + window, as the planner sees it
+        # floor: the sinks and the window of the budget itself (a budget of 5 had been its own window short of 4 + 2)
+        assert s.device_tokens(10) == 6 and s.recent_window(10) == 2
+
+
+@pytest.mark.parametrize("seen, budget, sinks, recent", [(18, 0.6, 3, 0.9), (200, 0.5, 20, 0.99), (1000, 0.01, 4, 0.5)])
+def test_a_raised_budget_holds_the_window_of_the_budget_raised(seen, budget, sinks, recent):
+    """A fractional budget too small for the sinks and a fractional window is raised to the least budget that
+    holds the sinks and the window worked out from that budget, as the planner works it out: raised only to the
+    window of the budget asked for, the device held more than the budget it reported (15 tokens against 13)."""
+    with TieredCache(CONFIG, device_budget=budget, mode="evict", sink_tokens=sinks, recent_tokens=recent,
+                     page_size=1) as cache:
+        s = cache.settings
+        b = s.device_tokens(seen)
+        assert b >= min(seen, protected_count(seen, sinks, recent, b))
+        assert b == budget_tokens(seen, budget) or b - 1 < min(seen, protected_count(seen, sinks, recent, b - 1))
+
+
+def budget_tokens(seen, fraction):
+    return Budget(fraction).tokens(seen)
 
 
 def test_a_token_budget_must_leave_room_for_a_fractional_window():
@@ -205,3 +224,51 @@ def test_the_engine_counts_the_kept_entries_on_the_host(make_engine, monkeypatch
     assert engine.seen == sum(chunks)
     if checked:
         assert engine.pool.count >= checked[-1]
+
+
+def test_a_scorers_own_inf_never_outranks_the_always_kept_set():
+    """Scores of +inf are allowed (the recency scorer gives them to its own first tokens); they had tied with the
+    sinks and the recent window, which the planner ranks +inf, and the older positions (the sinks) were demoted
+    first. Every movable entry now goes before any always-kept one."""
+    n = 20
+    positions = torch.arange(n)[None]
+    idx = plan_device_demotion(torch.full((1, n), float("inf")), positions, n, budget_tokens=10, sink_tokens=4,
+                               recent_tokens=4, page_size=2)
+    moved = set(idx[0].tolist())
+    assert len(moved) == 10 and not moved & ({0, 1, 2, 3} | set(range(16, 20)))
+
+
+@pytest.mark.parametrize("scorer", ["recency", "inf"])
+def test_the_sinks_stay_on_the_device_with_scores_of_inf(model, scorer):
+    """The recency scorer with its 4 sinks against the cache's 2, and a scorer of +inf everywhere: the cache's
+    sinks and window stay on the device, and the device holds its budget."""
+    from kvtier import cache_kwargs
+
+    class Inf:
+        name = "inf"
+
+        def score(self, keys, values, positions, layer_idx):
+            return torch.full(keys.shape[:3], float("inf"))
+
+    cache = TieredCache(model.config, device_budget=4, scorer=Inf() if scorer == "inf" else scorer, recall_pages=1000,
+                        page_size=2, sink_tokens=2, recent_tokens=2)
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(ids, **cache_kwargs(cache))
+    for engine in cache._engines:   # every movable entry (2 to 9) demoted, the recency scorer's 2 and 3 too
+        on_device = set(engine.pool.meta()[0][0].tolist())
+        assert on_device == {0, 1, 10, 11}, (engine.layer_idx, sorted(on_device))
+    cache.close()
+
+
+@pytest.mark.parametrize("seen, fraction, sinks, recent", [(18, 0.6, 3, 0.9), (200, 0.5, 20, 0.99)])
+def test_the_device_holds_its_reported_budget_with_a_fractional_window(model, seen, fraction, sinks, recent):
+    from kvtier import cache_kwargs
+
+    cache = TieredCache(model.config, device_budget=fraction, scorer="keynorm", recall_pages=1000, page_size=1,
+                        sink_tokens=sinks, recent_tokens=recent)
+    with torch.no_grad():
+        model(torch.randint(0, 128, (1, seen), generator=torch.Generator().manual_seed(1)), **cache_kwargs(cache))
+    s = cache.stats()
+    assert s["device"]["tokens"] // (s["layers"] * s["kv_heads"]) <= s["budget_tokens_per_head"]["device"]
+    cache.close()
