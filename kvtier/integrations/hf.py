@@ -386,8 +386,9 @@ class TieredCache(OneSequence, Cache):
             "reuse_rate": (c.pages_reused / (c.pages_reused + on_demand)) if c.pages_reused + on_demand else None,
             "prefetch": {"pages": c.pages_prefetched, "used": c.prefetch_used,
                          "hit_rate": c.prefetch_used / c.pages_prefetched if c.pages_prefetched else None},
-            # decode steps whose attention and recall ran as launches only: replayed from a captured CUDA graph,
-            # or run eagerly; and why capture is off in the cache, if one failed
+            # decode steps whose attention and recall ran as launches only, from the layers' own graphs: replayed
+            # from a captured CUDA graph, or run eagerly; and why capture is off in the cache, if one failed (the
+            # steps a `DecodeGraph` plans whole are counted, and its failures kept, in `DecodeGraph.stats()`)
             "cuda_graphs": {"captures": sum(g.captures for g in graphs), "replays": sum(g.replays for g in graphs),
                             "eager_steps": sum(g.eager for g in graphs), "failed": self._shared.graphs.failed,
                             # the prefetches' launches, replayed on their side stream likewise
