@@ -18,6 +18,7 @@ import torch
 from ..config import ModelShape, TieredCacheConfig
 from ..engine import LayerEngine
 from ..engine.resources import SharedResources
+from ..errors import ConfigError
 from ..placement import Budget
 from ..scoring import make_scorer
 
@@ -57,9 +58,11 @@ class _Plan:
 def synthetic_needles(arch: str = "llama-3.1-8b", context: int = 2**20, needles: int = 4,
                       device_budget: float = 0.01, host_budget: float = 0.05, recall_pages: int = 32,
                       disk_dir: str | None = None, chunk: int = 65536, seed: int = 0,
-                      progress: Callable[[Any], Any] = iter, device: str | torch.device = "cpu") -> dict[str, Any]:
+                      progress: Callable[[Any], Any] = iter, device: str | torch.device = "cpu",
+                      scorer: str = "keynorm") -> dict[str, Any]:
     """One layer of `arch` filled with `context` synthetic tokens and `needles` planted entries, its device tier on
-    `device` (the same tokens on any device: they are drawn on the CPU; so is the exact reference)."""
+    `device` (the same tokens on any device: they are drawn on the CPU; so is the exact reference), its entries
+    ranked by `scorer` (one that needs no model: no model runs)."""
     layers, q_heads, kv_heads, dim = ARCHS[arch]
     device = torch.device(device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
@@ -72,7 +75,11 @@ def synthetic_needles(arch: str = "llama-3.1-8b", context: int = 2**20, needles:
     cfg = TieredCacheConfig(shape=ModelShape(1, kv_heads, dim), device_budget=Budget(device_budget, "device_budget"),
                             host_budget=Budget(host_budget, "host_budget", allow_zero=True), recall_pages=recall_pages)
     shared = SharedResources(disk_dir)   # a private folder inside disk_dir, removed on close
-    engine = LayerEngine(0, cfg, make_scorer("keynorm"), shared)
+    if cfg.device_tokens(context) >= context:
+        shared.close()
+        raise ConfigError(f"device_budget={device_budget!r} holds all {context:,} tokens: nothing is demoted, so "
+                          "recall has nothing to find; allowed: a budget below the context")
+    engine = LayerEngine(0, cfg, make_scorer(scorer), shared)
 
     def planted(start: int) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = plan.chunk_kv(start, dtype)
@@ -99,7 +106,7 @@ def synthetic_needles(arch: str = "llama-3.1-8b", context: int = 2**20, needles:
             sync()
             t0 = time.perf_counter()
             engine.write(step_k, step_k)
-            out, _ = engine.attend(step_q, 1 / math.sqrt(dim))   # pages are demoted: never None
+            out, _ = engine.attend(step_q, 1 / math.sqrt(dim))   # pages are demoted (the budget is below the context)
             sync()
             tiered_s = time.perf_counter() - t0
             engine.commit()
@@ -117,7 +124,7 @@ def synthetic_needles(arch: str = "llama-3.1-8b", context: int = 2**20, needles:
                 "context": context, "needles": found, "fill_seconds": fill_seconds, "usage": usage,
                 "bytes_moved": dict(engine.counters.bytes_moved),
                 "pages_recalled": dict(engine.counters.pages_recalled),
-                "settings": {"device_budget": device_budget, "host_budget": host_budget,
+                "settings": {"device_budget": device_budget, "host_budget": host_budget, "scorer": scorer,
                              "recall_pages": recall_pages, "page_size": cfg.page_size, "dtype": str(dtype),
                              "device": str(device)}}
     finally:

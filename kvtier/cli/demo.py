@@ -52,7 +52,9 @@ def check_synthetic_disk(arch: str, tokens: int, disk_dir: str | None) -> None:
               help="Host tokens per KV head, the rest on disk; 'none' = no limit (auto: 0.2, or 0.05 with --synthetic).")
 @click.option("--recall-pages", default=32, show_default=True, type=click.IntRange(min=0),
               help="Pages recalled per layer and KV head per step (0: no recall; --synthetic needs 1 or more).")
-@click.option("--scorer", default="auto", show_default=True, help="How entries are ranked (auto: KVP where weights ship for the model, else keynorm).")
+@click.option("--scorer", default="auto", show_default=True,
+              help="How entries are ranked (auto: KVP where weights ship for the model, else keynorm; with --synthetic "
+                   "an attention-free scorer: keynorm, recency, keydiff or random).")
 @click.option("--disk-dir", default=None, help="Folder for the disk tier (default: a temporary folder).")
 @click.option("--model", default=None, help="A Hugging Face id or local path (default: the packaged SmolLM2-135M-Instruct).")
 @click.option("--device", default="auto", show_default=True, help=DEVICE_HELP)
@@ -64,6 +66,13 @@ def demo(context: str, synthetic: bool, arch: str, needles: int, device_budget: 
          as_json: bool) -> None:
     """Answer questions about facts hidden in a long text, with 10% of the KV cache on the device."""
     say = (lambda *a: None) if as_json else click.echo
+    given = click.get_current_context().get_parameter_source
+    if synthetic and model is not None:
+        raise click.BadParameter(f"{model!r} with --synthetic, where no model runs (its KV is drawn in the shape of "
+                                 "--arch); allowed: --model without --synthetic", param_hint="'--model'")
+    if not synthetic and given("arch") is not click.core.ParameterSource.DEFAULT:
+        raise click.BadParameter(f"{arch!r} without --synthetic (the model's own shape is used); allowed: --arch "
+                                 "with --synthetic", param_hint="'--arch'")
     if synthetic:
         tokens = parse_context(context, "--context", SYNTHETIC_MIN_CONTEXT, SYNTHETIC_MAX_CONTEXT, allowed=(
             f"a token count like 3000, 128K or 1M, from {SYNTHETIC_MIN_CONTEXT} to {SYNTHETIC_MAX_CONTEXT // 2**20}M"))
@@ -91,15 +100,26 @@ def demo(context: str, synthetic: bool, arch: str, needles: int, device_budget: 
     where = resolve_device(device)
     if synthetic:
         from ..bench.synthetic import ARCHS
+        from ..placement import Budget
+        from ..scoring import BASELINES_ATTENTION_FREE
 
         if arch not in ARCHS:
             raise click.BadParameter(f"{arch!r} is not a known architecture; allowed: {', '.join(ARCHS)}",
                                      param_hint="'--arch'")
+        if scorer not in ("auto", *BASELINES_ATTENTION_FREE):
+            raise click.BadParameter(f"{scorer!r} with --synthetic, where no model runs (no queries to attend with, "
+                                     f"no model's KVP weights); allowed: auto (keynorm), "
+                                     f"{', '.join(BASELINES_ATTENTION_FREE)}", param_hint="'--scorer'")
+        if Budget(budget, "--device-budget").tokens(tokens) >= tokens:
+            raise click.BadParameter(f"{device_budget!r} holds all {tokens:,} tokens on the device: nothing is "
+                                     "demoted, so recall has nothing to find; allowed: a budget below the context",
+                                     param_hint="'--device-budget'")
         check_synthetic_disk(arch, tokens, disk_dir)
         set_threads(threads)
         from .synthetic_report import run_synthetic
 
-        run_synthetic(arch, tokens, needles, budget, host, recall_pages, as_json, disk_dir=disk_dir, device=str(where))
+        run_synthetic(arch, tokens, needles, budget, host, recall_pages, as_json, disk_dir=disk_dir, device=str(where),
+                      scorer="keynorm" if scorer == "auto" else scorer)
         return
     check_model(model)
     set_threads(threads)

@@ -10,7 +10,7 @@ from .format import human_bytes
 
 
 def run_synthetic(arch: str, tokens: int, needles: int, device_budget, host_budget, recall_pages: int,
-                  as_json: bool, disk_dir: str | None = None, device: str = "cpu") -> None:
+                  as_json: bool, disk_dir: str | None = None, device: str = "cpu", scorer: str = "keynorm") -> None:
     """Fill one synthetic layer (its disk tier in a private folder inside `disk_dir`) and print what recall found."""
     import os
 
@@ -22,13 +22,14 @@ def run_synthetic(arch: str, tokens: int, needles: int, device_budget, host_budg
         disk_dir = os.path.expanduser(disk_dir)
         os.makedirs(disk_dir, exist_ok=True)
     report = synthetic_needles(arch, tokens, needles, device_budget, host_budget, recall_pages, disk_dir=disk_dir,
-                               progress=lambda it: tqdm(it, desc="filling", disable=as_json), device=device)
+                               progress=lambda it: tqdm(it, desc="filling", disable=as_json), device=device,
+                               scorer=scorer)
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
     click.echo(f"\nSYNTHETIC: {tokens:,} tokens of Gaussian KV in one layer shaped like {arch} "
                f"({report['layers_in_arch']} layers in the real model), {needles} planted needles; no model ran; "
-               f"device tier on {report['settings']['device']}")
+               f"entries ranked by {report['settings']['scorer']}; device tier on {report['settings']['device']}")
     for n in report["needles"]:
         click.echo(f"  needle at {n['position']:>9,}: {'recalled' if n['recalled'] else 'MISSED':<8} "
                    f"output vs needle value cos {n['cosine_to_needle_value']:.4f}, "

@@ -54,7 +54,9 @@ def test_synthetic_demo_json():
     data = json.loads(result.output)
     assert data["synthetic"] is True and data["context"] == 32768
     assert all(n["recalled"] for n in data["needles"])
-    assert data["usage"]["disk"]["tokens"] > 0
+    assert data["usage"]["disk"]["tokens"] > 0 and data["settings"]["scorer"] == "keynorm"
+    result = run("demo", "--synthetic", "--context", "32K", "--needles", "1", "--scorer", "random", "--json")
+    assert result.exit_code == 0 and json.loads(result.output)["settings"]["scorer"] == "random"   # it had been ignored
 
 
 def test_demo_json_on_the_default_model():

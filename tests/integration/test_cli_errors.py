@@ -89,9 +89,19 @@ def test_demo_synthetic_bad_context(value):
     (["--host-budget", "-1"], ["host_budget=-1", "allowed"]),
     (["--host-budget", "none"], ["--host-budget", "'none'", "allowed"]),
     (["--scorer", "nope"], ["--scorer", "'nope'", "keynorm"]),
+    (["--scorer", "snapkv"], ["--scorer", "'snapkv'", "no model runs", "keynorm, keydiff, random"]),
+    (["--scorer", "kvp"], ["--scorer", "'kvp'", "KVP weights"]),
+    (["--model", "/somewhere"], ["--model", "'/somewhere'", "no model runs"]),
+    (["--context", "4096", "--device-budget", "1.0"], ["--device-budget", "holds all 4,096 tokens", "below"]),
+    (["--context", "4096", "--device-budget", "100000"], ["--device-budget", "nothing is demoted"]),
 ])
 def test_demo_synthetic_bad_options(args, words):
     assert_one_line(run("demo", "--synthetic", *args), 2, *words)
+
+
+def test_demo_arch_without_synthetic_is_refused():
+    """--arch shapes the synthetic KV only; without --synthetic it had been taken and ignored."""
+    assert_one_line(run("demo", "--arch", "bogus", "--context", "256"), 2, "--arch", "'bogus'", "without --synthetic")
 
 
 def test_demo_synthetic_larger_than_the_disk(tmp_path):
