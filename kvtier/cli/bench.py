@@ -562,7 +562,7 @@ def gpu(contexts: str, million: bool, million_context: str, million_layers: str,
     if layers is not None and layers > SHAPES[shape]["num_hidden_layers"]:
         raise bad_option("--layers", layers, f"1 to {SHAPES[shape]['num_hidden_layers']} for {shape}", "is too many")
     check_device(device)
-    check_output_file(out_path, "--out")
+    out_path = check_output_file(out_path, "--out")
     if threads is not None:
         set_threads(threads)
     cfg = GpuBenchConfig(device=device, shape=shape, layers=layers, contexts=ctx, million=million,

@@ -203,8 +203,9 @@ def resolve_device(device: str, option: str = "--device") -> torch.device:
     return indexed_device(device)
 
 
-def check_writable_folder(folder: str, option: str, shown: str | None = None) -> None:
-    """Fail now if `folder` cannot be written (or created) — without creating anything that stays behind.
+def check_writable_folder(folder: str, option: str, shown: str | None = None) -> str:
+    """Fail now if `folder` cannot be written (or created) — without creating anything that stays behind; returns
+    the folder with ``~`` expanded, the path to use (``--out=~/x`` reaches the program unexpanded).
 
     The probe is an anonymous temporary file in the folder, or in its closest existing parent when the
     folder does not exist yet; it is gone as soon as it is closed, even when writing to it fails (a full
@@ -230,14 +231,17 @@ def check_writable_folder(folder: str, option: str, shown: str | None = None) ->
     except OSError as e:
         raise bad_option(option, value, allowed,
                          f"{what} (cannot create files in {existing}: {e.strerror or e})") from None
+    return str(Path(folder).expanduser())
 
 
-def check_output_file(path: str, option: str) -> None:
-    """A file to write: not a folder, and its folder writable (or creatable)."""
+def check_output_file(path: str, option: str) -> str:
+    """A file to write: not a folder, and its folder writable (or creatable); returns the path with ``~``
+    expanded, the one to write (``--out=~/x`` reaches the program unexpanded)."""
     p = Path(path).expanduser()
     if p.is_dir():
         raise bad_option(option, path, "a file path", "is a folder")
     check_writable_folder(str(p.absolute().parent), option, shown=path)
+    return str(p)
 
 
 def check_model(model: str | None, option: str = "--model") -> None:

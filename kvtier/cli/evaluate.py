@@ -52,7 +52,7 @@ def evaluate(suite: str, out: str, model: str | None, policies: str | None, budg
     if unknown:
         raise click.BadParameter(f"{', '.join(map(repr, unknown))} is not a task; allowed: {', '.join(TASKS)}",
                                  param_hint="'--tasks'")
-    check_output_file(out, "--out")
+    out = check_output_file(out, "--out")
     if Path(out).is_file():  # resumed: a damaged file fails now, not after the model has loaded
         read_result_lines(out, "--out")
     where = resolve_device(device)
@@ -92,7 +92,7 @@ def report(results: str, out: str, note: str) -> None:
     if not records:
         raise click.BadParameter(f"{results!r} holds no results; allowed: a JSON lines file written by `kvtier eval`",
                                  param_hint="'RESULTS'")
-    check_output_file(out, "--out")
+    out = check_output_file(out, "--out")
 
     from ..eval.report import write_report
 

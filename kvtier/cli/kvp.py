@@ -58,7 +58,7 @@ def traces(out: str, model: str | None, split: str, texts: int, needles: int, pr
     lengths = parse_ints(prompt_tokens, "--prompt-tokens", low=64)
     contexts = parse_ints(needle_context, "--needle-context", low=256)
     chat_lengths = parse_ints(chat_context, "--chat-context", low=512)
-    check_writable_folder(out, "--out")
+    out = check_writable_folder(out, "--out")
     check_model(model)
 
     from ..models import DEFAULT_MODEL_NAME
@@ -108,7 +108,7 @@ def train(trace_dirs: tuple[str, ...], out: str, objective: str, steps: int, see
                 f"{folder!r} was recorded with {', '.join(f'{k}={other[k]!r}' for k in differ)}, {trace_dirs[0]!r} "
                 f"with {', '.join(f'{k}={first[k]!r}' for k in differ)}; allowed: folders of one model",
                 param_hint="'--traces'")
-    check_output_file(out, "--out")
+    out = check_output_file(out, "--out")
 
     from ..errors import ConfigError
     from ..scoring.kvp import load_agents, save_agents
@@ -191,7 +191,7 @@ def calibrate(kvp_path: str, out: str, model: str | None, texts: int, lengths: s
     if not slope_values or any(not math.isfinite(x) or x < 0 for x in slope_values):
         raise click.BadParameter(f"{slopes!r}; allowed: a comma list of numbers >= 0, e.g. 0,1,2,3",
                                  param_hint="'--slopes'")
-    check_output_file(out, "--out")
+    out = check_output_file(out, "--out")
     check_model(model)
 
     from ..config import ModelShape
@@ -238,7 +238,7 @@ def eval_scorer(trace_dir: str, kvp_path: str | None, budgets: str, markdown: st
     manifest = read_manifest(trace_dir)
     fractions = parse_fractions(budgets, "--budgets")
     if markdown:
-        check_output_file(markdown, "--markdown")
+        markdown = check_output_file(markdown, "--markdown")
 
     from ..scoring.kvp import KVPScorer
     from ..scoring import BASELINES_ATTENTION_BASED, BASELINES_ATTENTION_FREE

@@ -86,3 +86,16 @@ def test_train_refuses_more_top_tokens_than_a_problem_holds(tmp_path):
     assert result.exit_code == 2
     assert "--top-tokens" in result.output and "top_tokens=500" in result.output and "384" in result.output
     assert not (tmp_path / "w.safetensors").exists()
+
+
+def test_out_with_a_tilde_is_written_where_it_was_checked(tmp_path, monkeypatch):
+    """`--out=~/x` reaches the program unexpanded (the shell expands no ~ after '='): the checks expanded it, and
+    training then wrote to a folder named '~' under the current one, failing after it had trained."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    folder = _folder(tmp_path)
+    result = CliRunner().invoke(main, ["train", "--traces", str(folder), "--out=~/kvp/w.safetensors", "--steps", "2",
+                                       "--threads", "1"])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "home" / "kvp" / "w.safetensors").is_file() and not (tmp_path / "~").exists()
+    assert (tmp_path / "home" / "kvp" / "w.report.json").is_file()
