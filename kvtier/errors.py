@@ -83,8 +83,11 @@ def os_reason(e: BaseException) -> str:
         if isinstance(cur, MemoryError):
             return "out of memory"
         if is_out_of_device_memory(cur):
+            text = " ".join(str(cur).split())
+            if "DefaultCPUAllocator" in text:   # "... can't allocate memory: you tried to allocate N bytes."
+                return f"out of memory ({text[text.index('DefaultCPUAllocator'):]})"
             # torch's message: "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has ..." and advice
-            said = ". ".join(" ".join(str(cur).split()).split(". ")[:2])
+            said = ". ".join(text.split(". ")[:2])
             return f"out of device memory ({said})"
         if isinstance(cur, OSError) and cur.errno is not None:
             name = errno.errorcode.get(cur.errno, str(cur.errno))
@@ -98,10 +101,12 @@ def os_reason(e: BaseException) -> str:
 
 
 def is_out_of_device_memory(e: BaseException) -> bool:
-    """torch's own out-of-memory error (a GPU's, a `RuntimeError` rather than a `MemoryError`)."""
+    """torch's own out-of-memory errors, `RuntimeError`s rather than `MemoryError`s: a GPU's, and the CPU
+    allocator's where the CPU is the device ("DefaultCPUAllocator: can't allocate memory")."""
     import torch
 
-    return isinstance(e, torch.OutOfMemoryError)
+    return isinstance(e, torch.OutOfMemoryError) or (
+        isinstance(e, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(e))
 
 
 def is_resource_error(e: BaseException) -> bool:

@@ -441,7 +441,7 @@ def classify(exc: BaseException) -> tuple[str, int] | None:
         return one_line(f"{type(exc).__name__}: {exc}"), EXIT_RUNTIME
     if isinstance(exc, (OSError, MemoryError)):  # a full disk, a failing device, out of memory while running
         return one_line(f"{type(exc).__name__}: {exc}"), EXIT_RUNTIME
-    if is_out_of_device_memory(exc):             # a GPU out of memory (the model's own steps included)
+    if is_out_of_device_memory(exc):   # torch out of GPU or CPU memory (the model's own steps included)
         return one_line(f"{type(exc).__name__}: {os_reason(exc)}"), EXIT_RUNTIME
     return None
 

@@ -553,7 +553,11 @@ GPU_FULL = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total c
             "memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
 
 
-@pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"), "capacity", "gpu"])
+CPU_FULL = ("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to "
+            "allocate 38654705664 bytes. Error code 12 (Cannot allocate memory)")
+
+
+@pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"), "capacity", "gpu", "cpu"])
 def test_failure_while_running_exits_3(monkeypatch, error):
     import torch
 
@@ -561,14 +565,15 @@ def test_failure_while_running_exits_3(monkeypatch, error):
     from kvtier.errors import CapacityError
 
     exc = {"capacity": CapacityError("disk tier full: 0 bytes free in /x"),
-           "gpu": torch.OutOfMemoryError(GPU_FULL)}.get(error, error)
+           "gpu": torch.OutOfMemoryError(GPU_FULL), "cpu": RuntimeError(CPU_FULL)}.get(error, error)
 
     def fail(*args, **kwargs):
         raise exc
 
     monkeypatch.setattr(synthetic, "synthetic_needles", fail)
     word = {"capacity": "CapacityError", "gpu": "out of device memory (CUDA out of memory. Tried to allocate 2.00 "
-            "GiB)"}.get(error, "No space left")
+            "GiB)", "cpu": "out of memory (DefaultCPUAllocator: can't allocate memory: you tried to allocate "
+            "38654705664 bytes"}.get(error, "No space left")
     assert_one_line(run("demo", "--synthetic", "--context", "4K"), 3, word)
     assert_json_error(run("demo", "--synthetic", "--context", "4K", "--json"), 3, word)
 
