@@ -411,8 +411,8 @@ def time_decode_graph_host(model: Any, input_ids: torch.Tensor, make_cache: Call
             nonlocal planned
             t0 = time.perf_counter()
             plans = plan()
-            times["plan"] += time.perf_counter() - t0
-            if plans is not None:
+            if plans is not None:   # a step not planned runs the ordinary way: its planning is not counted
+                times["plan"] += time.perf_counter() - t0
                 planned += 1
                 t0 = time.perf_counter()
                 key = graph._key(plans, token)
@@ -440,7 +440,10 @@ def time_decode_graph_host(model: Any, input_ids: torch.Tensor, make_cache: Call
     finally:
         if hasattr(cache, "close"):
             cache.close()
-    per = 1e6 / max(1, len(cache._engines) * planned)
+    if not planned:   # no step was planned whole: there is no per-step figure
+        return {**dict.fromkeys(times), "total": None, "planned_steps": 0, "steps": steps, "states": 0,
+                "demotions": demotions}
+    per = 1e6 / (len(cache._engines) * planned)
     out = {k: round(v * per, 1) for k, v in times.items()}
     return {**out, "total": round(sum(out.values()), 1), "planned_steps": planned, "steps": steps,
             "states": len(keys), "demotions": demotions}

@@ -417,9 +417,14 @@ def launches(context: str, steps: int, demote_pages: str, prefetch_at: str, host
                        f"{r['captured_launches_per_layer_step']:.1f} launches, "
                        f"{r['captured_host_us_per_layer_step']:.1f} us of host time; the replay's keys "
                        f"{r['graph_key_host_us_per_layer_step']:.1f} us beside it")
-    click.echo(f"  a step replayed whole (DecodeGraph) costs the host, per layer: plan {whole['plan']:.1f} us, key "
-               f"{whole['key']:.1f} us, take {whole['take']:.1f} us ({whole['planned_steps']} of {steps} steps "
-               f"planned, in {whole['states']} states: a capture each on a GPU; {whole['demotions']} demotions)")
+    if whole["planned_steps"]:
+        click.echo(f"  a step replayed whole (DecodeGraph) costs the host, per layer: plan {whole['plan']:.1f} us, "
+                   f"key {whole['key']:.1f} us, take {whole['take']:.1f} us ({whole['planned_steps']} of {steps} "
+                   f"steps planned, in {whole['states']} states: a capture each on a GPU; {whole['demotions']} "
+                   "demotions)")
+    else:
+        click.echo(f"  a step replayed whole (DecodeGraph): none of the {steps} steps could be planned whole (they ran "
+                   "the ordinary way), so there is no figure")
     click.echo(f"  TieredCache / DynamicCache: x{out['ratio']:.2f} launches")
 
 
