@@ -135,8 +135,9 @@ def measure_wrapper_cost(contexts: list[int], budget: float = 0.1, n: int = 2000
                          "us_per_layer_step": round(per_layer, 1),
                          "torch_ops_per_layer_step": round(per_layer / torch_us, 1)})
     return {"torch_op_us": round(torch_us, 2), "calls_per_layer_step": dict(CALLS), "rows": rows,
-            "threads": torch.get_num_threads(),
+            "threads": torch.get_num_threads(), "settings": {"device_budget": budget, "calls": n},
             "method": "each operation's whole call under kvtier.native.loader.dry_run (its checks, allocations "
                       "and launch arguments; no kernel built or launched), at the decode shapes of the "
-                      "Llama-3.1-8B shape (8 KV heads x 128, 4 query rows each, bf16), 10% of the context on "
-                      "the device; the torch op is an in-place add on one element; median of five runs"}
+                      f"Llama-3.1-8B shape (8 KV heads x 128, 4 query rows each, bf16), {budget:g} of the context "
+                      f"on the device; the torch op is an in-place add on one element; median of five runs of {n} "
+                      "calls"}

@@ -451,7 +451,8 @@ def wrappers(contexts: str, device_budget: float, calls: int, threads: int, as_j
         click.echo(json.dumps(out, indent=2))
         return
     ops = list(out["calls_per_layer_step"])
-    click.echo(f"\nhost us per call (launch left out); a torch op here: {out['torch_op_us']:.2f} us")
+    click.echo(f"\nhost us per call (launch left out), {out['settings']['device_budget']:g} of the context on the "
+               f"device; a torch op here: {out['torch_op_us']:.2f} us")
     click.echo(f"  {'context':>9}  " + "  ".join(f"{op:>17}" for op in ops) + "  per layer-step  in torch ops")
     for r in out["rows"]:
         click.echo(f"  {r['context']:>9,}  " + "  ".join(f"{r['us_per_call'][op]:>17.2f}" for op in ops)

@@ -260,10 +260,13 @@ def test_bench_launches_json():
 
 def test_bench_wrappers_json():
     """The host cost of kvtier's own code per native call, at two contexts, next to a torch op's."""
-    result = run("bench", "wrappers", "--contexts", "16K,64K", "--calls", "10", "--json")
+    result = run("bench", "wrappers", "--contexts", "16K,64K", "--calls", "10", "--device-budget", "0.5", "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.output[result.output.index("{"):])
     assert [r["context"] for r in data["rows"]] == [16_384, 65_536] and data["torch_op_us"] > 0
+    # the settings it ran with (its method had always said 10% on the device)
+    assert data["settings"] == {"device_budget": 0.5, "calls": 10} and "0.5 of the context" in data["method"]
+    assert data["rows"][0]["device_entries"] == 8192
     assert set(data["rows"][0]["us_per_call"]) == set(data["calls_per_layer_step"])
     bad = run("bench", "wrappers", "--contexts", "12")
     assert bad.exit_code != 0 and "--contexts" in bad.output
