@@ -58,15 +58,15 @@ def chat(device_budget: str, host_budget: str, park_to: str, max_new_tokens: int
             if park_to != "none":
                 session.park(park_to)
             s = session.cache.stats()
-            if as_json:
+            per = max(s["layers"] * s["kv_heads"], 1)   # a model of sliding-window layers only tiers none
+            if as_json:   # the conversation's tokens, and each tier's per layer and KV head, as the text shows them
                 click.echo(json.dumps({"turn": turn, "reply": reply, "tokens": s["tokens_seen"],
-                                       **{t: {"tokens": s[t]["tokens"], "bytes": s[t]["bytes"]}
+                                       **{t: {"tokens_per_head": s[t]["tokens"] // per, "bytes": s[t]["bytes"]}
                                           for t in ("device", "host", "disk")}, "parked": s["parked"],
                                        **({"decode_graph": session.decode_graph.stats()}
                                           if session.decode_graph is not None else {})}))
                 continue
             click.echo(f"model> {reply}")
-            per = max(s["layers"] * s["kv_heads"], 1)   # a model of sliding-window layers only tiers none
             tiers = "  ".join(f"{t} {s[t]['tokens'] // per:,} tok/head ({human_bytes(s[t]['bytes'])})"
                               for t in ("device", "host", "disk"))
             click.echo(click.style(f"  [turn {turn}: {s['tokens_seen']:,} tokens | {tiers}"

@@ -131,11 +131,12 @@ def demo(context: str, synthetic: bool, arch: str, needles: int, device_budget: 
     from ..integrations.hf import TieredCache, cache_kwargs
     from ..tasks import make_needle_task
 
-    report = {"device": str(where), "tasks": []}
+    report = {"device": str(where), "settings": {"device_budget": budget, "host_budget": host,
+                                                 "recall_pages": recall_pages}, "tasks": []}
     for i in range(needles):
         depth = (i + 0.5) / needles * 0.8
         task = make_needle_task(tok, context_tokens=tokens, depth=depth, seed=i)
-        row = {"prompt_tokens": task.prompt_tokens, "depth": round(depth, 2), "answer": task.answer}
+        row = {"prompt_tokens": task.prompt_tokens, "depth": round(depth, 2), "key": task.key, "answer": task.answer}
         for name in ("full", "tiered"):
             cache = (DynamicCache(config=lm.config) if name == "full" else
                      TieredCache(lm.config, device_budget=budget, host_budget=host, disk_dir=disk_dir,

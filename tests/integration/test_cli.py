@@ -64,8 +64,9 @@ def test_demo_json_on_the_default_model():
     assert result.exit_code == 0, result.output
     data = json.loads(result.output[result.output.index("{"):])
     task = data["tasks"][0]
-    assert {"full", "tiered", "stats"} <= set(task) and task["stats"]["scorer"] == "kvp"
+    assert {"full", "tiered", "stats", "key"} <= set(task) and task["stats"]["scorer"] == "kvp"
     assert data["correct"]["tiered"] == data["correct"]["full"] == 1
+    assert data["settings"] == {"device_budget": 0.1, "host_budget": 0.2, "recall_pages": 32}   # as the text says
 
 
 def test_chat_json_parks_between_turns():
@@ -73,7 +74,10 @@ def test_chat_json_parks_between_turns():
     assert result.exit_code == 0, result.output
     turns = [json.loads(line) for line in result.output.splitlines() if line.startswith("{")]
     assert [t["turn"] for t in turns] == [1, 2]
-    assert turns[-1]["parked"] == "disk" and turns[-1]["device"]["tokens"] == 0 and turns[-1]["disk"]["tokens"] > 0
+    last = turns[-1]
+    assert last["parked"] == "disk" and last["device"]["tokens_per_head"] == 0
+    # per layer and KV head, as the text shows: never more than the conversation's tokens (a sum over them had been)
+    assert 0 < last["disk"]["tokens_per_head"] <= last["tokens"]
     assert "decode_graph" not in turns[-1]
     stepped = run("chat", "--json", "--park", "disk", "--max-new-tokens", "8", "--decode-graph",
                   input="Hello!\nAnd again?\n")
