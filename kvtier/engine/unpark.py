@@ -30,7 +30,7 @@ def _nbytes(got: dict) -> int:
 
 
 class ParkedReads:
-    """The reads of every layer parked on disk among `engines`, made on one thread started here.
+    """The reads of every layer parked on disk among `engines`, made on one thread (`start`).
 
     Layers parked on the host are not read: their entries already wait in host memory. Where the layers pin their
     host memory (a GPU), the entries are read into pinned memory, so that the restore's copy to the device runs at
@@ -43,6 +43,10 @@ class ParkedReads:
         self._stop = threading.Event()
         self.failed = 0                               # layers whose read failed (the restore reads them again)
         self._thread = threading.Thread(target=self._run, name="kvtier-unpark", daemon=True)
+
+    def start(self) -> None:
+        """Start the reads (apart from making the object, so that its owner holds it first: the owner's finalizer
+        may run on the thread itself, even before the thread's first read, and must find it)."""
         self._thread.start()
 
     def _run(self) -> None:

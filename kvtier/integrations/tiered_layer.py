@@ -88,9 +88,11 @@ class CacheState:
         parked there or no thread can be started (the restore then reads them itself); returns whether they started."""
         if self.reads is not None or not any(e.parked is not None and e.parked.where == "disk" for e in self.engines):
             return False
+        self.reads = ParkedReads(self.engines)   # held before its thread starts (see `ParkedReads.start`)
         try:
-            self.reads = ParkedReads(self.engines)
+            self.reads.start()
         except RuntimeError:   # "can't start new thread": a head start, never needed
+            self.reads = None
             return False
         return True
 

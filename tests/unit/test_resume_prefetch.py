@@ -210,9 +210,21 @@ def test_session_store_reads_back_on_resume_and_ahead_of_it(llama, tmp_path, nev
     again.close()
 
 
+@pytest.mark.parametrize("thread_first", [False, True])
 def test_a_cache_collected_on_its_own_reading_thread_is_closed_without_waiting_for_itself(llama, tmp_path,
-                                                                                          monkeypatch):
-    """A garbage collection that the reads set off may run the cache's finalizer on the reading thread."""
+                                                                                          monkeypatch, thread_first):
+    """A garbage collection that the reads set off may run the cache's finalizer on the reading thread; even before
+    the thread that started the reads holds them (`thread_first`: the reads done before `start` returns), the
+    finalizer finds and drops them (the cache had been left holding reads its finalizer never saw)."""
+    if thread_first:
+        start = threading.Thread.start
+
+        def start_and_finish(thread):
+            start(thread)
+            if thread.name == "kvtier-unpark":
+                thread.join()
+
+        monkeypatch.setattr(threading.Thread, "start", start_and_finish)
     cache, _ = _prefilled(llama, tmp_path, park="disk")
     folder, state = cache.disk_path, cache._state
     real, closed = parking.ParkedLayer.read, []
@@ -227,7 +239,8 @@ def test_a_cache_collected_on_its_own_reading_thread_is_closed_without_waiting_f
     cache_ref = [cache]
     monkeypatch.setattr(parking.ParkedLayer, "read", read_then_collect)
     cache.prefetch_parked()
-    state.reads._thread.join(5)
+    for thread in _readers():
+        thread.join(5)
     assert closed == ["kvtier-unpark"] and state.closed and not os.path.exists(folder)
     assert state.reads is None and all(e.tiers == [None, None] for e in state.engines)   # every layer closed
     assert _readers() == []
