@@ -126,6 +126,17 @@ class CacheState:
                     raise
                 raise err from e
 
+    def undo_windows(self) -> None:
+        """Give the window layers that took this step before the first tiered layer their state before it (the
+        step was refused there, before anything else changed)."""
+        for window in self.windows:
+            window.undo()
+
+    def settle_windows(self) -> None:
+        """The step got past the first tiered layer's checks: the windows' states before it are not needed."""
+        for window in self.windows:
+            window.before = None
+
     def guard(self, run: Callable[[], Any], where: str, capacity: str, before: int | None = None) -> Any:
         """`run()` without autograd; a failure breaks the cache if any layer's length moved (always, when
         `before` is None: the layer already took the step), and a resource failure becomes a `CapacityError`."""
@@ -310,8 +321,11 @@ class TieredLayer(OneSequence, CacheLayerMixin):
         when this step recalls (otherwise the model's own attention runs and does it).
         """
         engine = self.engine
+        first = engine is self._state.engines[0]   # the first tiered layer: a refusal here can undo the step
         step = self.steady
         if step is not None:   # a planned step's launches (`kvtier.integrations.model_graph`); the mask is causal
+            if first:
+                self._state.settle_windows()
             if refuse or how.get("weights"):   # what the ordinary step does (or refuses) instead
                 raise StepMismatch(f"layer {engine.layer_idx}'s attention was asked for "
                                    f"{refuse[0] if refuse else 'its weights'}")
@@ -338,9 +352,12 @@ class TieredLayer(OneSequence, CacheLayerMixin):
                     try:
                         engine.mask_new_tokens(masked)
                     except UnsupportedError:
-                        if engine.layer_idx == self._state.first:   # no other layer took the step: undo it
+                        if first:   # only window layers before it took the step: undo it there and here
                             engine.drop_step()
+                            self._state.undo_windows()
                         raise
+            if first:
+                self._state.settle_windows()
             return engine.attend(query, **how)
 
         before = None if engine.pending is None else engine.pending.start
@@ -419,12 +436,35 @@ class GuardedWindow(OneSequence, WindowLayer):
         super().__init__(sliding_window=sliding_window, **kwargs)
         self.layer_idx = layer_idx
         self._state = state
+        # before this step, where the layer comes before the first tiered one (whose checks may refuse the step):
+        # transformers' update makes new tensors, so holding the old ones is enough to undo it
+        self.before: tuple | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         st = self._state
         if st is None:
             raise ConfigError("a window layer of a TieredCache used before the cache was built")
-        return st.step(self.layer_idx, self.cumulative_length, key_states,
-                       lambda: WindowLayer.update(self, key_states, value_states, *args, **kwargs),
-                       f"window layer {self.layer_idx}", "update")
+
+        def run() -> tuple[torch.Tensor, torch.Tensor]:
+            if st.engines and self.layer_idx < st.engines[0].layer_idx:
+                self.restore()
+                self.before = (self.keys, self.values, self.cumulative_length, self.is_initialized)
+            return WindowLayer.update(self, key_states, value_states, *args, **kwargs)
+
+        return st.step(self.layer_idx, self.cumulative_length, key_states, run, f"window layer {self.layer_idx}",
+                       "update")
+
+    def undo(self) -> None:
+        """Back to the state before this step's update (`before`), if one is kept."""
+        if self.before is not None:
+            self.keys, self.values, self.cumulative_length, self.is_initialized = self.before
+            self.before = None
+
+    def reset(self) -> None:
+        super().reset()
+        self.before = None
+
+    def park(self) -> None:
+        self.before = None
+        super().park()

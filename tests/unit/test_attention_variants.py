@@ -157,3 +157,35 @@ def test_the_models_own_attention_sees_its_own_name_in_the_config(monkeypatch):
         with TieredCache(model.config) as cache:
             got = model(ids, **cache_kwargs(cache)).logits
     assert seen == [("flash_attention_2", "kvtier_flash_attention_2")] * 2 and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("where", ["first step", "later step"])
+def test_a_padding_refusal_on_a_model_whose_first_layer_slides_leaves_the_cache_as_it_was(where):
+    """Gemma 2's first layer is a sliding window, which takes a step before the first tiered layer can refuse its
+    padding: the window's update is undone with the tiered layer's write, so the cache is not broken and goes on
+    as a twin never asked (it had been left broken)."""
+    from transformers import Gemma2Config
+
+    from kvtier import UnsupportedError
+
+    model = _tiny(Gemma2Config, attn_logit_softcapping=1.0, final_logit_softcapping=None)
+    a, b = (TieredCache(model.config, device_budget=0.5) for _ in range(2))
+    ids = torch.randint(1, 256, (1, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        if where == "later step":
+            for c in (a, b):
+                model(ids[:, :30], **cache_kwargs(c))
+        padded, mask = ids.clone(), torch.ones_like(ids)
+        mask[0, 34] = 0
+        start = 0 if where == "first step" else 30
+        with pytest.raises(UnsupportedError, match="left padding"):
+            model(padded[:, start:], attention_mask=mask, **cache_kwargs(a))
+        assert a.broken is None and a.get_seq_length() == b.get_seq_length() == start
+        assert [w.cumulative_length for w in a._state.windows] == [start, start]
+        assert torch.equal(model(ids[:, start:], **cache_kwargs(a)).logits,
+                           model(ids[:, start:], **cache_kwargs(b)).logits)
+        for _ in range(3):   # decode steps after it, the windows' entries included
+            nxt = torch.randint(1, 256, (1, 1), generator=torch.Generator().manual_seed(_))
+            assert torch.equal(model(nxt, **cache_kwargs(a)).logits, model(nxt, **cache_kwargs(b)).logits)
+    a.close()
+    b.close()
