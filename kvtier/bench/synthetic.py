@@ -74,11 +74,10 @@ def synthetic_needles(arch: str = "llama-3.1-8b", context: int = 2**20, needles:
     marks = torch.randn(needles, kv_heads, dim, generator=g)
     cfg = TieredCacheConfig(shape=ModelShape(1, kv_heads, dim), device_budget=Budget(device_budget, "device_budget"),
                             host_budget=Budget(host_budget, "host_budget", allow_zero=True), recall_pages=recall_pages)
-    shared = SharedResources(disk_dir)   # a private folder inside disk_dir, removed on close
     if cfg.device_tokens(context) >= context:
-        shared.close()
         raise ConfigError(f"device_budget={device_budget!r} holds all {context:,} tokens: nothing is demoted, so "
                           "recall has nothing to find; allowed: a budget below the context")
+    shared = SharedResources(disk_dir)   # a private folder inside disk_dir, removed on close
     engine = LayerEngine(0, cfg, make_scorer(scorer), shared)
 
     def planted(start: int) -> tuple[torch.Tensor, torch.Tensor]:

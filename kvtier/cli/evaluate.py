@@ -96,6 +96,6 @@ def report(results: str, out: str, note: str) -> None:
 
     from ..eval.report import write_report
 
-    Path(out).expanduser().absolute().parent.mkdir(parents=True, exist_ok=True)
+    Path(out).absolute().parent.mkdir(parents=True, exist_ok=True)
     png = write_report(records, out, command=f"kvtier report {results}", note=note)
     click.echo(f"wrote {out} and {png}")

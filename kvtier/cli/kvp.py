@@ -135,7 +135,7 @@ def train(trace_dirs: tuple[str, ...], out: str, objective: str, steps: int, see
         data += traces
         corpora += [c for c in [part.get("corpus", "unknown")] if c not in corpora]
         sources |= {t["continuation"] for t in part["traces"]}
-    Path(out).expanduser().absolute().parent.mkdir(parents=True, exist_ok=True)
+    Path(out).absolute().parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     agents, report = train_agents(data, first["head_dim"], settings, progress=_bar(f"train ({objective})"),
                                   age_only=base)
@@ -212,7 +212,7 @@ def calibrate(kvp_path: str, out: str, model: str | None, texts: int, lengths: s
                                budgets=fractions, progress=_bar("calibrate"))
     meta["calibration"] = {"slope": result.slope, "nll": {f"{k:g}": v for k, v in result.nll.items()},
                            "texts": [name for name, _, _ in windows], "budgets": list(fractions)}
-    Path(out).expanduser().absolute().parent.mkdir(parents=True, exist_ok=True)
+    Path(out).absolute().parent.mkdir(parents=True, exist_ok=True)
     save_agents(with_slope(agents, result.slope), out, meta)
     for slope, nll in result.nll.items():
         click.echo(f"slope {slope:g}: mean continuation NLL {nll:.4f}" + ("  <- chosen" if slope == result.slope else ""))
@@ -253,7 +253,7 @@ def eval_scorer(trace_dir: str, kvp_path: str | None, budgets: str, markdown: st
                               list(fractions), kvp, progress=_bar("eval", as_json), importance=importance)
     result["kvp"] = {k: kvp.meta.get(k) for k in ("model", "objective", "training_data", "best_val_reward")}
     if markdown:
-        Path(markdown).expanduser().absolute().parent.mkdir(parents=True, exist_ok=True)
+        Path(markdown).absolute().parent.mkdir(parents=True, exist_ok=True)
         write_scorer_report(result, markdown, command=f"kvtier eval-scorer --traces {trace_dir}"
                             + (f" --kvp {kvp_path}" if kvp_path else "")
                             + (f" --importance {importance}" if importance != "importance" else ""))

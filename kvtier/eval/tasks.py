@@ -77,7 +77,7 @@ def variable_tracking(tokenizer, length, rng):
     return chat_ids(tokenizer, needle_prompt(hay, q, intro)), names[:4], 32
 
 
-def ranked_words(counts: dict[str, int], rng: random.Random) -> list[str]:
+def shuffled_words(counts: dict[str, int], rng: random.Random) -> list[str]:
     """Each word its count of times, in a shuffled order."""
     words = [w for w, n in counts.items() for _ in range(n)]
     rng.shuffle(words)
@@ -98,7 +98,7 @@ def common_words(tokenizer, length, rng):
             break
         w = rng.choice(open_)
         counts[w] = counts.get(w, 0) + 1
-    listing = " ".join(f"{i + 1}. {w}" for i, w in enumerate(ranked_words(counts, rng)))
+    listing = " ".join(f"{i + 1}. {w}" for i, w in enumerate(shuffled_words(counts, rng)))
     q = "What are the 3 most common words in the list above? Answer with the words only."
     return chat_ids(tokenizer, f"Below is a numbered list of words.\n\n{listing}\n\n{q}"), common, 24
 
@@ -116,7 +116,7 @@ def frequent_words(tokenizer, length, rng):
     counts = [max(1, round(n_words * w / sum(weights))) for w in weights]
     for i in (2, 1, 0):
         counts[i] = max(counts[i], counts[3] + 1)
-    text = " ".join(ranked_words(dict(zip(vocab, counts)), rng))
+    text = " ".join(shuffled_words(dict(zip(vocab, counts)), rng))
     q = "What are the 3 most frequently used coded words in the text above? Answer with the words only."
     return chat_ids(tokenizer, f"Read the following coded text and track how often each coded word appears.\n\n"
                                f"{text}\n\n{q}"), vocab[:3], 24

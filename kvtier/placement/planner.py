@@ -33,6 +33,12 @@ def protected_count(seen: int, sink_tokens: int, recent_tokens: int | float, bud
     return min(seen, sink_tokens + recent_window(recent_tokens, budget_tokens or 0))
 
 
+def kept_first(scores: torch.Tensor, protected: torch.Tensor) -> torch.Tensor:
+    """`scores` as float32 with the always-kept entries (`protected`) at +inf, above every other: a scorer's own
+    +inf (allowed: `RecencyScorer` gives it to its sinks) is held just below, never tied with them."""
+    return torch.where(protected, float("inf"), scores.float().clamp(max=torch.finfo(torch.float32).max))
+
+
 def plan_device_demotion(
     scores: torch.Tensor,
     positions: torch.Tensor,
@@ -86,9 +92,7 @@ def plan_device_demotion(
     if pages <= 0:
         return None
     m = pages * page_size
-    # a scorer's own +inf (allowed: `RecencyScorer` gives it to its sinks) stays below the always-kept set's
-    ranked = torch.where(protected, torch.full_like(scores, float("inf"), dtype=torch.float32),
-                         scores.float().clamp(max=torch.finfo(torch.float32).max))
+    ranked = kept_first(scores, protected)
     # lowest score first; among equal scores the older position first
     order = torch.argsort(positions, dim=1)
     by_score = torch.sort(torch.gather(ranked, 1, order), dim=1, stable=True).indices

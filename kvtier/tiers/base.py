@@ -34,3 +34,12 @@ class Tier(Protocol):
     def nbytes(self) -> int: ...
 
     def close(self) -> None: ...
+
+
+def slot_numbers(values, what: str, error: type[Exception] = ValueError) -> np.ndarray:
+    """`values` as int64 ``[m]``: slot (or row) numbers, which are whole numbers; others are refused with
+    `error`, never truncated (``0.9`` would have named slot 0)."""
+    arr = np.asarray(values)
+    if arr.size and not (np.issubdtype(arr.dtype, np.integer) and arr.dtype != np.bool_):
+        raise error(f"{what} must be whole numbers; got an array of {arr.dtype}")
+    return arr.astype(np.int64, copy=False).reshape(-1)

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from ..errors import CapacityError, ConfigError, CorruptPageError
+from .base import slot_numbers
 
 ALIGN = 4096  # records start and end on 4 KiB boundaries
 CHUNK = 4096  # slots per chunk of the in-memory per-slot arrays
@@ -187,13 +188,6 @@ class DiskStore:
                 self._pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix="kvtier-disk")
             return self._pool
 
-    def _slots(self, slots, what: str = "slots") -> np.ndarray:
-        """`slots` as int64 ``[m]``; numbers that are not whole are refused, never truncated."""
-        arr = np.asarray(slots)
-        if arr.size and not (np.issubdtype(arr.dtype, np.integer) and arr.dtype != np.bool_):
-            raise CorruptPageError(f"{what} of {self.path} must be whole numbers; got an array of {arr.dtype}")
-        return arr.astype(np.int64, copy=False).reshape(-1)
-
     def _check_used(self, slots: np.ndarray) -> np.ndarray:
         """What the store keeps of `slots` (`_META`); raises unless every slot holds a page (call with the lock
         held)."""
@@ -320,7 +314,7 @@ class DiskStore:
         """Give slots ``[m]`` back; their records can no longer be loaded and later `store` calls reuse them.
         Raises `CorruptPageError` (freeing nothing) if a slot holds no page or is given twice."""
         self._check_open()
-        slots = self._slots(slots)
+        slots = slot_numbers(slots, f"slots of {self.path}", CorruptPageError)
         with self._lock:
             self._check_used(slots)
             if len(np.unique(slots)) != len(slots):
@@ -333,7 +327,7 @@ class DiskStore:
     def _start_read(self, slots: np.ndarray, out, rows: np.ndarray | None = None):
         """Check `slots` and plan their reads: ``(tasks, read, finish)``; ``finish()`` returns ``(k, v)``."""
         fd = self._check_open()
-        slots = self._slots(slots)
+        slots = slot_numbers(slots, f"slots of {self.path}", CorruptPageError)
         n, P, D, kb, rs = len(slots), self.page_size, self.head_dim, self._kv_bytes, self.record_size
         with self._lock:
             meta = self._check_used(slots)
@@ -341,7 +335,7 @@ class DiskStore:
         if rows is not None:   # page i goes to out[rows[i]]
             if out is None or len(out) != 2:
                 raise CapacityError("rows needs out, the two tensors the pages are placed in")
-            rows = self._slots(rows, "rows")
+            rows = slot_numbers(rows, f"rows of {self.path}", CorruptPageError)
             m = len(out[0])
             if len(rows) != n or (n and (rows.min() < 0 or rows.max() >= m)):
                 raise CapacityError(f"rows must place each of the {n} pages in out; got {len(rows)} rows "

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from ..transfer.read_mark import ReadMark
+from .base import slot_numbers
 from .slabs import SlabRows
 
 SLAB_BYTES = 4 << 20
@@ -114,10 +115,7 @@ class HostPool:
     def free(self, slots: np.ndarray) -> None:
         """Give slots back; a slot that holds no page (freed already, never handed out, given twice) is refused
         before anything changes: two pages would share it."""
-        arr = np.asarray(slots)
-        if arr.size and not (np.issubdtype(arr.dtype, np.integer) and arr.dtype != np.bool_):
-            raise ValueError(f"host slots must be whole numbers; got an array of {arr.dtype}")
-        s = np.sort(arr.astype(np.int64, copy=False).reshape(-1))
+        s = np.sort(slot_numbers(slots, "host slots"))
         if not len(s):
             return
         inside = (s >= 0) & (s < self._next)

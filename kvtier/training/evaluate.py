@@ -15,7 +15,7 @@ import torch
 
 from ..config import DEFAULT_RECENT_TOKENS, DEFAULT_SINK_TOKENS
 from ..errors import ConfigError
-from ..placement.planner import recent_window
+from ..placement.planner import kept_first, recent_window
 from ..scoring import BASELINES_ATTENTION_BASED, checked_scores, make_scorer, needs_query, ranking_scores
 from ..scoring.kvp import KVPScorer
 from .dataset import importance_target
@@ -53,8 +53,7 @@ def kept_mass(scores: torch.Tensor, importance: torch.Tensor, budget: float, sin
     protected = torch.zeros(n, dtype=torch.bool)
     protected[:sink_tokens] = True
     protected[max(n - recent_window(recent_tokens, keep_n), 0):] = True
-    ranked = torch.where(protected, float("inf"), scores.float().clamp(max=torch.finfo(torch.float32).max))
-    top = torch.topk(ranked, min(max(keep_n, int(protected.sum())), n), dim=-1).indices
+    top = torch.topk(kept_first(scores, protected), min(max(keep_n, int(protected.sum())), n), dim=-1).indices
     return torch.gather(importance, -1, top).sum(-1) / importance.sum(-1).clamp_min(1e-12)
 
 

@@ -15,8 +15,8 @@ CONFIG = types.SimpleNamespace(num_hidden_layers=2, num_attention_heads=4, num_k
                                hidden_size=32, vocab_size=10, _attn_implementation="sdpa")
 
 
-def _session(tokens=200, seed=0):
-    cache = TieredCache(CONFIG, device_budget=0.25, host_budget=0.25, scorer="keynorm")
+def _session(tokens=200, seed=0, host_budget=0.25):
+    cache = TieredCache(CONFIG, device_budget=0.25, host_budget=host_budget, scorer="keynorm")
     g = torch.Generator().manual_seed(seed)
     for layer in range(2):
         k = torch.randn(1, 2, tokens, 8, generator=g)
@@ -193,11 +193,7 @@ def test_a_layer_back_from_disk_with_no_host_page_has_a_host_slab_again_and_step
 def test_past_its_disk_budget_the_store_closes_only_sessions_that_hold_disk():
     """A session parked in host memory with nothing on disk is not closed to make room on disk (closing it freed
     no byte of disk, and the conversation was lost); the coldest sessions holding disk are."""
-    on_host = TieredCache(CONFIG, device_budget=0.25, scorer="keynorm")   # no host budget: no disk page
-    k = torch.randn(1, 2, 200, 8, generator=torch.Generator().manual_seed(9))
-    for layer in range(2):
-        on_host.update(k, k, layer)
-        on_host.layers[layer].engine.commit()
+    on_host = _session(seed=9, host_budget=None)   # no host budget: no disk page
     store = SessionStore(host_bytes=2 ** 30, disk_bytes=None)
     store.park("host-only", on_host)
     store.park("disky", _session(seed=1))
