@@ -88,7 +88,7 @@ class ParkedLayer:
             if len(dirty):
                 written.append(disk.store(*host.load(host_slots[dirty])))
                 disk_slots[dirty] = written[-1]
-            crc, size = _write_meta(path, self.meta)
+            crc, size = write_checked(path, self.meta)
         except BaseException:
             for s in written:
                 disk.free(s)
@@ -120,7 +120,8 @@ class ParkedLayer:
             disk_slots = table.lookup(heads, pids)[1]
             back = (disk_slots, *disk.load(disk_slots))
         k, v = k.reshape(H, pages * page_size, -1), v.reshape(H, pages * page_size, -1)
-        got = {"k": k[:, :n], "v": v[:, :n], "meta": _read_meta(self.file, self.file_crc), "host_pages": back}
+        meta = read_checked(self.file, self.file_crc, "the parked layer file")
+        got = {"k": k[:, :n], "v": v[:, :n], "meta": meta, "host_pages": back}
         if pin:   # whole: a cut of pinned memory would go to the device through a pageable copy of itself
             got["pinned"] = (k, v)
         return got
@@ -159,9 +160,34 @@ class ParkedLayer:
             self.file = None
 
 
-def _write_meta(path: str, meta: dict[str, torch.Tensor]) -> tuple[int, int]:
-    """Write `meta` to a new file at `path` (never an existing file, never through a symlink; mode 0600)."""
-    data = save_tensors({name: t.contiguous() for name, t in meta.items()})
+@dataclass
+class ParkedFile:
+    """Tensors parked in a checksummed file of the cache's private folder: a sliding-window layer's window parked
+    on disk (a window is a few thousand entries a layer, read back whole, so it needs no pages)."""
+
+    path: str
+    crc: int
+    nbytes: int
+
+    @classmethod
+    def write(cls, path: str, tensors: dict[str, torch.Tensor]) -> ParkedFile:
+        """Write `tensors` to a new file at `path`; a failure leaves no file (`write_checked`)."""
+        crc, size = write_checked(path, {name: t.cpu() for name, t in tensors.items()})
+        return cls(path, crc, size)
+
+    def read(self) -> dict[str, torch.Tensor]:
+        """The tensors, checked against the CRC-32 taken when they were written (changes nothing)."""
+        return read_checked(self.path, self.crc, "the parked window file")
+
+    def discard(self) -> None:
+        with contextlib.suppress(OSError):   # gone already, or cannot go: the folder goes on close
+            os.remove(self.path)
+
+
+def write_checked(path: str, tensors: dict[str, torch.Tensor]) -> tuple[int, int]:
+    """Write `tensors` to a new file at `path` (never an existing file, never through a symlink; mode 0600);
+    returns the file's CRC-32 and size."""
+    data = save_tensors({name: t.contiguous() for name, t in tensors.items()})
     try:
         fd = os.open(path, _OPEN_NEW, 0o600)
     except OSError as e:
@@ -180,13 +206,15 @@ def _write_meta(path: str, meta: dict[str, torch.Tensor]) -> tuple[int, int]:
     return zlib.crc32(data), len(data)
 
 
-def _read_meta(path: str, crc: int) -> dict[str, torch.Tensor]:
+def read_checked(path: str, crc: int, what: str) -> dict[str, torch.Tensor]:
+    """The tensors `write_checked` wrote to `path`; a missing, unreadable or changed file is a `CorruptPageError`
+    (`what` names the file in it)."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
         with os.fdopen(fd, "rb") as f:
             data = f.read()
     except OSError as e:
-        raise CorruptPageError(f"the parked layer file {path} is missing or unreadable ({e.strerror or e})") from e
+        raise CorruptPageError(f"{what} {path} is missing or unreadable ({e.strerror or e})") from e
     if zlib.crc32(data) != crc:
-        raise CorruptPageError(f"the parked layer file {path} fails its CRC-32 check")
+        raise CorruptPageError(f"{what} {path} fails its CRC-32 check")
     return dict(load_tensors(data))

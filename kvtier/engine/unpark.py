@@ -22,24 +22,30 @@ from typing import Any
 import torch
 
 
-def _nbytes(got: dict) -> int:
-    tensors = [got["k"], got["v"], *got["meta"].values()]
-    if got["host_pages"] is not None:
-        tensors += list(got["host_pages"][1:])
-    return sum(t.numel() * t.element_size() for t in tensors)
+def _nbytes(got: Any) -> int:
+    """Bytes of the tensors a read holds (a layer's ``pinned`` whole tensors are counted as its cut ``k``, ``v``)."""
+    if isinstance(got, torch.Tensor):
+        return got.numel() * got.element_size()
+    if isinstance(got, dict):
+        return sum(_nbytes(value) for name, value in got.items() if name != "pinned")
+    if isinstance(got, (tuple, list)):
+        return sum(_nbytes(value) for value in got)
+    return 0
 
 
 class ParkedReads:
-    """The reads of every layer parked on disk among `engines`, made on one thread (`start`).
+    """The reads of every layer parked on disk among `engines` and sliding-window `windows`, made on one thread
+    (`start`).
 
     Layers parked on the host are not read: their entries already wait in host memory. Where the layers pin their
     host memory (a GPU), the entries are read into pinned memory, so that the restore's copy to the device runs at
     the link's speed and the pinning's own cost falls on the thread.
     """
 
-    def __init__(self, engines: list[Any]) -> None:
+    def __init__(self, engines: list[Any], windows: list[Any] = ()) -> None:
         self._jobs = [(e, e.parked) for e in engines if e.parked is not None and e.parked.where == "disk"]
-        self._got: dict[int, tuple[Any, dict]] = {}   # engine id -> (the parked layer read, what was read)
+        self._windows = [(w, w.stored) for w in windows if w.stored is not None]   # their files (`ParkedFile`)
+        self._got: dict[int, tuple[Any, dict]] = {}   # layer id -> (what it was parked as when read, what was read)
         self._stop = threading.Event()
         self.failed = 0                               # layers whose read failed (the restore reads them again)
         self._thread = threading.Thread(target=self._run, name="kvtier-unpark", daemon=True)
@@ -51,6 +57,13 @@ class ParkedReads:
 
     def _run(self) -> None:
         with torch.no_grad():   # a new thread is outside inference mode: its tensors are plain ones
+            for window, stored in self._windows:
+                if self._stop.is_set():
+                    return
+                try:
+                    self._got[id(window)] = (stored, stored.read())
+                except BaseException:
+                    self.failed += 1
             for engine, parked in self._jobs:
                 if self._stop.is_set():
                     break
@@ -65,7 +78,7 @@ class ParkedReads:
     @property
     def layers(self) -> int:
         """Layers this read ahead covers."""
-        return len(self._jobs)
+        return len(self._jobs) + len(self._windows)
 
     def done(self) -> bool:
         return not self._thread.is_alive()
@@ -83,10 +96,10 @@ class ParkedReads:
         if threading.current_thread() is not self._thread:
             self._thread.join()
 
-    def take(self, engine: Any) -> dict | None:
-        """What was read for `engine`, if it is still parked as it was when read (after `wait`)."""
-        parked, got = self._got.pop(id(engine), (None, None))
-        return got if parked is not None and engine.parked is parked else None
+    def take(self, layer: Any, parked: Any) -> dict | None:
+        """What was read for `layer`, if it is still `parked` as it was when read (after `wait`)."""
+        read_as, got = self._got.pop(id(layer), (None, None))
+        return got if read_as is not None and read_as is parked else None
 
     def held_bytes(self) -> int:
         """Host memory the reads hold now (results not yet taken; read while the thread runs)."""

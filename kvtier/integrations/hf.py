@@ -31,7 +31,7 @@ from ..placement.budget import Budget
 from ..scoring import QueryScorer, Scorer, check_scorer_model, make_scorer, scorer_name
 from .attention import restore_attention, use_tiered_attention
 from .layers import NO_CACHE, TIERED, WINDOWED, LayerPlan, WindowLayer, layer_plan
-from .tiered_layer import CacheState, GuardedWindow, OneSequence, TieredLayer, capacity_error, plain_tensors
+from .tiered_layer import CacheState, GuardedWindow, OneSequence, TieredLayer, plain_tensors
 
 
 def _close(state: CacheState) -> None:
@@ -193,7 +193,7 @@ class TieredCache(OneSequence, Cache):
         The next forward restores every layer before any takes its step (a restore that fails then leaves the
         cache usable), and generation continues exactly as if the cache had never moved.
 
-        Sliding-window layers go to host memory for either target (they hold at most a window each).
+        Sliding-window layers go there too: to host memory, or each to a checksummed file of its window.
 
         All or nothing: when a layer cannot be parked (disk full, file-size limit, too many open files,
         read-only folder, ...), the layers this call already parked are put back as they were and a
@@ -209,30 +209,29 @@ class TieredCache(OneSequence, Cache):
     def _park(self, to: str) -> None:
         st = self._state
         done: list[tuple[LayerEngine, str | None]] = []
-        moved = [w for w in st.windows if not w.parked]   # only these go back if the call fails
+        # the windows that move (those on disk stay there), and where each was: only these go back if the call fails
+        moved = [(w, w.where) for w in st.windows if w.is_initialized and w.where not in (to, "disk")]
         try:
-            for window in moved:
-                window.park()
+            for window, _ in moved:
+                path = None
+                if to == "disk":
+                    path = os.path.join(self._shared.private_dir(), f"window{window.layer_idx:03d}.parked.safetensors")
+                window.park(to, path)
         except BaseException as e:
-            for window in moved:
-                window.restore()
-            err = capacity_error(e, f"park({to!r}) could not move the sliding-window layers to host memory; every "
-                               "layer is as it was before the call")
-            if err is None:
+            state = self._undo_windows(moved)
+            if not (isinstance(e, CapacityError) or is_resource_error(e)):
                 raise
-            raise err from e
+            where = "host memory" if to == "host" else "disk"
+            raise CapacityError(f"park({to!r}) could not move the sliding-window layers to {where}: {os_reason(e)}; "
+                                f"{state}") from e
         for i, engine in enumerate(self._engines):
             before = None if engine.parked is None else engine.parked.where
             try:
                 engine.park(to)
             except BaseException as e:
-                undone = self._undo_park(done)
-                for window in moved:
-                    window.restore()
+                state = self._undo_windows(moved) if self._undo_park(done) else self._broken_state()
                 if not (isinstance(e, CapacityError) or is_resource_error(e)):
                     raise
-                state = ("every layer is as it was before the call" if undone else
-                         f"putting the parked layers back failed too, so the cache is broken ({st.broken})")
                 reason = os_reason(e)
                 detail = "" if reason == str(e) else f" [{e}]"
                 raise CapacityError(f"park({to!r}) failed at layer {engine.layer_idx} (tiered layer {i + 1} of "
@@ -240,6 +239,23 @@ class TieredCache(OneSequence, Cache):
             after = None if engine.parked is None else engine.parked.where
             if after != before:
                 done.append((engine, before))
+
+    def _undo_windows(self, moved: list[tuple[GuardedWindow, str | None]]) -> str:
+        """Put the windows a failed `park` moved back where they were; says how the cache is left (broken if one
+        cannot go back)."""
+        for window, before in moved:
+            try:
+                if window.where != before:
+                    window.restore()
+                    if before is not None:
+                        window.park(before)
+            except BaseException as e:
+                self._state.break_with(e, f"putting window layer {window.layer_idx} back after a failed park ")
+                return self._broken_state()
+        return "every layer is as it was before the call"
+
+    def _broken_state(self) -> str:
+        return f"putting the parked layers back failed too, so the cache is broken ({self._state.broken})"
 
     def _undo_park(self, done: list[tuple[LayerEngine, str | None]]) -> bool:
         """Put layers parked by a failed `park` back where they were; False (and the cache broken) if one fails."""
@@ -304,8 +320,7 @@ class TieredCache(OneSequence, Cache):
     def parked(self) -> str | None:
         """Where the cache is parked (``"host"``, ``"disk"``), or None when it is live."""
         places = {e.parked.where for e in self._engines if e.parked is not None}
-        if any(w.parked for w in self._state.windows):
-            places.add("host")
+        places |= {w.where for w in self._state.windows if w.parked}
         return max(places, key=("host", "disk").index) if places else None
 
     @property
@@ -330,7 +345,8 @@ class TieredCache(OneSequence, Cache):
         to disk that the disk refused (full, failing; ``rounds``, and the ``last_error``): the pages stayed in
         host memory, over ``host_budget`` (up to twice it), the answers the same, and later demotions try again.
         Budgets and the tier figures count the tiered (full-attention) layers only; ``window`` gives the
-        sliding-window layers, which keep transformers' own window on the device.
+        sliding-window layers, which keep transformers' own window on the device (``bytes`` in memory, wherever it
+        is; ``disk_bytes`` of windows parked on disk).
         ``bytes_moved`` per direction,
         ``pages_recalled`` per source tier (pages moved up, prefetched ones included), ``pages_reused`` (chosen
         pages already on the device when chosen: kept from an earlier step or prefetched) and ``reuse_rate``
@@ -371,9 +387,8 @@ class TieredCache(OneSequence, Cache):
             **tiers,
             "tokens_seen": seen,
             "layers": len(self._engines),
-            "window": {"layers": len(windows), "tokens": sum(w.keys.shape[2] * w.keys.shape[1] for w in windows
-                                                           if w.is_initialized),
-                       "bytes": sum(w.nbytes() for w in windows)},
+            "window": {"layers": len(windows), "tokens": sum(w.tokens() for w in windows),
+                       "bytes": sum(w.nbytes() for w in windows), "disk_bytes": sum(w.disk_bytes() for w in windows)},
             "kv_heads": s.shape.num_kv_heads,
             "budget_tokens_per_head": {"device": s.device_tokens(seen), "host": s.host_tokens(seen)},
             "bytes_moved": dict(c.bytes_moved),

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
+from ..engine.parking import ParkedFile
 from ..errors import UnsupportedError
 
 TIERED = "full_attention"
@@ -102,30 +103,60 @@ def check_per_head_kv(text: Any) -> None:
 
 
 class WindowLayer(DynamicSlidingWindowLayer):
-    """transformers' sliding-window layer, which a parked cache moves to host memory.
+    """transformers' sliding-window layer, which a parked cache moves to host memory or to disk.
 
     The window stays as transformers keeps it (the last ``sliding_window - 1`` entries); parking moves it off
-    the device and its next `update` brings it back. `reset` forgets it for real (transformers' own reset
-    zeroes the tensors in place and keeps their length, which suits static caches only).
+    the device, to host memory or to a checksummed file in the cache's private folder (`ParkedFile`), and its next
+    `update` brings it back as it was. `reset` forgets it for real (transformers' own reset zeroes the tensors in
+    place and keeps their length, which suits static caches only).
     """
 
     def __init__(self, sliding_window: int, **kwargs: Any) -> None:
         super().__init__(sliding_window=sliding_window, **kwargs)
         self.home: torch.device | None = None   # where a parked window goes back to
+        self.stored: ParkedFile | None = None   # the window's file while it is parked on disk
+        self._stored_shape: tuple[int, ...] | None = None
 
-    def park(self) -> None:
-        if self.is_initialized and self.home is None and self.keys.device.type != "cpu":
-            self.home = self.keys.device
-            self.keys, self.values = self.keys.to("cpu"), self.values.to("cpu")
-
-    def restore(self) -> None:
-        if self.home is not None:
-            self.keys, self.values = self.keys.to(self.home), self.values.to(self.home)
-            self.home = None
+    @property
+    def where(self) -> str | None:
+        """Where the parked window is (``"host"``, ``"disk"``), or None while it is in use."""
+        if self.stored is not None:
+            return "disk"
+        return None if self.home is None else "host"
 
     @property
     def parked(self) -> bool:
-        return self.home is not None
+        return self.where is not None
+
+    def park(self, to: str = "host", path: str | None = None) -> None:
+        """Move the window to host memory, or (``to="disk"``) into a new file at `path`; a failure leaves it as it
+        was. A window on disk stays there when parked on the host; one already in host memory (a CPU's) is not
+        copied."""
+        if not self.is_initialized or self.stored is not None:
+            return
+        if to == "disk":
+            stored = ParkedFile.write(path, {"keys": self.keys, "values": self.values})
+            if self.home is None:   # else it is in host memory, parked there before, and goes back to its device
+                self.home = self.keys.device
+            self.stored, self._stored_shape = stored, tuple(self.keys.shape)
+            self.keys = self.values = None
+        elif self.home is None and self.keys.device.type != "cpu":
+            self.home = self.keys.device
+            self.keys, self.values = self.keys.to("cpu"), self.values.to("cpu")
+
+    def restore(self, got: dict[str, torch.Tensor] | None = None) -> None:
+        """Bring the window back where it was (`got`: its file's tensors, read ahead; else the file is read now).
+        A failure (a missing or changed file, no memory) leaves it parked as it was."""
+        if self.stored is not None:
+            if got is None:
+                got = self.stored.read()
+            keys, values = got["keys"].to(self.home), got["values"].to(self.home)
+            stored, self.stored, self._stored_shape = self.stored, None, None
+            self.keys, self.values, self.home = keys, values, None
+            stored.discard()
+        elif self.home is not None:
+            self.keys, self.values = self.keys.to(self.home), self.values.to(self.home)
+            self.home = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,12 +164,25 @@ class WindowLayer(DynamicSlidingWindowLayer):
         return super().update(key_states, value_states, *args, **kwargs)
 
     def reset(self) -> None:
+        if self.stored is not None:
+            self.stored.discard()
         self.keys = self.values = None
         self.is_initialized = False
         self.cumulative_length = 0
-        self.home = None
+        self.home = self.stored = self._stored_shape = None
 
-    def nbytes(self) -> int:
+    def tokens(self) -> int:
+        """Entries held, summed over the KV heads (wherever they are)."""
         if not self.is_initialized:
             return 0
+        shape = self._stored_shape if self.stored is not None else self.keys.shape
+        return shape[1] * shape[2]
+
+    def nbytes(self) -> int:
+        """Memory the window holds (device or host; none while on disk)."""
+        if not self.is_initialized or self.stored is not None:
+            return 0
         return sum(t.numel() * t.element_size() for t in (self.keys, self.values))
+
+    def disk_bytes(self) -> int:
+        return 0 if self.stored is None else self.stored.nbytes

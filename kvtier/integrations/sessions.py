@@ -70,7 +70,7 @@ class SessionStore:
         for other, parked in list(self._parked.items()):   # coldest first, those holding disk only
             if self.disk_bytes is None or self.disk_bytes_used() <= self.disk_bytes:
                 break
-            if other == name or not parked.stats()["disk"]["bytes"]:   # closing it would free no disk
+            if other == name or not _disk_bytes(parked):   # closing it would free no disk
                 continue
             self._parked.pop(other).close()
             self.dropped.append(other)
@@ -99,12 +99,12 @@ class SessionStore:
         return name
 
     def host_bytes_used(self) -> int:
-        """Host memory of the sessions parked there (sliding-window layers go to host memory for either target),
-        and what the reads of sessions being prefetched hold."""
+        """Host memory of the sessions parked there, and what the reads of sessions being prefetched hold."""
         return sum(_host_bytes(cache) for cache in self._parked.values())
 
     def disk_bytes_used(self) -> int:
-        return sum(c.stats()["disk"]["bytes"] for c in self._parked.values())
+        """Disk the parked sessions hold: their tiered layers' pages and files, and their windows' files."""
+        return sum(_disk_bytes(cache) for cache in self._parked.values())
 
     def where(self) -> dict[str, str | None]:
         """Each parked session and where it is."""
@@ -125,6 +125,11 @@ class SessionStore:
 
 def _host_bytes(cache: TieredCache) -> int:
     """Host memory a parked session holds: its layers parked on the host (their entries, index and host pages), its
-    sliding-window layers (in host memory for either target), and what reads ahead of its return hold."""
+    sliding-window layers parked there, and what reads ahead of its return hold."""
     stats = cache.stats()
     return stats["host"]["bytes"] + stats["window"]["bytes"] + stats["resume_prefetch"]["held_bytes"]
+
+
+def _disk_bytes(cache: TieredCache) -> int:
+    stats = cache.stats()
+    return stats["disk"]["bytes"] + stats["window"]["disk_bytes"]

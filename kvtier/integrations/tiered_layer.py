@@ -31,7 +31,7 @@ class CacheState:
     """What a cache's layers and its finalizer share: the engines, the window layers, the shared resources and
     whether the cache is closed or broken. Never the cache itself, so a dropped cache is collected."""
 
-    def __init__(self, engines: list[LayerEngine], windows: list[WindowLayer], shared: SharedResources,
+    def __init__(self, engines: list[LayerEngine], windows: list[GuardedWindow], shared: SharedResources,
                  first: int = 0) -> None:
         self.engines, self.windows, self.shared = engines, windows, shared
         self.first = first                  # the model's first layer that stores entries: a step starts there
@@ -86,9 +86,10 @@ class CacheState:
     def start_reads(self) -> bool:
         """Start reading the layers parked on disk on a thread (`ParkedReads`), unless reads are under way, none is
         parked there or no thread can be started (the restore then reads them itself); returns whether they started."""
-        if self.reads is not None or not any(e.parked is not None and e.parked.where == "disk" for e in self.engines):
+        on_disk = [e for e in self.engines if e.parked is not None and e.parked.where == "disk"]
+        if self.reads is not None or not (on_disk or any(w.stored is not None for w in self.windows)):
             return False
-        self.reads = ParkedReads(self.engines)   # held before its thread starts (see `ParkedReads.start`)
+        self.reads = ParkedReads(self.engines, self.windows)   # held before its thread starts (see `ParkedReads.start`)
         try:
             self.reads.start()
         except RuntimeError:   # "can't start new thread": a head start, never needed
@@ -112,9 +113,17 @@ class CacheState:
             counters.resume_reads_failed += reads.failed
             self.reads = None   # a restore that fails reads its layers again when tried again
         for window in self.windows:
-            window.restore()
+            got = None if reads is None else reads.take(window, window.stored)
+            try:
+                window.restore(got)
+                counters.layers_read_before_resume += int(got is not None)
+            except BaseException as e:
+                err = capacity_error(e, f"window layer {window.layer_idx} could not be restored")
+                if err is None:
+                    raise
+                raise err from e
         for engine in self.engines:
-            got = None if reads is None else reads.take(engine)
+            got = None if reads is None else reads.take(engine, engine.parked)
             try:
                 engine.restore(got)
                 counters.layers_read_before_resume += int(got is not None)
@@ -465,6 +474,6 @@ class GuardedWindow(OneSequence, WindowLayer):
         super().reset()
         self.before = None
 
-    def park(self) -> None:
+    def park(self, to: str = "host", path: str | None = None) -> None:
         self.before = None
-        super().park()
+        super().park(to, path)

@@ -143,7 +143,7 @@ def test_a_write_failure_reported_at_close_leaves_no_file_in_the_way(model, refe
 
     def close(fd):
         real_close(fd)   # Linux closes the descriptor even where close() reports an error
-        if not failed and sys._getframe(1).f_code.co_name == "_write_meta":
+        if not failed and sys._getframe(1).f_code.co_name == "write_checked":
             failed.append(fd)
             raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
 
