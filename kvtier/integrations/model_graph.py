@@ -128,6 +128,9 @@ class DecodeGraph:
             token = given.get("input_ids")
             if not self._takes(token, given):
                 return ordinary(**given)
+            if self.cache._state.windows:   # never planned (`_plan`); and its windows keep a prompt's padding,
+                self.ordinary += 1          # which only the mask, passed on here, hides
+                return ordinary(**given)
             logits = self(token, position_ids=given.get("position_ids"))
             return CausalLMOutputWithPast(logits=logits, **cache_kwargs(self.cache))
 
@@ -162,8 +165,14 @@ class DecodeGraph:
 
     @torch.no_grad()
     def __call__(self, token: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        if token.dim() != 2 or token.shape[0] != 1:
-            raise ConfigError(f"token of shape {list(token.shape)}; allowed: [1, n] token ids (batch size 1)")
+        if not isinstance(token, torch.Tensor) or token.is_floating_point() or token.is_complex() or \
+                token.dim() != 2 or token.shape[0] != 1:
+            what = f"of shape {list(token.shape)} and {token.dtype}" if isinstance(token, torch.Tensor) else \
+                f"of type {type(token).__name__}"
+            raise ConfigError(f"token {what}; allowed: a [1, n] tensor of integer token ids (batch size 1)")
+        if position_ids is not None and not isinstance(position_ids, torch.Tensor):
+            raise ConfigError(f"position_ids of type {type(position_ids).__name__}; allowed: a tensor of the token "
+                              "ids' shape, or None")
         if position_ids is not None and tuple(position_ids.shape) != tuple(token.shape):
             raise ConfigError(f"position_ids of shape {list(position_ids.shape)} for token ids of shape "
                               f"{list(token.shape)}; allowed: the same shape, or None (the cache's length onwards)")

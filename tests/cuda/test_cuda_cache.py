@@ -156,17 +156,23 @@ def test_partial_recall_attends_exactly_to_what_it_chose(make_engine, cuda_devic
     assert engine.table.n > 100 and engine.counters.pages_recalled["disk"] > 0
 
 
+@pytest.mark.parametrize("build", [_llama, _gemma3], ids=["llama", "gemma3-hybrid"])
 @pytest.mark.parametrize("to", ["host", "disk"])
-def test_parking_on_gpu_continues_bit_identically(cuda_device, to, tmp_path):
-    model = _llama(cuda_device)
+def test_parking_on_gpu_continues_bit_identically(cuda_device, to, tmp_path, build):
+    """The hybrid model's windows leave the GPU too: to host memory, or to their files on disk."""
+    model = build(cuda_device)
     ids = _prompt(500, cuda_device)
     follow = _prompt(40, cuda_device, seed=2)
     settings = dict(device_budget=64, host_budget=200, recall_pages=16, disk_dir=tmp_path, scorer="keynorm")
     with TieredCache(model.config, **settings) as parked, TieredCache(model.config, **settings) as twin:
         first = _greedy(model, parked, ids, 8)
         assert torch.equal(first, _greedy(model, twin, ids, 8))
+        windows = parked.stats()["window"]["bytes"]
+        before = torch.cuda.memory_allocated(cuda_device)
         parked.park(to)
         assert parked.stats()["device"]["tokens"] == 0
+        assert torch.cuda.memory_allocated(cuda_device) <= before - windows
+        assert parked.stats()["window"]["bytes"] == (windows if to == "host" else 0)
         more = torch.cat([first, follow], dim=1)
         assert torch.equal(_greedy(model, parked, more, 16), _greedy(model, twin, more, 16))
 

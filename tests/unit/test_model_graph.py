@@ -403,6 +403,35 @@ def test_prompts_windows_and_refusals():
         want = _decode(_plain(hybrid, cache), steps=10)
     assert torch.equal(got, want) and graph.stats()["ordinary"] == 11 and graph.stats()["eager"] == 0
 
+    # a left-padded prompt: the windows keep the padding, which generate's mask hides at every step
+    ids = torch.randint(1, 128, (1, 30), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    ids[:, :20], mask[:, :20] = 0, 0
+    kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, output_logits=True,
+              return_dict_in_generate=True)
+    with _cache(hybrid) as cache:
+        want = hybrid.generate(ids, **kw, **cache_kwargs(cache))
+    with _cache(hybrid) as cache:
+        graph = DecodeGraph(hybrid, cache)
+        got = graph.generate(ids, **kw)
+        assert graph.stats()["ordinary"] == 11
+    assert torch.equal(got.sequences, want.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(got.logits, want.logits))
+
+
+def test_a_step_refuses_what_is_not_token_ids():
+    model = tiny_llama()
+    with _cache(model) as cache:
+        graph = DecodeGraph(model, cache)
+        graph(_prompt(20))
+        for bad, match in (([[5]], "token of type list"), (torch.ones(1, 1), r"token of shape \[1, 1\] and "
+                                                                             "torch.float32")):
+            with pytest.raises(ConfigError, match=match + ".*allowed: a \\[1, n\\] tensor of integer token ids"):
+                graph(bad)
+        with pytest.raises(ConfigError, match="position_ids of type list; allowed"):
+            graph(torch.tensor([[5]]), position_ids=[[20]])
+        assert cache.broken is None and cache.get_seq_length() == 20
+
 
 def test_a_graph_off_never_asks_for_a_key():
     """Where no graph is captured (a CPU), `StepGraphs.run` does not ask for the key: a planned step pays for
