@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from ..errors import CapacityError, ClosedCacheError, ConfigError, os_reason
+from ..errors import CapacityError, ClosedCacheError, ConfigError, UnsupportedError, os_reason
 from ..tiers.disk import DiskStore
 from ..transfer import TransferManager, make_transfer_manager
 from .graphs import GraphSwitch
@@ -59,6 +59,9 @@ class SharedResources:
         self.closed = False
 
     def _check_open(self) -> None:
+        if os.getpid() != self._pid:   # the files and threads are the parent's (`CacheState.check_process`)
+            raise UnsupportedError(f"a cache made in process {self._pid} used in process {os.getpid()} (a fork of "
+                                   "it); allowed: a new cache made in this process")
         if self.closed:
             raise ClosedCacheError("the cache is closed: it makes no files and takes no entries any more; "
                                    "make a new TieredCache")
@@ -150,16 +153,20 @@ class SharedResources:
             self._disk, self._private = None, None
             self.transfers.clear()
             return
-        if self._disk is not None:
-            self._disk.close()
-            self._disk = None
-        for t in self.transfers.values():
-            t.close()
+        failure: BaseException | None = None   # each part is let go even where one before it failed
+        disk, self._disk = self._disk, None
+        for part in ([disk] if disk is not None else []) + list(self.transfers.values()):
+            try:
+                part.close()
+            except BaseException as e:   # a CUDA error left by an earlier failure, say: the folder still goes
+                failure = failure or e
         self.transfers.clear()
         if self._private is not None:
             _LIVE.pop(self._private, None)
             shutil.rmtree(self._private, ignore_errors=True)
             self._private = None
+        if failure is not None:
+            raise failure
 
 
 # ---------------------------------------------------------------------------------------------------- folders

@@ -294,6 +294,7 @@ class TieredCache(OneSequence, Cache):
 
     def reset(self) -> None:
         """Forget every entry (the cache stays open); also makes a broken cache usable again."""
+        self._state.check_process()
         if self._state.closed:
             self._state.check()
         self._state.drop_reads()
@@ -522,6 +523,8 @@ def _folder(disk_dir: Any) -> str | None:
     path = os.fspath(disk_dir) if isinstance(disk_dir, (str, os.PathLike)) else disk_dir
     if path is not None and not isinstance(path, str):
         raise ConfigError(f"disk_dir={disk_dir!r}; allowed: a folder path (str or os.PathLike of str) or None")
+    if path:   # made absolute now: a later os.chdir must not move the cache's files
+        path = os.path.abspath(path)
     return path
 
 

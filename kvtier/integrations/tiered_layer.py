@@ -42,6 +42,7 @@ class CacheState:
 
     def check(self) -> None:
         """Raise unless the cache can be used."""
+        self.check_process()
         if self.closed:
             raise ClosedCacheError("this TieredCache is closed: it holds nothing and takes nothing any more "
                                    "(stats() still answers); make a new TieredCache")
@@ -49,6 +50,14 @@ class CacheState:
             raise BrokenCacheError(f"this TieredCache is broken: {self.broken}; its layers may disagree on "
                                    "their length, so it refuses to go on; call reset() to empty it and start "
                                    "again (or close() it)")
+
+    def check_process(self) -> None:
+        """Refuse a forked child: the cache's disk file, I/O threads and device memory are its parent's, and a step
+        or a reset there would write or remove the parent's pages and files."""
+        if os.getpid() != self.pid:
+            raise UnsupportedError(f"this TieredCache was made in process {self.pid} and this is process "
+                                   f"{os.getpid()} (a fork of it): its disk file, I/O threads and device memory are "
+                                   "the parent's; allowed: a new TieredCache made in this process")
 
     def break_with(self, what: BaseException | str, where: str = "") -> None:
         if self.broken is None:
