@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 from ..errors import CapacityError, ClosedCacheError, ConfigError, UnsupportedError, os_reason
+from ..switches import env_switch
 from ..tiers.disk import DiskStore
 from ..transfer import TransferManager, make_transfer_manager
 from .graphs import GraphSwitch
@@ -347,7 +348,7 @@ def _install_sigterm_cleanup() -> None:
     if _SIGTERM["decided"] or threading.current_thread() is not threading.main_thread():
         return
     _SIGTERM["decided"] = True
-    if os.environ.get("KVTIER_SIGTERM", "1") == "0":
+    if not env_switch("KVTIER_SIGTERM"):   # a misspelt value was refused when the cache was made
         return
     try:
         if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:

@@ -29,6 +29,7 @@ from ..engine.resources import SharedResources
 from ..errors import CapacityError, ConfigError, UnsupportedError, is_resource_error, os_reason
 from ..placement.budget import Budget
 from ..scoring import QueryScorer, Scorer, check_scorer_model, make_scorer, scorer_name
+from ..switches import check_switches
 from .attention import restore_attention, use_tiered_attention
 from .layers import NO_CACHE, TIERED, WINDOWED, LayerPlan, WindowLayer, layer_plan
 from .tiered_layer import CacheState, GuardedWindow, OneSequence, TieredLayer, plain_tensors
@@ -111,6 +112,7 @@ class TieredCache(OneSequence, Cache):
                  demote_pages: int | None = None, cuda_graphs: bool = True, read_ahead: bool | None = None,
                  promote: bool = False) -> None:
         _check_config(config)
+        check_switches()
         plan = layer_plan(config)
         shape = ModelShape.from_config(config)
         if scorer_kwargs is not None and not isinstance(scorer_kwargs, dict):

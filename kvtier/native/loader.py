@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ..switches import is_on
 from . import build
 
 log = logging.getLogger(__name__)
@@ -118,8 +119,9 @@ def status() -> str | None:
 
 
 def switched_off(switch: str | None) -> bool:
-    """Whether `switch`, a value of ``KVTIER_NATIVE``, switches every kernel off (0, off, false, no)."""
-    return switch is not None and switch.strip().lower() in ("0", "off", "false", "no")
+    """Whether `switch`, a value of ``KVTIER_NATIVE``, switches every kernel off (0, off, false, no); a value that is
+    neither on nor off is a `ConfigError` (`kvtier.switches`)."""
+    return not is_on("KVTIER_NATIVE", switch)
 
 
 class FirstUseInCapture(RuntimeError):
