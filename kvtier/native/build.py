@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import hashlib
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from typing import Any
 # on its own, and keep subnormals
 OPTIONS = ("--fmad=false", "--ftz=false", "-std=c++17")
 
-_fallback: tempfile.TemporaryDirectory | None = None   # where binaries go when the cache folder is not writable
+_fallback: _OwnFolder | None = None   # where binaries go when the cache folder is not writable
 
 
 def cache_dir() -> Path:
@@ -42,7 +43,8 @@ def binary_name(name: str, text: str, target: str, compiler: str) -> str:
 
 def cached_binary(name: str, text: str, target: str, compiler: str, build: Any,
                   shared: bool = True) -> tuple[Path, bool]:
-    """The path of `text`'s binary and whether it was built now: read from the cache folder when there, else
+    """The path of `text`'s binary and whether it was built now: read from the cache folder when there (and
+    intact: its SHA-256 is the one written beside it), else
     ``build(text)`` (bytes, or PTX text) written there whole or not at all (a temporary file renamed into
     place, readable by every user), so another process never loads half a file. Where the folder
     cannot be written, or with `shared` False, the binary goes to a folder of this process's own, removed at
@@ -50,7 +52,7 @@ def cached_binary(name: str, text: str, target: str, compiler: str, build: Any,
     file = binary_name(name, text, target, compiler)
     folders = ([cache_dir()] if shared else []) + ([Path(_fallback.name)] if _fallback is not None else [])
     for folder in folders:
-        if (folder / file).is_file():
+        if _intact(folder / file):
             return folder / file, False
     data = build(text)
     data = data.encode() if isinstance(data, str) else bytes(data)
@@ -64,14 +66,15 @@ def cached_binary(name: str, text: str, target: str, compiler: str, build: Any,
 
 
 def forget(path: Path) -> bool:
-    """Remove a cached binary the driver refused (a damaged file), so that the next build writes it anew;
-    False where it cannot be removed (another user's, in a folder this process may not change)."""
-    try:
-        path.unlink()
-    except FileNotFoundError:
-        pass
-    except OSError:
-        return False
+    """Remove a cached binary the driver refused (a damaged file) and its digest, so that the next build writes it
+    anew; False where it cannot be removed (another user's, in a folder this process may not change)."""
+    for file in (path, _digest_path(path)):
+        try:
+            file.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError:
+            return False
     return True
 
 
@@ -87,15 +90,61 @@ def nvrtc_build(cp: Any, name: str) -> Any:
     return build
 
 
-def _own_folder() -> Path:
+class _OwnFolder:
+    """A folder of this process's own, removed at its exit: never by a forked child's (whose exit runs the same
+    handlers), and made again if something removed it meanwhile."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.name = tempfile.mkdtemp(prefix="kvtier-kernels-")
+        atexit.register(self.cleanup)
+
+    def path(self) -> Path:
+        if os.getpid() != self.pid:   # a forked child builds into a folder of its own
+            return _new_own_folder()
+        os.makedirs(self.name, mode=0o700, exist_ok=True)
+        return Path(self.name)
+
+    def cleanup(self) -> None:
+        if os.getpid() == self.pid:
+            shutil.rmtree(self.name, ignore_errors=True)
+
+
+def _new_own_folder() -> Path:
     global _fallback
-    if _fallback is None:
-        _fallback = tempfile.TemporaryDirectory(prefix="kvtier-kernels-")
-        atexit.register(_fallback.cleanup)
+    _fallback = _OwnFolder()
     return Path(_fallback.name)
 
 
+def _own_folder() -> Path:
+    return _new_own_folder() if _fallback is None else _fallback.path()
+
+
+def _digest_path(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
+def _intact(path: Path) -> bool:
+    """Whether `path` is a regular file (not a link) whose SHA-256 is the one written beside it when it was built:
+    a binary changed since, or left without its digest, is built again, never handed to the driver."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        with os.fdopen(fd, "rb") as f:
+            data = f.read()
+        with open(_digest_path(path), encoding="ascii") as f:
+            want = f.read().strip()
+    except (OSError, UnicodeDecodeError):
+        return False
+    return hashlib.sha256(data).hexdigest() == want
+
+
 def _write(path: Path, data: bytes) -> Path:
+    """`data` to `path`, its digest first (`_intact`): each file whole or not at all."""
+    _write_whole(_digest_path(path), hashlib.sha256(data).hexdigest().encode())
+    return _write_whole(path, data)
+
+
+def _write_whole(path: Path, data: bytes) -> Path:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         os.fchmod(fd, 0o644)   # mkstemp's file is its owner's only: other users of the folder read it too

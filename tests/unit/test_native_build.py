@@ -34,7 +34,48 @@ def test_a_source_is_built_once_then_read_back(cache):
     assert fresh and path.parent == cache and path.read_bytes() == b"// built\ntext"
     again, fresh = build.cached_binary("merge_parts", "text", "sm_90", "nvrtc 13.0", builds)
     assert again == path and not fresh and builds.texts == ["text"]
-    assert [p.name for p in cache.iterdir()] == [path.name]   # no temporary file left behind
+    # no temporary file left behind; the binary's digest beside it
+    assert sorted(p.name for p in cache.iterdir()) == [path.name, path.name + ".sha256"]
+
+
+@pytest.mark.parametrize("damage", ["changed", "no digest", "a link"])
+def test_a_binary_changed_since_it_was_built_is_built_again(cache, tmp_path, damage):
+    """Never handed to the driver on its name alone: a changed binary that still loaded would compute wrong."""
+    builds = Builds()
+    path, _ = build.cached_binary("merge_parts", "text", "sm_90", "nvrtc 13.0", builds)
+    if damage == "changed":
+        path.write_bytes(path.read_bytes().replace(b"built", b"bu1lt"))
+    elif damage == "no digest":
+        (cache / (path.name + ".sha256")).unlink()
+    else:
+        other = tmp_path / "elsewhere.bin"
+        other.write_bytes(path.read_bytes())
+        path.unlink()
+        path.symlink_to(other)
+    again, fresh = build.cached_binary("merge_parts", "text", "sm_90", "nvrtc 13.0", builds)
+    assert again == path and fresh and len(builds.texts) == 2
+    assert not path.is_symlink() and path.read_bytes() == b"// built\ntext"
+    assert build.cached_binary("merge_parts", "text", "sm_90", "nvrtc 13.0", builds)[1] is False
+
+
+def test_the_processs_own_folder_outlives_a_forked_childs_exit_and_comes_back_if_removed(monkeypatch):
+    import os
+    import shutil
+
+    monkeypatch.setattr(build, "_fallback", None)
+    builds = Builds()
+    path, _ = build.cached_binary("gather_pages", "text", "sm_90", "nvrtc", builds, shared=False)
+    pid = os.fork()
+    if pid == 0:
+        build._fallback.cleanup()   # what the child's exit runs
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert path.is_file()
+    shutil.rmtree(path.parent)   # removed by someone else: the next build makes it again
+    again, fresh = build.cached_binary("gather_pages", "text", "sm_90", "nvrtc", builds, shared=False)
+    assert again == path and fresh and path.is_file()
+    build._fallback.cleanup()
+    assert not path.parent.exists()
 
 
 @pytest.mark.parametrize("change", ["text", "target", "compiler", "options"])
