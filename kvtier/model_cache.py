@@ -5,9 +5,9 @@ parsing the tokenizer's metadata and mapping tensor names, not the weights. The 
 it produced: the dequantized weights (safetensors), the config and the tokenizer, in a folder named after
 the file's content (its SHA-256) and the transformers version, so that every install of the same file shares
 one copy. Later loads build the model from that folder in about 3 s, the same bits. Each file of the copy is
-listed with its size and CRC-32. A copy that does not match, or that fails to load, is removed and made again
-from the GGUF file, which stays the source, with a warning. Where the folder cannot be written, loading goes on
-without a copy.
+listed with its size and CRC-32. A copy that does not match, or cannot be read as a model's, is removed and made
+again from the GGUF file, which stays the source, with a warning. Where the folder cannot be written or read,
+loading goes on without a copy.
 
 Each load from a copy marks it used. Making a new copy removes the copies unused for ``UNUSED_DAYS`` and, past
 ``KEEP`` copies, the least recently used ones (never one used in the last ``BUSY_SECONDS``, which another
@@ -119,22 +119,51 @@ def _unlike_list(folder: Path, names: list[str] | None = None) -> list[str]:
 
 def load_copy(folder: Path, source: str, attn: str) -> tuple[Any, Any] | None:
     """``(model, tokenizer)`` in float32 from the copy in `folder`, named as loaded from `source`; None when
-    there is no copy. A copy that does not match its list or fails to load is removed (and None returned)."""
+    there is no copy this process can read. A copy whose files do not match its list or cannot be read as a
+    model's is removed (and None returned); an error that is not the copy's (an attention implementation that
+    is not installed, no memory) is raised and leaves the copy alone."""
+    from safetensors.torch import load_model
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
     manifest = folder / MANIFEST
-    if not manifest.is_file():
+    try:
+        if not manifest.is_file():
+            return None
+    except OSError:   # another user's copy, closed to this one: go on without it
         return None
+
+    def damaged(e: BaseException) -> None:
+        log.warning("the converted copy of the model in %s is damaged (%s: %s); it is removed and made again from "
+                    "the GGUF file", folder, type(e).__name__, e)
+        shutil.rmtree(folder, ignore_errors=True)
+
     try:
         bad = _unlike_list(folder)
         if bad:
             raise ValueError(f"{', '.join(bad)} differ from the copy's list (size or CRC-32)")
-        loaded = _build(folder, source, attn)
-    except Exception as e:   # noqa: BLE001 - any damage: the GGUF file is the source, the copy is made again
-        log.warning("the converted copy of the model in %s is damaged (%s: %s); it is removed and made again from "
-                    "the GGUF file", folder, type(e).__name__, e)
-        shutil.rmtree(folder, ignore_errors=True)
+        config = AutoConfig.from_pretrained(str(folder))
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    except PermissionError:   # readable in part only (another user's): not damage, and not ours to remove
         return None
+    except MemoryError:
+        raise
+    except Exception as e:   # noqa: BLE001 - any damage: the GGUF file is the source, the copy is made again
+        damaged(e)
+        return None
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
+    try:
+        missing, unexpected = load_model(model, str(folder / WEIGHTS), strict=True)
+        if missing or unexpected:
+            raise ValueError(f"weights missing {missing} or unexpected {unexpected}")
+    except MemoryError:
+        raise
+    except Exception as e:   # noqa: BLE001 - as above
+        damaged(e)
+        return None
+    model.config._name_or_path = model.name_or_path = source   # as the GGUF load names it
+    tokenizer.name_or_path = source
     _mark_used(folder)
-    return loaded
+    return model, tokenizer
 
 
 def _mark_used(folder: Path) -> None:
@@ -206,21 +235,6 @@ def load_copy_config(folder: Path, source: str) -> Any | None:
     return config
 
 
-def _build(folder: Path, source: str, attn: str) -> tuple[Any, Any]:
-    from safetensors.torch import load_model
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    config = AutoConfig.from_pretrained(str(folder))
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
-    missing, unexpected = load_model(model, str(folder / WEIGHTS), strict=True)
-    if missing or unexpected:
-        raise ValueError(f"weights missing {missing} or unexpected {unexpected}")
-    model.config._name_or_path = model.name_or_path = source   # as the GGUF load names it
-    tokenizer.name_or_path = source
-    return model, tokenizer
-
-
 def store(folder: Path, model: Any, tokenizer: Any) -> bool:
     """Keep a float32 `model` and its `tokenizer` as a copy in `folder`: written aside, then moved into place
     whole. False, with a warning, where it cannot be (the load itself is not affected)."""
@@ -236,11 +250,17 @@ def store(folder: Path, model: Any, tokenizer: Any) -> bool:
         model.config.save_pretrained(str(building))
         tokenizer.save_pretrained(str(building))
         (building / MANIFEST).write_text(json.dumps({"format": FORMAT, "files": _listed(building)}, indent=1))
+        os.chmod(building, 0o755)   # mkdtemp's folder is its owner's only: other users of the folder read it too
         try:
             os.rename(building, folder)
         except OSError:
-            if not (folder / MANIFEST).is_file():   # not another process's copy: a real failure
-                raise
+            if (folder / MANIFEST).is_file():   # another process's copy, made meanwhile
+                pass
+            else:   # what an interrupted removal left (files, no list): set aside and removed, then ours goes in
+                aside = folder.parent / f"{BUILDING}{folder.name}-{os.getpid()}-{time.time_ns()}"
+                os.rename(folder, aside)
+                shutil.rmtree(aside, ignore_errors=True)
+                os.rename(building, folder)
         prune(folder.parent, keep=folder)
         return True
     except Exception as e:   # noqa: BLE001 - no copy is kept; the model loaded from the GGUF file is returned

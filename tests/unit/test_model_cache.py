@@ -8,6 +8,7 @@ import logging
 import os
 import shutil
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -211,3 +212,62 @@ def test_pruning_keeps_the_recent_copies_and_spares_busy_ones(tmp_path):
     many = [_fake_copy(tmp_path / f"busy{i}", now - i) for i in range(keep + 2)]
     assert set(model_cache.prune(tmp_path, keep=new, now=now)) == {p for p in recent[:keep - 2]}
     assert all(p.exists() for p in many + [busy, new])
+
+
+def _small_copy(folder):
+    """A copy of a one-layer random Llama with a word-level tokenizer, stored in `folder` as a load keeps one."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    small = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, vocab_size=64))
+    words = Tokenizer(WordLevel({f"w{i}": i for i in range(64)}, unk_token="w0"))
+    assert model_cache.store(folder, small, PreTrainedTokenizerFast(tokenizer_object=words)) is True
+    return small
+
+
+def test_an_error_that_is_not_the_copys_leaves_it_alone(tmp_path):
+    """An attention implementation that is not installed (or misspelt) is raised as is; the copy is no damaged
+    one, is kept, and loads as ever after."""
+    folder = tmp_path / "copy"
+    small = _small_copy(folder)
+    with pytest.raises((ImportError, ValueError)):
+        model_cache.load_copy(folder, "x", "no_such_attention")
+    assert (folder / model_cache.MANIFEST).is_file()
+    model, _ = model_cache.load_copy(folder, "x", "sdpa")
+    want, got = small.state_dict(), model.state_dict()
+    assert list(want) == list(got) and all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_a_copy_closed_to_this_user_is_gone_without(tmp_path, monkeypatch, caplog):
+    folder = tmp_path / "copy"
+    _small_copy(folder)
+    assert folder.stat().st_mode & 0o777 == 0o755   # readable by every user of a shared folder
+    is_file = Path.is_file
+
+    def closed(self):
+        if self.parent == folder:
+            raise PermissionError(13, "Permission denied", str(self))
+        return is_file(self)
+
+    monkeypatch.setattr(Path, "is_file", closed)
+    with caplog.at_level(logging.WARNING, logger="kvtier.model_cache"):
+        assert model_cache.load_copy(folder, "x", "sdpa") is None
+    assert caplog.text == ""
+    monkeypatch.undo()
+    assert (folder / model_cache.MANIFEST).is_file()
+
+
+def test_what_an_interrupted_removal_left_gives_way_to_a_new_copy(tmp_path):
+    """Files without the copy's list (a removal cut short): the next copy sets them aside and goes in, where its
+    rename had failed at every load, and no copy was ever kept again."""
+    folder = tmp_path / "copy"
+    small = _small_copy(folder)
+    (folder / model_cache.MANIFEST).unlink()
+    assert model_cache.load_copy(folder, "x", "sdpa") is None
+    _small_copy(folder)
+    model, _ = model_cache.load_copy(folder, "x", "sdpa")
+    assert [p.name for p in tmp_path.iterdir()] == ["copy"]
+    assert not any(torch.equal(a, b) for a, b in zip(small.state_dict().values(), model.state_dict().values())
+                   if a.numel() > 64)   # the new copy's weights, not what was left
