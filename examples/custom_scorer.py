@@ -5,10 +5,10 @@ A scorer that ranks from attention weights sets ``needs_query = True`` and also 
 ``context_keys`` and ``scaling`` (a `QueryScorer`): the cache then scores its entries after attention. See
 docs/scorer.md, "Writing a scorer".
 
-    python examples/custom_scorer.py [--short]
+    python examples/custom_scorer.py [--short] [--device cpu|cuda|cuda:N]
 """
 
-import sys
+import argparse
 
 import torch
 
@@ -29,15 +29,20 @@ class RecentSmallKeys:
         return -norm + self.weight * recency
 
 
-device = "cuda" if torch.cuda.is_available() else "cpu"
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("--short", action="store_true", help="a small run, in seconds")
+parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="where the model runs (default: cuda when there is one, else cpu)")
+args = parser.parse_args()
+device = args.device
 model, tokenizer = load_default_model(device=device)
 question = "Name three things a lighthouse keeper does every night. "
-ids = tokenizer.apply_chat_template([{"role": "user", "content": question * (3 if "--short" in sys.argv else 30)}],
+ids = tokenizer.apply_chat_template([{"role": "user", "content": question * (3 if args.short else 30)}],
                                     add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
 ids = ids.to(device)
 cache = TieredCache(model.config, device_budget=0.2, scorer=RecentSmallKeys(), recall_pages=16)
 with torch.no_grad():
-    out = model.generate(ids, **cache_kwargs(cache), max_new_tokens=12 if "--short" in sys.argv else 48)
+    out = model.generate(ids, **cache_kwargs(cache), max_new_tokens=12 if args.short else 48)
 print(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
 print("scorer:", cache.stats()["scorer"], "| device tokens:", cache.stats()["device"]["tokens"])
 cache.close()

@@ -4,10 +4,10 @@ at once (`SessionStore.resume`; `SessionStore.prefetch` starts earlier, while th
 is restored before the turn's prefill. A second copy of the conversation that is never parked checks that
 parking changes nothing.
 
-    python examples/long_chat.py [--short]
+    python examples/long_chat.py [--short] [--device cpu|cuda|cuda:N]
 """
 
-import sys
+import argparse
 
 import torch
 
@@ -23,9 +23,14 @@ TURNS = [
     "Write two lines of a poem about fog.",
     "What is my name, and where do I work?",
 ]
-short = "--short" in sys.argv
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("--short", action="store_true", help="a small run, in seconds")
+parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="where the model runs (default: cuda when there is one, else cpu)")
+args = parser.parse_args()
+short = args.short
 turns = TURNS[:2] if short else TURNS
-model, tokenizer = load_default_model(device="cuda" if torch.cuda.is_available() else "cpu")
+model, tokenizer = load_default_model(device=args.device)
 chat = ChatSession(model, tokenizer, device_budget=0.25, host_budget=0.5)
 twin = ChatSession(model, tokenizer, device_budget=0.25, host_budget=0.5)   # never parked
 store = SessionStore(host_bytes=0 if short else 2 * 2**20)                  # a tiny host budget: pushes to disk

@@ -1,19 +1,24 @@
 """The 1M-token demo from Python. SYNTHETIC: Gaussian KV shaped like one Llama-3.1-8B layer with planted
 needle entries (no model runs; no machine here could prefill 1M tokens); recall has to find each needle.
 
-    python examples/needle_1m.py [--short]
+    python examples/needle_1m.py [--short] [--device cpu|cuda|cuda:N]
 """
 
-import sys
+import argparse
 
 import torch
 
 from kvtier.bench.synthetic import synthetic_needles
 from kvtier.cli.format import human_bytes
 
-context = 65_536 if "--short" in sys.argv else 1_048_576
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("--short", action="store_true", help="a small run, in seconds")
+parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="where the device tier and recall run (default: cuda when there is one, else cpu)")
+args = parser.parse_args()
+context = 65_536 if args.short else 1_048_576
 report = synthetic_needles("llama-3.1-8b", context=context, needles=3, device_budget=0.01, host_budget=0.05,
-                           device="cuda" if torch.cuda.is_available() else "cpu")
+                           device=args.device)
 for needle in report["needles"]:
     print(f"needle at {needle['position']:,}: recalled={needle['recalled']}, "
           f"cosine to its value {needle['cosine_to_needle_value']:.4f}")

@@ -3,15 +3,16 @@
 Reading the packaged GGUF file through transformers takes 20-30 s on a small CPU machine, nearly all of it
 parsing the tokenizer's metadata and mapping tensor names, not the weights. The first float32 load keeps what
 it produced: the dequantized weights (safetensors), the config and the tokenizer, in a folder named after
-the file's content (its SHA-256) and the transformers version, so that every install of the same file shares
-one copy. Later loads build the model from that folder in about 3 s, the same bits. Each file of the copy is
+the file's content (its SHA-256) and the transformers and gguf versions, so that every install of the same file
+shares one copy. Later loads build the model from that folder in about 3 s, the same bits. Each file of the copy is
 listed with its size and CRC-32. A copy that does not match, or cannot be read as a model's, is removed and made
 again from the GGUF file, which stays the source, with a warning. Where the folder cannot be written or read,
 loading goes on without a copy.
 
-Each load from a copy marks it used. Making a new copy removes the copies unused for ``UNUSED_DAYS`` and, past
-``KEEP`` copies, the least recently used ones (never one used in the last ``BUSY_SECONDS``, which another
-process may be reading), so that copies made for other transformers versions do not pile up.
+Each load from a copy marks it used, before it reads it. Making a new copy removes the copies unused for
+``UNUSED_DAYS`` and, past ``KEEP`` copies, the least recently used ones (never one used in the last
+``BUSY_SECONDS``, which another process may be reading), so that copies made for other transformers versions do
+not pile up.
 
 ``KVTIER_MODEL_CACHE``: the folder to keep copies in (default ``$XDG_CACHE_HOME/kvtier/models``, else
 ``~/.cache/kvtier/models``), or ``off``. A copy of the default model takes about 540 MB.
@@ -72,8 +73,17 @@ def copy_folder(gguf: Path) -> Path | None:
         digest = _digest(str(gguf.resolve()), st.st_size, st.st_mtime_ns)
     except OSError:
         return None
-    key = f"{digest}|{transformers.__version__}|{FORMAT}"
+    key = f"{digest}|{transformers.__version__}|{_gguf_version()}|{FORMAT}"   # gguf dequantizes the weights
     return root / f"{gguf.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def _gguf_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("gguf")
+    except PackageNotFoundError:
+        return "none"
 
 
 @functools.lru_cache(maxsize=8)
@@ -132,6 +142,8 @@ def load_copy(folder: Path, source: str, attn: str) -> tuple[Any, Any] | None:
     except OSError:   # another user's copy, closed to this one: go on without it
         return None
 
+    _mark_used(folder)   # first: another process's pruning spares a copy used this recently (`BUSY_SECONDS`)
+
     def damaged(e: BaseException) -> None:
         log.warning("the converted copy of the model in %s is damaged (%s: %s); it is removed and made again from "
                     "the GGUF file", folder, type(e).__name__, e)
@@ -162,7 +174,6 @@ def load_copy(folder: Path, source: str, attn: str) -> tuple[Any, Any] | None:
         return None
     model.config._name_or_path = model.name_or_path = source   # as the GGUF load names it
     tokenizer.name_or_path = source
-    _mark_used(folder)
     return model, tokenizer
 
 

@@ -281,8 +281,10 @@ def owner_is_gone(path: str) -> bool:
         if owner.get("host") != socket.gethostname() or pid <= 0:
             return False
         here = _namespace()
-        if any(key in owner and key in here and owner[key] != here[key] for key in ("boot_id", "pidns")):
-            return False   # another boot (or machine of the same name), another PID namespace: pids mean nothing
+        if any(owner.get(key) != here.get(key) for key in ("boot_id", "pidns")):
+            # another boot (or machine of the same name), another PID namespace: pids mean nothing; and where one
+            # side could not read it, which it is cannot be told
+            return False
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False
     ticks = owner.get("start_ticks")

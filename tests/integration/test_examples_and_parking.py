@@ -23,6 +23,15 @@ def test_example_short_mode(script):
     assert done.stdout.strip()
 
 
+@pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.name)
+def test_an_example_says_its_options_and_refuses_others(script):
+    """`--help` prints the usage and runs nothing; a misspelt option is an error, not the full-size run."""
+    shown = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0 and "--short" in shown.stdout and "--device" in shown.stdout
+    wrong = subprocess.run([sys.executable, str(script), "--shrot"], capture_output=True, text=True, timeout=120)
+    assert wrong.returncode == 2 and "unrecognized arguments: --shrot" in wrong.stderr
+
+
 def test_examples_exist():
     assert {p.name for p in EXAMPLES} >= {"hf_generate.py", "long_chat.py", "needle_1m.py", "custom_scorer.py"}
 

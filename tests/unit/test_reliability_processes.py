@@ -177,9 +177,12 @@ def test_which_folders_count_as_stale(tmp_path):
         "kvtier-elsewhere": dict(me, pid=dead.pid, host=me["host"] + "-other"),
         "kvtier-container": dict(me, pid=dead.pid, pidns="pid:[1]"),   # another PID namespace, same host
         "kvtier-last-boot": dict(me, pid=dead.pid, boot_id="another boot"),
+        # written where the PID namespace could not be read: which it was cannot be told, so it is not known gone
+        "kvtier-unknown-ns": {k: v for k, v in dict(me, pid=dead.pid).items() if k != "pidns"},
         "not-kvtier": dict(me, pid=dead.pid),
     }
-    for key, name in (("pidns", "kvtier-container"), ("boot_id", "kvtier-last-boot")):
+    for key, name in (("pidns", "kvtier-container"), ("boot_id", "kvtier-last-boot"),
+                      ("pidns", "kvtier-unknown-ns")):
         if key not in me:   # not Linux: nothing to tell them apart by
             kept.pop(name)
     if me["start_ticks"] is None:   # not Linux: a reused pid is told by psutil's start time, to a second
