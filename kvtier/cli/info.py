@@ -43,7 +43,7 @@ def gather(disk_dir: str | None) -> dict:
     try:
         import cupy  # noqa: F401
         cupy_version = cupy.__version__
-    except ImportError:
+    except Exception:   # noqa: BLE001 - not installed, or a broken install (said in the limits below)
         cupy_version = None
     info = {
         "versions": {"kvtier": __version__, "python": platform.python_version(), "torch": torch.__version__,

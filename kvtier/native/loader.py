@@ -81,8 +81,8 @@ def cupy_module() -> Any:
             try:
                 import cupy
                 _cupy = cupy
-            except ImportError as e:   # not installed, or a build that does not match this CUDA
-                _cupy_error = f"cupy is not importable ({e})"
+            except Exception as e:   # noqa: BLE001 - not installed, or a build that does not match this CUDA
+                _cupy_error = f"cupy is not importable ({type(e).__name__}: {e})"   # (which may fail otherwise)
         return _cupy
 
 

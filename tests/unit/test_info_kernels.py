@@ -59,3 +59,21 @@ def test_kernels_switched_off_by_the_environment_are_said(switch, said):
     if said:
         assert f"KVTIER_NATIVE={switch} switches the native kernels off" in lines[0]
     assert info.kernel_limits(False, "13.0", "14.2.0", 13, switch) == []
+
+
+def test_a_cupy_that_fails_to_import_otherwise_than_importerror_turns_the_kernels_off(tmp_path, monkeypatch):
+    """A broken install may raise anything on import: the kernels are off and say why, and `kvtier info` reports
+    it, where both had raised it."""
+    import sys
+
+    from kvtier.native import loader
+
+    (tmp_path / "cupy").mkdir()
+    (tmp_path / "cupy" / "__init__.py").write_text("raise RuntimeError('CUDA driver version is insufficient')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "cupy", raising=False)
+    monkeypatch.setattr(loader, "_cupy", None)
+    monkeypatch.setattr(loader, "_cupy_error", None)
+    assert loader.cupy_module() is None
+    assert loader._cupy_error == "cupy is not importable (RuntimeError: CUDA driver version is insufficient)"
+    assert info.gather(str(tmp_path))["versions"]["cupy"] is None
