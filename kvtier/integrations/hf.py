@@ -30,6 +30,7 @@ from ..errors import CapacityError, ConfigError, UnsupportedError, is_resource_e
 from ..placement.budget import Budget
 from ..scoring import QueryScorer, Scorer, check_scorer_model, make_scorer, scorer_name
 from ..switches import check_switches
+from ..tiers.pinned import empty_pinned_cache
 from .attention import restore_attention, use_tiered_attention
 from .layers import NO_CACHE, TIERED, WINDOWED, LayerPlan, WindowLayer, layer_plan
 from .tiered_layer import CacheState, GuardedWindow, OneSequence, TieredLayer, plain_tensors
@@ -47,6 +48,8 @@ def _close(state: CacheState) -> None:
             window.reset()
     finally:
         state.shared.close()
+    if any(e.pin for e in state.engines):   # the pinned slabs let go: to the system too
+        empty_pinned_cache()
 
 
 class TieredCache(OneSequence, Cache):
@@ -207,6 +210,8 @@ class TieredCache(OneSequence, Cache):
         st.drop_reads()   # reads made ahead (`prefetch_parked`) stop before the layers move
         with plain_tensors():   # what the parked layers keep is written again after they come back
             self._park(to)
+        if to == "disk" and any(e.pin for e in self._engines):   # the host slabs let go: to the system too
+            empty_pinned_cache()
 
     def _park(self, to: str) -> None:
         st = self._state
