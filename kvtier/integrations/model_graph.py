@@ -19,9 +19,10 @@ the capture stream, warms up what the model's launches set up lazily); later one
 demotion, the first step they are seen (`StepGraphs.at_once`): a state lasts until the next demotion, some
 seventy steps at the default settings, and each step it waits to be captured runs every launch one by one.
 
-What a replay bakes in besides the cache's state: the model's weights where they lie (a model moved or cast
-after a capture is captured again; its modules are those it had when the `DecodeGraph` was made), the token and
-its position, copied into the graph's inputs. The step's
+What a replay bakes in besides the cache's state: the model's weights where they lie (a model cast, or its
+weights reallocated on its device, after a capture is captured again; one moved to another device runs every
+step the ordinary way, and needs a new `DecodeGraph`; its modules are those it had when the `DecodeGraph` was
+made), the token and its position, copied into the graph's inputs. The step's
 attention mask is a ready one that no layer reads: a decode step's own token is never padding, and a prompt's
 padding was never stored (so `generate`'s 2D mask is left aside, its positions taken); models with layers kvtier
 does not tier (sliding windows) run the ordinary way.
