@@ -70,6 +70,9 @@ def _primary_context(device: int) -> int:
     ctx = _contexts.get(device)
     if ctx is None:
         with _lock:
+            ctx = _contexts.get(device)   # another thread may have retained it while this one waited
+            if ctx is not None:
+                return ctx
             dev, handle = ctypes.c_int(), ctypes.c_void_p()
             _check(_lib.cuDeviceGet(ctypes.byref(dev), device), f"cuDeviceGet({device})")
             # the context torch and cupy use; retained once for the process, as theirs is
