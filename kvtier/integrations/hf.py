@@ -48,7 +48,7 @@ def _close(state: CacheState) -> None:
             window.reset()
     finally:
         state.shared.close()
-    if any(e.pin for e in state.engines):   # the pinned slabs let go: to the system too
+    if any(getattr(e, "pin", False) for e in state.engines):   # the pinned slabs let go: to the system too
         empty_pinned_cache()
 
 
