@@ -20,6 +20,7 @@ not pile up.
 
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import json
@@ -264,9 +265,11 @@ def store(folder: Path, model: Any, tokenizer: Any) -> bool:
         os.chmod(building, 0o755)   # mkdtemp's folder is its owner's only: other users of the folder read it too
         try:
             os.rename(building, folder)
-        except OSError:
+        except OSError as e:
             if (folder / MANIFEST).is_file():   # another process's copy, made meanwhile
                 pass
+            elif e.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not folder.is_dir():
+                raise
             else:   # what an interrupted removal left (files, no list): set aside and removed, then ours goes in
                 aside = folder.parent / f"{BUILDING}{folder.name}-{os.getpid()}-{time.time_ns()}"
                 os.rename(folder, aside)

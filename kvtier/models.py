@@ -82,13 +82,13 @@ def load_config(name: str | None = None) -> Any:
         folder = copy_folder(path)
         config = load_copy_config(folder, str(path.parent)) if folder is not None else None
         return config if config is not None else AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    if name in CONFIG_MAPPING and not os.path.isdir(name):   # an architecture's name, even beside a file of it
+        return CONFIG_MAPPING[name]()
     _check_local_file(name)
     if _is_gguf(name):
         return AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(name)), gguf_file=os.path.basename(name))
     if os.path.isdir(name):
         return AutoConfig.from_pretrained(name)
-    if name in CONFIG_MAPPING:
-        return CONFIG_MAPPING[name]()
     try:
         return AutoConfig.from_pretrained(name, local_files_only=True)
     except OSError as e:
@@ -107,7 +107,7 @@ def _check_local_file(path: str) -> None:
     if os.path.isfile(path) and not _is_gguf(path):
         raise ConfigError(f"model {path!r} is a local file but not a .gguf file (named so, "
                           "lower case); allowed: a model folder (its config.json and weights), a .gguf file, or a "
-                          "Hugging Face id")
+                          "Hugging Face id (and for a config, an architecture name such as 'llama')")
 
 
 COPY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # the dtypes a GGUF model loads from its float32 copy

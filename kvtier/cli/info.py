@@ -25,8 +25,9 @@ def gather(disk_dir: str | None) -> dict:
     import transformers
 
     from .. import __version__
-    from ..errors import ModelNotInstalledError
+    from ..errors import ConfigError, ModelNotInstalledError
     from ..models import default_model_path
+    from ..switches import check_switches
 
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     folder = disk_dir or tempfile.gettempdir()
@@ -60,8 +61,13 @@ def gather(disk_dir: str | None) -> dict:
     limits = []
     if not gpus:
         limits.append("no CUDA device: the device tier is an in-memory pool and copies are synchronous")
-    limits += kernel_limits(bool(gpus), torch.version.cuda, cupy_version, info["versions"]["cupy_cuda"],
-                            os.environ.get("KVTIER_NATIVE"))
+    try:
+        check_switches()
+    except ConfigError as e:   # every cache would refuse it: said here, where the others are
+        limits.append(f"{e}: every cache refuses to be made until it is mended")
+    else:
+        limits += kernel_limits(bool(gpus), torch.version.cuda, cupy_version, info["versions"]["cupy_cuda"],
+                                os.environ.get("KVTIER_NATIVE"))
     if info["memlock"]["soft"] is not None and gpus:
         limits.append(f"memlock limit {human_bytes(soft)}: pinned host memory may be refused beyond it "
                       "(raise `ulimit -l`)")

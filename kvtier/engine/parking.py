@@ -15,6 +15,7 @@ failure leaves the layer as it was (the written pages are freed again).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import zlib
 from dataclasses import dataclass, field, replace
@@ -28,6 +29,7 @@ from ..errors import CapacityError, ConfigError, CorruptPageError, os_reason
 from ..placement.page_table import DISK, HOST, PageTable
 
 PARK_TARGETS = ("host", "disk")
+_SHORT_OF = (errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN, errno.EINTR)
 _OPEN_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
@@ -199,10 +201,12 @@ def write_checked(path: str, tensors: dict[str, torch.Tensor]) -> tuple[int, int
                 done += os.write(fd, view[done:])
         finally:
             os.close(fd)   # a network file system or a quota may report the failed write only here
-    except OSError as e:
+    except BaseException as e:   # a failed write, or an interruption (Ctrl-C) midway
         with contextlib.suppress(OSError):
             os.remove(path)   # a file left in the way would refuse every later park of the layer
-        raise CapacityError(f"could not write {path}: {os_reason(e)}") from e
+        if isinstance(e, OSError):
+            raise CapacityError(f"could not write {path}: {os_reason(e)}") from e
+        raise
     return zlib.crc32(data), len(data)
 
 
@@ -214,6 +218,8 @@ def read_checked(path: str, crc: int, what: str) -> dict[str, torch.Tensor]:
         with os.fdopen(fd, "rb") as f:
             data = f.read()
     except OSError as e:
+        if e.errno in _SHORT_OF:   # the file is fine: the process is short of something, which a later try may have
+            raise CapacityError(f"could not read {what} {path}: {os_reason(e)}") from e
         raise CorruptPageError(f"{what} {path} is missing or unreadable ({e.strerror or e})") from e
     if zlib.crc32(data) != crc:
         raise CorruptPageError(f"{what} {path} fails its CRC-32 check")

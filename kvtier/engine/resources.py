@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from ..errors import CapacityError, ClosedCacheError, ConfigError, UnsupportedError, os_reason
-from ..switches import env_switch
+from ..switches import check_switches, env_switch
 from ..tiers.disk import DiskStore
 from ..transfer import TransferManager, make_transfer_manager
 from .graphs import GraphSwitch
@@ -43,6 +43,7 @@ class SharedResources:
 
     def __init__(self, disk_dir: str | None, io_threads: int = 4,
                  transfer_factory: Callable[[torch.device], TransferManager] = make_transfer_manager) -> None:
+        check_switches()   # a misspelt switch refused before anything is made (every cache, a bench's too)
         self.disk_dir, self.io_threads = disk_dir, io_threads
         self.counters = MoveCounters()
         self.graphs = GraphSwitch()   # whether the layers may still capture decode steps as CUDA graphs
@@ -181,6 +182,7 @@ def make_private_dir(disk_dir: str | None) -> str:
     (`remove_stale_dirs`). Raises `CapacityError` when the disk is full or a limit is hit (open files,
     file size), `ConfigError` when the folder cannot be written (not a folder, read-only, no permission).
     """
+    sigterm = env_switch("KVTIER_SIGTERM")   # read first: a misspelt value is refused before a folder is made
     try:
         if disk_dir is not None:
             os.makedirs(disk_dir, exist_ok=True)
@@ -193,7 +195,7 @@ def make_private_dir(disk_dir: str | None) -> str:
         shutil.rmtree(path, ignore_errors=True)
         raise _folder_error(disk_dir, e) from e
     _LIVE[path] = os.getpid()
-    _install_sigterm_cleanup()
+    _install_sigterm_cleanup(sigterm)
     try:
         remove_stale_dirs(os.path.dirname(path), keep=path)
     except Exception:   # cleaning up after others never fails this cache
@@ -344,13 +346,13 @@ def _on_sigterm(signum, frame) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _install_sigterm_cleanup() -> None:
+def _install_sigterm_cleanup(wanted: bool = True) -> None:
     """Remove the private folders on SIGTERM too, where that is safe: only from the main thread, only when
     the process has no SIGTERM handler of its own (the default action), once. Off with ``KVTIER_SIGTERM=0``."""
     if _SIGTERM["decided"] or threading.current_thread() is not threading.main_thread():
         return
     _SIGTERM["decided"] = True
-    if not env_switch("KVTIER_SIGTERM"):   # a misspelt value was refused when the cache was made
+    if not wanted:   # KVTIER_SIGTERM off
         return
     try:
         if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:

@@ -191,6 +191,12 @@ def use_tiered_attention(config: Any) -> str:
     return name
 
 
+def attention_routed(config: Any) -> bool:
+    """Whether `config`'s attention runs through kvtier (`use_tiered_attention`, not undone since)."""
+    current = getattr(_text_config(config), "_attn_implementation", None)
+    return isinstance(current, str) and current.startswith(PREFIX)
+
+
 def restore_attention(config: Any) -> None:
     """Put back the attention implementation `use_tiered_attention` replaced."""
     text = _text_config(config)

@@ -29,7 +29,6 @@ from ..engine.resources import SharedResources
 from ..errors import CapacityError, ConfigError, UnsupportedError, is_resource_error, os_reason
 from ..placement.budget import Budget
 from ..scoring import QueryScorer, Scorer, check_scorer_model, make_scorer, scorer_name
-from ..switches import check_switches
 from ..tiers.pinned import empty_pinned_cache
 from .attention import restore_attention, use_tiered_attention
 from .layers import NO_CACHE, TIERED, WINDOWED, LayerPlan, WindowLayer, layer_plan
@@ -40,16 +39,18 @@ def _close(state: CacheState) -> None:
     state.closed = True
     if os.getpid() != state.pid:   # a forked child: the pools and files are its parent's
         return
-    try:
-        state.drop_reads()   # before the files they read go
-        for engine in state.engines:
-            engine.close()
-        for window in state.windows:
-            window.reset()
-    finally:
-        state.shared.close()
+    failure: BaseException | None = None   # every part is let go even where one before it failed; the first raised
+    for part in (state.drop_reads,   # before the files they read go
+                 *(engine.close for engine in state.engines), *(window.reset for window in state.windows),
+                 state.shared.close):
+        try:
+            part()
+        except BaseException as e:
+            failure = failure or e
     if any(getattr(e, "pin", False) for e in state.engines):   # the pinned slabs let go: to the system too
         empty_pinned_cache()
+    if failure is not None:
+        raise failure
 
 
 class TieredCache(OneSequence, Cache):
@@ -115,7 +116,6 @@ class TieredCache(OneSequence, Cache):
                  demote_pages: int | None = None, cuda_graphs: bool = True, read_ahead: bool | None = None,
                  promote: bool = False) -> None:
         _check_config(config)
-        check_switches()
         plan = layer_plan(config)
         shape = ModelShape.from_config(config)
         if scorer_kwargs is not None and not isinstance(scorer_kwargs, dict):
@@ -162,6 +162,7 @@ class TieredCache(OneSequence, Cache):
             super().__init__(layers=layers)
             self.model_config = config
             use_tiered_attention(config)
+            self._state.config = config
         except BaseException:
             self._finalizer()
             raise
@@ -216,29 +217,35 @@ class TieredCache(OneSequence, Cache):
     def _park(self, to: str) -> None:
         st = self._state
         done: list[tuple[LayerEngine, str | None]] = []
-        # the windows that move (those on disk stay there), and where each was: only these go back if the call fails
-        moved = [(w, w.where) for w in st.windows if w.is_initialized and w.where not in (to, "disk")]
+        # the windows that move (those on disk stay there); each keeps what it held until every layer is parked, so
+        # that a failure puts it back without reading its file
+        moved = [w for w in st.windows if w.is_initialized and w.where not in (to, "disk")]
         try:
-            for window, _ in moved:
+            for window in moved:
                 path = None
                 if to == "disk":
                     path = os.path.join(self._shared.private_dir(), f"window{window.layer_idx:03d}.parked.safetensors")
                 window.park(to, path)
         except BaseException as e:
-            state = self._undo_windows(moved)
+            for window in moved:
+                window.undo_park()
             if not (isinstance(e, CapacityError) or is_resource_error(e)):
                 raise
             where = "host memory" if to == "host" else "disk"
             raise CapacityError(f"park({to!r}) could not move the sliding-window layers to {where}: {os_reason(e)}; "
-                                f"{state}") from e
+                                "every layer is as it was before the call") from e
         for i, engine in enumerate(self._engines):
             before = None if engine.parked is None else engine.parked.where
             try:
                 engine.park(to)
             except BaseException as e:
-                state = self._undo_windows(moved) if self._undo_park(done) else self._broken_state()
+                undone = self._undo_park(done)
+                for window in moved:
+                    window.undo_park()
                 if not (isinstance(e, CapacityError) or is_resource_error(e)):
                     raise
+                state = ("every layer is as it was before the call" if undone else
+                         f"putting the parked layers back failed too, so the cache is broken ({st.broken})")
                 reason = os_reason(e)
                 detail = "" if reason == str(e) else f" [{e}]"
                 raise CapacityError(f"park({to!r}) failed at layer {engine.layer_idx} (tiered layer {i + 1} of "
@@ -246,23 +253,8 @@ class TieredCache(OneSequence, Cache):
             after = None if engine.parked is None else engine.parked.where
             if after != before:
                 done.append((engine, before))
-
-    def _undo_windows(self, moved: list[tuple[GuardedWindow, str | None]]) -> str:
-        """Put the windows a failed `park` moved back where they were; says how the cache is left (broken if one
-        cannot go back)."""
-        for window, before in moved:
-            try:
-                if window.where != before:
-                    window.restore()
-                    if before is not None:
-                        window.park(before)
-            except BaseException as e:
-                self._state.break_with(e, f"putting window layer {window.layer_idx} back after a failed park ")
-                return self._broken_state()
-        return "every layer is as it was before the call"
-
-    def _broken_state(self) -> str:
-        return f"putting the parked layers back failed too, so the cache is broken ({self._state.broken})"
+        for window in moved:
+            window.settle_park()
 
     def _undo_park(self, done: list[tuple[LayerEngine, str | None]]) -> bool:
         """Put layers parked by a failed `park` back where they were; False (and the cache broken) if one fails."""
@@ -356,7 +348,8 @@ class TieredCache(OneSequence, Cache):
         sliding-window layers, which keep transformers' own window on the device (``bytes`` in memory, wherever it
         is; ``disk_bytes`` of windows parked on disk).
         ``bytes_moved`` per direction,
-        ``pages_recalled`` per source tier (pages moved up, prefetched ones included), ``pages_reused`` (chosen
+        ``pages_recalled`` (pages moved up, prefetched ones included; ``pages_recalled_from`` per source tier),
+        ``pages_reused`` (chosen
         pages already on the device when chosen: kept from an earlier step or prefetched) and ``reuse_rate``
         (their share of the chosen pages: the hit rate of "what is on the device is what will be chosen"; the
         rest were fetched on demand), ``prefetch`` (``pages`` brought up ahead of the next step on the side

@@ -116,6 +116,7 @@ class WindowLayer(DynamicSlidingWindowLayer):
         self.home: torch.device | None = None   # where a parked window goes back to
         self.stored: ParkedFile | None = None   # the window's file while it is parked on disk
         self._stored_shape: tuple[int, ...] | None = None
+        self._before: tuple | None = None       # its state before a park not yet settled (`settle_park`)
 
     @property
     def where(self) -> str | None:
@@ -131,18 +132,35 @@ class WindowLayer(DynamicSlidingWindowLayer):
     def park(self, to: str = "host", path: str | None = None) -> None:
         """Move the window to host memory, or (``to="disk"``) into a new file at `path`; a failure leaves it as it
         was. A window on disk stays there when parked on the host; one already in host memory (a CPU's) is not
-        copied."""
+        copied. What it held before is kept until `settle_park` (the park stands) or `undo_park` (it does not):
+        undoing then reads nothing and cannot fail."""
         if not self.is_initialized or self.stored is not None:
             return
+        if to != "disk" and (self.home is not None or self.keys.device.type == "cpu"):
+            return
+        self._before = (self.keys, self.values, self.home)   # first: an interruption below is undone likewise
         if to == "disk":
             stored = ParkedFile.write(path, {"keys": self.keys, "values": self.values})
             if self.home is None:   # else it is in host memory, parked there before, and goes back to its device
                 self.home = self.keys.device
             self.stored, self._stored_shape = stored, tuple(self.keys.shape)
             self.keys = self.values = None
-        elif self.home is None and self.keys.device.type != "cpu":
-            self.home = self.keys.device
-            self.keys, self.values = self.keys.to("cpu"), self.values.to("cpu")
+        else:
+            keys, values = self.keys.to("cpu"), self.values.to("cpu")
+            self.home, self.keys, self.values = self.keys.device, keys, values
+
+    def settle_park(self) -> None:
+        """The park stands: what the window held before it goes."""
+        self._before = None
+
+    def undo_park(self) -> None:
+        """Back to the state before the park not yet settled (its file, if any, removed)."""
+        if self._before is None:
+            return
+        stored, self.stored, self._stored_shape = self.stored, None, None
+        (self.keys, self.values, self.home), self._before = self._before, None
+        if stored is not None:
+            stored.discard()
 
     def restore(self, got: dict[str, torch.Tensor] | None = None) -> None:
         """Bring the window back where it was (`got`: its file's tensors, read ahead; else the file is read now).
@@ -169,7 +187,7 @@ class WindowLayer(DynamicSlidingWindowLayer):
         self.keys = self.values = None
         self.is_initialized = False
         self.cumulative_length = 0
-        self.home = self.stored = self._stored_shape = None
+        self.home = self.stored = self._stored_shape = self._before = None
 
     def tokens(self) -> int:
         """Entries held, summed over the KV heads (wherever they are)."""

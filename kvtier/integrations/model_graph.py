@@ -166,7 +166,7 @@ class DecodeGraph:
 
     @torch.no_grad()
     def __call__(self, token: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        if not isinstance(token, torch.Tensor) or token.is_floating_point() or token.is_complex() or \
+        if not isinstance(token, torch.Tensor) or token.dtype not in (torch.int64, torch.int32) or \
                 token.dim() != 2 or token.shape[0] != 1:
             what = f"of shape {list(token.shape)} and {token.dtype}" if isinstance(token, torch.Tensor) else \
                 f"of type {type(token).__name__}"

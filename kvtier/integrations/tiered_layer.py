@@ -22,9 +22,15 @@ from ..engine.steady_step import SteadyStep, StepMismatch
 from ..engine.unpark import ParkedReads
 from ..errors import (BrokenCacheError, CapacityError, ClosedCacheError, ConfigError, UnsupportedError,
                       is_resource_error, os_reason)
-from .attention import claim, masked_new_tokens
+from .attention import attention_routed, claim, masked_new_tokens
 from .layers import WindowLayer
 from .mask_reads import MaskVerdicts
+
+
+_ROUTE = ("so demoted entries would never be recalled; build the TieredCache with the model's own config "
+          "(model.config), not a copy of it (e.g. copy.deepcopy(model.config)), do not change the model's "
+          "attn_implementation after building the cache, and call detach_attention() only when no TieredCache of the "
+          "model will step again (it acts on the model's config, which they share)")
 
 
 class CacheState:
@@ -39,6 +45,7 @@ class CacheState:
         self.broken: str | None = None     # what failed, in words (no exception is kept: it would hold frames)
         self.pid = os.getpid()
         self.reads: ParkedReads | None = None   # parked layers being read ahead of their restore
+        self.config: Any = None   # the model config whose attention the cache routed through kvtier
 
     def check(self) -> None:
         """Raise unless the cache can be used."""
@@ -81,6 +88,10 @@ class CacheState:
             self.check()
         if key_states.dim() == 4 and key_states.shape[0] != 1:
             raise batch_refusal(key_states.shape[0])
+        if layer_idx == self.first and self.config is not None and not attention_routed(self.config):
+            # routed back (`detach_attention`, or attn_implementation set anew): the step's attention would read
+            # the device's entries only
+            raise UnsupportedError(f"the model's attention no longer runs through kvtier, {_ROUTE}")
         if layer_idx == self.first and self.parked():
             # every parked layer back before any takes the step: a restore that fails then leaves each layer's
             # length as it was (the cache not broken, the step free to be tried again), where a later layer's
@@ -405,12 +416,7 @@ class TieredLayer(OneSequence, CacheLayerMixin):
         if self.engine.pending is not None:
             # a model is about to run a step, but the last step's attention never came through kvtier (which
             # places the step and recalls demoted pages): answers would silently lose the demoted entries
-            raise UnsupportedError(
-                "the model's attention did not run through kvtier on the last step, so demoted entries would "
-                "never be recalled; build the TieredCache with the model's own config (model.config), not a "
-                "copy of it (e.g. copy.deepcopy(model.config)), do not change the model's attn_implementation "
-                "after building the cache, and call detach_attention() only when no TieredCache of the model will "
-                "step again (it acts on the model's config, which they share)")
+            raise UnsupportedError(f"the model's attention did not run through kvtier on the last step, {_ROUTE}")
         self.engine.flush()
         stored = self.engine.stored
         return stored + int(query_length), self.engine.seen - stored

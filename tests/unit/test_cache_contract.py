@@ -286,9 +286,12 @@ def test_detaching_the_attention_acts_for_every_cache_of_the_model_and_says_so()
     first, second = (TieredCache(lm.config, device_budget=24, recall_pages=1000, scorer="keynorm") for _ in range(2))
     token = lm(ids, **cache_kwargs(second)).logits[:, -1:].argmax(-1)
     first.detach_attention()
-    lm(token, **cache_kwargs(second))     # the model's own attention: the step's entries wait for kvtier's
-    with pytest.raises(UnsupportedError, match=r"call detach_attention\(\) only when no TieredCache of the model"):
-        lm(token, **cache_kwargs(second))
+    seen = second.get_seq_length()
+    for _ in range(2):   # refused before any layer takes the step: the model's own attention reads no demoted entry
+        with pytest.raises(UnsupportedError, match=r"no longer runs through kvtier.*call detach_attention\(\) only "
+                                                   "when no TieredCache of the model"):
+            lm(token, **cache_kwargs(second))
+    assert second.broken is None and second.get_seq_length() == seen
     third = TieredCache(lm.config, device_budget=24, recall_pages=1000, scorer="keynorm")
     lm(ids, **cache_kwargs(third))        # routed again
     for cache in (first, second, third):

@@ -424,8 +424,10 @@ def test_a_step_refuses_what_is_not_token_ids():
     with _cache(model) as cache:
         graph = DecodeGraph(model, cache)
         graph(_prompt(20))
-        for bad, match in (([[5]], "token of type list"), (torch.ones(1, 1), r"token of shape \[1, 1\] and "
-                                                                             "torch.float32")):
+        for bad, match in (([[5]], "token of type list"),
+                           (torch.ones(1, 1), r"token of shape \[1, 1\] and torch.float32"),
+                           (torch.ones(1, 1, dtype=torch.bool), r"token of shape \[1, 1\] and torch.bool"),
+                           (torch.ones(1, 1, dtype=torch.uint8), r"token of shape \[1, 1\] and torch.uint8")):
             with pytest.raises(ConfigError, match=match + ".*allowed: a \\[1, n\\] tensor of integer token ids"):
                 graph(bad)
         with pytest.raises(ConfigError, match="position_ids of type list; allowed"):

@@ -40,6 +40,14 @@ def test_a_local_file_that_is_no_gguf_is_called_what_it_is(tmp_path, name):
             load(str(path))
 
 
+def test_an_architecture_name_is_read_as_one_even_beside_a_file_of_that_name(tmp_path, monkeypatch):
+    from kvtier.models import load_config
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "llama").write_text("notes")
+    assert type(load_config("llama")).__name__ == "LlamaConfig"
+
+
 def _where(engine):
     """Every position of every head, with the data held for it: {(head, pos): (key, value)} over the tiers."""
     out = {}

@@ -87,3 +87,29 @@ def test_a_close_whose_part_fails_still_removes_the_folder(model, tmp_path):
     with pytest.raises(RuntimeError, match="illegal memory access"):
         cache.close()
     assert not os.path.exists(folder) and cache.closed
+
+
+def test_a_close_whose_layer_fails_still_lets_every_other_part_go(model, tmp_path):
+    cache, _ = _prefilled(model, tmp_path)
+    cache.park("disk")
+    folder, engines = cache.disk_path, cache._engines
+
+    def failing_close():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    engines[0].close = failing_close
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        cache.close()
+    assert not os.path.exists(folder)
+    assert engines[1].tiers == [None, None] and engines[1].parked is None   # the layer after it closed too
+
+
+def test_a_misspelt_sigterm_switch_is_refused_before_any_folder_is_made(tmp_path, monkeypatch):
+    from kvtier.bench.synthetic import synthetic_needles
+    from kvtier.errors import ConfigError
+
+    monkeypatch.setenv("KVTIER_SIGTERM", "nope")
+    with pytest.raises(ConfigError, match="KVTIER_SIGTERM='nope'"):
+        synthetic_needles("llama-3.1-8b", context=4096, needles=1, device_budget=0.1, host_budget=0.2,
+                          disk_dir=str(tmp_path))
+    assert os.listdir(tmp_path) == []

@@ -96,9 +96,16 @@ def test_a_changed_window_file_is_an_error_and_leaves_the_cache_usable(model, tm
 @pytest.mark.parametrize("fails", ["second window", "a tiered layer"])
 def test_a_failed_park_puts_the_windows_back(model, tmp_path, monkeypatch, fails):
     """Disk full at the second window's file, or at a tiered layer's park after both windows went to disk: every
-    layer as it was (the first window's file gone), and the steps after as a twin's that was never parked."""
+    layer as it was (the first window's file gone), and the steps after as a twin's that was never parked. Putting
+    the windows back reads nothing: here no window's file could be read (a cause that lasts, such as no file
+    descriptors left, would fail a read too)."""
     with _prefilled(model, tmp_path, "a") as cache, _prefilled(model, tmp_path, "b") as twin:
         full = OSError(errno.ENOSPC, "No space left on device")
+
+        def unreadable(*args):
+            raise OSError(errno.EMFILE, "Too many open files")
+
+        monkeypatch.setattr(ParkedFile, "read", unreadable)
         if fails == "second window":
             write = ParkedFile.write.__func__
 
@@ -141,3 +148,44 @@ def test_a_session_store_of_a_hybrid_model_keeps_within_its_host_budget(model, t
                                               for c in sessions[:3])
     finally:
         store.close()
+
+
+def test_a_park_cut_short_by_ctrl_c_leaves_no_file_in_the_way(model, tmp_path, monkeypatch):
+    """The half-written file goes with the interruption: a later park writes its file anew, where every later park
+    had been refused ("a file is already in the way")."""
+    from kvtier.engine import parking
+
+    with _prefilled(model, tmp_path, "a") as cache, _prefilled(model, tmp_path, "b") as twin:
+        def cut(fd, data):
+            raise KeyboardInterrupt
+
+        cache._shared.private_dir()   # made first (its owner file is written with os.write too)
+        monkeypatch.setattr(parking.os, "write", cut)
+        with pytest.raises(KeyboardInterrupt):
+            cache.park("disk")
+        monkeypatch.undo()
+        assert _window_files(cache) == [] and cache.parked is None and cache.broken is None
+        cache.park("disk")
+        assert torch.equal(_steps(model, cache), _steps(model, twin))
+
+
+def test_a_window_file_that_cannot_be_opened_for_want_of_descriptors_is_a_capacity_error(model, tmp_path,
+                                                                                           monkeypatch):
+    """Not a `CorruptPageError`: the file is fine, and the step goes on once descriptors are free again."""
+    from kvtier.engine import parking
+
+    with _prefilled(model, tmp_path, "a") as cache, _prefilled(model, tmp_path, "b") as twin:
+        cache.park("disk")
+        opened = parking.os.open
+
+        def no_descriptors(path, *args, **kwargs):
+            if "window" in str(path):
+                raise OSError(errno.EMFILE, "Too many open files")
+            return opened(path, *args, **kwargs)
+
+        monkeypatch.setattr(parking.os, "open", no_descriptors)
+        with pytest.raises(CapacityError, match="could not read the parked window file .*too many open files"):
+            _steps(model, cache, 1)
+        monkeypatch.undo()
+        assert cache.broken is None
+        assert torch.equal(_steps(model, cache), _steps(model, twin))
