@@ -116,7 +116,7 @@ class WindowLayer(DynamicSlidingWindowLayer):
         self.home: torch.device | None = None   # where a parked window goes back to
         self.stored: ParkedFile | None = None   # the window's file while it is parked on disk
         self._stored_shape: tuple[int, ...] | None = None
-        self._before: tuple | None = None       # its state before a park not yet settled (`settle_park`)
+        self._unparked: tuple | None = None       # its state before a park not yet settled (`settle_park`)
 
     @property
     def where(self) -> str | None:
@@ -138,7 +138,7 @@ class WindowLayer(DynamicSlidingWindowLayer):
             return
         if to != "disk" and (self.home is not None or self.keys.device.type == "cpu"):
             return
-        self._before = (self.keys, self.values, self.home)   # first: an interruption below is undone likewise
+        self._unparked = (self.keys, self.values, self.home)   # first: an interruption below is undone likewise
         if to == "disk":
             stored = ParkedFile.write(path, {"keys": self.keys, "values": self.values})
             if self.home is None:   # else it is in host memory, parked there before, and goes back to its device
@@ -151,14 +151,14 @@ class WindowLayer(DynamicSlidingWindowLayer):
 
     def settle_park(self) -> None:
         """The park stands: what the window held before it goes."""
-        self._before = None
+        self._unparked = None
 
     def undo_park(self) -> None:
         """Back to the state before the park not yet settled (its file, if any, removed)."""
-        if self._before is None:
+        if self._unparked is None:
             return
         stored, self.stored, self._stored_shape = self.stored, None, None
-        (self.keys, self.values, self.home), self._before = self._before, None
+        (self.keys, self.values, self.home), self._unparked = self._unparked, None
         if stored is not None:
             stored.discard()
 
@@ -187,7 +187,7 @@ class WindowLayer(DynamicSlidingWindowLayer):
         self.keys = self.values = None
         self.is_initialized = False
         self.cumulative_length = 0
-        self.home = self.stored = self._stored_shape = self._before = None
+        self.home = self.stored = self._stored_shape = self._unparked = None
 
     def tokens(self) -> int:
         """Entries held, summed over the KV heads (wherever they are)."""
