@@ -116,7 +116,7 @@ class WindowLayer(DynamicSlidingWindowLayer):
         self.home: torch.device | None = None   # where a parked window goes back to
         self.stored: ParkedFile | None = None   # the window's file while it is parked on disk
         self._stored_shape: tuple[int, ...] | None = None
-        self._unparked: tuple | None = None       # its state before a park not yet settled (`settle_park`)
+        self._unparked: tuple | None = None     # its state before a park not yet settled (`settle_park`)
 
     @property
     def where(self) -> str | None:
