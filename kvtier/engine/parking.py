@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import stat
 import zlib
 from dataclasses import dataclass, field, replace
 
@@ -187,9 +188,13 @@ class ParkedFile:
 
 
 def write_checked(path: str, tensors: dict[str, torch.Tensor]) -> tuple[int, int]:
-    """Write `tensors` to a new file at `path` (never an existing file, never through a symlink; mode 0600);
-    returns the file's CRC-32 and size."""
+    """Write `tensors` to a new file at `path` (never through a symlink; mode 0600); returns the file's CRC-32 and
+    size. A regular file already there is one of the cache's own, left by an interrupted park or restore (the
+    private folder is the owner's only): it goes first, where it would refuse every later park of the layer."""
     data = save_tensors({name: t.contiguous() for name, t in tensors.items()})
+    with contextlib.suppress(OSError):
+        if stat.S_ISREG(os.lstat(path).st_mode):
+            os.remove(path)
     try:
         fd = os.open(path, _OPEN_NEW, 0o600)
     except OSError as e:

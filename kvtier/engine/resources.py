@@ -191,9 +191,11 @@ def make_private_dir(disk_dir: str | None) -> str:
         raise _folder_error(disk_dir, e) from e
     try:
         _write_owner(path)
-    except OSError as e:
+    except BaseException as e:   # a failed write, or an interruption: no folder is left without its owner file
         shutil.rmtree(path, ignore_errors=True)
-        raise _folder_error(disk_dir, e) from e
+        if isinstance(e, OSError):
+            raise _folder_error(disk_dir, e) from e
+        raise
     _LIVE[path] = os.getpid()
     _install_sigterm_cleanup(sigterm)
     try:

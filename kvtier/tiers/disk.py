@@ -460,6 +460,7 @@ class DiskStore:
             pool.shutdown(wait=True)
         fd, self._fd = getattr(self, "_fd", None), None
         if fd is not None:
-            os.close(fd)
+            with contextlib.suppress(OSError):   # EIO from a network file system, say: the file goes anyway
+                os.close(fd)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)

@@ -113,3 +113,39 @@ def test_a_misspelt_sigterm_switch_is_refused_before_any_folder_is_made(tmp_path
         synthetic_needles("llama-3.1-8b", context=4096, needles=1, device_budget=0.1, host_budget=0.2,
                           disk_dir=str(tmp_path))
     assert os.listdir(tmp_path) == []
+
+
+def test_a_folder_whose_owner_file_is_cut_short_is_removed(tmp_path, monkeypatch):
+    from kvtier.engine import resources
+
+    def cut(path):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(resources, "_write_owner", cut)
+    with pytest.raises(KeyboardInterrupt):
+        resources.make_private_dir(str(tmp_path))
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_page_file_whose_close_reports_an_error_is_still_closed_and_removed(model, tmp_path, monkeypatch):
+    """close(2) may report a failed write late (a network file system, a quota); the file is being removed anyway."""
+    import errno
+
+    from kvtier.tiers import disk
+
+    cache, _ = _prefilled(model, tmp_path)
+    folder = cache.disk_path
+
+    class LateError:   # the disk tier's `os`, whose close(2) reports an error once it has closed the file
+        def __getattr__(self, name):
+            return getattr(os, name)
+
+        @staticmethod
+        def close(fd):
+            os.close(fd)
+            raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(disk, "os", LateError())
+    cache.close()
+    monkeypatch.undo()
+    assert cache.closed and not os.path.exists(folder)

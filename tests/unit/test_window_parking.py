@@ -189,3 +189,42 @@ def test_a_window_file_that_cannot_be_opened_for_want_of_descriptors_is_a_capaci
         monkeypatch.undo()
         assert cache.broken is None
         assert torch.equal(_steps(model, cache), _steps(model, twin))
+
+
+@pytest.mark.parametrize("when", ["after a window's file is written", "after a layer's file is written",
+                                  "as a restored window's file is removed"])
+def test_a_file_left_by_a_ctrl_c_is_replaced_by_the_next_park(model, tmp_path, monkeypatch, when):
+    """An interruption at the wrong moment may leave a parked file behind; it is the cache's own (the folder is
+    private), so the next park replaces it, where every later park had been refused ("a file is in the way")."""
+    from kvtier.engine import parking
+
+    with _prefilled(model, tmp_path, "a") as cache, _prefilled(model, tmp_path, "b") as twin:
+        if when == "as a restored window's file is removed":
+            cache.park("disk")
+
+            def cut(self):
+                raise KeyboardInterrupt
+
+            monkeypatch.setattr(ParkedFile, "discard", cut)
+            with pytest.raises(KeyboardInterrupt):
+                cache.resume()
+        else:
+            write = parking.write_checked
+
+            def cut(path, tensors):
+                written = write(path, tensors)
+                if ("window" in path) == (when == "after a window's file is written"):
+                    raise KeyboardInterrupt
+                return written
+
+            monkeypatch.setattr(parking, "write_checked", cut)
+            with pytest.raises(KeyboardInterrupt):
+                cache.park("disk")
+            assert cache.broken is None
+        monkeypatch.undo()
+        assert any(name.endswith(".parked.safetensors") for name in os.listdir(cache.disk_path))
+        for _ in range(2):
+            cache.park("disk")
+            assert cache.parked == "disk"
+            cache.resume()
+        assert torch.equal(_steps(model, cache), _steps(model, twin))
