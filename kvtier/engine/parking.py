@@ -49,9 +49,7 @@ class ParkedLayer:
     entries: tuple[torch.Tensor, torch.Tensor] | None = None      # k, v [heads, n, dim] in host memory
     slots: np.ndarray | None = None               # [heads, pages] disk slots of the entries
     was_on_host: tuple[np.ndarray, np.ndarray] | None = None      # (heads, page ids) to put back on the host
-    file: str | None = None                       # meta in a checksummed file when parked on disk
-    file_crc: int = 0
-    file_bytes: int = 0
+    meta_file: ParkedFile | None = None           # the meta, in a checksummed file, when parked on disk
 
     @classmethod
     def take(cls, k: torch.Tensor, v: torch.Tensor, meta: dict[str, torch.Tensor], transfer,
@@ -66,7 +64,8 @@ class ParkedLayer:
         return sum(t.numel() * t.element_size() for t in held)
 
     def disk_bytes(self, page_bytes: int) -> int:
-        return 0 if self.slots is None else self.slots.size * page_bytes + self.file_bytes
+        held = 0 if self.meta_file is None else self.meta_file.nbytes
+        return 0 if self.slots is None else self.slots.size * page_bytes + held
 
     def to_disk(self, disk, host, table: PageTable, path: str, page_size: int) -> ParkedLayer:
         """The same layer parked on disk: entries and host pages written to `disk`, meta to `path`."""
@@ -91,7 +90,7 @@ class ParkedLayer:
             if len(dirty):
                 written.append(disk.store(*host.load(host_slots[dirty])))
                 disk_slots[dirty] = written[-1]
-            crc, size = write_checked(path, self.meta)
+            meta_file = ParkedFile.write(path, self.meta, "the parked layer file")
         except BaseException:
             for s in written:
                 disk.free(s)
@@ -100,7 +99,7 @@ class ParkedLayer:
             table.place(heads, pids, DISK, disk_slots)
             host.free(host_slots)
         return replace(self, where="disk", entries=None, meta={}, slots=slots.reshape(H, pages),
-                       was_on_host=(heads, pids), file=path, file_crc=crc, file_bytes=size)
+                       was_on_host=(heads, pids), meta_file=meta_file)
 
     def read(self, disk, table: PageTable, page_size: int, pin: bool = False) -> dict:
         """Everything a restore needs, read and verified first (nothing is changed): the entries ``k, v``
@@ -123,8 +122,7 @@ class ParkedLayer:
             disk_slots = table.lookup(heads, pids)[1]
             back = (disk_slots, *disk.load(disk_slots))
         k, v = k.reshape(H, pages * page_size, -1), v.reshape(H, pages * page_size, -1)
-        meta = read_checked(self.file, self.file_crc, "the parked layer file")
-        got = {"k": k[:, :n], "v": v[:, :n], "meta": meta, "host_pages": back}
+        got = {"k": k[:, :n], "v": v[:, :n], "meta": self.meta_file.read(), "host_pages": back}
         if pin:   # whole: a cut of pinned memory would go to the device through a pageable copy of itself
             got["pinned"] = (k, v)
         return got
@@ -157,30 +155,30 @@ class ParkedLayer:
         if self.slots is not None and disk is not None:
             slots, self.slots = self.slots, None   # forgotten first: a discard cut short leaks slots, never frees twice
             disk.free(slots.reshape(-1))
-        if self.file is not None:
-            with contextlib.suppress(OSError):   # gone already, or cannot go: the folder goes on close
-                os.remove(self.file)
-            self.file = None
+        if self.meta_file is not None:
+            meta_file, self.meta_file = self.meta_file, None
+            meta_file.discard()
 
 
 @dataclass
 class ParkedFile:
-    """Tensors parked in a checksummed file of the cache's private folder: a sliding-window layer's window parked
-    on disk (a window is a few thousand entries a layer, read back whole, so it needs no pages)."""
+    """Tensors parked in a checksummed file of the cache's private folder: a parked layer's meta, or a
+    sliding-window layer's window (a few thousand entries a layer, read back whole, so it needs no pages)."""
 
     path: str
     crc: int
     nbytes: int
+    what: str   # the file in words, for errors
 
     @classmethod
-    def write(cls, path: str, tensors: dict[str, torch.Tensor]) -> ParkedFile:
+    def write(cls, path: str, tensors: dict[str, torch.Tensor], what: str) -> ParkedFile:
         """Write `tensors` to a new file at `path`; a failure leaves no file (`write_checked`)."""
         crc, size = write_checked(path, {name: t.cpu() for name, t in tensors.items()})
-        return cls(path, crc, size)
+        return cls(path, crc, size, what)
 
     def read(self) -> dict[str, torch.Tensor]:
         """The tensors, checked against the CRC-32 taken when they were written (changes nothing)."""
-        return read_checked(self.path, self.crc, "the parked window file")
+        return read_checked(self.path, self.crc, self.what)
 
     def discard(self) -> None:
         with contextlib.suppress(OSError):   # gone already, or cannot go: the folder goes on close

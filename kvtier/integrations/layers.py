@@ -140,7 +140,7 @@ class WindowLayer(DynamicSlidingWindowLayer):
             return
         self._unparked = (self.keys, self.values, self.home)   # first: an interruption below is undone likewise
         if to == "disk":
-            stored = ParkedFile.write(path, {"keys": self.keys, "values": self.values})
+            stored = ParkedFile.write(path, {"keys": self.keys, "values": self.values}, "the parked window file")
             if self.home is None:   # else it is in host memory, parked there before, and goes back to its device
                 self.home = self.keys.device
             self.stored, self._stored_shape = stored, tuple(self.keys.shape)

@@ -85,7 +85,7 @@ def test_park_and_resume_round_trip(make_engine, to):
     if to == "disk":
         assert engine.host.pages() == 0 and (engine.table.tokens(HOST) == 0).all()  # the host is free
         assert (engine.table.tier == DISK).all()
-        assert os.path.exists(engine.parked.file)
+        assert os.path.exists(engine.parked.meta_file.path)
     else:
         assert np.array_equal(engine.table.tier, before["tier"])  # host pages stay where they were
     engine.restore()
@@ -144,7 +144,7 @@ def test_damaged_parked_file_is_an_error_and_changes_nothing(make_engine, damage
     parked = engine.parked
     assert engine.usage()["host"]["bytes"] == 0 and parked.entries is None  # nothing left in host memory
     assert engine.usage()["disk"]["bytes"] > parked.count * engine.heads * engine.pool.entry_bytes()
-    path = parked.file
+    path = parked.meta_file.path
     assert os.path.dirname(path) == engine.shared.private_path and "layer000" in os.path.basename(path)
     tier, disk_pages, seen = engine.table.tier.copy(), engine.disk.pages(), engine.seen
     data = open(path, "rb").read()
@@ -173,7 +173,7 @@ def test_reset_removes_the_parked_file_and_pages(make_engine):
     engine = make_engine(device_budget=16, host_budget=20)
     _feed(engine, 90, 4)
     engine.park("disk")
-    path = engine.parked.file
+    path = engine.parked.meta_file.path
     assert os.path.exists(path) and engine.disk.pages() > 0
     engine.reset()
     assert not os.path.exists(path) and engine.parked is None

@@ -281,7 +281,7 @@ def test_a_parked_layer_that_cannot_be_restored_fails_the_step_before_any_layer_
         assert a.stats()["host"]["tokens"] > 0   # parked on disk with the layer: they come back to the host
         a.park("disk")
         layer1 = a._engines[1]
-        path = layer1.parked.file
+        path = layer1.parked.meta_file.path
         data = open(path, "rb").read()
         if fault == "file missing":
             os.remove(path)

@@ -128,7 +128,7 @@ def test_a_read_that_failed_ahead_is_made_again_by_the_restore(llama, tmp_path, 
 
 def test_a_damaged_layer_fails_the_restore_as_without_reading_ahead(llama, tmp_path, never_parked):
     cache, logits = _prefilled(llama, tmp_path, park="disk")
-    path = cache._engines[1].parked.file
+    path = cache._engines[1].parked.meta_file.path
     data = open(path, "rb").read()
     with open(path, "r+b") as f:
         f.seek(len(data) // 2)

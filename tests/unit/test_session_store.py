@@ -121,7 +121,7 @@ def test_a_session_parked_partly_on_the_host_is_counted_and_pushed_to_disk():
 
     cache = _session(tokens=400)
     cache.park("disk")
-    path = cache._engines[1].parked.file
+    path = cache._engines[1].parked.meta_file.path
     os.rename(path, path + ".away")
     with pytest.raises(CorruptPageError):
         cache.resume()
