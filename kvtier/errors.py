@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+from typing import Any
+
 
 class KVTierError(Exception):
     """Base class of kvtier's errors."""
@@ -116,3 +119,16 @@ def is_resource_error(e: BaseException) -> bool:
         return False
     return isinstance(e, (OSError, MemoryError)) or is_out_of_device_memory(e) or (
         isinstance(e, RuntimeError) and "can't start new thread" in str(e))
+
+
+def call_each(calls: Iterable[Callable[[], Any]]) -> None:
+    """Make every call, even where one before it failed (what is being let go must all go: files, folders, memory);
+    then raise the first failure."""
+    failure: BaseException | None = None
+    for call in calls:
+        try:
+            call()
+        except BaseException as e:
+            failure = failure or e
+    if failure is not None:
+        raise failure

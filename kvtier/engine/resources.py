@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from ..errors import CapacityError, ClosedCacheError, ConfigError, UnsupportedError, os_reason
+from ..errors import CapacityError, ClosedCacheError, ConfigError, UnsupportedError, call_each, os_reason
 from ..switches import check_switches, env_switch
 from ..tiers.disk import DiskStore
 from ..transfer import TransferManager, make_transfer_manager
@@ -155,20 +155,18 @@ class SharedResources:
             self._disk, self._private = None, None
             self.transfers.clear()
             return
-        failure: BaseException | None = None   # each part is let go even where one before it failed
         disk, self._disk = self._disk, None
-        for part in ([disk] if disk is not None else []) + list(self.transfers.values()):
-            try:
-                part.close()
-            except BaseException as e:   # a CUDA error left by an earlier failure, say: the folder still goes
-                failure = failure or e
+        parts = ([disk] if disk is not None else []) + list(self.transfers.values())
         self.transfers.clear()
+        # every part goes even where one before it failed (a CUDA error left by an earlier failure, say), and the
+        # folder after them
+        call_each([*(part.close for part in parts), self._remove_private])
+
+    def _remove_private(self) -> None:
         if self._private is not None:
             _LIVE.pop(self._private, None)
             shutil.rmtree(self._private, ignore_errors=True)
             self._private = None
-        if failure is not None:
-            raise failure
 
 
 # ---------------------------------------------------------------------------------------------------- folders

@@ -26,7 +26,7 @@ from ..engine.copy import clone_counters, copy_layer
 from ..engine.layer import LayerEngine
 from ..engine.parking import check_target
 from ..engine.resources import SharedResources
-from ..errors import CapacityError, ConfigError, UnsupportedError, is_resource_error, os_reason
+from ..errors import CapacityError, ConfigError, UnsupportedError, call_each, is_resource_error, os_reason
 from ..placement.budget import Budget
 from ..scoring import QueryScorer, Scorer, check_scorer_model, make_scorer, scorer_name
 from ..tiers.pinned import empty_pinned_cache
@@ -39,18 +39,13 @@ def _close(state: CacheState) -> None:
     state.closed = True
     if os.getpid() != state.pid:   # a forked child: the pools and files are its parent's
         return
-    failure: BaseException | None = None   # every part is let go even where one before it failed; the first raised
-    for part in (state.drop_reads,   # before the files they read go
-                 *(engine.close for engine in state.engines), *(window.reset for window in state.windows),
-                 state.shared.close):
-        try:
-            part()
-        except BaseException as e:
-            failure = failure or e
-    if any(getattr(e, "pin", False) for e in state.engines):   # the pinned slabs let go: to the system too
-        empty_pinned_cache()
-    if failure is not None:
-        raise failure
+    try:
+        call_each((state.drop_reads,   # before the files they read go
+                   *(engine.close for engine in state.engines), *(window.reset for window in state.windows),
+                   state.shared.close))
+    finally:
+        if any(getattr(e, "pin", False) for e in state.engines):   # the pinned slabs let go: to the system too
+            empty_pinned_cache()
 
 
 class TieredCache(OneSequence, Cache):

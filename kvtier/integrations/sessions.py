@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from ..errors import CapacityError, ConfigError
+from ..errors import CapacityError, ConfigError, call_each
 from .hf import TieredCache
 
 
@@ -113,14 +113,7 @@ class SessionStore:
     def close(self) -> None:
         """Close every parked session (each one, even where closing another failed; the first failure is raised)."""
         parked, self._parked = list(self._parked.values()), OrderedDict()
-        failure = None
-        for cache in parked:
-            try:
-                cache.close()
-            except BaseException as e:
-                failure = failure or e
-        if failure is not None:
-            raise failure
+        call_each(cache.close for cache in parked)
 
 
 def _host_bytes(cache: TieredCache) -> int:
