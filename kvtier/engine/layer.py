@@ -90,6 +90,7 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
         self.readahead: DiskReadAhead | None = None
         self.pending: _Pending | None = None
         self.parked: ParkedLayer | None = None
+        self.parking: tuple[ParkedLayer, BufferLayout | None, int] | None = None   # `prepare_park`'s, not settled
         self.torn = False   # a restore interrupted midway: the cache must say it is broken (`CacheState`)
         self.last_recall: torch.Tensor | None = None   # [heads, pages] ids recalled for the last query block
         self.recalled: RecallBuffer | None = None       # those pages, on the device
@@ -616,7 +617,15 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
     # ------------------------------------------------------------------ parking
     def park(self, to: str) -> None:
         """Move what the layer holds on the device (and, for disk, on the host) down to `to`."""
+        self.prepare_park(to)
+        self.settle_park()
+
+    def prepare_park(self, to: str) -> None:
+        """The first step of `park`: everything that can fail (copies, writes), with nothing let go, so that
+        `undo_park` puts the layer back as it was without reading anything. `settle_park` makes it final."""
         check_target(to)
+        if self.parking is not None:
+            raise RuntimeError(f"layer {self.layer_idx}: a park is already under way")
         self.flush()
         self.table.settle()    # the host pages are read below: every copy to them must have landed
         if self.pool is None:
@@ -624,6 +633,7 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
         current = self.parked
         if current is not None and (current.where == to or current.where == "disk"):
             return
+        layout = None
         if current is None:
             # the recall buffer's layout, read first (planned on the device, a read back: it may fail too)
             layout = self.recall_layout()
@@ -634,16 +644,25 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
             if self.index is not None:
                 meta.update(self.index.state())
             current = ParkedLayer.take(k[0], v[0], meta, self.transfer, self.pin)
-        moved = current.host_bytes()
+        moved = current.host_bytes() if self.parked is None else 0
         if to == "disk":
             path = os.path.join(self.shared.private_dir(), f"layer{self.layer_idx:03d}.parked.safetensors")
             current = current.to_disk(self._disk(), self.host, self.table, path, self.cfg.page_size)
-        if to == "disk":   # a layer parked on disk holds no host memory: the ring's and the host pool's slabs go
+        self.parking = (current, layout, moved)
+
+    def settle_park(self) -> None:
+        """The park `prepare_park` made, made final: the device (and, for disk, the host) lets go. Bookkeeping
+        only: nothing here fails."""
+        if self.parking is None:
+            return
+        (current, layout, moved), self.parking = self.parking, None
+        if current.where == "disk":   # a layer on disk holds no host memory: the ring's and the host pool's slabs go
+            current.settle(self.table, self.host)
             if self.readahead is not None:
                 self.readahead.close()
             if self.host is not None:
                 self.host.release()
-        if self.parked is None:   # everything that could fail has succeeded: let the device go
+        if self.parked is None:
             self.counters.bytes_moved["device_to_host"] += moved
             self.pool.clear()
             self._drop_recalled()
@@ -651,6 +670,14 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
             if self.index is not None:
                 self.index.release()
         self.parked = current
+
+    def undo_park(self) -> None:
+        """Drop the park `prepare_park` made: what it wrote is freed, and the layer is as it was before."""
+        if self.parking is None:
+            return
+        current, self.parking = self.parking[0], None
+        if current.where == "disk":
+            current.undo(self.disk)
 
     def restore(self, got: dict | None = None) -> None:
         """Bring a parked layer back to the state it was parked in (`got`: what `ParkedLayer.read` read of it
@@ -747,6 +774,7 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
 
     def reset(self) -> None:
         """Forget every entry (the shared disk store stays open for reuse)."""
+        self.undo_park()
         self.pending = None
         self._drop_recalled()
         self.layout_kept = None

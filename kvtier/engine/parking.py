@@ -9,7 +9,10 @@ it was parked in, so decoding continues bit-identically (a host page that had a 
 that copy, and comes back without one).
 
 Every change is all or nothing: what can fail (a write, a read) happens before anything is let go, and a
-failure leaves the layer as it was (the written pages are freed again).
+failure leaves the layer as it was (the written pages are freed again). A park to disk is made in two steps, so
+that a cache parks all its layers or none: `ParkedLayer.to_disk` writes and changes nothing the layer holds, then
+`ParkedLayer.settle` lets the host pages go (bookkeeping only), or `ParkedLayer.undo` frees what was written
+without reading any of it back.
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ class ParkedLayer:
     slots: np.ndarray | None = None               # [heads, pages] disk slots of the entries
     was_on_host: tuple[np.ndarray, np.ndarray] | None = None      # (heads, page ids) to put back on the host
     meta_file: ParkedFile | None = None           # the meta, in a checksummed file, when parked on disk
+    # written by `to_disk`, not yet settled: (the host slots of `was_on_host`, their disk slots, those written)
+    unsettled: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
     @classmethod
     def take(cls, k: torch.Tensor, v: torch.Tensor, meta: dict[str, torch.Tensor], transfer,
@@ -68,7 +73,8 @@ class ParkedLayer:
         return 0 if self.slots is None else self.slots.size * page_bytes + held
 
     def to_disk(self, disk, host, table: PageTable, path: str, page_size: int) -> ParkedLayer:
-        """The same layer parked on disk: entries and host pages written to `disk`, meta to `path`."""
+        """The same layer parked on disk: entries and host pages written to `disk`, meta to `path`. Nothing the
+        layer holds changes until `settle`; `undo` drops the copy instead."""
         k, v = self.entries
         H, n, D = k.shape
         pages = max(1, -(-n // page_size))
@@ -95,11 +101,27 @@ class ParkedLayer:
             for s in written:
                 disk.free(s)
             raise
-        if len(heads):   # nothing can fail from here on
+        return replace(self, where="disk", entries=None, meta={}, slots=slots.reshape(H, pages),
+                       was_on_host=(heads, pids), meta_file=meta_file,
+                       unsettled=(host_slots, disk_slots, disk_slots[dirty]))
+
+    def settle(self, table: PageTable, host) -> None:
+        """The park to disk made final: the host pages `to_disk` wrote are on disk now (bookkeeping only)."""
+        if self.unsettled is None:
+            return
+        (heads, pids), (host_slots, disk_slots, _) = self.was_on_host, self.unsettled
+        self.unsettled = None
+        if len(heads):
             table.place(heads, pids, DISK, disk_slots)
             host.free(host_slots)
-        return replace(self, where="disk", entries=None, meta={}, slots=slots.reshape(H, pages),
-                       was_on_host=(heads, pids), meta_file=meta_file)
+
+    def undo(self, disk) -> None:
+        """Drop a park to disk `to_disk` made and `settle` did not: what it wrote is freed, none of it read."""
+        if self.unsettled is not None:
+            written, self.unsettled = self.unsettled[2], None
+            if len(written):
+                disk.free(written)
+        self.discard(disk)
 
     def read(self, disk, table: PageTable, page_size: int, pin: bool = False) -> dict:
         """Everything a restore needs, read and verified first (nothing is changed): the entries ``k, v``

@@ -210,11 +210,12 @@ class TieredCache(OneSequence, Cache):
             empty_pinned_cache()
 
     def _park(self, to: str) -> None:
+        """Every layer prepares its park (`LayerEngine.prepare_park`, `WindowLayer.park`), keeping what it held;
+        then all settle, or, where one failed, all drop what they wrote, reading nothing back."""
         st = self._state
-        done: list[tuple[LayerEngine, str | None]] = []
-        # the windows that move (those on disk stay there); each keeps what it held until every layer is parked, so
-        # that a failure puts it back without reading its file
+        # the windows that move (those on disk stay there)
         moved = [w for w in st.windows if w.is_initialized and w.where not in (to, "disk")]
+        prepared: list[LayerEngine] = []
         try:
             for window in moved:
                 path = None
@@ -230,38 +231,25 @@ class TieredCache(OneSequence, Cache):
             raise CapacityError(f"park({to!r}) could not move the sliding-window layers to {where}: {os_reason(e)}; "
                                 "every layer is as it was before the call") from e
         for i, engine in enumerate(self._engines):
-            before = None if engine.parked is None else engine.parked.where
             try:
-                engine.park(to)
+                prepared.append(engine)
+                engine.prepare_park(to)
             except BaseException as e:
-                undone = self._undo_park(done)
+                for done in reversed(prepared):
+                    done.undo_park()
                 for window in moved:
                     window.undo_park()
                 if not (isinstance(e, CapacityError) or is_resource_error(e)):
                     raise
-                state = ("every layer is as it was before the call" if undone else
-                         f"putting the parked layers back failed too, so the cache is broken ({st.broken})")
                 reason = os_reason(e)
                 detail = "" if reason == str(e) else f" [{e}]"
                 raise CapacityError(f"park({to!r}) failed at layer {engine.layer_idx} (tiered layer {i + 1} of "
-                                    f"{len(self._engines)}): {reason}{detail}; {state}") from e
-            after = None if engine.parked is None else engine.parked.where
-            if after != before:
-                done.append((engine, before))
+                                    f"{len(self._engines)}): {reason}{detail}; every layer is as it was before the "
+                                    "call") from e
+        for engine in self._engines:
+            engine.settle_park()
         for window in moved:
             window.settle_park()
-
-    def _undo_park(self, done: list[tuple[LayerEngine, str | None]]) -> bool:
-        """Put layers parked by a failed `park` back where they were; False (and the cache broken) if one fails."""
-        for engine, before in reversed(done):
-            try:
-                engine.restore()
-                if before is not None:
-                    engine.park(before)
-            except BaseException as e:
-                self._state.break_with(e, f"putting layer {engine.layer_idx} back after a failed park ")
-                return False
-        return True
 
     def prefetch_parked(self) -> bool:
         """Start reading the layers parked on disk back into host memory on a thread of their own, and return at

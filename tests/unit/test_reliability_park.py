@@ -289,3 +289,34 @@ def test_a_real_file_size_limit(tmp_path):
         assert "file-size limit" in r["error"] and "EFBIG" in r["error"], r
         assert r["where"] == [None, None], r
     assert all(r["same"] for r in results), results
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("first", [None, "host"])
+def test_a_lasting_shortage_leaves_the_cache_as_it_was(model, reference, tmp_path, monkeypatch, kind, first):
+    """No descriptor left for layer 1's file, nor for any file after it: the layers parked already are put back
+    without reading what they wrote (a read would meet the same shortage and break the cache)."""
+    cache = TieredCache(model.config, disk_dir=tmp_path, scorer="keynorm", **KINDS[kind])
+    logits = prefill(model, cache)
+    if first:
+        cache.park(first)
+    state, pages, names = where(cache), disk_pages(cache), files(cache)
+    real, opened = os.open, []
+
+    def short_of_descriptors(path, *args, **kwargs):
+        if str(path).endswith(".parked.safetensors"):
+            opened.append(path)
+            if len(opened) > 1:
+                raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", short_of_descriptors)
+    with pytest.raises(CapacityError, match=r"failed at layer 1 .*too many open files.*as it was before"):
+        cache.park("disk")
+    assert len(opened) == 2   # layer 0's file was written, layer 1's could not be; nothing was read back
+    assert disk_pages(cache) == pages
+    check_as_before(model, cache, kind, (state, logits, names), reference)
+    monkeypatch.undo()
+    cache.park("disk")   # the shortage over, the park goes through
+    assert where(cache) == ["disk", "disk"]
+    cache.close()

@@ -97,17 +97,13 @@ def test_a_changed_window_file_is_an_error_and_leaves_the_cache_usable(model, tm
 def test_a_failed_park_puts_the_windows_back(model, tmp_path, monkeypatch, fails):
     """Disk full at the second window's file, or at a tiered layer's park after both windows went to disk: every
     layer as it was (the first window's file gone), and the steps after as a twin's that was never parked. Putting
-    the windows back reads nothing: here no window's file could be read (a cause that lasts, such as no file
+    the layers back reads nothing: here no parked file could be read (a cause that lasts, such as no file
     descriptors left, would fail a read too)."""
     with _prefilled(model, tmp_path, "a") as cache, _prefilled(model, tmp_path, "b") as twin:
         full = OSError(errno.ENOSPC, "No space left on device")
 
-        read = ParkedFile.read
-
-        def unreadable(self):   # a window's file (a tiered layer's undo reads its own, as it always has)
-            if "window" in os.path.basename(self.path):
-                raise OSError(errno.EMFILE, "Too many open files")
-            return read(self)
+        def unreadable(self):
+            raise OSError(errno.EMFILE, "Too many open files")
 
         monkeypatch.setattr(ParkedFile, "read", unreadable)
         if fails == "second window":
@@ -124,7 +120,7 @@ def test_a_failed_park_puts_the_windows_back(model, tmp_path, monkeypatch, fails
             def park(to):
                 raise full
 
-            monkeypatch.setattr(cache._engines[1], "park", park)
+            monkeypatch.setattr(cache._engines[1], "prepare_park", park)
             match = "failed at layer 3 .*every layer is as it was"
         with pytest.raises(CapacityError, match=match):
             cache.park("disk")
