@@ -22,6 +22,7 @@ from ..engine.steady_step import SteadyStep, StepMismatch
 from ..engine.unpark import ParkedReads
 from ..errors import (BrokenCacheError, CapacityError, ClosedCacheError, ConfigError, UnsupportedError,
                       is_resource_error, os_reason)
+from ..switches import check_switches
 from .attention import attention_routed, claim, masked_new_tokens
 from .layers import WindowLayer
 from .mask_reads import MaskVerdicts
@@ -88,6 +89,8 @@ class CacheState:
             self.check()
         if key_states.dim() == 4 and key_states.shape[0] != 1:
             raise batch_refusal(key_states.shape[0])
+        if layer_idx == self.first:   # a switch misspelt since the cache was made: refused before any layer moves
+            check_switches()
         if layer_idx == self.first and self.config is not None and not attention_routed(self.config):
             # routed back (`detach_attention`, or attn_implementation set anew): the step's attention would read
             # the device's entries only

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-from kvtier import ConfigError, TieredCache
+from kvtier import ConfigError, TieredCache, cache_kwargs
 from kvtier.native.loader import switched_off
 from kvtier.switches import env_switch
 from tiny_models import tiny_llama
@@ -27,3 +28,20 @@ def test_a_misspelt_switch_is_refused_when_a_cache_is_made(name, monkeypatch):
     with pytest.raises(ConfigError, match=f"{name}='disable' in the environment; allowed: 1, on, true, yes \\(on\\), "
                                           "0, off, false, no \\(off\\), or unset"):
         TieredCache(tiny_llama().config, device_budget=0.5)
+
+
+def test_a_switch_misspelt_after_the_cache_was_made_refuses_the_step_and_breaks_nothing(monkeypatch):
+    """Read by the kernels at each launch (a GPU's step), a misspelt value met one mid-step, after earlier layers
+    had taken it, and broke the cache: it is refused at the first layer, and the next step goes through."""
+    model = tiny_llama()
+    prompt = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    with TieredCache(model.config, device_budget=16, recall_pages=1000) as cache, \
+            TieredCache(model.config, device_budget=16, recall_pages=1000) as twin:
+        logits = [model(prompt, **cache_kwargs(c)).logits for c in (cache, twin)]
+        monkeypatch.setenv("KVTIER_NATIVE", "disable")
+        with pytest.raises(ConfigError, match="KVTIER_NATIVE='disable'"):
+            model(logits[0][:, -1:].argmax(-1), **cache_kwargs(cache))
+        assert cache.broken is None and cache.get_seq_length() == 40
+        monkeypatch.delenv("KVTIER_NATIVE")
+        nxt = logits[1][:, -1:].argmax(-1)
+        assert torch.equal(model(nxt, **cache_kwargs(cache)).logits, model(nxt, **cache_kwargs(twin)).logits)
