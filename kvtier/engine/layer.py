@@ -9,7 +9,6 @@ choices from `recall`, storage from `tiers`.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,7 +30,7 @@ from .device_step import DeviceDecoding
 from .fetch import PROMOTE_EVERY, PageFetching
 from .graphs import StepGraphs
 from .attention import attend_parts, attend_with_lse, finish_with_lse, sink_part
-from .parking import ParkedLayer, check_target
+from .parking import ParkedLayer, check_target, parked_path
 from .resources import SharedResources
 from .steady_step import SteadySteps
 from .weights import unpack_rows, weights_by_position
@@ -646,7 +645,7 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
             current = ParkedLayer.take(k[0], v[0], meta, self.transfer, self.pin)
         moved = current.host_bytes() if self.parked is None else 0
         if to == "disk":
-            path = os.path.join(self.shared.private_dir(), f"layer{self.layer_idx:03d}.parked.safetensors")
+            path = parked_path(self.shared.private_dir(), "layer", self.layer_idx)
             current = current.to_disk(self._disk(), self.host, self.table, path, self.cfg.page_size)
         self.parking = (current, layout, moved)
 

@@ -37,6 +37,11 @@ _SHORT_OF = (errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN, errno.EINTR
 _OPEN_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
+def parked_path(folder: str, kind: str, layer_idx: int) -> str:
+    """The file in the private `folder` where layer `layer_idx`'s parked `kind` ("layer" meta, "window") goes."""
+    return os.path.join(folder, f"{kind}{layer_idx:03d}.parked.safetensors")
+
+
 def check_target(to: str) -> None:
     if to not in PARK_TARGETS:
         raise ConfigError(f"park to {to!r}; allowed: {', '.join(map(repr, PARK_TARGETS))}")

@@ -24,7 +24,7 @@ from ..config import (DEFAULT_PAGE_SIZE, DEFAULT_RECALL_PAGES, DEFAULT_RECENT_TO
                       ModelShape, TieredCacheConfig)
 from ..engine.copy import clone_counters, copy_layer
 from ..engine.layer import LayerEngine
-from ..engine.parking import check_target
+from ..engine.parking import check_target, parked_path
 from ..engine.resources import SharedResources
 from ..errors import CapacityError, ConfigError, UnsupportedError, call_each, is_resource_error, os_reason
 from ..placement.budget import Budget
@@ -220,7 +220,7 @@ class TieredCache(OneSequence, Cache):
             for window in moved:
                 path = None
                 if to == "disk":
-                    path = os.path.join(self._shared.private_dir(), f"window{window.layer_idx:03d}.parked.safetensors")
+                    path = parked_path(self._shared.private_dir(), "window", window.layer_idx)
                 window.park(to, path)
         except BaseException as e:
             for window in moved:
