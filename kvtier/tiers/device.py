@@ -23,6 +23,7 @@ import torch
 
 from .. import native
 from ..errors import CapacityError
+from .base import check_sizes
 
 
 class DevicePool:
@@ -30,6 +31,7 @@ class DevicePool:
 
     def __init__(self, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
                  slab_tokens: int) -> None:
+        check_sizes(heads=heads, head_dim=head_dim)
         # indexed: the slabs' tensors say cuda:N, and the kernels' address tables are kept for the device named
         self.heads, self.head_dim, self.dtype, self.device = heads, head_dim, dtype, native.indexed_device(device)
         self.slab_tokens = max(1, int(slab_tokens))
@@ -235,8 +237,14 @@ class DevicePool:
             del kind[keep:]
 
     def replace(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, score: torch.Tensor) -> None:
-        """Make ``k, v`` ``[heads, n, dim]`` (with ``pos, score`` ``[heads, n]``) the committed entries."""
-        n = k.shape[1]
+        """Make ``k, v`` ``[heads, n, dim]`` (with ``pos, score`` ``[heads, n]``) the committed entries. Shapes are
+        checked before anything is written (a write cut short would pair the new entries with the old positions)."""
+        H, D = self.heads, self.head_dim
+        n = k.shape[1] if k.dim() == 3 else -1
+        if (n < 0 or tuple(k.shape) != (H, n, D) or v.shape != k.shape or tuple(pos.shape) != (H, n)
+                or tuple(score.shape) != (H, n)):
+            raise ValueError(f"the device pool takes k, v [{H}, n, {D}] and pos, score [{H}, n]; got k "
+                             f"{tuple(k.shape)}, v {tuple(v.shape)}, pos {tuple(pos.shape)}, score {tuple(score.shape)}")
         self.ensure(n)
         self._write(0, k[None], v[None], pos)
         self.count = 0

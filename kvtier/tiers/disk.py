@@ -22,8 +22,8 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 import numpy as np
 import torch
 
-from ..errors import CapacityError, ConfigError, CorruptPageError
-from .base import slot_numbers
+from ..errors import CapacityError, CorruptPageError
+from .base import check_sizes, slot_numbers
 
 ALIGN = 4096  # records start and end on 4 KiB boundaries
 CHUNK = 4096  # slots per chunk of the in-memory per-slot arrays
@@ -159,9 +159,7 @@ class DiskStore:
         if dtype not in _DTYPES:
             raise CapacityError(f"dtype {dtype} cannot be stored on disk; allowed: "
                                 "torch.float32, torch.float16, torch.bfloat16, torch.float64")
-        if min(page_size, head_dim, io_threads) < 1:
-            raise ConfigError(f"page_size, head_dim and io_threads must be >= 1; got {page_size}, {head_dim}, "
-                              f"{io_threads}")
+        check_sizes(page_size=page_size, head_dim=head_dim, io_threads=io_threads)
         self.page_size, self.head_dim, self.dtype, self.io_threads = page_size, head_dim, dtype, io_threads
         self._kv_bytes = page_size * head_dim * torch.empty((), dtype=dtype).element_size()
         self.payload_size = 2 * self._kv_bytes
@@ -272,12 +270,14 @@ class DiskStore:
             reused = [heapq.heappop(self._free) for _ in range(min(n, len(self._free)))]
             lo, hi = self._next, self._next + n - len(reused)
             self._next = hi
-            self._meta.grow(hi)
-            slots = np.array(reused + list(range(lo, hi)), dtype=np.int64)
-            gens = self._meta.get(slots)["gen"] + np.uint32(1)
+            try:
+                self._meta.grow(hi)
+                slots = np.array(reused + list(range(lo, hi)), dtype=np.int64)
+                gens = self._meta.get(slots)["gen"] + np.uint32(1)
+            except BaseException:   # no memory for the bookkeeping: the slots go back
+                self._give_back(fd, reused, lo, hi)
+                raise
         crcs = np.empty(n, np.uint32)
-        seeds = [_seed(slot, gen) for slot, gen in zip(slots.tolist(), gens.tolist())]
-        order, s, tasks = self._plan(slots, _IOV_MAX)
 
         def write(runs: list) -> None:
             for a, b in runs:
@@ -292,23 +292,30 @@ class DiskStore:
                 if done != (b - a) * rs:
                     raise CapacityError(f"short write to {self.path}: {done} of {(b - a) * rs} bytes (disk full?)")
 
-        try:
+        try:   # from the slots' allocation to their bookkeeping: a failure (or Ctrl-C) anywhere gives them back
+            seeds = [_seed(slot, gen) for slot, gen in zip(slots.tolist(), gens.tolist())]
+            order, s, tasks = self._plan(slots, _IOV_MAX)
             self._run(write, tasks)
+            with self._lock:
+                self._meta.set(slots, crc=crcs, gen=gens, seed=seeds, used=True)
+                self._count += n
         except BaseException:
             with self._lock:
-                back = reused if self._next == hi else reused + list(range(lo, hi))
-                if self._next == hi:  # nothing was allocated after us: give the file its old length back
-                    self._next = lo
-                    with contextlib.suppress(OSError):
-                        if os.fstat(fd).st_size > lo * rs:
-                            os.ftruncate(fd, lo * rs)
-                for slot in back:
-                    heapq.heappush(self._free, slot)
+                if not self._meta.get(slots)["used"].all():   # the bookkeeping was not made (else: kept)
+                    self._give_back(fd, reused, lo, hi)
             raise
-        with self._lock:
-            self._meta.set(slots, crc=crcs, gen=gens, seed=seeds, used=True)
-            self._count += n
         return slots
+
+    def _give_back(self, fd: int, reused: list[int], lo: int, hi: int) -> None:
+        """Free the slots a failed `store` took: `reused` from the heap, ``lo..hi`` new ones (lock held)."""
+        back = reused if self._next == hi else reused + list(range(lo, hi))
+        if self._next == hi:  # nothing was allocated after us: give the file its old length back
+            self._next = lo
+            with contextlib.suppress(OSError):
+                if os.fstat(fd).st_size > lo * self.record_size:
+                    os.ftruncate(fd, lo * self.record_size)
+        for slot in back:
+            heapq.heappush(self._free, slot)
 
     def free(self, slots: np.ndarray) -> None:
         """Give slots ``[m]`` back; their records can no longer be loaded and later `store` calls reuse them.
@@ -362,15 +369,14 @@ class DiskStore:
                 bases = np.cumsum(spans) - spans
                 scratch = np.empty((int(spans.sum()), rs), np.uint8)
                 flat = memoryview(scratch).cast("B")
-                for first, span, base in zip(firsts.tolist(), spans.tolist(), bases.tolist()):
+                for (a, b), first, span, base in zip(batch, firsts.tolist(), spans.tolist(), bases.tolist()):
                     try:
                         done = _pread_into(fd, flat[base * rs:(base + span) * rs], first * rs)
                     except OSError as e:
                         raise CorruptPageError(f"could not read slots {first}..{first + span - 1} of {self.path}: "
                                                f"{_oserr(e)}") from e
                     if done != span * rs:
-                        raise CorruptPageError(f"page missing or truncated in {self.path} at slot "
-                                               f"{first + done // rs} (the file ends at byte {first * rs + done})")
+                        raise self._truncated(fd, s[a:b], (first * rs + done) // rs)
                 row = s[lo:hi] + np.repeat(bases - firsts, sizes)   # each page's record in scratch
                 idx = order[lo:hi]
                 for j, r in zip((row * rs).tolist(), idx.tolist()):
@@ -392,6 +398,16 @@ class DiskStore:
 
         return tasks, read, finish
 
+    def _truncated(self, fd: int, wanted: np.ndarray, whole: int) -> CorruptPageError:
+        """The error for a read that came back short: the first of the `wanted` slots (sorted) past the `whole`
+        records the file holds from the read's start (a slot read only as a gap is none of the caller's)."""
+        slot = int(wanted[min(int(np.searchsorted(wanted, whole)), len(wanted) - 1)])
+        try:
+            end = f"the file ends at byte {os.fstat(fd).st_size}"
+        except OSError as e:
+            end = f"its size unknown: {_oserr(e)}"
+        return CorruptPageError(f"page missing or truncated in {self.path} at slot {slot} ({end})")
+
     def load(self, slots: np.ndarray, out: tuple[torch.Tensor, torch.Tensor] | None = None,
              rows: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Read pages back, verified, in the order of `slots` ``[n]``.
@@ -411,7 +427,7 @@ class DiskStore:
         """`load` on one I/O thread, checks and planning included (the caller's thread only queues it), for
         reading ahead: a future of ``(k, v)`` or of the error. `out` must not be read or written until the
         future is done. The thread's CPU seconds for the read join `cpu`, where given."""
-        slots = np.array(slots, dtype=np.int64).reshape(-1)   # a copy: the caller may reuse its array
+        slots = slot_numbers(slots, f"slots of {self.path}", CorruptPageError).copy()   # the caller may reuse its array
         self._check_open()
 
         def load() -> tuple[torch.Tensor, torch.Tensor]:

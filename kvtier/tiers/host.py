@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..transfer.read_mark import ReadMark
-from .base import slot_numbers
+from .base import check_sizes, slot_numbers
 from .slabs import SlabRows
 
 SLAB_BYTES = 4 << 20
@@ -30,6 +30,7 @@ class HostPool:
 
     def __init__(self, page_size: int, head_dim: int, dtype: torch.dtype, pin: bool,
                  slab_bytes: int = SLAB_BYTES) -> None:
+        check_sizes(page_size=page_size, head_dim=head_dim, slab_bytes=slab_bytes)
         self.page_size, self.head_dim, self.dtype, self.pin = page_size, head_dim, dtype, pin
         page_bytes = page_size * head_dim * torch.empty((), dtype=dtype).element_size()
         per_slab = max(1, slab_bytes // page_bytes)
@@ -69,14 +70,23 @@ class HostPool:
         self._reads.synchronize()
 
     def store(self, k: torch.Tensor, v: torch.Tensor) -> np.ndarray:
-        """Keep pages ``k, v`` ``[n, page_size, head_dim]``; returns their slots."""
+        """Keep pages ``k, v`` ``[n, page_size, head_dim]``; returns their slots. All or nothing: a failure
+        (a wrong shape, no memory for a slab) leaves the pool as it was."""
+        shape = (self.page_size, self.head_dim)
+        if k.dim() != 3 or tuple(k.shape[1:]) != shape or k.shape != v.shape:
+            raise ValueError(f"the host pool keeps pages [n, {shape[0]}, {shape[1]}]; got k {tuple(k.shape)}, "
+                             f"v {tuple(v.shape)}")
         self._settle()
         slots = self._take(k.shape[0])
-        if len(slots):
-            self._written = max(self._written, int(slots.max()) + 1)
-        rows = torch.from_numpy(slots)
-        self.k.scatter(rows, k)
-        self.v.scatter(rows, v)
+        try:
+            if len(slots):
+                self._written = max(self._written, int(slots.max()) + 1)
+            rows = torch.from_numpy(slots)
+            self.k.scatter(rows, k)
+            self.v.scatter(rows, v)
+        except BaseException:
+            self.free(slots)
+            raise
         return slots
 
     def reserve(self, n: int) -> np.ndarray:
@@ -100,12 +110,26 @@ class HostPool:
              out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather pages ``[n, page_size, head_dim]`` (into `out` when given: pinned staging, or device memory
         that a kernel fills straight from the pinned slabs)."""
-        rows = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64))
+        rows = torch.from_numpy(self._held_slots(slots))
         if out is None:
             return self.k.gather(rows), self.v.gather(rows)
         self.k.gather(rows, out=out[0], pair=(self.v, out[1]))   # keys and values in one launch
         self.read_on(out[0].device)
         return out
+
+    def _held_slots(self, slots, twice: bool = False) -> np.ndarray:
+        """`slots` as contiguous int64, each holding a page (with `twice`, sorted `slots` none of which is given
+        twice); else a `ValueError` naming the first that does not (a freed slot's stale page is no answer)."""
+        s = np.ascontiguousarray(slot_numbers(slots, "host slots"))
+        inside = (s >= 0) & (s < self._next)
+        bad = ~inside
+        if twice and len(s):
+            bad |= np.concatenate([[False], s[1:] == s[:-1]])
+        bad[inside] |= ~self._held[s[inside]]
+        if bad.any():
+            raise ValueError(f"host slot {int(s[bad][0])} holds no page (freed already, never handed out"
+                             f"{', or given twice' if twice else ''}); nothing was {'freed' if twice else 'read'}")
+        return s
 
     def read_on(self, device: torch.device) -> None:
         """Note that kernels queued on `device`'s current stream read the slabs: `store` waits for them."""
@@ -118,12 +142,7 @@ class HostPool:
         s = np.sort(slot_numbers(slots, "host slots"))
         if not len(s):
             return
-        inside = (s >= 0) & (s < self._next)
-        bad = ~inside | np.concatenate([[False], s[1:] == s[:-1]])
-        bad[inside] |= ~self._held[s[inside]]
-        if bad.any():
-            raise ValueError(f"host slot {int(s[bad][0])} holds no page (freed already, never handed out, or given "
-                             "twice); nothing was freed")
+        self._held_slots(s, twice=True)
         self._held[s] = False
         self._used -= len(s)
         # the last slots handed out go back to the never-used range (a failed demotion's, given back at once,

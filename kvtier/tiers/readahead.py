@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..errors import CorruptPageError
+from .base import slot_numbers
 from .slabs import SlabRows
 
 
@@ -114,9 +116,15 @@ class DiskReadAhead:
     def load(self, slots: np.ndarray, out: tuple[torch.Tensor, torch.Tensor] | None = None
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """Pages at disk `slots` ``[n]``, in their order: from the ring where read ahead, else from the disk
-        (`DiskStore.load`, which raises on a bad page). Into `out` when given (e.g. the rows attention reads)."""
-        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+        (`DiskStore.load`, which raises on a bad page). Into `out` when given: host memory of the pages' shape
+        and dtype (e.g. the rows attention reads)."""
+        slots = slot_numbers(slots, f"slots of {self.disk.path}", CorruptPageError)
         n = len(slots)
+        want = (n, self.page_size, self.head_dim)
+        if out is not None and (len(out) != 2 or any(tuple(t.shape) != want or t.dtype != self.dtype
+                                                      or t.device.type != "cpu" for t in out)):
+            raise ValueError(f"out must be two {self.dtype} tensors {list(want)} in host memory; got "
+                             f"{[(tuple(t.shape), t.dtype, t.device.type) for t in out]}")
         self._wait_for(slots)
         where = self._where
         pos = np.fromiter((where.get(s, -1) for s in slots.tolist()), dtype=np.int64, count=n)
@@ -183,7 +191,7 @@ class DiskReadAhead:
 
     def prefetch(self, slots: np.ndarray) -> None:
         """Start reading pages at disk `slots` (best first) that are neither held nor on their way."""
-        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+        slots = slot_numbers(slots, f"slots of {self.disk.path}", CorruptPageError)
         first = np.unique(slots, return_index=True)[1]
         slots = slots[np.sort(first)]
         slots = slots[~np.isin(slots, self._at)]
@@ -216,7 +224,7 @@ class DiskReadAhead:
 
     def forget(self, slots: np.ndarray) -> None:
         """Drop the pages of disk slots that are being freed (their next content is another page)."""
-        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+        slots = slot_numbers(slots, f"slots of {self.disk.path}", CorruptPageError)
         self._wait_for(slots)   # no read may land after its slot was reused
         for s in slots.tolist():
             p = self._where.pop(s, None)

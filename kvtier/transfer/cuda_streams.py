@@ -52,8 +52,8 @@ class CudaTransferManager:
         if kind == "h2h":
             dst.copy_(src)
             self.counters.bytes[kind] += src.numel() * src.element_size()
-            job = next(self._ids)
-            return job
+            self.counters.jobs += 1   # counted as the synchronous manager counts it
+            return next(self._ids)
         if kind in ("h2d",) and not src.is_pinned():
             raise TransferError("host-to-device copies need pinned source memory for true async DMA")
         stream = self._streams[kind]
