@@ -53,5 +53,13 @@ class Budget:
     def tokens(self, seen: int) -> int:
         """The budget in tokens once `seen` tokens have been written."""
         if self.is_fraction:
-            return min(seen, math.ceil(self.value * seen))
+            return min(seen, ceil_share(self.value, seen))
         return int(self.value)
+
+
+def ceil_share(fraction: float, n: int) -> int:
+    """`fraction` of `n`, rounded up; a product a rounding error away from a whole number is that number (7% of 100
+    is 7 tokens, where the float product 7.000000000000001 rounded up is 8)."""
+    share = fraction * n
+    whole = round(share)
+    return int(whole) if abs(share - whole) <= 1e-9 * max(1.0, share) else math.ceil(share)

@@ -6,10 +6,10 @@ from the tiers that carry them out. Ties are broken by position (older first) so
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
+
+from .budget import ceil_share
 
 
 def recent_window(recent_tokens: int | float, budget_tokens: int) -> int:
@@ -19,7 +19,7 @@ def recent_window(recent_tokens: int | float, budget_tokens: int) -> int:
     the window grows with the budget (``0.25`` with a 410-token budget: the 103 latest tokens).
     """
     if isinstance(recent_tokens, float):
-        return math.ceil(recent_tokens * max(budget_tokens, 0))
+        return ceil_share(recent_tokens, max(budget_tokens, 0))
     return int(recent_tokens)
 
 

@@ -89,6 +89,19 @@ def test_budget_resolution():
     assert Budget(0, allow_zero=True).tokens(100) == 0
 
 
+def test_a_share_is_rounded_up_from_its_exact_value():
+    """Percent budgets and windows over 1..2,000 tokens: the exact share rounded up; the float product had been
+    rounded up from a rounding error's height (7% of 100 tokens gave 8, for 141 pairs in 0.01..0.99 x 1..1000)."""
+    from kvtier.placement.planner import recent_window
+
+    for percent in range(1, 100):
+        for seen in range(1, 2001):
+            exact = -(-percent * seen // 100)
+            assert Budget(percent / 100).tokens(seen) == exact, (percent, seen)
+            assert recent_window(percent / 100, seen) == exact, (percent, seen)
+    assert Budget(1 / 3).tokens(300) == 100 and Budget(1 / 3).tokens(301) == 101
+
+
 def test_private_disk_folder_is_removed_on_close(tmp_path):
     cache = TieredCache(CONFIG, host_budget=0.1, disk_dir=tmp_path)
     path = cache.disk_path
