@@ -71,11 +71,17 @@ class PageFetching:
         if on_device:
             return self._fetch_on_device(buf, ids, shortlist, ahead)
         want = ids.cpu().numpy()
+        ages = buf.ages()
         heads, pids, slots = buf.plan(want)
-        self.counters.pages_reused += H * r - len(pids)
         if len(pids):
-            self._keep_on_host(*self._bring_into(buf, heads, pids, slots))
+            try:
+                came = self._bring_into(buf, heads, pids, slots)
+            except BaseException:   # a disk read failed, say: the step may be tried again as if never planned
+                buf.restore_ages(ages)
+                raise
+            self._keep_on_host(*came)
         self._read_ahead(ids, shortlist)
+        self.counters.pages_reused += H * r - len(pids)   # counted once the step has its pages
         self.counters.recall_steps += 1
         return buf.k, buf.v, buf.ids
 

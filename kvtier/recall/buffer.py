@@ -155,6 +155,22 @@ class RecallBuffer:
             self._note_chosen(chosen)
         return heads.astype(np.int64), pids.astype(np.int64), slot_cols.astype(np.int64)
 
+    def ages(self) -> tuple | None:
+        """What `plan` changes of a retaining buffer (the slots' ages, the clock, the choice), for `restore_ages`
+        where the step's pages then cannot be brought up (None: the buffer does not retain)."""
+        return None if self._last is None else (self._last.copy(), self._clock, self._chosen)
+
+    def restore_ages(self, saved: tuple | None) -> None:
+        """Back to what `ages` saved: the step that failed leaves the next `plan` as if it had never been made."""
+        if saved is None:
+            return
+        last, self._clock, chosen = saved
+        self._last[...] = last
+        if chosen is not None:
+            self._mask_unchosen(chosen)
+        else:
+            self._chosen = None
+
     def _note_chosen(self, chosen: np.ndarray) -> None:
         """The slots ``[heads, slots]`` a retaining buffer's step reads: their pages' age, and the mask."""
         self._clock += 1
@@ -185,6 +201,10 @@ class RecallBuffer:
         """
         H, D = self.k.shape[0], self.k.shape[2]
         rows = np.asarray(heads, dtype=np.int64) * self.pages + np.asarray(slots, dtype=np.int64)
-        for buf, pages in ((self.k, k), (self.v, v)):
-            native.scatter_pages([buf.view(H * self.pages, self.page_size, D)], H * self.pages, rows, pages)
+        try:
+            for buf, pages in ((self.k, k), (self.v, v)):
+                native.scatter_pages([buf.view(H * self.pages, self.page_size, D)], H * self.pages, rows, pages)
+        except BaseException:   # the slots may hold parts of the new pages: none may pass for its old page
+            self.ids[heads, slots] = -1
+            raise
         self.ids[heads, slots] = pids

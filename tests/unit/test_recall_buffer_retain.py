@@ -182,3 +182,63 @@ def test_masked_attention_is_attention_over_the_keys_let_through(dtype, softcap)
         tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
         torch.testing.assert_close(out[:, h:h + 1], o, rtol=tol, atol=tol)
         torch.testing.assert_close(lse[:, h:h + 1], s, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("retain_pages", [0, 2])
+def test_a_step_whose_pages_could_not_be_read_is_tried_again_as_if_never_planned(make_engine, retain_pages,
+                                                                               monkeypatch):
+    """A disk read fails at one step's attention, and the step is attended again: the same bits as a twin that met
+    no failure, then and at every later step, and the same counters. A retaining buffer had kept the failed
+    plan's ages (its later steps placed pages in other slots, summing in another order), and the pages the
+    failed step would have reused were counted twice."""
+    from kvtier.errors import CorruptPageError
+
+    kw = dict(heads=2, head_dim=16, device_budget=32, host_budget=24, recall_pages=4, page_size=4, read_ahead=False,
+              retain_pages=retain_pages)
+    clean, failed = make_engine(**kw), make_engine(**kw)
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(1, 2, 200, 16, generator=g)
+    step_all([clean, failed], k)
+    for s in range(12):
+        k, q = torch.randn(1, 2, 1, 16, generator=g), torch.randn(1, 4, 1, 16, generator=g)
+        outs = []
+        for e in (clean, failed):
+            e.write(k, k.flip(-1))
+            if e is failed and s == 5:
+                def unreadable(slots, out):
+                    raise CorruptPageError("the disk could not be read")
+
+                monkeypatch.setattr(e, "_load_disk", unreadable)
+                with pytest.raises(CorruptPageError):
+                    e.attend(q)
+                monkeypatch.undo()
+            outs.append(e.attend(q)[0])
+            e.commit()
+        assert torch.equal(*outs), s
+    assert np.array_equal(clean.recalled.ids, failed.recalled.ids)
+    for name in ("pages_reused", "recall_steps", "pages_recalled"):
+        assert getattr(clean.counters, name) == getattr(failed.counters, name), name
+
+
+def test_a_fill_cut_short_leaves_no_slot_passing_for_its_old_page(monkeypatch):
+    """The keys written, the values not: the slots hold parts of new pages, so they are empty now, never their old
+    pages (whose ids they still carried)."""
+    import kvtier.recall.buffer as buffer_module
+
+    buf = RecallBuffer(H, 2, P, D, torch.float32, torch.device("cpu"))
+    heads, pids, slots = buf.plan(np.array([[0, 1], [2, 3]]))
+    buf.fill(heads, pids, slots, page_data(heads, pids), page_data(heads, pids))
+    heads, pids, slots = buf.plan(np.array([[0, 5], [2, 7]]))
+    real, calls = buffer_module.native.scatter_pages, []
+
+    def keys_only(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise MemoryError
+        return real(*args)
+
+    monkeypatch.setattr(buffer_module.native, "scatter_pages", keys_only)
+    with pytest.raises(MemoryError):
+        buf.fill(heads, pids, slots, page_data(heads, pids), page_data(heads, pids))
+    assert (buf.ids[heads, slots] == -1).all()
+    assert sorted(buf.ids[buf.ids >= 0].tolist()) == [0, 2]   # the slots the fill did not touch
