@@ -205,15 +205,23 @@ class PageFetching:
         landing = None
         if not prefetch and self.holds_disk_pages():
             landing = self._read_disk_pages(buf, ids, shortlist)
-        plan = plan_on_device(ids, buf.held, self.table.n, sources[0], buf.ahead if spare else None,
-                              self.device_counts, prefetch=prefetch, in_place=True)
-        # a page without a host slot is skipped: it comes next. A step that read disk pages notes the copy's read
-        # of the host slabs at once (such a step is never captured): the promotion round below may store pages
-        # into host slots the copy still reads, and `HostPool.store` waits only for the reads noted
-        self._copy_up(buf, sources, plan, note or landing is not None)
-        if landing is not None:
-            if landing.kv is not None:
+        # such a step (never captured, it reads back already) counts only once its copies are made: a failure
+        # (a host slot's page not stored, say) takes back what the plan counted
+        counted = None if landing is None or self.device_counts is None else self.device_counts.clone()
+        try:
+            plan = plan_on_device(ids, buf.held, self.table.n, sources[0], buf.ahead if spare else None,
+                                  self.device_counts, prefetch=prefetch, in_place=True)
+            # a page without a host slot is skipped: it comes next. A step that read disk pages notes the copy's
+            # read of the host slabs at once: the promotion round below may store pages into host slots the copy
+            # still reads, and `HostPool.store` waits only for the reads noted
+            self._copy_up(buf, sources, plan, note or landing is not None)
+            if landing is not None and landing.kv is not None:
                 self._scatter_disk_pages(buf, plan, landing)
+        except BaseException:
+            if counted is not None:
+                self.device_counts.copy_(counted)
+            raise
+        if landing is not None:
             self._landed_up(landing)
         return plan
 

@@ -283,3 +283,37 @@ def test_the_gpu_decode_step_notes_its_host_read_before_promotion_stores_pages(t
         greedy_logits(model, cache, prompt=400, steps=24, seed=6)
         assert cache.stats()["promotion"]["pages"] > 0
     assert stores and not any(stores), f"{sum(stores)} of {len(stores)} stores came before the copy's read was noted"
+
+
+@pytest.mark.parametrize("fails", ["_copy_up", "_scatter_disk_pages"])
+def test_a_copy_that_fails_counts_nothing(make_engine, monkeypatch, fails):
+    """The copy of a device-planned step with disk pages fails once (the step is then attended again): the counters
+    are those of a twin that only let its recall buffer go at that step. The plan's counts had stayed (pages
+    counted as recalled that never moved), and the disk pages a failed scatter left were booked as host recalls."""
+    clean, failed = _twins(make_engine, device_budget=32, recall_pages=4)
+    clean.device_recall = True
+    g = torch.Generator().manual_seed(0)
+    step_all([clean, failed], torch.randn(1, 2, 200, 16, generator=g))
+    for s in range(10):
+        k, q = torch.randn(1, 2, 1, 16, generator=g), torch.randn(1, 4, 1, 16, generator=g)
+        outs = []
+        for e in (clean, failed):
+            e.write(k, k.flip(-1))
+            if s == 5 and e is clean:
+                e._forget_recalled()   # as the failure does: only the failed try differs
+            if s == 5 and e is failed:
+                def broken(*args, **kwargs):
+                    raise RuntimeError("the copy failed")
+
+                monkeypatch.setattr(e, fails, broken)
+                with pytest.raises(RuntimeError, match="the copy failed"):
+                    e.attend(q)
+                monkeypatch.undo()
+            outs.append(e.attend(q)[0])
+            e.commit()
+        assert torch.equal(*outs), s
+    for e in (clean, failed):
+        e.settle_counts()
+    assert clean.counters.pages_recalled["disk"] > 0
+    assert failed.counters.pages_recalled == clean.counters.pages_recalled
+    assert failed.counters.pages_reused == clean.counters.pages_reused
