@@ -38,11 +38,12 @@ class Tier(Protocol):
     def close(self) -> None: ...
 
 
-def check_sizes(**sizes) -> None:
-    """Refuse a size that is not a whole number >= 1, by name (a float or 0 had failed later, as another error)."""
+def check_sizes(least: int = 1, **sizes) -> None:
+    """Refuse a size that is not a whole number >= `least`, by name (a float or 0 had failed later, as another
+    error)."""
     for what, value in sizes.items():
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-            raise ConfigError(f"{what}={value!r}; allowed: a whole number >= 1")
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+            raise ConfigError(f"{what}={value!r}; allowed: a whole number >= {least}")
 
 
 def slot_numbers(values, what: str, error: type[Exception] = ValueError) -> np.ndarray:

@@ -31,7 +31,8 @@ class DevicePool:
 
     def __init__(self, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
                  slab_tokens: int) -> None:
-        check_sizes(heads=heads, head_dim=head_dim)
+        check_sizes(head_dim=head_dim)
+        check_sizes(least=0, heads=heads)   # a pool of no head holds nothing (the kernels' grid checks use one)
         # indexed: the slabs' tensors say cuda:N, and the kernels' address tables are kept for the device named
         self.heads, self.head_dim, self.dtype, self.device = heads, head_dim, dtype, native.indexed_device(device)
         self.slab_tokens = max(1, int(slab_tokens))
