@@ -373,10 +373,11 @@ def check_cache_options(device_budget: Any, host_budget: Any, disk_dir: str | No
         check_writable_folder(disk_dir, "--disk-dir")
 
 
-def read_manifest(trace_dir: str, option: str = "--traces") -> dict[str, Any]:
-    """The manifest of a folder written by `kvtier traces`, checked: it parses, and its trace files are there."""
+def read_manifest(trace_dir: str, option: str = "--traces", split: str | None = None) -> dict[str, Any]:
+    """The manifest of a folder written by `kvtier traces`, checked: it parses, its trace files are there, and
+    (`split`) it was recorded from that split (a folder that records none is taken as it is)."""
     path = Path(trace_dir) / "manifest.json"
-    allowed = "a folder written by `kvtier traces`"
+    allowed = "a folder written by `kvtier traces`" + (f" --split {split}" if split else "")
     if not path.is_file():
         raise bad_option(option, trace_dir, allowed, "holds no traces (no manifest.json)")
     try:
@@ -389,6 +390,8 @@ def read_manifest(trace_dir: str, option: str = "--traces") -> dict[str, Any]:
         raise bad_option(option, trace_dir, allowed, f"has a manifest.json without {', '.join(keys)}")
     if not manifest["traces"]:
         raise bad_option(option, trace_dir, allowed, "holds no traces (manifest.json lists none)")
+    if split is not None and manifest.get("split", split) != split:
+        raise bad_option(option, trace_dir, allowed, f"was recorded from the {manifest['split']!r} split")
     missing = [t["file"] for t in manifest["traces"] if not (Path(trace_dir) / str(t["file"])).is_file()]
     if missing:
         raise bad_option(option, trace_dir, allowed,

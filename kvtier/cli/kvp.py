@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -98,7 +99,14 @@ def traces(out: str, model: str | None, split: str, texts: int, needles: int, pr
 def train(trace_dirs: tuple[str, ...], out: str, objective: str, steps: int, seed: int, threads: int,
           importance: str, lr: float, age_only: str | None, top_tokens: int) -> None:
     """Train KVP agents on recorded traces; keeps the checkpoint with the best held-out reward."""
-    manifests = [read_manifest(folder) for folder in trace_dirs]
+    seen: dict[str, str] = {}
+    for folder in trace_dirs:   # a folder given twice would put copies of training traces in the held-out share
+        real = os.path.realpath(folder)
+        if real in seen:
+            raise click.BadParameter(f"{folder!r} is given twice (as {seen[real]!r} before); allowed: each folder "
+                                     "once", param_hint="'--traces'")
+        seen[real] = folder
+    manifests = [read_manifest(folder, split="train") for folder in trace_dirs]
     first = manifests[0]
     shape_keys = ("model", "num_layers", "num_kv_heads", "head_dim")
     for folder, other in zip(trace_dirs[1:], manifests[1:]):
@@ -235,7 +243,7 @@ def calibrate(kvp_path: str, out: str, model: str | None, texts: int, lengths: s
 def eval_scorer(trace_dir: str, kvp_path: str | None, budgets: str, markdown: str | None, as_json: bool,
                 importance: str) -> None:
     """Share of future attention mass each scorer keeps, per budget, on held-out traces."""
-    manifest = read_manifest(trace_dir)
+    manifest = read_manifest(trace_dir, split="eval")
     fractions = parse_fractions(budgets, "--budgets")
     if markdown:
         markdown = check_output_file(markdown, "--markdown")

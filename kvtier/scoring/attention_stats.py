@@ -18,6 +18,8 @@ from typing import Iterator
 
 import torch
 
+from .base import check_one_sequence
+
 CHUNK_BYTES = 16 << 20          # float32 logits of one chunk of queries, in host memory
 DEVICE_CHUNK_BYTES = 256 << 20  # on an accelerator: its caching allocator reuses blocks, and fewer launches pay
 
@@ -30,10 +32,13 @@ def chunk_rows(q_heads: int, keys: int, device: torch.device | str = "cpu") -> i
 
 
 def _chunks(query: torch.Tensor, keys: torch.Tensor, new: int, scaling: float, queries: slice,
-            chunk: int | None) -> Iterator[tuple[int, int, torch.Tensor]]:
+            chunk: int | None, softcap: float | None = None) -> Iterator[tuple[int, int, torch.Tensor]]:
     """Per chunk of the selected queries, ``(first, count, probs)``: the chunk is rows ``first..first+count-1``
     of the step, ``probs`` ``[kv_heads, group, count, seen]`` its causal softmax over the first ``seen`` of the
-    `new` last keys (every later key is masked for every row of the chunk, so it is left out)."""
+    `new` last keys (every later key is masked for every row of the chunk, so it is left out). `softcap`: the
+    logits capped as the model's attention caps them, ``softcap * tanh(logits / softcap)``."""
+    for t in (query, keys):
+        check_one_sequence(t, "attention-based scoring")
     q_heads, q_len, dim = query.shape[1], query.shape[2], query.shape[3]
     kv_heads, n = keys.shape[1], keys.shape[2]
     if not q_len <= new <= n:
@@ -51,6 +56,8 @@ def _chunks(query: torch.Tensor, keys: torch.Tensor, new: int, scaling: float, q
         visible = older + first + count
         q = query[0, :, first:first + count].float().reshape(kv_heads, group, count, dim)
         logits = torch.einsum("hgqd,hkd->hgqk", q, k[:, :visible]).mul_(scaling)
+        if softcap:
+            logits = logits.div_(softcap).tanh_().mul_(softcap)
         diagonal = logits[..., visible - count:]    # row i sees diagonal column j only when j <= i
         later = torch.ones(count, count, dtype=torch.bool, device=query.device).triu_(1)
         diagonal.masked_fill_(later, float("-inf"))
@@ -58,7 +65,8 @@ def _chunks(query: torch.Tensor, keys: torch.Tensor, new: int, scaling: float, q
 
 
 def received_attention(query: torch.Tensor, keys: torch.Tensor, new: int, scaling: float,
-                       queries: slice = slice(None), chunk: int | None = None) -> torch.Tensor:
+                       queries: slice = slice(None), chunk: int | None = None,
+                       softcap: float | None = None) -> torch.Tensor:
     """Causal softmax attention from (a contiguous slice of) the step's queries to the `new` last keys.
 
     Parameters
@@ -76,7 +84,7 @@ def received_attention(query: torch.Tensor, keys: torch.Tensor, new: int, scalin
     kv_heads = keys.shape[1]
     start, stop, _ = queries.indices(query.shape[2])
     out = torch.zeros(kv_heads, query.shape[1] // kv_heads, max(stop - start, 0), new, device=query.device)
-    for first, count, probs in _chunks(query, keys, new, scaling, queries, chunk):
+    for first, count, probs in _chunks(query, keys, new, scaling, queries, chunk, softcap):
         out[:, :, first - start:first - start + count, :probs.shape[-1]] = probs
     return out
 

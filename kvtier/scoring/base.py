@@ -164,6 +164,12 @@ def _check_query(name: str, keys: torch.Tensor, query: torch.Tensor, context_key
                           f"[{batch}, {kv_heads}, n >= {tokens}, {dim}] (the keys attention read, new ones last)")
 
 
+def check_one_sequence(t: torch.Tensor, name: str) -> None:
+    """Refuse a batch of several sequences where a scorer reads the first alone (the rest had been dropped)."""
+    if t.shape[0] != 1:
+        raise ScorerError(f"{name} scores one sequence at a time; got a batch of {t.shape[0]}; allowed: batch size 1")
+
+
 def checked_scores(scorer: Scorer | QueryScorer, keys: torch.Tensor, values: torch.Tensor,
                    positions: torch.Tensor, layer_idx: int, *, query: torch.Tensor | None = None,
                    context_keys: torch.Tensor | None = None, scaling: float | None = None,

@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from .. import native
 from ..errors import ConfigError
+from .base import check_one_sequence
 from .features import AGE_KNOTS, POSITION_FEATURES, age_basis, entry_features, position_features
 
 FORMAT_VERSION = 1
@@ -161,6 +162,7 @@ class KVPScorer:
     @torch.no_grad()
     def score(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
               layer_idx: int) -> torch.Tensor:
+        check_one_sequence(keys, self.name)
         heads = keys.shape[1]
         agents, weights = self._copy(keys.device)
         feats = self._position_features(positions, keys.device)
@@ -176,10 +178,10 @@ class KVPScorer:
         of positions are kept (a prefill chunk computes its own: it is one of many launches there). A decode
         step's features go into a tensor kept for them, so every decode step's launches read them at one
         address."""
+        if positions.is_inference():   # it has no version to tell a rewrite by (the cache's own is made outside)
+            return position_features(positions.to(device))
         last = self._last_positions
-        # a tensor made in inference mode has no version; nothing writes such a one again (the kept one of
-        # `SharedResources.positions` is made outside it)
-        version = -1 if positions.is_inference() else positions._version
+        version = positions._version
         # features computed under a CUDA graph's capture are only queued there (and lost if the capture fails):
         # a memo made during a capture serves that capture alone
         capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
@@ -254,6 +256,11 @@ def load_agents(path: str | Path) -> tuple[KVPAgents, dict[str, Any]]:
         raise ConfigError(f"cannot read KVP weights from {path!r}: {e}") from e
     if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
         raise ConfigError(f"{path!r} is not a kvtier KVP weights file (format version {FORMAT_VERSION})")
+    sizes = {k: meta.get(k) for k in ("num_layers", "num_kv_heads", "head_dim", "hidden")}
+    bad = [f"{k}={v!r}" for k, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1]
+    if bad:
+        raise ConfigError(f"{path!r} describes its agents with {', '.join(bad)}; allowed: whole numbers >= 1 for "
+                          f"{', '.join(sizes)}")
     agents = KVPAgents(meta["num_layers"] * meta["num_kv_heads"], meta["head_dim"], meta["hidden"])
     state = load_file(path)
     state.setdefault("age", torch.zeros_like(agents.age))   # files written before the recency term rank by content

@@ -42,5 +42,7 @@ class SnapKVScorer:
               query: torch.Tensor, context_keys: torch.Tensor, scaling: float) -> torch.Tensor:
         att = received_attention(query, context_keys, keys.shape[2], scaling, slice(-self.window, None))
         votes = att.sum(dim=2).mean(dim=1)  # [kv_heads, new]
-        pooled = F.avg_pool1d(votes[:, None], self.kernel, stride=1, padding=self.kernel // 2)[:, 0]
+        # the mean of the votes there are: padding counted in had cut a one-token write's score by the kernel width
+        pooled = F.avg_pool1d(votes[:, None], self.kernel, stride=1, padding=self.kernel // 2,
+                              count_include_pad=False)[:, 0]
         return pooled[:, : keys.shape[2]].unsqueeze(0)

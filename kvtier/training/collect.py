@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -99,6 +100,8 @@ def record_folder(model: Any, tokenizer: Any, out: str | Path, *, model_name: st
     (`kvtier.training.chats`) into `out`; returns the manifest."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    # an earlier recording's manifest goes first: one cut short would otherwise list this run's shards as its own
+    (out / "manifest.json").unlink(missing_ok=True)
     torch.manual_seed(seed)
     items: list[tuple[str, torch.Tensor, torch.Tensor | None, str]] = [
         (s, p, c, "text") for s, p, c in text_chunks(tokenizer, split, prompt_tokens, continuation_tokens, texts,
@@ -124,5 +127,7 @@ def record_folder(model: Any, tokenizer: Any, out: str | Path, *, model_name: st
         save_trace(trace, out / name)
         manifest["traces"].append({"file": name, "source": source, "continuation": kind,
                                    "prompt_tokens": prompt.shape[1], "continuation_tokens": continuation.shape[1]})
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    written = out / "manifest.json.partial"
+    written.write_text(json.dumps(manifest, indent=2))
+    os.replace(written, out / "manifest.json")   # whole or not at all: the folder's traces are those it lists
     return manifest

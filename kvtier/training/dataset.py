@@ -78,6 +78,10 @@ def load_folder(folder: str | Path, sink_tokens: int = DEFAULT_SINK_TOKENS,
     out = []
     for item in manifest["traces"]:
         raw = load_trace(Path(folder) / item["file"])
+        for name in ("keys", "values", "importance"):   # float16 keys past 65504 are inf: every weight would be NaN
+            if name in raw and not torch.isfinite(raw[name]).all():
+                raise ConfigError(f"{Path(folder) / item['file']}: its {name} hold values that are not finite; "
+                                  "allowed: traces of finite numbers (record them again)")
         layers, heads, n, dim = raw["keys"].shape
         keep = rankable(n, sink_tokens, recent_tokens)
         feats = entry_features(raw["keys"].reshape(layers * heads, n, dim)[:, keep],

@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import DynamicCache
 
+from ..errors import ConfigError
 from ..integrations.hf import cache_kwargs
 from ..scoring import BASELINES_ATTENTION_BASED, QueryScorer, checked_scores, make_scorer
 from ..scoring.attention_stats import received_attention
@@ -39,7 +40,7 @@ def baseline_scorers() -> list[QueryScorer]:
 
 
 def future_importance(query: torch.Tensor, key: torch.Tensor, scaling: float, prompt: int,
-                      targets: bool = False) -> dict[str, torch.Tensor]:
+                      targets: bool = False, softcap: float | None = None) -> dict[str, torch.Tensor]:
     """Importance of the `prompt` first tokens from the continuation's attention, ``[kv_heads, prompt]``
     float32 each.
 
@@ -52,8 +53,11 @@ def future_importance(query: torch.Tensor, key: torch.Tensor, scaling: float, pr
         ``[1, q_heads, steps, dim]``, the continuation's queries.
     key
         ``[1, kv_heads, prompt + steps, dim]``, every key they read.
+    softcap
+        The model's attention logit cap (Gemma 2's ``attn_logit_softcapping``), so that the target is the
+        attention the model computed.
     """
-    future = received_attention(query, key, key.shape[2], scaling)[..., :prompt]
+    future = received_attention(query, key, key.shape[2], scaling, softcap=softcap)[..., :prompt]
     per_step = future.amax(dim=1)                                   # [kv_heads, steps, prompt]
     steps = torch.arange(per_step.shape[1], device=per_step.device, dtype=per_step.dtype)
     stats = {"importance": per_step.sum(dim=1)}
@@ -134,6 +138,11 @@ def _prefill(model: Any, prompt_ids: torch.Tensor) -> tuple[DynamicCache, dict[i
         stats = prompt_statistics(query, key, value, scaling, baselines, module.layer_idx)
         stats["keys"] = key[0].to(torch.float16)
         stats["values"] = value[0].to(torch.float16)
+        for name in ("keys", "values"):   # past float16's range they would be inf, and training on them NaN
+            if not torch.isfinite(stats[name]).all():
+                raise ConfigError(f"layer {module.layer_idx}'s {name} exceed float16's range (largest magnitude "
+                                  f"{float((key if name == 'keys' else value).abs().max()):.4g}); traces keep them in "
+                                  "float16; allowed: models whose keys and values stay below 65,504")
         per_layer[module.layer_idx] = stats
 
     cache = DynamicCache(config=model.config)
@@ -153,7 +162,8 @@ def _continue(model: Any, cache: DynamicCache, prompt: int, continuation_ids: to
             raise ValueError(f"layer {module.layer_idx} attends to {key.shape[2]} keys, not the {length} of prompt "
                              "and continuation: traces need layers that keep every token (no sliding window)")
         per_layer[module.layer_idx].update(
-            future_importance(query, key, attention_scaling(module, query, kwargs), prompt, targets=True))
+            future_importance(query, key, attention_scaling(module, query, kwargs), prompt, targets=True,
+                              softcap=kwargs.get("softcap")))
 
     with capture_attention(model, on_layer):
         model(continuation_ids, **cache_kwargs(cache), logits_to_keep=1)

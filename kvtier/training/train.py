@@ -38,6 +38,20 @@ class TrainSettings:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        whole = {"steps": 1, "batch_traces": 1, "tokens_per_trace": 1, "top_tokens": 0, "samples": 2, "warmup": 0,
+                 "eval_every": 1, "hidden": 1, "seed": 0}
+        for name, least in whole.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ConfigError(f"{name}={value!r}; allowed: a whole number >= {least}")
+        for name, low, high in (("lr", 0.0, None), ("age_lr_scale", 0.0, None), ("weight_decay", None, None),
+                                ("val_share", 0.0, 1.0)):
+            value = getattr(self, name)
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and (
+                value >= 0 if low is None else value > low) and (high is None or value < high)
+            if not ok:
+                span = ">= 0" if low is None else f"> {low:g}" + (f" and < {high:g}" if high is not None else "")
+                raise ConfigError(f"{name}={value!r}; allowed: a finite number {span}")
         if self.objective not in OBJECTIVES:
             raise ConfigError(f"objective={self.objective!r}; allowed: {', '.join(OBJECTIVES)}")
         if not 0 <= self.top_tokens <= self.tokens_per_trace:
@@ -164,11 +178,17 @@ def train_agents(traces: list[TraceTensors], head_dim: int, settings: TrainSetti
         else:
             loss = listwise_loss(scores, c)
             train_reward = reward(c, torch.argsort(scores.detach(), dim=-1, descending=True)).mean()
+        if not torch.isfinite(loss):
+            raise ConfigError(f"training diverged at step {step} (loss {float(loss)}); allowed: a lower --lr "
+                              f"(this run's {settings.lr:g}), or traces without infinite values")
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(agents.parameters(), 5.0)
         opt.step()
         sched.step()
+        if not all(torch.isfinite(p).all() for p in agents.parameters()):
+            raise ConfigError(f"training diverged at step {step} (a weight is no longer finite); allowed: a lower "
+                              f"--lr (this run's {settings.lr:g})")
         if step % settings.eval_every == 0 or step == settings.steps:
             value = mean_reward(agents, val)
             history.append({"step": step, "val_reward": value, "train_reward": float(train_reward),
