@@ -159,6 +159,14 @@ def masked_new_tokens(attention_mask: torch.Tensor | None, stored: int, q_len: i
         raise ConfigError(f"an attention mask of {seen_by_any.shape[0]} columns with masked-out entries, for "
                           f"{stored} stored entries and {q_len} new tokens; allowed: a mask that matches "
                           "the cache's mask sizes")
+    hidden = ~seen_by_any[:stored]
+    if hidden.any():
+        # left padding left the cache when it was written (its columns are past the mask's offset): a stored
+        # column hidden now is another token, which the split attention cannot hide, and the model's own
+        # attention would hide whichever entry stands in that column
+        raise UnsupportedError(f"the attention mask hides {int(hidden.sum())} of the {stored} stored entries from "
+                               "every query; allowed: masks that hide only padding on the left of the prompt, "
+                               "when it is written")
     masked = ~seen_by_any[stored:]
     return masked if masked.any() else None
 

@@ -379,15 +379,15 @@ class TieredLayer(OneSequence, CacheLayerMixin):
                         raise UnsupportedError(f"layer {engine.layer_idx}'s attention was asked for {refuse[0]}, "
                                                "which kvtier's split attention over recalled pages cannot apply")
                     check_plain_mask(attention_mask)
-                masked = masked_new_tokens(attention_mask, engine.pool.count, pending.k.shape[2])
-                if masked is not None:
-                    try:
+                try:
+                    masked = masked_new_tokens(attention_mask, engine.pool.count, pending.k.shape[2])
+                    if masked is not None:
                         engine.mask_new_tokens(masked)
-                    except UnsupportedError:
-                        if first:   # only window layers before it took the step: undo it there and here
-                            engine.drop_step()
-                            self._state.undo_windows()
-                        raise
+                except UnsupportedError:
+                    if first:   # only window layers before it took the step: undo it there and here
+                        engine.drop_step()
+                        self._state.undo_windows()
+                    raise
             if first:
                 self._state.settle_windows()
             return engine.attend(query, **how)

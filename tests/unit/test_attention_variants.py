@@ -159,11 +159,13 @@ def test_the_models_own_attention_sees_its_own_name_in_the_config(monkeypatch):
     assert seen == [("flash_attention_2", "kvtier_flash_attention_2")] * 2 and torch.equal(got, want)
 
 
-@pytest.mark.parametrize("where", ["first step", "later step"])
+@pytest.mark.parametrize("where", ["first step", "later step", "stored entry"])
 def test_a_padding_refusal_on_a_model_whose_first_layer_slides_leaves_the_cache_as_it_was(where):
     """Gemma 2's first layer is a sliding window, which takes a step before the first tiered layer can refuse its
     padding: the window's update is undone with the tiered layer's write, so the cache is not broken and goes on
-    as a twin never asked (it had been left broken)."""
+    as a twin never asked (it had been left broken). A mask that hides an entry the device holds, written at an
+    earlier step, is refused the same way (it had been laid over whichever entry stood in its column, or left
+    out where the layer recalled)."""
     from transformers import Gemma2Config
 
     from kvtier import UnsupportedError
@@ -172,13 +174,14 @@ def test_a_padding_refusal_on_a_model_whose_first_layer_slides_leaves_the_cache_
     a, b = (TieredCache(model.config, device_budget=0.5) for _ in range(2))
     ids = torch.randint(1, 256, (1, 40), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        if where == "later step":
+        if where != "first step":
             for c in (a, b):
                 model(ids[:, :30], **cache_kwargs(c))
         padded, mask = ids.clone(), torch.ones_like(ids)
-        mask[0, 34] = 0
+        mask[0, 25 if where == "stored entry" else 34] = 0
         start = 0 if where == "first step" else 30
-        with pytest.raises(UnsupportedError, match="left padding"):
+        words = "hides 1 of the 14 stored entries" if where == "stored entry" else "left padding"
+        with pytest.raises(UnsupportedError, match=words):
             model(padded[:, start:], attention_mask=mask, **cache_kwargs(a))
         assert a.broken is None and a.get_seq_length() == b.get_seq_length() == start
         assert [w.cumulative_length for w in a._state.windows] == [start, start]
