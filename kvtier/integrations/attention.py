@@ -34,9 +34,9 @@ REFUSED_IMPLEMENTATIONS = {
 _claims = threading.local()
 
 
-def claim(key: torch.Tensor, engine: Any) -> None:
-    """Mark `key` (as returned by ``update``) as belonging to `engine` until attention runs."""
-    _table()[id(engine)] = (weakref.ref(key), weakref.ref(engine))
+def claim(key: torch.Tensor, value: torch.Tensor, engine: Any) -> None:
+    """Mark `key` (as returned by ``update``, with `value`) as belonging to `engine` until attention runs."""
+    _table()[id(engine)] = (weakref.ref(key), weakref.ref(engine), weakref.ref(value))
 
 
 def _table() -> dict:
@@ -45,12 +45,13 @@ def _table() -> dict:
     return _claims.table
 
 
-def _take_claim(key: torch.Tensor) -> Any | None:
+def _take_claim(key: torch.Tensor) -> tuple[Any, torch.Tensor | None] | None:
+    """The layer `key` was claimed by, and the values it returned with it (None: not claimed)."""
     table = _table()
-    for owner, (key_ref, engine_ref) in list(table.items()):
+    for owner, (key_ref, engine_ref, value_ref) in list(table.items()):
         if key_ref() is key:
             del table[owner]
-            return engine_ref()
+            return engine_ref(), value_ref()
         if key_ref() is None or engine_ref() is None:
             del table[owner]
     return None
@@ -107,16 +108,18 @@ _warned: set[str] = set()
 def _make_attention(base: str) -> Callable:
     def kvtier_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, Any]:
-        layer = _take_claim(key)
-        if layer is None:
+        claimed = _take_claim(key)
+        if claimed is None or claimed[0] is None:
             return _call_base(base, module, query, key, value, attention_mask, **kwargs)
+        layer, values = claimed
         try:
             asked = bool(kwargs.get("output_attentions"))
+            refuse = [UNSUPPORTED_KWARGS[k] for k in UNSUPPORTED_KWARGS if kwargs.get(k) is not None]
+            if value is not values:   # DiffLlama attends over halves of the values, twice
+                refuse.append("values other than those the cache returned (the model changed them after update)")
             result = layer.attend(query, attention_mask, scaling=kwargs.get("scaling"),
                                   softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"),
-                                  weights=asked and base == "eager",
-                                  refuse=[UNSUPPORTED_KWARGS[k] for k in UNSUPPORTED_KWARGS
-                                          if kwargs.get(k) is not None])
+                                  weights=asked and base == "eager", refuse=refuse)
             if result is None:
                 return _call_base(base, module, query, key, value, attention_mask, **kwargs)
             if asked and base != "eager" and base not in _warned:

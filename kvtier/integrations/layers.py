@@ -89,8 +89,25 @@ def layer_plan(config: Any) -> LayerPlan:
 
 
 def check_per_head_kv(text: Any) -> None:
-    """Refuse models whose cache is not per-head keys and values of one head size (DeepSeek's MLA)."""
+    """Refuse models whose cache is not per-head keys and values of one head size (DeepSeek's MLA), whose
+    attention is set layer by layer (Gemma 4), or whose layers reuse another layer's keys and values (Gemma 3n)."""
     name = type(text).__name__
+    for attr in ("head_dim", "num_key_value_heads", "num_attention_heads"):
+        try:
+            getattr(text, attr, None)
+        except Exception as e:   # transformers' AmbiguousGlobalPerLayerAttributeError, where the layers differ
+            if type(e).__name__ != "AmbiguousGlobalPerLayerAttributeError":
+                raise
+            raise UnsupportedError(f"{name} sets {attr} layer by layer (per_layer_config), and its layers differ; "
+                                   "kvtier holds layers of one head size and one count of KV heads; allowed: "
+                                   "models whose layers share them") from e
+    shared = getattr(text, "num_kv_shared_layers", None) or 0
+    if shared:
+        raise UnsupportedError(
+            f"{name} has num_kv_shared_layers={shared}: its last {shared} layers attend with the keys and values an "
+            "earlier layer cached, which kvtier hands that layer's own attention only (its device part, the rest "
+            "recalled for its own query), so the layers that reuse them would miss the demoted entries; allowed: "
+            "models whose every attention layer caches its own keys and values (num_kv_shared_layers=0)")
     if getattr(text, "kv_lora_rank", None) is not None:
         raise UnsupportedError(
             f"{name} uses multi-head latent attention (kv_lora_rank={text.kv_lora_rank}): its keys and values are "

@@ -294,8 +294,8 @@ class TieredLayer(OneSequence, CacheLayerMixin):
         if engine.parked is not None:
             raise UnsupportedError(f"layer {engine.layer_idx} is parked in {engine.parked.where} memory: its "
                                    "entries are off the device; call cache.resume() first")
-        if engine.pool is None:
-            return None   # no step yet (transformers' own layers hold None then too)
+        if engine.pool is None or not self.is_initialized:
+            return None   # no step yet, or none since a reset (transformers' own layers hold None then too)
         return engine.pool.contiguous(engine.pool.count)[which].clone()
 
     @property
@@ -335,13 +335,13 @@ class TieredLayer(OneSequence, CacheLayerMixin):
         if self.steady is not None:   # a planned step: the model's keys and values go to its launches
             self._steady_kv = (key_states, value_states)
             keys = self.steady.placeholder
-            claim(keys[0], self)
+            claim(keys[0], keys[1], self)
             return keys
         keys, values = self._state.step(engine.layer_idx, engine.seen, key_states,
                                         lambda: engine.write(key_states, value_states), f"layer {engine.layer_idx}",
                                         "write")
         self.is_initialized = True
-        claim(keys, self)   # the attention function calls `attend` and `commit` below
+        claim(keys, values, self)   # the attention function calls `attend` and `commit` below
         return keys, values
 
     def attend(self, query: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -374,12 +374,12 @@ class TieredLayer(OneSequence, CacheLayerMixin):
         def run() -> Any:
             pending = engine.pending
             if pending is not None:
-                if engine.recalls():
-                    if refuse:
-                        raise UnsupportedError(f"layer {engine.layer_idx}'s attention was asked for {refuse[0]}, "
-                                               "which kvtier's split attention over recalled pages cannot apply")
-                    check_plain_mask(attention_mask)
                 try:
+                    if engine.recalls():
+                        if refuse:
+                            raise UnsupportedError(f"layer {engine.layer_idx}'s attention was asked for {refuse[0]}, "
+                                                   "which kvtier's split attention over recalled pages cannot apply")
+                        check_plain_mask(attention_mask)
                     masked = masked_new_tokens(attention_mask, engine.pool.count, pending.k.shape[2])
                     if masked is not None:
                         engine.mask_new_tokens(masked)
@@ -431,6 +431,7 @@ class TieredLayer(OneSequence, CacheLayerMixin):
 
     def reset(self) -> None:
         self.engine.reset()
+        self.is_initialized = False   # as transformers' layers: some models read it to tell their first step
 
     def offload(self) -> None:  # the tiers do their own moving
         return None

@@ -192,3 +192,79 @@ def test_a_padding_refusal_on_a_model_whose_first_layer_slides_leaves_the_cache_
             assert torch.equal(model(nxt, **cache_kwargs(a)).logits, model(nxt, **cache_kwargs(b)).logits)
     a.close()
     b.close()
+
+
+def test_a_model_that_changes_the_values_after_update_is_refused_where_it_would_recall():
+    """DiffLlama attends over halves of the values the cache returned, twice: where a layer recalls, the split
+    attention (which reads the values the cache keeps) cannot give its answer, so the step is refused before any
+    layer takes it (it had answered over other values, then over the device's entries alone). Where nothing is
+    recalled the model's own attention runs: the answer is DynamicCache's."""
+    from transformers import DiffLlamaConfig, DiffLlamaForCausalLM, DynamicCache
+
+    from kvtier import UnsupportedError
+
+    torch.manual_seed(0)
+    model = DiffLlamaForCausalLM(DiffLlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                                 num_key_value_heads=2, intermediate_size=128, vocab_size=128,
+                                                 attn_implementation="sdpa")).eval()
+    ids = torch.randint(3, 128, (1, 200), generator=torch.Generator().manual_seed(2))
+    nxt = torch.tensor([[5]])
+    with torch.no_grad():
+        full, plain = TieredCache(model.config, device_budget=1.0), DynamicCache(config=model.config)
+        assert torch.equal(model(ids, **cache_kwargs(full)).logits, model(ids, **cache_kwargs(plain)).logits)
+        assert torch.equal(model(nxt, **cache_kwargs(full)).logits, model(nxt, **cache_kwargs(plain)).logits)
+        cache = TieredCache(model.config, scorer="keynorm", device_budget=40, recall_pages=64)
+        model(ids, **cache_kwargs(cache))
+        with pytest.raises(UnsupportedError, match="values other than those the cache returned"):
+            model(nxt, **cache_kwargs(cache))
+        assert cache.broken is None and cache.get_seq_length() == 200
+
+
+def test_layers_that_reuse_another_layer_s_keys_and_values_are_refused():
+    """Gemma 3n's last layers attend with an earlier layer's cached keys and values, which kvtier hands that
+    layer's own attention only: they had answered over the device's entries, with no error."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "Gemma3nTextConfig"):
+        pytest.skip("this transformers has no Gemma 3n")
+    from kvtier import UnsupportedError
+    from kvtier.integrations.support import support
+
+    def config(shared):
+        return transformers.Gemma3nTextConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, vocab_size=256, vocab_size_per_layer_input=256, hidden_size_per_layer_input=8,
+            sliding_window=16, layer_types=["sliding_attention", "full_attention"] * 2, laurel_rank=4,
+            altup_num_inputs=2, activation_sparsity_pattern=[0.0] * 4, num_kv_shared_layers=shared)
+
+    with pytest.raises(UnsupportedError, match="num_kv_shared_layers=2: its last 2 layers attend with the keys"):
+        TieredCache(config(2))
+    assert not support(config(2))["supported"]
+    TieredCache(config(0)).close()
+
+
+def test_attention_set_layer_by_layer_is_refused_by_name():
+    """Gemma 4's layers differ in head size: transformers' own error had come out of TieredCache and `support`."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "Gemma4TextConfig"):
+        pytest.skip("this transformers has no Gemma 4")
+    from kvtier import UnsupportedError
+    from kvtier.integrations.support import support
+
+    cfg = transformers.Gemma4TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                        global_head_dim=32, vocab_size=256)
+    with pytest.raises(UnsupportedError, match="sets head_dim layer by layer"):
+        TieredCache(cfg)
+    assert "layer by layer" in support(cfg)["reason"]
+
+
+def test_a_reset_cache_is_not_initialized():
+    """As transformers' layers after a reset (PaliGemma reads it to tell its first step); it had stayed set."""
+    from tiny_models import tiny_llama
+
+    model = tiny_llama()
+    with TieredCache(model.config, device_budget=0.5) as cache:
+        model(torch.randint(0, 128, (1, 20)), **cache_kwargs(cache))
+        assert cache.is_initialized and cache.layers[0].keys is not None
+        cache.reset()
+        assert not cache.is_initialized and cache.layers[0].keys is None
