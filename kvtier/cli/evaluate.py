@@ -37,8 +37,9 @@ def evaluate(suite: str, out: str, model: str | None, policies: str | None, budg
     from tqdm import tqdm
 
     from ..eval.report import aggregate
-    from ..eval.runner import SUITES, full_recall_mismatches, run_suite
+    from ..eval.runner import SUITES, check_same_model, full_recall_mismatches, mend_last_line, run_suite
     from ..eval.tasks import TASKS
+    from ..models import DEFAULT_MODEL_NAME
 
     chosen = SUITES[suite]
     chosen = replace(chosen, **{k: v for k, v in {
@@ -54,13 +55,17 @@ def evaluate(suite: str, out: str, model: str | None, policies: str | None, budg
                                  param_hint="'--tasks'")
     out = check_output_file(out, "--out")
     if Path(out).is_file():  # resumed: a damaged file fails now, not after the model has loaded
-        read_result_lines(out, "--out")
+        mended = mend_last_line(out)
+        if mended:
+            click.echo(f"kvtier: warning: {mended}", err=True)
+        check_same_model(read_result_lines(out, "--out"), model or DEFAULT_MODEL_NAME, out)
     where = resolve_device(device)
     check_model(model)
     set_threads(threads)
     start = time.perf_counter()
     lm, tok = load(model, quiet=as_json, device=where)
-    results = run_suite(lm, tok, out, chosen, progress=lambda it: tqdm(it, desc=f"eval {suite}", disable=as_json))
+    results = run_suite(lm, tok, out, chosen, progress=lambda it: tqdm(it, desc=f"eval {suite}", disable=as_json),
+                        name=model or DEFAULT_MODEL_NAME)
     bad = full_recall_mismatches(results)
     seconds = time.perf_counter() - start
     summary = {"runs": len(results), "out": out, "seconds": round(seconds, 1), "full_recall_mismatches": bad,
@@ -93,6 +98,11 @@ def report(results: str, out: str, note: str) -> None:
         raise click.BadParameter(f"{results!r} holds no results; allowed: a JSON lines file written by `kvtier eval`",
                                  param_hint="'RESULTS'")
     out = check_output_file(out, "--out")
+    png = Path(out).with_suffix(".png")
+    if Path(out).suffix.lower() == ".png" or any(Path(p).resolve() == Path(results).resolve() for p in (out, png)):
+        raise click.BadParameter(f"{out!r} would write over {'RESULTS' if Path(out).suffix.lower() != '.png' else 'the plot'}"
+                                 f" (the markdown goes to --out, the plot to {png.name} beside it); allowed: a "
+                                 "markdown file other than RESULTS, e.g. results.md", param_hint="'--out'")
 
     from ..eval.report import write_report
 

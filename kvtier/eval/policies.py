@@ -51,7 +51,8 @@ class Policy:
     def name(self) -> str:
         if self.scorer is None:
             return self.kind
-        return f"{self.kind}:{self.scorer}" + ("" if self.recent is None else f"@{self.recent:g}")
+        # every digit kept: `:g` had named a window of 1,000,001 tokens as one of 1,000,000 (1e+06, unparsable)
+        return f"{self.kind}:{self.scorer}" + ("" if self.recent is None else f"@{self.recent}")
 
     def cache_settings(self, budget: float) -> dict[str, Any]:
         extra = {} if self.recent is None else {"recent_tokens": self.recent}

@@ -26,6 +26,20 @@ def full_by_example(results: list[dict[str, Any]]) -> dict[tuple[str, int, int],
     return {example_key(r): r for r in results if r["policy"] == "full"}
 
 
+def matched(results: list[dict[str, Any]], task: str, policy: str, budget: float) -> list[tuple[dict, dict]]:
+    """``(row, the full cache's row)`` for each example of `task` that both ran: comparisons against the full
+    cache are made over the same examples (a policy's mean over other examples compares unlike sets)."""
+    full_of = full_by_example(results)
+    return [(r, full_of[example_key(r)]) for r in results
+            if r["task"] == task and r["policy"] == policy and r["budget"] == budget and example_key(r) in full_of]
+
+
+def summary_budget(results: list[dict[str, Any]], wanted: float = 0.1) -> float:
+    """The budget the summary is made at: `wanted` where it was run, else the run budget nearest to it."""
+    budgets = sorted({r["budget"] for r in results if r["policy"] != "full"})
+    return min(budgets, key=lambda b: (abs(b - wanted), b)) if budgets else wanted
+
+
 def _task_order(table: dict[str, Any]) -> list[str]:
     return sorted(table, key=lambda t: (t == "perplexity", t))
 
@@ -39,14 +53,6 @@ def aggregate(results: list[dict[str, Any]]) -> dict[str, dict[str, dict[float, 
     for (task, policy, budget), values in groups.items():
         table[task][policy][budget] = mean(values)
     return table
-
-
-def _by_length(results: list[dict[str, Any]], task: str, policy: str, budget: float) -> dict[int, float]:
-    groups: dict[int, list[float]] = defaultdict(list)
-    for r in results:
-        if r["task"] == task and r["policy"] == policy and r["budget"] == budget:
-            groups[r["length"]].append(_value(r))
-    return {n: mean(v) for n, v in sorted(groups.items())}
 
 
 def _best(row_of: dict[str, dict[float, float]], names: list[str], budget: float, lower: bool) -> tuple[str, float]:
@@ -104,29 +110,27 @@ def summary_lines(results: list[dict[str, Any]], budget: float = 0.1, scorer: st
             out.append(f"| {p} | " + " | ".join("" if v is None else f"{v:.1f}" for v in vals) + " |")
     out.append("")
     checks = []
-    gaps = [(abs(d), d, t) for t in generation if budget in table[t].get(tier, {}) and "full" in table[t]
-            for d in [table[t][tier][budget] - table[t]["full"][1.0]]]
+    gaps = [(abs(d), d, t) for t in generation if (pairs := matched(results, t, tier, budget))
+            for d in [mean(_value(r) - _value(f) for r, f in pairs)]]
     if gaps:
         _, gap, where = max(gaps)
         checks.append(f"- {tier} at {budget:.0%}: the largest departure from the full cache over the generation "
-                      f"tasks is {gap:+.1f} points ({where}).")
-    full_of = full_by_example(results)
-    cells = [(r, full_of[example_key(r)]) for r in results
-             if r["policy"] == tier and r["budget"] == budget and r.get("score") is not None
-             and example_key(r) in full_of]
+                      f"tasks is {gap:+.1f} points ({where}; over the examples both ran).")
+    cells = [(r, f) for t in generation for r, f in matched(results, t, tier, budget) if r.get("score") is not None]
     if cells:
         below = sum(r["score"] < f["score"] for r, f in cells)
         above = sum(r["score"] > f["score"] for r, f in cells)
         same = sum(r["output"] == f["output"] for r, f in cells)
         checks.append(f"- {tier} at {budget:.0%}, example by example: below the full cache's score on {below} of "
                       f"{len(cells)}, above on {above}; the very same answer text on {same}.")
-    if "perplexity" in table and budget in table["perplexity"].get(tier, {}) and "full" in table["perplexity"]:
-        full_n = _by_length(results, "perplexity", "full", 1.0)
-        tier_n = _by_length(results, "perplexity", tier, budget)
-        per = [f"{100 * (tier_n[n] / full_n[n] - 1):+.2f}% at {n}" for n in tier_n if n in full_n]
-        ratio = table["perplexity"][tier][budget] / table["perplexity"]["full"][1.0]
+    pairs = matched(results, "perplexity", tier, budget)
+    if pairs:
+        lengths = sorted({r["length"] for r, _ in pairs})
+        per = [f"{100 * (mean(r['ppl'] for r, _ in at) / mean(f['ppl'] for _, f in at) - 1):+.2f}% at {n}"
+               for n in lengths for at in [[(r, f) for r, f in pairs if r["length"] == n]]]
+        ratio = mean(r["ppl"] for r, _ in pairs) / mean(f["ppl"] for _, f in pairs)
         checks.append(f"- {tier} at {budget:.0%}: perplexity {100 * (ratio - 1):+.2f}% against the full cache "
-                      f"(mean over lengths; {', '.join(per)}).")
+                      f"(mean over the {len(pairs)} examples both ran; {', '.join(per)}).")
     ranked = sorted(((means[p][budget], p) for p in [evict, *free] if budget in means.get(p, {})), reverse=True)
     if ranked:
         checks.append(f"- Evict mode at {budget:.0%}, attention-free scorers by mean accuracy: "
@@ -156,7 +160,7 @@ def write_report(results: list[dict[str, Any]], markdown: str | Path, command: s
              "One example per task, length and seed: an accuracy cell moves in large steps, so read trends.\n"]
     if note:
         lines.append(note + "\n")
-    lines += summary_lines(results)
+    lines += summary_lines(results, summary_budget(results))
     lines.append("## All tables\n")
     for task in tasks:
         lines.append(f"### {task}\n")

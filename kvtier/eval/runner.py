@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -13,6 +14,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from ..errors import ConfigError
 from ..integrations.hf import TieredCache, cache_kwargs
 from ..scoring import BASELINES_ATTENTION_BASED, BASELINES_ATTENTION_FREE, make_scorer
 from .policies import Policy
@@ -55,6 +57,42 @@ def read_results(path: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def mend_last_line(path: str | Path) -> str | None:
+    """Make `path` end with a whole line before rows are appended to it: a last line without its newline gets one
+    where it is a whole record, and is cut off where it is not (a write cut short: its run is made again).
+    Returns what was done, or None."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    data = path.read_bytes()
+    if not data or data.endswith(b"\n"):
+        return None
+    start = data.rfind(b"\n") + 1
+    try:
+        json.loads(data[start:])
+    except ValueError:
+        with path.open("r+b") as f:
+            f.truncate(start)
+        return f"the last line of {path} was cut short; it is dropped and its run made again"
+    with path.open("ab") as f:
+        f.write(b"\n")
+    return None
+
+
+def model_name(model: Any) -> str:
+    """What a results row names its model by: the path or id it was loaded from."""
+    config = getattr(model, "config", None)
+    return str(getattr(model, "name_or_path", None) or getattr(config, "_name_or_path", None) or type(model).__name__)
+
+
+def check_same_model(results: list[dict[str, Any]], name: str, out: str | Path) -> None:
+    """Refuse to resume a results file of another model: its rows would stand for this one's."""
+    others = sorted({r["model"] for r in results if r.get("model") not in (None, name)})
+    if others:
+        raise ConfigError(f"{out} holds results of model {others[0]!r}; this run is of {name!r}; allowed: another "
+                          "--out, or the model the file was written with")
+
+
 @torch.no_grad()
 def _greedy(model: Any, cache: Any, first_logits: torch.Tensor, max_new: int, eos: set[int]) -> list[int]:
     out = [int(first_logits.argmax())]
@@ -76,19 +114,30 @@ def continuation_nll(model: Any, cache: Any, first_logits: torch.Tensor, continu
     return float(F.cross_entropy(torch.cat(logits).float(), continuation[0]))
 
 
+def _once(items: Any) -> tuple:
+    """`items` in order, each once (a value given twice is run once)."""
+    return tuple(dict.fromkeys(items))
+
+
 def run_suite(model: Any, tokenizer: Any, out: str | Path, suite: Suite,
-              progress: Callable[[list], Any] = iter) -> list[dict[str, Any]]:
-    """Run what `out` does not hold yet; returns every result (old and new)."""
+              progress: Callable[[list], Any] = iter, name: str | None = None) -> list[dict[str, Any]]:
+    """Run what `out` does not hold yet; returns every result (old and new). Rows name the model (`name`, else
+    `model_name`), and a file of another model's rows is refused."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    mended = mend_last_line(out)
+    if mended:
+        warnings.warn(mended, stacklevel=2)
     results = read_results(out)
+    name = name or model_name(model)
+    check_same_model(results, name, out)
     done = {_key(r) for r in results}
-    policies = [Policy.parse(p) for p in suite.policies]
+    policies = [Policy.parse(p) for p in _once(suite.policies)]
     eos = {i for i in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")) if i is not None}
-    examples = [(t, n, s) for t in suite.tasks for n in suite.lengths for s in suite.seeds]
+    examples = [(t, n, s) for t in _once(suite.tasks) for n in _once(suite.lengths) for s in _once(suite.seeds)]
     with out.open("a") as sink:
         for task, length, seed in progress(examples):
-            jobs = [(p, b) for p in policies for b in ((1.0,) if p.kind == "full" else suite.budgets)
+            jobs = [(p, b) for p in policies for b in ((1.0,) if p.kind == "full" else _once(suite.budgets))
                     if (task, length, seed, p.name, b) not in done]
             if not jobs:
                 continue
@@ -107,7 +156,7 @@ def run_suite(model: Any, tokenizer: Any, out: str | Path, suite: Suite,
                     cache = TieredCache(model.config, **settings)
                     load_prefill(pre, cache)
                 row = {"task": task, "length": length, "seed": seed, "policy": policy.name, "budget": budget,
-                       "prompt_tokens": int(ex.input_ids.shape[1])}
+                       "prompt_tokens": int(ex.input_ids.shape[1]), "model": name}
                 if ex.continuation is not None:
                     nll = continuation_nll(model, cache, pre.last_logits, ex.continuation)
                     row.update(nll=nll, ppl=math.exp(nll), score=None)
@@ -123,6 +172,7 @@ def run_suite(model: Any, tokenizer: Any, out: str | Path, suite: Suite,
                 sink.write(json.dumps(row) + "\n")
                 sink.flush()
                 results.append(row)
+                done.add(_key(row))
     return results
 
 

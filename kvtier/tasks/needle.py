@@ -91,9 +91,20 @@ def make_needle_task(tokenizer: Any, context_tokens: int = 3000, depth: float = 
     answer = magic_number(rng)
     copies = max(1, context_tokens // noise_tokens(tokenizer))
     before = int(copies * depth)
-    hay = haystack(copies, [(before, NEEDLE.format(key=key, value=answer))])
-    ids = chat_ids(tokenizer, needle_prompt(hay, QUESTION.format(key=key)))
-    prefix = tokenizer.apply_chat_template(
-        [{"role": "user", "content": f"{NEEDLE_INTRO}\n\n{haystack(before)}"}], tokenize=False)
-    needle_token = len(tokenizer(prefix, add_special_tokens=False)["input_ids"]) - 5
-    return NeedleTask(ids, answer, key, max(needle_token, 0), ids.shape[1])
+    needle = NEEDLE.format(key=key, value=answer)
+    content = needle_prompt(haystack(copies, [(before, needle)]), QUESTION.format(key=key))
+    ids = chat_ids(tokenizer, content)
+    return NeedleTask(ids, answer, key, _first_token_of(tokenizer, content, needle, ids), ids.shape[1])
+
+
+def _first_token_of(tokenizer: Any, content: str, part: str, ids: torch.Tensor) -> int:
+    """The index in `ids` (the chat prompt of `content`) of the first token of `part`, found by the tokens'
+    character offsets in the prompt's text (counting the tokens of a prefix is off where the prefix's last token
+    merges with what follows it)."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                         tokenize=False)
+    at = text.index(part)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    if enc["input_ids"] != ids[0].tolist():
+        raise ValueError("the chat prompt's text does not tokenize to the prompt's ids; cannot place the needle")
+    return next(i for i, (_, end) in enumerate(enc["offset_mapping"]) if end > at)

@@ -25,7 +25,7 @@ def test_summary_compares_policies_and_checks_targets():
     text = "\n".join(summary_lines(rows))
     assert "| niah | 100.0 | 100.0 | 50.0 | 75.0 (keynorm) | 25.0 (tova) |" in text
     assert "| perplexity | 9.00 | 9.25 | 12.00 | 11.00 (keynorm) | 13.00 (tova) |" in text
-    assert "largest departure from the full cache over the generation tasks is +0.0 points (niah)" in text
+    assert "largest departure from the full cache over the generation tasks is +0.0 points (niah;" in text
     assert "+1.00% at 2048, +5.00% at 4096" in text
     assert "below the full cache's score on 0 of 1, above on 0; the very same answer text on 1." in text
     assert "attention-free scorers by mean accuracy: keynorm 75.0, kvp 50.0." in text
@@ -71,3 +71,85 @@ def test_prompt_scores_are_computed_once_per_layer_and_later_writes_afresh():
     step = torch.randn(1, 2, 1, 4)
     torch.testing.assert_close(shared.score(step, step, torch.tensor([5]), 0), step[..., 0])
     assert inner.calls == 3 and shared.name == "counting" and not shared.needs_query
+
+
+def test_comparisons_with_the_full_cache_are_over_the_examples_both_ran():
+    """The full cache ran at 1,024 and 2,048 tokens, tier at 1,024 only (a run cut short, or resumed with other
+    lengths): the perplexity and the departure had compared unlike sets (-32.67% where the one matched example
+    says +1.00%)."""
+    rows = [_row("perplexity", "full", 1.0, length=1024, ppl=10.0), _row("perplexity", "full", 1.0, ppl=20.0),
+            _row("perplexity", "tier:kvp", 0.1, length=1024, ppl=10.1),
+            _row("niah", "full", 1.0, length=1024, score=0.0), _row("niah", "full", 1.0, score=1.0),
+            _row("niah", "tier:kvp", 0.1, length=1024, score=0.0)]
+    text = "\n".join(summary_lines(rows))
+    assert "perplexity +1.00% against the full cache (mean over the 1 examples both ran; +1.00% at 1024)" in text
+    assert "is +0.0 points (niah; over the examples both ran)" in text
+
+
+def test_the_summary_is_made_at_the_budget_run_nearest_to_10_percent(tmp_path):
+    from kvtier.eval.report import write_report
+
+    rows = [_row("niah", "full", 1.0, score=1.0), _row("niah", "tier:kvp", 0.25, score=1.0),
+            _row("niah", "tier:kvp", 0.5, score=0.0)]
+    write_report(rows, tmp_path / "r.md", "kvtier eval")
+    text = (tmp_path / "r.md").read_text()
+    assert "## Summary at 25% of the cache on the device" in text and "| niah | 100.0 | 100.0 |" in text
+
+
+def test_a_results_file_is_mended_before_rows_are_appended(tmp_path):
+    """A last line without its newline had the next row glued onto it, and every later read of the file failed."""
+    import json
+
+    from kvtier.eval.runner import mend_last_line, read_results
+
+    path = tmp_path / "r.jsonl"
+    whole, cut = json.dumps(_row("niah", "full", 1.0, score=1.0)), json.dumps(_row("niah", "tier:kvp", 0.1, score=1.0))
+    path.write_text(whole)                       # a whole record, its newline missing
+    assert mend_last_line(path) is None and path.read_text() == whole + "\n"
+    path.write_text(whole + "\n" + cut[:40])     # a write cut short
+    assert "was cut short" in mend_last_line(path) and read_results(path) == [json.loads(whole)]
+    assert mend_last_line(path) is None
+
+
+def test_a_results_file_of_another_model_is_not_resumed(tmp_path):
+    from kvtier.errors import ConfigError
+    from kvtier.eval.runner import check_same_model
+
+    import pytest
+
+    rows = [{**_row("niah", "full", 1.0, score=1.0), "model": "SmolLM2-135M-Instruct"}, _row("niah", "full", 1.0)]
+    check_same_model(rows, "SmolLM2-135M-Instruct", "r.jsonl")   # rows without a model (older files) are taken
+    with pytest.raises(ConfigError, match="r.jsonl holds results of model 'SmolLM2-135M-Instruct'; this run is of "
+                                          "'other'"):
+        check_same_model(rows, "other", "r.jsonl")
+
+
+def test_a_value_given_twice_is_run_once():
+    from kvtier.eval.runner import _once
+
+    assert _once(["full", "tier:kvp", "full"]) == ("full", "tier:kvp") and _once((0.1, 0.1)) == (0.1,)
+
+
+def test_a_policy_name_keeps_every_digit_of_its_window():
+    from kvtier.eval.policies import Policy
+
+    for text in ("evict:kvp@1000001", "evict:kvp@1000000", "tier:kvp@0.25", "evict:kvp@64"):
+        assert Policy.parse(text).name == text and Policy.parse(Policy.parse(text).name) == Policy.parse(text)
+
+
+def test_report_never_writes_over_its_results_or_its_plot(tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from kvtier.cli import main
+
+    results = tmp_path / "r.jsonl"
+    results.write_text(json.dumps(_row("niah", "full", 1.0, score=1.0)) + "\n")
+    before = results.read_text()
+    for out in (results, tmp_path / "plot.png"):   # the markdown over the results; the markdown over its plot
+        result = CliRunner().invoke(main, ["report", str(results), "--out", str(out)])
+        assert result.exit_code == 2 and "would write over" in result.output, result.output
+    assert results.read_text() == before and not (tmp_path / "plot.png").exists()
+    result = CliRunner().invoke(main, ["report", str(results), "--out", str(tmp_path / "r.md")])
+    assert result.exit_code == 0 and (tmp_path / "r.png").exists()

@@ -100,7 +100,11 @@ def test_needle_task_is_pinned_and_shares_the_eval_texts(tokenizer):
     assert _digest(task.input_ids) == PINNED_NEEDLE and (task.key, task.answer) == ("window", "8056020")
     prompt = tokenizer.decode(task.input_ids[0])
     assert NEEDLE.format(key=task.key, value=task.answer) in prompt and QUESTION.format(key=task.key) in prompt
-    assert "The special magic number" in tokenizer.decode(task.input_ids[0, task.needle_token:task.needle_token + 8])
+    for depth in (0.0, 0.5):   # the needle's first token (a count of the prefix's tokens had been 2-3 early)
+        at = make_needle_task(tokenizer, context_tokens=1500, depth=depth, seed=0)
+        assert tokenizer.decode(at.input_ids[0, at.needle_token:at.needle_token + 4]).lstrip().startswith(
+            "The special magic number")
+        assert "special" not in tokenizer.decode(at.input_ids[0, at.needle_token - 1])
     ex = make_example(tokenizer, "niah_single", 1024, 0)
     prompt = tokenizer.decode(ex.input_ids[0])
     key = next(k for k in KEYS if QUESTION.format(key=k) in prompt)
