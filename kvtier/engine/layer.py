@@ -623,8 +623,7 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
         """The first step of `park`: everything that can fail (copies, writes), with nothing let go, so that
         `undo_park` puts the layer back as it was without reading anything. `settle_park` makes it final."""
         check_target(to)
-        if self.parking is not None:
-            raise RuntimeError(f"layer {self.layer_idx}: a park is already under way")
+        self.undo_park()   # one a park cut short (Ctrl-C) before this layer settled: the layer is as it was
         self.flush()
         self.table.settle()    # the host pages are read below: every copy to them must have landed
         if self.pool is None:

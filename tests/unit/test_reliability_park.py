@@ -320,3 +320,29 @@ def test_a_lasting_shortage_leaves_the_cache_as_it_was(model, reference, tmp_pat
     cache.park("disk")   # the shortage over, the park goes through
     assert where(cache) == ["disk", "disk"]
     cache.close()
+
+
+def test_a_park_cut_short_between_settling_layers_leaves_layers_that_work(model, reference, tmp_path, monkeypatch):
+    """Ctrl-C after layer 0 settled its park and before layer 1 did: layer 0 is parked, layer 1 as it was (what it
+    wrote still noted); the next park drops that and goes through, and the cache generates what the twin does."""
+    kind = "tiered"
+    cache = TieredCache(model.config, disk_dir=tmp_path, scorer="keynorm", **KINDS[kind])
+    logits = prefill(model, cache)
+    pages = disk_pages(cache)
+    real = cache._engines[1].settle_park
+
+    def interrupted():
+        monkeypatch.setattr(cache._engines[1], "settle_park", real)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cache._engines[1], "settle_park", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        cache.park("disk")
+    assert where(cache) == ["disk", None]
+    cache.park("disk")   # layer 1's unsettled park is dropped (its pages freed) and made again
+    assert where(cache) == ["disk", "disk"]
+    cache.resume()
+    assert disk_pages(cache) == pages
+    tokens, out = continue_greedy(model, cache, logits)
+    assert tokens == reference[kind][0] and torch.equal(out, reference[kind][1])
+    cache.close()
