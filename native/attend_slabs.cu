@@ -9,7 +9,8 @@
 // For KV head h, query row r (a query head's row, packed as attend_parts packs them) and entry t of chunk c:
 //   s[r, t]    = (sum_d q[r, d] k[t, d] over d = 0 .. dim - 1 in order from +0) * scale, then with a soft-cap
 //                cap > 0 (Gemma 2's) kv_softcap(s, cap) = kv_tanh(s / cap) * cap
-//   m[c, r]    = max_t s[r, t] in order (NaN wins);  p[r, t] = kv_exp(s[r, t] - m[c, r])
+//   m[c, r]    = max_t s[r, t] in order (NaN wins);  p[r, t] = kv_exp(s[r, t] - m[c, r]), taking m as 0 where
+//                it is -inf (a chunk of -inf logits weighs nothing, where -inf - -inf would make the row NaN)
 //   l[c, r]    = sum_t p[r, t] in order from +0
 //   a[c, r, d] = sum_t p[r, t] v[t, d] in order from +0
 // then, over the chunks c = 0 .. C - 1 of the head:
@@ -215,11 +216,12 @@ __host__ __device__ inline void kv_attend_max(int n, int rows, int chunk, kv_att
     }
 }
 
-// Step 5: p = e^(s - m) in place.
+// Step 5: p = e^(s - m) in place (m taken as 0 where it is -inf: every logit of the chunk is -inf, and p = +0).
 __host__ __device__ inline void kv_attend_exp(int n, int rows, int chunk, kv_attend_smem s, int lane, int width) {
     for (int i = lane; i < rows * n; i += width) {
         const int r = i / n, t = i - r * n;
-        s.s[r * chunk + t] = kv_exp(kv_sub(s.s[r * chunk + t], s.m[r]));
+        const float m = s.m[r] == kv_bits_float(0xff800000u) ? 0.0f : s.m[r];
+        s.s[r * chunk + t] = kv_exp(kv_sub(s.s[r * chunk + t], m));
     }
 }
 

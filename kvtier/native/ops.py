@@ -31,6 +31,10 @@ def _host_rows(rows: np.ndarray | torch.Tensor, what: str) -> tuple[np.ndarray |
     """``(numpy rows or None if they live on a device, int64 tensor)``, the rows one-dimensional."""
     if rows.ndim != 1:
         raise ValueError(f"{what}: rows of shape {list(rows.shape)}; allowed: one dimension [n]")
+    integral = np.issubdtype(rows.dtype, np.integer) if isinstance(rows, np.ndarray) else (
+        not rows.dtype.is_floating_point and not rows.dtype.is_complex)
+    if not integral or rows.dtype in (np.bool_, torch.bool):   # 2.9 would be row 2, and a mask rows 0 and 1
+        raise ValueError(f"{what}: rows of {rows.dtype}; allowed: integer row numbers")
     if isinstance(rows, np.ndarray):
         r = np.ascontiguousarray(rows, dtype=np.int64)
         return r, torch.from_numpy(r)
@@ -731,6 +735,9 @@ def rank_pages(q: torch.Tensor, cand: torch.Tensor, pages: int, bounds: tuple[Se
         raise ValueError("rank_pages: the index has no storage; allowed: at least one slab of each")
     _check_layout(b_slabs, b_per, (2 * D,), b_slabs[0].dtype, "rank_pages bounds")
     _check_layout(c_slabs, c_per, (page, -(-D // 4)), torch.uint8, "rank_pages codes")
+    held = min(len(b_slabs) * b_per, len(c_slabs) * c_per) // H
+    if pages > held:   # a candidate past the rows held would be read from no storage (the kernel: past its table)
+        raise ValueError(f"rank_pages: pages={pages}; allowed: at most {held}, the pages the storages hold")
     s = float(np.float32(scaling))
     suffix = DTYPE_SUFFIX.get(b_slabs[0].dtype)
     why = _why_not(q.device, [q, cand])
@@ -815,6 +822,8 @@ def kvp_score(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
     if values.device != keys.device or positions.device != keys.device:
         raise ValueError(f"kvp_score: keys on {keys.device}, values on {values.device}, position features on "
                          f"{positions.device}; allowed: all on one device")
+    if any(w.dtype != torch.float32 for w in weights):   # the twin would answer in another dtype
+        raise ValueError(f"kvp_score: weights of {sorted({str(w.dtype) for w in weights})}; allowed: torch.float32")
     positions = _as(positions, torch.float32)
     why = _why_not(keys.device, [positions])
     suffix = DTYPE_SUFFIX.get(keys.dtype)
@@ -859,7 +868,8 @@ def merge_parts(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[tor
     Returns
     -------
     ``(out [heads, rows, dim], lse [heads, rows])`` float32, contiguous; more than `twins.MERGE_MAX` parts are
-    merged a group at a time, each group's result the first part of the next.
+    merged a group at a time, each group's result the first part of the next. A single part is returned as it is
+    (no copy: its strides and storage are the caller's).
     """
     if not parts:
         raise ValueError("merge_parts: no parts; allowed: at least one (out, lse) pair")
@@ -1025,6 +1035,9 @@ def attend_slabs(q: torch.Tensor, k_slabs: Sequence[torch.Tensor], v_slabs: Sequ
         if at.shape != (1,) or at.dtype != torch.int64 or at.device != q.device:
             raise ValueError(f"attend_slabs: counted at {list(at.shape)} {at.dtype} on {at.device}; allowed: [1] "
                              f"torch.int64 on {q.device}")
+        if at.device.type == "cpu" and not 1 <= base + int(at[0]) <= capacity:   # free to read on the host
+            raise ValueError(f"attend_slabs: a count of {base + int(at[0])} (base {base} + at {int(at[0])}); allowed: "
+                             f"1 to {capacity} (the slabs' entries)")
     chunk = _check_attend(q, whole, capacity if counted is not None else count, chunk, "attend_slabs", softcap)
 
     def twin() -> tuple[torch.Tensor, torch.Tensor]:   # on a GPU, the host's count: reading the device's syncs

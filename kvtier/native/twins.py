@@ -101,6 +101,9 @@ def index_pages(keys: torch.Tensor, bounds: Sequence[torch.Tensor], rows_per_sla
     step = ((hi - lo) / torch.full_like(lo, float(CODE_LEVELS))).clamp_(min=torch.finfo(torch.float32).tiny)
     c = ((k - lo[:, :, None]) / step[:, :, None]).round_().clamp_(0, CODE_LEVELS).nan_to_num_(0).to(torch.uint8)
     codes = pack_codes(c)
+    if keys.dtype == torch.float64:   # no kernel: the bounds are the keys' own elements (float32's might not bound)
+        lo, hi = keys.amin(dim=2), keys.amax(dim=2)
+        lo, hi = torch.where(lo == 0, zero.double(), lo), torch.where(hi == 0, zero.double(), hi)
     rows = torch.cat([hi, lo], dim=-1).to(bounds[0].dtype if bounds else keys.dtype)
     write_rows(bounds, rows_per_slab, first, rows.transpose(0, 1).reshape(m * H, 2 * D))
     return codes.transpose(0, 1).reshape(m * H, P, -1)
@@ -494,7 +497,7 @@ def attend_chunks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sca
     if pad:
         s[:, -1, :, chunk - pad:] = float("-inf")
     m = _running_max(s)                                  # [H, chunks, R]
-    p = exp(s - m[..., None])
+    p = exp(s - torch.where(m == float("-inf"), 0.0, m)[..., None])   # a chunk of -inf logits: p = +0, not NaN
     l_ = torch.zeros_like(m)
     a = torch.zeros(H, chunks, R, D, device=q.device)
     for t in range(chunk):

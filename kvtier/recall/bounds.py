@@ -22,11 +22,11 @@ def page_bounds(k_pages: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tens
 
     Returns
     -------
-    ``lo, hi`` ``[..., dim]`` float32.
+    ``lo, hi`` ``[..., dim]`` float32 (float64 for float64 keys: float32's nearest would not bound them).
     """
     page_size = k_pages.shape[-2]
     valid = torch.arange(page_size, device=k_pages.device) < counts.to(k_pages.device)[..., None]
-    k = k_pages.float()
+    k = k_pages if k_pages.dtype == torch.float64 else k_pages.float()
     lo = torch.where(valid[..., None], k, float("inf")).amin(dim=-2)
     hi = torch.where(valid[..., None], k, float("-inf")).amax(dim=-2)
     return lo, hi

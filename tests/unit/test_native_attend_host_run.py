@@ -303,3 +303,29 @@ def test_a_soft_cap_that_is_not_a_positive_number_is_refused(bad):
 
     out = ops.attend_slabs(q, ks, vs, 40, 0.25, softcap=np.float32(50.0))   # any real number works
     assert torch.equal(out[0], ops.attend_slabs(q, ks, vs, 40, 0.25, softcap=50.0)[0])
+
+
+@needs_nvcc
+def test_a_chunk_of_minus_infinite_logits_weighs_nothing(harness):
+    """Keys of -inf give a chunk whose logits are all -inf: its e^(s - m) had been e^(-inf - -inf), NaN, which
+    made the whole row NaN (or not, by the chunk size). The kernel's code and the twin give attention over the
+    other entries, bit for bit alike, with and without a part given whole."""
+    g = torch.Generator().manual_seed(7)
+    H, R, D, S, count, chunk = 1, 2, 8, 16, 12, 4
+    q = torch.rand(H, R, D, generator=g) + 0.1   # positive channels: q . (-inf, ...) = -inf, never NaN
+    k = torch.randn(1, H, S, D, generator=g)
+    k[0, :, :chunk] = float("-inf")
+    v = torch.randn(1, H, S, D, generator=g)
+    scores = (q.double() @ k[0, :, :count].double().transpose(-1, -2)) * D ** -0.5
+    ref = torch.softmax(scores, dim=-1) @ v[0, :, :count].double()
+    for whole in (False, True):
+        part = (torch.zeros(H, R, D), torch.full((H, R), float("-inf"))) if whole else None
+        out, lse = twins.attend_slabs(q, [k], [v], count, D ** -0.5, chunk, part)
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-6)
+        line = " ".join([f"0 {H} {R} {D} {count} {S} {chunk} 16 64 0", hex_words(torch.tensor([D ** -0.5, 0.0])),
+                         f"0 0 0 {int(whole)}", hex_words(q), hex_words(k), hex_words(v),
+                         hex_words(part[0]) + " " + hex_words(part[1]) if whole else ""])
+        done = subprocess.run([str(harness)], input=line + "\n", capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        o_w, lse_w = done.stdout.strip().split("|")[3:]
+        assert same_bits(floats(o_w.split()), out) and same_bits(floats(lse_w.split()), lse)

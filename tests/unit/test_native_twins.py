@@ -1229,3 +1229,47 @@ def test_inputs_of_the_wrong_shape_or_device_are_refused_naming_them():
     slabs = [torch.zeros(1, 2, 4, 0), torch.zeros(1, 2, 4, 0)]   # entries of no channel, in two slabs
     assert native.pack_entries(slabs, torch.tensor([[0, 5], [1, 6]])).shape == (2, 2, 0)
     native.move_entries(slabs, torch.tensor([[0, 5], [1, 6]]), torch.tensor([[1, 4], [2, 7]]))
+
+
+def test_float64_keys_are_indexed_by_bounds_that_hold_them():
+    """float64 has no kernel: its twin had rounded the extremes to float32's nearest, which may not bound them."""
+    keys = torch.zeros(1, 1, 4, 4, dtype=torch.float64)
+    keys[..., 0, :], keys[..., 1, :] = 1.0 + 2 ** -30, -(1.0 + 2 ** -30)   # no float32 value
+    bounds = [torch.zeros(4, 8, dtype=torch.float64)]
+    native.index_pages(keys, bounds, 4, 0)
+    assert torch.equal(bounds[0][0, :4], keys.amax(2).flatten())
+    assert torch.equal(bounds[0][0, 4:], keys.amin(2).flatten())
+    lo, hi = page_bounds(keys[0], torch.full((1,), 4))
+    assert torch.equal(hi[0], keys[0, 0].amax(0)) and torch.equal(lo[0], keys[0, 0].amin(0))
+
+
+@pytest.mark.parametrize("what", ["rank_pages pages", "counted", "rows", "kvp weights"])
+def test_inputs_the_twins_had_taken_are_refused_by_name(what):
+    """Each had given an answer with no error: shares read from no storage; attention over the capacity for a
+    count past it; rows 2 for 2.9 and rows 1, 0 for a mask; a float64 score for float64 weights."""
+    g = torch.Generator().manual_seed(0)
+    if what == "rank_pages pages":   # the storages hold 4 pages
+        slabs = [torch.randn(2, 16, generator=g) for _ in range(2)], 2
+        codes = [torch.zeros(2, 4, 2, dtype=torch.uint8) for _ in range(2)], 2
+        with pytest.raises(ValueError, match="rank_pages: pages=64; allowed: at most 4"):
+            native.rank_pages(torch.randn(1, 2, 8, generator=g), torch.tensor([[0, 40]]), 64, slabs, codes, 4, 0.3, 1)
+    elif what == "counted":
+        k = [torch.randn(1, 1, 4, 4, generator=g) for _ in range(2)]
+        for at in (20, -3):
+            with pytest.raises(ValueError, match=f"a count of {at} .*allowed: 1 to 8"):
+                native.attend_slabs(torch.randn(1, 1, 4, generator=g), k, k, 3, 0.5, counted=(torch.tensor([at]), 0))
+    elif what == "rows":
+        slabs = [torch.arange(8.).reshape(4, 2)]
+        for rows in (torch.tensor([True, False]), torch.tensor([2.9, 0.5]), np.array([2.9, 0.5])):
+            with pytest.raises(ValueError, match="rows of .*allowed: integer row numbers"):
+                native.gather_pages(slabs, 4, rows, torch.zeros(2, 2))
+            with pytest.raises(ValueError, match="rows of .*allowed: integer row numbers"):
+                native.scatter_pages([slabs[0].clone()], 4, rows, torch.zeros(2, 2))
+    else:
+        from kvtier.native.twins import MLPWeights
+
+        d = 10
+        weights = MLPWeights(*(torch.randn(*shape, generator=g).double() for shape in (
+            (2, 1, d), (2, 1, d), (2, d, 8), (2, 1, 8), (2, 8, 8), (2, 1, 8), (2, 8, 1), (2, 1, 1))))
+        with pytest.raises(ValueError, match=r"kvp_score: weights of \['torch.float64'\]; allowed: torch.float32"):
+            native.kvp_score(torch.randn(1, 3, 4), torch.randn(1, 3, 4), torch.randn(3, 2), weights, 0)
