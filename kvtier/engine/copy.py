@@ -57,6 +57,9 @@ def copy_layer(src: LayerEngine, dst: LayerEngine) -> None:
     if src.readahead is not None and dst.readahead is not None:
         for name in ("hits", "misses", "read_ahead", "steps_paused"):
             setattr(dst.readahead, name, getattr(src.readahead, name))
+    for mine, theirs in ((dst.graphs, src.graphs), (dst.prefetch_graphs, src.prefetch_graphs)):
+        if mine is not None and theirs is not None:   # what ran how (`stats()["cuda_graphs"]`), not the graphs
+            mine.captures, mine.replays, mine.eager = theirs.captures, theirs.replays, theirs.eager
     dst._recall_clock = src._recall_clock
     dst._spill_wait, dst._spill_failures = src._spill_wait, src._spill_failures   # a disk that refused pages
     dst.layout_kept = src.recall_layout()   # the copy's first recall buffer holds the same pages in the same slots
@@ -82,4 +85,5 @@ def clone_counters(src, dst) -> None:
                  "demotions", "tokens_masked", "disk_wait_seconds", "layers_read_before_resume",
                  "resume_reads_failed", "resume_wait_seconds"):
         setattr(dst, name, getattr(src, name))
+    dst.rings_closed = list(src.rings_closed)
 

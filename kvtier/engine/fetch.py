@@ -113,15 +113,16 @@ class PageFetching:
         return self.recalled.layout()
 
     def _refill(self, buf: RecallBuffer, layout: BufferLayout) -> None:
-        """Bring `layout`'s pages up into its slots of the new buffer `buf`, and give `buf` its bookkeeping."""
-        self._bring_into(buf, *layout.filled())
+        """Bring `layout`'s pages up into its slots of the new buffer `buf`, and give `buf` its bookkeeping. The
+        bytes count as moved; the pages not as recalled (no step chose them: the buffer is as it was before)."""
+        self._bring_into(buf, *layout.filled(), recall=False)
         buf.adopt(layout)
 
     def _bring_into(self, buf: RecallBuffer, heads: np.ndarray, pids: np.ndarray,
-                    slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, tuple | None]:
+                    slots: np.ndarray, recall: bool = True) -> tuple[np.ndarray, np.ndarray, tuple | None]:
         """Pages ``(heads[i], pids[i])`` brought up (`_bring_up`) into `buf`'s ``slots[i]``; returns the heads and
         page ids in the order they came, and `_bring_up`'s ``from_disk``."""
-        order, k, v, from_disk = self._bring_up(heads, pids)
+        order, k, v, from_disk = self._bring_up(heads, pids, recall)
         heads, pids = heads[order], pids[order]
         buf.fill(heads, pids, slots[order], k, v)
         return heads, pids, from_disk
@@ -359,9 +360,10 @@ class PageFetching:
             mirror = self._slot_mirror = (self.table.version, t.to(self.device, non_blocking=True))
         return mirror[1]
 
-    def _bring_up(self, heads: np.ndarray, pids: np.ndarray) -> tuple[np.ndarray, torch.Tensor, torch.Tensor,
-                                                                       tuple | None]:
-        """Pages ``(heads[i], pids[i])`` from the host and disk tiers to the device.
+    def _bring_up(self, heads: np.ndarray, pids: np.ndarray, recall: bool = True
+                  ) -> tuple[np.ndarray, torch.Tensor, torch.Tensor, tuple | None]:
+        """Pages ``(heads[i], pids[i])`` from the host and disk tiers to the device (counted as recalled with
+        `recall`; their bytes as moved either way).
 
         Returns ``(order, k, v, from_disk)``: the pages come in the order ``order`` of the request (by tier and
         slot, so gathers run over the same slab; on CUDA, with every page in host memory, as asked: one kernel
@@ -395,8 +397,9 @@ class PageFetching:
         c = self.counters
         c.bytes_moved["host_to_device"] += len(on_host) * page_bytes
         c.bytes_moved["disk_to_device"] += len(on_disk) * page_bytes
-        c.pages_recalled["host"] += len(on_host)
-        c.pages_recalled["disk"] += len(on_disk)
+        if recall:
+            c.pages_recalled["host"] += len(on_host)
+            c.pages_recalled["disk"] += len(on_disk)
         return order, k_dev, v_dev, from_disk
 
     def _bring_up_cuda(self, slot: np.ndarray, on_host: np.ndarray,

@@ -642,7 +642,8 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
             if self.index is not None:
                 meta.update(self.index.state())
             current = ParkedLayer.take(k[0], v[0], meta, self.transfer, self.pin)
-        moved = current.host_bytes() if self.parked is None else 0
+        # the entries that leave the device (what a restore brings back); their index and positions come along
+        moved = 0 if self.parked is not None else sum(t.numel() * t.element_size() for t in current.entries)
         if to == "disk":
             path = parked_path(self.shared.private_dir(), "layer", self.layer_idx)
             current = current.to_disk(self._disk(), self.host, self.table, path, self.cfg.page_size)
@@ -655,6 +656,9 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
             return
         (current, layout, moved), self.parking = self.parking, None
         if current.where == "disk":   # a layer on disk holds no host memory: the ring's and the host pool's slabs go
+            written = 0 if current.unsettled is None else len(current.unsettled[2])   # host pages with no copy
+            page = self.disk.payload_size
+            self.counters.bytes_moved["host_to_disk"] += current.disk_bytes(page) + written * page
             current.settle(self.table, self.host)
             if self.readahead is not None:
                 self.readahead.close()
@@ -748,11 +752,16 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
         disk_bytes = (disk_tokens + int((self.table.copy_slot >= 0).sum()) * self.cfg.page_size) * (entry - 12)
         if self.readahead is not None:
             host_bytes += self.readahead.nbytes()
+        # allocated host memory: the host pool's and the ring's slabs, the index's code slabs, a parked layer's copy
+        host_reserved = ((0 if self.host is None else self.host.reserved_bytes()) +
+                         (0 if self.readahead is None else self.readahead.reserved_bytes()) +
+                         (0 if self.index is None else self.index.codes.nbytes()))
         if self.parked is not None:
             tokens = self.parked.count * H
             if self.parked.where == "host":
                 host_tokens += tokens
                 host_bytes += self.parked.host_bytes()
+                host_reserved += self.parked.host_bytes()
             else:
                 disk_tokens += tokens
                 disk_bytes += self.parked.disk_bytes(self.disk.payload_size)
@@ -760,9 +769,7 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
             "device": {"tokens": device_tokens, "bytes": device_tokens * entry,
                        "reserved_bytes": 0 if self.pool is None else self.pool.reserved_bytes(),
                        "index_bytes": self.index_bytes()},
-            "host": {"tokens": host_tokens, "bytes": host_bytes,
-                     "reserved_bytes": (0 if self.host is None else self.host.reserved_bytes()) +
-                     (0 if self.readahead is None else self.readahead.reserved_bytes())},
+            "host": {"tokens": host_tokens, "bytes": host_bytes, "reserved_bytes": host_reserved},
             "disk": {"tokens": disk_tokens, "bytes": disk_bytes},
         }
 
@@ -813,6 +820,9 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
         self.reset()
         if self.readahead is not None:
             self.readahead.close()
+            ring, kept = self.readahead, self.counters.rings_closed   # its history stays in the stats
+            for i, n in enumerate((ring.hits, ring.misses, ring.read_ahead, ring.steps_paused)):
+                kept[i] += n
             self.readahead = None
         if self.host is not None:
             self.host.close()

@@ -29,6 +29,8 @@ class MoveCounters:
     layers_read_before_resume: int = 0    # parked layers restored from reads made ahead (`TieredCache.prefetch_parked`)
     resume_reads_failed: int = 0          # of those reads, the ones that failed (the restore read them again)
     resume_wait_seconds: float = 0.0      # restores waiting for reads made ahead to finish
+    # the read-ahead rings' counts when they were let go (`LayerEngine.close`): hits, misses, pages read, steps paused
+    rings_closed: list[int] = field(default_factory=lambda: [0, 0, 0, 0])
 
     def reset(self) -> None:
         self.__init__()

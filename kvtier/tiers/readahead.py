@@ -130,8 +130,6 @@ class DiskReadAhead:
         pos = np.fromiter((where.get(s, -1) for s in slots.tolist()), dtype=np.int64, count=n)
         hit = pos >= 0
         n_hit = int(hit.sum())
-        self.hits += n_hit
-        self.misses += n - n_hit
         if out is None:
             k = torch.empty(n, self.page_size, self.head_dim, dtype=self.dtype)
             out = (k, torch.empty_like(k))
@@ -153,6 +151,8 @@ class DiskReadAhead:
             w.demand_seconds += time.perf_counter() - t1
         w.hits += n_hit
         w.hit_seconds += t1 - t0
+        self.hits += n_hit   # counted once the pages are read, as the pages recalled are
+        self.misses += n - n_hit
         return out
 
     def offer(self, candidates: Callable[[], np.ndarray]) -> None:
