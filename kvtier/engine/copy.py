@@ -85,5 +85,5 @@ def clone_counters(src, dst) -> None:
                  "demotions", "tokens_masked", "disk_wait_seconds", "layers_read_before_resume",
                  "resume_reads_failed", "resume_wait_seconds"):
         setattr(dst, name, getattr(src, name))
-    dst.rings_closed = list(src.rings_closed)
+    dst.rings_closed = dict(src.rings_closed)
 

@@ -821,8 +821,8 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
         if self.readahead is not None:
             self.readahead.close()
             ring, kept = self.readahead, self.counters.rings_closed   # its history stays in the stats
-            for i, n in enumerate((ring.hits, ring.misses, ring.read_ahead, ring.steps_paused)):
-                kept[i] += n
+            for name, n in zip(kept, (ring.hits, ring.misses, ring.read_ahead, ring.steps_paused)):
+                kept[name] += n
             self.readahead = None
         if self.host is not None:
             self.host.close()
