@@ -654,7 +654,7 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
         only: nothing here fails."""
         if self.parking is None:
             return
-        (current, layout, moved), self.parking = self.parking, None
+        current, layout, moved = self.parking   # kept until the end: a reset after an interruption undoes it
         if current.where == "disk":   # a layer on disk holds no host memory: the ring's and the host pool's slabs go
             written = 0 if current.unsettled is None else len(current.unsettled[2])   # host pages with no copy
             page = self.disk.payload_size
@@ -672,6 +672,7 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
             if self.index is not None:
                 self.index.release()
         self.parked = current
+        self.parking = None
 
     def undo_park(self) -> None:
         """Drop the park `prepare_park` made: what it wrote is freed, and the layer is as it was before."""

@@ -91,6 +91,7 @@ class ParkedLayer:
             return t.reshape(H * pages, page_size, D)
 
         written: list[np.ndarray] = []
+        meta_file: ParkedFile | None = None
         try:
             slots = disk.store(paged(k), paged(v))
             written.append(slots)
@@ -102,13 +103,15 @@ class ParkedLayer:
                 written.append(disk.store(*host.load(host_slots[dirty])))
                 disk_slots[dirty] = written[-1]
             meta_file = ParkedFile.write(path, self.meta, "the parked layer file")
-        except BaseException:
+            return replace(self, where="disk", entries=None, meta={}, slots=slots.reshape(H, pages),
+                           was_on_host=(heads, pids), meta_file=meta_file,
+                           unsettled=(host_slots, disk_slots, disk_slots[dirty]))
+        except BaseException:   # an interruption too: what was written goes, the file with it
             for s in written:
                 disk.free(s)
+            if meta_file is not None:
+                meta_file.discard()
             raise
-        return replace(self, where="disk", entries=None, meta={}, slots=slots.reshape(H, pages),
-                       was_on_host=(heads, pids), meta_file=meta_file,
-                       unsettled=(host_slots, disk_slots, disk_slots[dirty]))
 
     def settle(self, table: PageTable, host) -> None:
         """The park to disk made final: the host pages `to_disk` wrote are on disk now (bookkeeping only)."""

@@ -230,26 +230,30 @@ class TieredCache(OneSequence, Cache):
             where = "host memory" if to == "host" else "disk"
             raise CapacityError(f"park({to!r}) could not move the sliding-window layers to {where}: {os_reason(e)}; "
                                 "every layer is as it was before the call") from e
-        for i, engine in enumerate(self._engines):
-            try:
+        try:
+            for engine in self._engines:
                 prepared.append(engine)
                 engine.prepare_park(to)
-            except BaseException as e:
-                for done in reversed(prepared):
-                    done.undo_park()
-                for window in moved:
-                    window.undo_park()
-                if not (isinstance(e, CapacityError) or is_resource_error(e)):
-                    raise
-                reason = os_reason(e)
-                detail = "" if reason == str(e) else f" [{e}]"
-                raise CapacityError(f"park({to!r}) failed at layer {engine.layer_idx} (tiered layer {i + 1} of "
-                                    f"{len(self._engines)}): {reason}{detail}; every layer is as it was before the "
-                                    "call") from e
-        for engine in self._engines:
-            engine.settle_park()
-        for window in moved:
-            window.settle_park()
+        except BaseException as e:
+            for done in reversed(prepared):
+                done.undo_park()
+            for window in moved:
+                window.undo_park()
+            if not (isinstance(e, CapacityError) or is_resource_error(e)):
+                raise
+            engine, reason = prepared[-1], os_reason(e)
+            detail = "" if reason == str(e) else f" [{e}]"
+            raise CapacityError(f"park({to!r}) failed at layer {engine.layer_idx} (tiered layer {len(prepared)} of "
+                                f"{len(self._engines)}): {reason}{detail}; every layer is as it was before the "
+                                "call") from e
+        try:   # bookkeeping only; an interruption (Ctrl-C) here leaves layers half let go: the cache says so
+            for engine in self._engines:
+                engine.settle_park()
+            for window in moved:
+                window.settle_park()
+        except BaseException as e:
+            st.break_with(e, f"park({to!r}) was interrupted while its layers let go and ")
+            raise
 
     def prefetch_parked(self) -> bool:
         """Start reading the layers parked on disk back into host memory on a thread of their own, and return at

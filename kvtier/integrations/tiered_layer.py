@@ -416,13 +416,23 @@ class TieredLayer(OneSequence, CacheLayerMixin):
     def get_mask_sizes(self, query_length: int | torch.Tensor, *args: Any) -> tuple[int, int]:
         if isinstance(query_length, torch.Tensor):  # older API passed cache_position
             query_length = query_length.shape[0]
-        if self.engine.pending is not None:
+        st, engine = self._state, self.engine
+        if st is not None:
+            st.check()   # a broken cache says so first
+        pending = engine.pending
+        if pending is not None and pending.start == engine.seen and not pending.placed:
+            engine.drop_step()   # a step cut short (Ctrl-C) before its length moved: it was never taken
+        elif pending is not None:
+            if st is not None and len(st.lengths()) > 1:   # cut short between layers: the cache says so
+                st.break_with(f"the layers disagree on their length ({sorted(st.lengths())} tokens): an earlier "
+                              "step was interrupted between layers")
+                st.check()
             # a model is about to run a step, but the last step's attention never came through kvtier (which
             # places the step and recalls demoted pages): answers would silently lose the demoted entries
             raise UnsupportedError(f"the model's attention did not run through kvtier on the last step, {_ROUTE}")
-        self.engine.flush()
-        stored = self.engine.stored
-        return stored + int(query_length), self.engine.seen - stored
+        engine.flush()
+        stored = engine.stored
+        return stored + int(query_length), engine.seen - stored
 
     def get_max_length(self) -> int:
         return -1

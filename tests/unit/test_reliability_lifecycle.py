@@ -518,3 +518,36 @@ def test_padding_after_a_real_token_is_refused_and_the_cache_goes_on(model, attn
         b.close()
     finally:
         model.set_attn_implementation("sdpa")
+
+
+def test_a_step_cut_short_by_ctrl_c_never_leaves_a_routing_error_behind(monkeypatch):
+    """Ctrl-C in a layer's write, before its length moved: the stale step had made every later step raise 'the
+    model's attention did not run through kvtier', for good; it is dropped now and the cache goes on as its twin.
+    Ctrl-C after the first layer's update returned (its length moved, the next layer's not): the next step says
+    the cache is broken (it had raised the routing error too)."""
+    import kvtier.integrations.tiered_layer as tiered_layer
+    from kvtier import BrokenCacheError, TieredCache, cache_kwargs
+    from tiny_models import tiny_llama
+
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), TieredCache(model.config, device_budget=8) as cache, \
+            TieredCache(model.config, device_budget=8) as twin:
+        for c in (cache, twin):
+            model(ids[:, :10], **cache_kwargs(c))
+        engine = cache._engines[0]
+        engine.write(*(torch.randn(1, engine.heads, 1, engine.head_dim) for _ in range(2)))
+        engine.seen -= 1   # as a Ctrl-C between staging the step and moving the length leaves it
+        assert torch.equal(model(ids[:, 10:11], **cache_kwargs(cache)).logits,
+                           model(ids[:, 10:11], **cache_kwargs(twin)).logits)
+        real = tiered_layer.claim
+
+        def interrupted(*args):
+            monkeypatch.setattr(tiered_layer, "claim", real)
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(tiered_layer, "claim", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            model(ids[:, 11:12], **cache_kwargs(cache))
+        with pytest.raises(BrokenCacheError, match="interrupted between layers"):
+            model(ids[:, 11:12], **cache_kwargs(cache))

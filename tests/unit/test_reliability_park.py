@@ -322,25 +322,43 @@ def test_a_lasting_shortage_leaves_the_cache_as_it_was(model, reference, tmp_pat
     cache.close()
 
 
-def test_a_park_cut_short_between_settling_layers_leaves_layers_that_work(model, reference, tmp_path, monkeypatch):
-    """Ctrl-C after layer 0 settled its park and before layer 1 did: layer 0 is parked, layer 1 as it was (what it
-    wrote still noted); the next park drops that and goes through, and the cache generates what the twin does."""
+def test_a_park_cut_short_while_its_layers_let_go_breaks_the_cache_and_a_reset_frees_all(model, reference, tmp_path,
+                                                                                           monkeypatch):
+    """Ctrl-C while the layers let go (after layer 0 did, before layer 1): the cache says it is broken, where a
+    layer half let go had given other logits with no error; a reset frees every page and file the park wrote."""
+    from kvtier import BrokenCacheError
+
     kind = "tiered"
     cache = TieredCache(model.config, disk_dir=tmp_path, scorer="keynorm", **KINDS[kind])
     logits = prefill(model, cache)
-    pages = disk_pages(cache)
-    real = cache._engines[1].settle_park
 
     def interrupted():
-        monkeypatch.setattr(cache._engines[1], "settle_park", real)
         raise KeyboardInterrupt
 
     monkeypatch.setattr(cache._engines[1], "settle_park", interrupted)
     with pytest.raises(KeyboardInterrupt):
         cache.park("disk")
-    assert where(cache) == ["disk", None]
-    cache.park("disk")   # layer 1's unsettled park is dropped (its pages freed) and made again
-    assert where(cache) == ["disk", "disk"]
+    monkeypatch.undo()
+    assert "interrupted while its layers let go" in cache.broken
+    with pytest.raises(BrokenCacheError):
+        continue_greedy(model, cache, logits)
+    cache.reset()
+    assert disk_pages(cache) == 0 and files(cache) == [] and cache.broken is None
+    tokens, out = continue_greedy(model, cache, prefill(model, cache))
+    assert tokens == reference[kind][0] and torch.equal(out, reference[kind][1])
+    cache.close()
+
+
+def test_a_layer_left_prepared_by_an_interruption_is_undone_by_its_next_park(model, reference, tmp_path):
+    """A park whose loop was cut short between two layers' preparations (outside their own handling) left layer 0
+    prepared: its next park drops that, and the pages it wrote are freed."""
+    kind = "tiered"
+    cache = TieredCache(model.config, disk_dir=tmp_path, scorer="keynorm", **KINDS[kind])
+    logits = prefill(model, cache)
+    pages = disk_pages(cache)
+    cache._engines[0].prepare_park("disk")   # as an interruption right after it would leave it
+    assert disk_pages(cache) > pages and where(cache) == [None, None]
+    cache.park("disk")
     cache.resume()
     assert disk_pages(cache) == pages
     tokens, out = continue_greedy(model, cache, logits)
