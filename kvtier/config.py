@@ -7,7 +7,7 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import ConfigError
+from .errors import ConfigError, check_whole
 from .placement.budget import Budget
 from .placement.planner import recent_window
 
@@ -40,12 +40,6 @@ def check_recent_tokens(value: Any, name: str = "recent_tokens") -> int | float:
     if math.isnan(v) or not 0.0 < v < 1.0:
         raise ConfigError(f"{name}={value!r} is not allowed; allowed: {allowed}")
     return v
-
-
-def _whole(name: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-        raise ConfigError(f"{name}={value!r} is not allowed; allowed: a whole number >= {low}")
-    return int(value)
 
 
 def _count(config: str, name: str, value: Any) -> int:
@@ -188,17 +182,17 @@ class TieredCacheConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"mode={self.mode!r} is not allowed; allowed: {', '.join(map(repr, MODES))}")
-        _whole("recall_pages", self.recall_pages, 0)
+        check_whole("recall_pages", self.recall_pages, 0)
         if self.prefetch_pages is not None:
-            _whole("prefetch_pages", self.prefetch_pages, 0)
-        _whole("retain_pages", self.retain_pages, 0)
-        _whole("page_size", self.page_size, 1)
+            check_whole("prefetch_pages", self.prefetch_pages, 0)
+        check_whole("retain_pages", self.retain_pages, 0)
+        check_whole("page_size", self.page_size, 1)
         if self.page_size > MAX_PAGE_SIZE:
             raise ConfigError(f"page_size={self.page_size!r} is not allowed; allowed: a whole number from 1 to "
                               f"{MAX_PAGE_SIZE}")
-        _whole("sink_tokens", self.sink_tokens, 0)
+        check_whole("sink_tokens", self.sink_tokens, 0)
         if self.demote_pages is not None:
-            _whole("demote_pages", self.demote_pages, 1)
+            check_whole("demote_pages", self.demote_pages, 1)
         if not isinstance(self.cuda_graphs, bool):
             raise ConfigError(f"cuda_graphs={self.cuda_graphs!r}; allowed: True or False")
         if self.read_ahead is not None and not isinstance(self.read_ahead, bool):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -119,6 +120,13 @@ def is_resource_error(e: BaseException) -> bool:
         return False
     return isinstance(e, (OSError, MemoryError)) or is_out_of_device_memory(e) or (
         isinstance(e, RuntimeError) and "can't start new thread" in str(e))
+
+
+def check_whole(name: str, value: Any, low: int) -> int:
+    """`value` as an int where it is a whole number >= `low` (a bool is not), else a `ConfigError` naming it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+        raise ConfigError(f"{name}={value!r} is not allowed; allowed: a whole number >= {low}")
+    return int(value)
 
 
 def call_each(calls: Iterable[Callable[[], Any]]) -> None:

@@ -99,10 +99,12 @@ def report(results: str, out: str, note: str) -> None:
                                  param_hint="'RESULTS'")
     out = check_output_file(out, "--out")
     png = Path(out).with_suffix(".png")
-    if Path(out).suffix.lower() == ".png" or any(Path(p).resolve() == Path(results).resolve() for p in (out, png)):
-        raise click.BadParameter(f"{out!r} would write over {'RESULTS' if Path(out).suffix.lower() != '.png' else 'the plot'}"
-                                 f" (the markdown goes to --out, the plot to {png.name} beside it); allowed: a "
-                                 "markdown file other than RESULTS, e.g. results.md", param_hint="'--out'")
+    over = ("the plot" if Path(out).suffix.lower() == ".png" else
+            "RESULTS" if Path(results).resolve() in (Path(out).resolve(), png.resolve()) else None)
+    if over:
+        raise click.BadParameter(f"{out!r} would write over {over} (the markdown goes to --out, the plot to "
+                                 f"{png.name} beside it); allowed: a markdown file other than RESULTS, e.g. "
+                                 "results.md", param_hint="'--out'")
 
     from ..eval.report import write_report
 

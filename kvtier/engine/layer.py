@@ -821,8 +821,8 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
         self.reset()
         if self.readahead is not None:
             self.readahead.close()
-            ring, kept = self.readahead, self.counters.rings_closed   # its history stays in the stats
-            for name, n in zip(kept, (ring.hits, ring.misses, ring.read_ahead, ring.steps_paused)):
+            kept = self.counters.rings_closed   # its history stays in the stats
+            for name, n in self.readahead.counts().items():
                 kept[name] += n
             self.readahead = None
         if self.host is not None:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..tiers.readahead import COUNTS
+
 MOVES = ("device_to_host", "host_to_disk", "host_to_device", "disk_to_device")
-RING_COUNTS = ("hits", "misses", "pages_read_ahead", "steps_paused")
 
 
 @dataclass
@@ -30,8 +31,8 @@ class MoveCounters:
     layers_read_before_resume: int = 0    # parked layers restored from reads made ahead (`TieredCache.prefetch_parked`)
     resume_reads_failed: int = 0          # of those reads, the ones that failed (the restore read them again)
     resume_wait_seconds: float = 0.0      # restores waiting for reads made ahead to finish
-    # the read-ahead rings' counts when they were let go (`LayerEngine.close`), by their `stats()` names
-    rings_closed: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RING_COUNTS, 0))
+    # the read-ahead rings' counts when they were let go (`LayerEngine.close`, `DiskReadAhead.counts`)
+    rings_closed: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTS, 0))
 
     def reset(self) -> None:
         self.__init__()

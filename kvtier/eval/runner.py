@@ -132,12 +132,12 @@ def run_suite(model: Any, tokenizer: Any, out: str | Path, suite: Suite,
     name = name or model_name(model)
     check_same_model(results, name, out)
     done = {_key(r) for r in results}
-    policies = [Policy.parse(p) for p in _once(suite.policies)]
+    policies, budgets = [Policy.parse(p) for p in _once(suite.policies)], _once(suite.budgets)
     eos = {i for i in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")) if i is not None}
     examples = [(t, n, s) for t in _once(suite.tasks) for n in _once(suite.lengths) for s in _once(suite.seeds)]
     with out.open("a") as sink:
         for task, length, seed in progress(examples):
-            jobs = [(p, b) for p in policies for b in ((1.0,) if p.kind == "full" else _once(suite.budgets))
+            jobs = [(p, b) for p in policies for b in ((1.0,) if p.kind == "full" else budgets)
                     if (task, length, seed, p.name, b) not in done]
             if not jobs:
                 continue
@@ -172,7 +172,6 @@ def run_suite(model: Any, tokenizer: Any, out: str | Path, suite: Suite,
                 sink.write(json.dumps(row) + "\n")
                 sink.flush()
                 results.append(row)
-                done.add(_key(row))
     return results
 
 

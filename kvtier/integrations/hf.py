@@ -362,8 +362,9 @@ class TieredCache(OneSequence, Cache):
         on_demand = moved - c.pages_prefetched
         wait = c.disk_wait_seconds + sum(t.counters.wait_seconds for t in self._shared.transfers.values())
         ahead = [e.readahead for e in self._engines if e.readahead is not None]
-        closed = c.rings_closed   # the rings let go at close: their history
-        hits, misses = closed["hits"] + sum(r.hits for r in ahead), closed["misses"] + sum(r.misses for r in ahead)
+        rings = [c.rings_closed, *(r.counts() for r in ahead)]   # those let go at close too: their history
+        ring = {name: sum(r[name] for r in rings) for name in c.rings_closed}
+        hits, misses = ring["hits"], ring["misses"]
         graphs = [e.graphs for e in self._engines if e.graphs is not None]
         fetching = [e.prefetch_graphs for e in self._engines if e.prefetch_graphs is not None]
         windows = self._state.windows
@@ -410,13 +411,12 @@ class TieredCache(OneSequence, Cache):
             "demotions": c.demotions,
             "tokens_masked": c.tokens_masked,
             "transfer_wait_seconds": wait,
-            "read_ahead": {"hits": hits, "misses": misses,
-                           "pages_read_ahead": closed["pages_read_ahead"] + sum(r.read_ahead for r in ahead),
+            "read_ahead": {"hits": hits, "misses": misses, "pages_read_ahead": ring["pages_read_ahead"],
                            "hit_rate": hits / (hits + misses) if hits + misses else None,
                            "pages_held": sum(r.pages() for r in ahead),
                            # layer steps that skipped reading ahead: where it did not pay (a disk that answers
                            # from the page cache), it pauses for a while
-                           "steps_paused": closed["steps_paused"] + sum(r.steps_paused for r in ahead)},
+                           "steps_paused": ring["steps_paused"]},
             "parked": self.parked,
             # parked layers read back ahead of their restore (`prefetch_parked`): those restored from such reads, the
             # reads that failed (made again by the restore), the seconds restores waited for reads under way, and

@@ -72,6 +72,14 @@ class CacheState:
             text = what if isinstance(what, str) else f"{type(what).__name__}: {what}"
             self.broken = f"{where}failed ({text})" if where else text
 
+    def check_lengths(self) -> None:
+        """Break the cache (and say so) where the layers disagree on their length: a step was cut short between
+        layers (Ctrl-C), so that some took it and some did not."""
+        if len(self.lengths()) > 1:
+            self.break_with(f"the layers disagree on their length ({sorted(self.lengths())} tokens): an earlier "
+                            "step was interrupted between layers")
+            self.check()
+
     def lengths(self) -> set[int]:
         """Tokens seen by each layer (0 for a layer that never took a step: a first step interrupted between
         layers shows as two lengths too)."""
@@ -83,10 +91,8 @@ class CacheState:
         length, the step must be one sequence; then `run()` under `guard` (`before`: the layer's length; `layer`
         and `action` word the errors)."""
         self.check()
-        if layer_idx == self.first and len(self.lengths()) > 1:
-            self.break_with(f"the layers disagree on their length ({sorted(self.lengths())} tokens): an earlier "
-                            "step was interrupted between layers")
-            self.check()
+        if layer_idx == self.first:
+            self.check_lengths()
         if key_states.dim() == 4 and key_states.shape[0] != 1:
             raise batch_refusal(key_states.shape[0])
         if layer_idx == self.first:   # a switch misspelt since the cache was made: refused before any layer moves
@@ -423,10 +429,8 @@ class TieredLayer(OneSequence, CacheLayerMixin):
         if pending is not None and pending.start == engine.seen and not pending.placed:
             engine.drop_step()   # a step cut short (Ctrl-C) before its length moved: it was never taken
         elif pending is not None:
-            if st is not None and len(st.lengths()) > 1:   # cut short between layers: the cache says so
-                st.break_with(f"the layers disagree on their length ({sorted(st.lengths())} tokens): an earlier "
-                              "step was interrupted between layers")
-                st.check()
+            if st is not None:
+                st.check_lengths()   # cut short between layers: the cache says so
             # a model is about to run a step, but the last step's attention never came through kvtier (which
             # places the step and recalls demoted pages): answers would silently lose the demoted entries
             raise UnsupportedError(f"the model's attention did not run through kvtier on the last step, {_ROUTE}")

@@ -13,8 +13,6 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from ..errors import ConfigError
-
 
 @runtime_checkable
 class Tier(Protocol):
@@ -36,14 +34,6 @@ class Tier(Protocol):
     def nbytes(self) -> int: ...
 
     def close(self) -> None: ...
-
-
-def check_sizes(least: int = 1, **sizes) -> None:
-    """Refuse a size that is not a whole number >= `least`, by name (a float or 0 had failed later, as another
-    error)."""
-    for what, value in sizes.items():
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
-            raise ConfigError(f"{what}={value!r}; allowed: a whole number >= {least}")
 
 
 def slot_numbers(values, what: str, error: type[Exception] = ValueError) -> np.ndarray:

@@ -22,8 +22,7 @@ from __future__ import annotations
 import torch
 
 from .. import native
-from ..errors import CapacityError
-from .base import check_sizes
+from ..errors import CapacityError, check_whole
 
 
 class DevicePool:
@@ -31,8 +30,8 @@ class DevicePool:
 
     def __init__(self, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
                  slab_tokens: int) -> None:
-        check_sizes(head_dim=head_dim)
-        check_sizes(least=0, heads=heads)   # a pool of no head holds nothing (the kernels' grid checks use one)
+        check_whole("head_dim", head_dim, 1)
+        check_whole("heads", heads, 0)   # a pool of no head holds nothing (the kernels' grid checks make one)
         # indexed: the slabs' tensors say cuda:N, and the kernels' address tables are kept for the device named
         self.heads, self.head_dim, self.dtype, self.device = heads, head_dim, dtype, native.indexed_device(device)
         self.slab_tokens = max(1, int(slab_tokens))
@@ -245,7 +244,8 @@ class DevicePool:
         if (n < 0 or tuple(k.shape) != (H, n, D) or v.shape != k.shape or tuple(pos.shape) != (H, n)
                 or tuple(score.shape) != (H, n)):
             raise ValueError(f"the device pool takes k, v [{H}, n, {D}] and pos, score [{H}, n]; got k "
-                             f"{tuple(k.shape)}, v {tuple(v.shape)}, pos {tuple(pos.shape)}, score {tuple(score.shape)}")
+                             f"{tuple(k.shape)}, v {tuple(v.shape)}, pos {tuple(pos.shape)}, "
+                             f"score {tuple(score.shape)}")
         self.ensure(n)
         self._write(0, k[None], v[None], pos)
         self.count = 0

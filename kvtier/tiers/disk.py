@@ -22,8 +22,8 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 import numpy as np
 import torch
 
-from ..errors import CapacityError, CorruptPageError
-from .base import check_sizes, slot_numbers
+from ..errors import CapacityError, CorruptPageError, check_whole
+from .base import slot_numbers
 
 ALIGN = 4096  # records start and end on 4 KiB boundaries
 CHUNK = 4096  # slots per chunk of the in-memory per-slot arrays
@@ -159,7 +159,8 @@ class DiskStore:
         if dtype not in _DTYPES:
             raise CapacityError(f"dtype {dtype} cannot be stored on disk; allowed: "
                                 "torch.float32, torch.float16, torch.bfloat16, torch.float64")
-        check_sizes(page_size=page_size, head_dim=head_dim, io_threads=io_threads)
+        for name, size in (("page_size", page_size), ("head_dim", head_dim), ("io_threads", io_threads)):
+            check_whole(name, size, 1)
         self.page_size, self.head_dim, self.dtype, self.io_threads = page_size, head_dim, dtype, io_threads
         self._kv_bytes = page_size * head_dim * torch.empty((), dtype=dtype).element_size()
         self.payload_size = 2 * self._kv_bytes

@@ -13,8 +13,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..errors import check_whole
 from ..transfer.read_mark import ReadMark
-from .base import check_sizes, slot_numbers
+from .base import slot_numbers
 from .slabs import SlabRows
 
 SLAB_BYTES = 4 << 20
@@ -30,7 +31,8 @@ class HostPool:
 
     def __init__(self, page_size: int, head_dim: int, dtype: torch.dtype, pin: bool,
                  slab_bytes: int = SLAB_BYTES) -> None:
-        check_sizes(page_size=page_size, head_dim=head_dim, slab_bytes=slab_bytes)
+        for name, size in (("page_size", page_size), ("head_dim", head_dim), ("slab_bytes", slab_bytes)):
+            check_whole(name, size, 1)
         self.page_size, self.head_dim, self.dtype, self.pin = page_size, head_dim, dtype, pin
         page_bytes = page_size * head_dim * torch.empty((), dtype=dtype).element_size()
         per_slab = max(1, slab_bytes // page_bytes)

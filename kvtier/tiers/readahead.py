@@ -30,6 +30,8 @@ from ..errors import CorruptPageError
 from .base import slot_numbers
 from .slabs import SlabRows
 
+COUNTS = ("hits", "misses", "pages_read_ahead", "steps_paused")   # what `DiskReadAhead.counts` counts
+
 
 @dataclass
 class _Read:
@@ -154,6 +156,10 @@ class DiskReadAhead:
         self.hits += n_hit   # counted once the pages are read, as the pages recalled are
         self.misses += n - n_hit
         return out
+
+    def counts(self) -> dict[str, int]:
+        """What the ring did, by the names `stats()["read_ahead"]` gives them (`COUNTS`)."""
+        return dict(zip(COUNTS, (self.hits, self.misses, self.read_ahead, self.steps_paused)))
 
     def offer(self, candidates: Callable[[], np.ndarray]) -> None:
         """A step's chance to read ahead: the disk slots `candidates()` gives (best first), unless reading ahead

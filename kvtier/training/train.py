@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, check_whole
 from ..scoring.kvp import KVPAgents
 from .dataset import TraceTensors
 from .objective import listwise_loss, reinforce_loss, reward
@@ -41,9 +41,7 @@ class TrainSettings:
         whole = {"steps": 1, "batch_traces": 1, "tokens_per_trace": 1, "top_tokens": 0, "samples": 2, "warmup": 0,
                  "eval_every": 1, "hidden": 1, "seed": 0}
         for name, least in whole.items():
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ConfigError(f"{name}={value!r}; allowed: a whole number >= {least}")
+            check_whole(name, getattr(self, name), least)
         for name, low, high in (("lr", 0.0, None), ("age_lr_scale", 0.0, None), ("weight_decay", None, None),
                                 ("val_share", 0.0, 1.0)):
             value = getattr(self, name)

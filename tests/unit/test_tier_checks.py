@@ -71,7 +71,8 @@ def test_a_host_load_refuses_slots_that_hold_no_page():
 def test_sizes_are_whole_numbers(make, size, value, tmp_path):
     sizes = {"page_size": P, "head_dim": D, "heads": 2, "io_threads": 2, size: value}
     least = 0 if size == "heads" else 1   # a pool of no head holds nothing
-    with pytest.raises(ConfigError, match=re.escape(f"{size}={value!r}; allowed: a whole number >= {least}")):
+    with pytest.raises(ConfigError, match=re.escape(f"{size}={value!r} is not allowed; allowed: a whole number >= "
+                                                    f"{least}")):
         if make == "host":
             HostPool(sizes["page_size"], sizes["head_dim"], torch.float32, pin=False)
         elif make == "device":

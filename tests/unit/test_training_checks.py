@@ -20,7 +20,7 @@ from kvtier.training.train import TrainSettings
 
 
 @pytest.mark.parametrize("field, value, words", [
-    ("steps", -5, "steps=-5; allowed: a whole number >= 1"), ("steps", 0, "steps=0"),
+    ("steps", -5, "steps=-5 is not allowed; allowed: a whole number >= 1"), ("steps", 0, "steps=0"),
     ("batch_traces", 0, "batch_traces=0"), ("tokens_per_trace", 0, "tokens_per_trace=0"),
     ("eval_every", 0, "eval_every=0"), ("hidden", 2.0, "hidden=2.0"), ("warmup", -1, "warmup=-1"),
     ("lr", -1.0, "lr=-1.0; allowed: a finite number > 0"), ("lr", float("nan"), "lr=nan"),
