@@ -769,7 +769,8 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
         return {
             "device": {"tokens": device_tokens, "bytes": device_tokens * entry,
                        "reserved_bytes": 0 if self.pool is None else self.pool.reserved_bytes(),
-                       "index_bytes": self.index_bytes()},
+                       "index_bytes": self.index_bytes(),
+                       "recall_bytes": 0 if self.recalled is None else self.recalled.device_bytes()},
             "host": {"tokens": host_tokens, "bytes": host_bytes, "reserved_bytes": host_reserved},
             "disk": {"tokens": disk_tokens, "bytes": disk_bytes},
         }

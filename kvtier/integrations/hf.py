@@ -322,7 +322,8 @@ class TieredCache(OneSequence, Cache):
         from the pools), ``bytes`` held (host bytes include the 2-bit key codes of the recall index and the
         disk pages kept for read-ahead; disk bytes the clean copies of host pages brought up from disk),
         ``reserved_bytes`` allocated; ``device.index_bytes``: the key bounds of the demoted pages, 1/16 of their
-        K+V size at 16 entries a page. ``promotion``: disk pages recall brought up that the host tier kept
+        K+V size at 16 entries a page; ``device.recall_bytes``: the recall buffers (the pages brought up for
+        attention, with their slot tables). ``promotion``: disk pages recall brought up that the host tier kept
         (``pages``), and host pages moved down to their clean copy without a write
         (``moved_down_unwritten``), and rounds stopped by a full disk or no memory (``rounds_skipped``; each
         move is all or nothing, the output the same); zero with ``promote=False``. ``read_ahead``: disk pages served
@@ -349,7 +350,7 @@ class TieredCache(OneSequence, Cache):
         """
         tiers: dict[str, dict[str, int]] = {t: {"tokens": 0, "bytes": 0, "reserved_bytes": 0}
                                              for t in ("device", "host", "disk")}
-        tiers["device"]["index_bytes"] = 0
+        tiers["device"]["index_bytes"] = tiers["device"]["recall_bytes"] = 0
         for engine in self._engines:
             engine.settle_counts()
             for tier, numbers in engine.usage().items():

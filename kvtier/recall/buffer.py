@@ -86,6 +86,12 @@ class RecallBuffer:
     def pages(self) -> int:
         return self.ids.shape[1]
 
+    def device_bytes(self) -> int:
+        """Bytes this buffer holds where attention reads it: its keys and values, and the tables and mask kept
+        beside them there."""
+        kept = (self.k, self.v, self.held, self.ahead, self.mask, self._row_base)
+        return sum(t.numel() * t.element_size() for t in kept if t is not None)
+
     def layout(self) -> BufferLayout | None:
         """This buffer's `BufferLayout` (None where it holds no page). Planned on the device, its tables are read
         back: the caller orders this after any prefetch into it."""

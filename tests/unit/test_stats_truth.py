@@ -113,3 +113,19 @@ def test_a_copy_keeps_what_ran_how(model):
     _run(model, cache, steps=6)
     assert copy.deepcopy(cache).stats()["cuda_graphs"] == cache.stats()["cuda_graphs"]
     assert cache.stats()["cuda_graphs"]["eager_steps"] > 0
+
+
+def test_the_recall_buffers_count_as_device_bytes(model):
+    """The pages brought up for attention sit on the device beside the pool and the index: `recall_bytes` counts
+    them (they were in no figure), zero before the first recall and after a park."""
+    cache = TieredCache(model.config, device_budget=48, scorer="keynorm", recall_pages=3)
+    with torch.no_grad():
+        model(random_ids(model, 40, 2), **cache_kwargs(cache))
+    assert cache.stats()["device"]["recall_bytes"] == 0   # nothing demoted: nothing recalled
+    _run(model, cache, prompt=160, steps=2)
+    buffers = [e.recalled for e in cache._engines]
+    held = sum(b.k.nbytes + b.v.nbytes for b in buffers)
+    got = cache.stats()["device"]["recall_bytes"]
+    assert held > 0 and held <= got <= held * 1.1
+    cache.park("host")
+    assert cache.stats()["device"]["recall_bytes"] == 0

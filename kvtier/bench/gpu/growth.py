@@ -32,6 +32,7 @@ def memory_snapshot(cache: Any, device: torch.device) -> dict[str, Any]:
         st = cache.stats()
         snap["cache_device_reserved_bytes"] = st["device"]["reserved_bytes"]
         snap["cache_index_bytes"] = st["device"]["index_bytes"]
+        snap["cache_recall_bytes"] = st["device"]["recall_bytes"]
         snap["cache_host_reserved_bytes"] = st["host"]["reserved_bytes"]
     return snap
 
@@ -76,7 +77,7 @@ def _growth(cfg: GpuBenchConfig, model: Any, cache: Any, token: torch.Tensor, la
     allow = growth_allowance(cfg, layers, new)
     delta = {k: after[k] - before[k] for k in before
              if isinstance(before.get(k), int) and isinstance(after.get(k), int)}
-    pools = delta.get("cache_device_reserved_bytes", 0) + delta.get("cache_index_bytes", 0)
+    pools = sum(delta.get(k, 0) for k in ("cache_device_reserved_bytes", "cache_index_bytes", "cache_recall_bytes"))
     gpu = delta.get("gpu_allocated_bytes", pools)
     host = max(delta.get("pinned_allocator_bytes", 0), delta.get("pinned_active_bytes", 0),
                delta.get("cache_host_reserved_bytes", 0))

@@ -102,7 +102,7 @@ def run_million(cfg: GpuBenchConfig, scorer_for: Callable[[Any], tuple[Any, str]
         out = _step_row(times, context=ctx, layers=layers, layers_in_run=cfg.num_layers, layers_in_shape=full_layers,
                         layers_why=why, synthetic=True, scorer=scorer_name, model_init_seconds=_r(init_s, 2),
                         fill_seconds=_r(fill_s, 2), tiers=_tier_summary(st),
-                        device_tier_plus_index_bytes=dev_stats,
+                        device_tier_plus_index_bytes=dev_stats, recall_buffer_bytes=st["device"]["recall_bytes"],
                         gpu_allocated_bytes=measured,
                         per_layer_gpu_bytes=int((measured if measured is not None else dev_stats) / layers),
                         step_ms_per_layer=_r(_median(times) * 1e3 / layers, 4), cuda_graphs=st["cuda_graphs"],

@@ -199,7 +199,7 @@ def format_report(result: dict[str, Any]) -> str:
                       f"{mil['fill_seconds']} s; decode step {mil['step_ms_median']:.2f} ms "
                       f"({mil['step_ms_per_layer']:.3f} ms per layer)",
                       f"  GPU: device tier + index {mil['device_tier_plus_index_bytes'] / GiB:.2f} GiB "
-                      "(cache pools), "
+                      f"(cache pools; recall buffers {mil.get('recall_buffer_bytes', 0) / GiB:.2f} GiB), "
                       f"allocated {_fmt(allocated, '.2f', ' GiB')}; projected to {sh['layers_in_shape']} layers: "
                       f"{mil['projected_gpu_bytes_full_shape'] / GiB:.2f} GiB",
                       f"  tiers: device {t['device']['bytes'] / GiB:.2f} GiB ({t['device']['tokens']:,} entries), "
