@@ -82,7 +82,7 @@ def clone_counters(src, dst) -> None:
     dst.pages_recalled.update(src.pages_recalled)
     for name in ("recall_steps", "pages_reused", "pages_prefetched", "prefetch_used", "pages_promoted",
                  "pages_dropped_clean", "promotions_skipped", "spills_deferred", "spill_error", "tokens_dropped",
-                 "demotions", "tokens_masked", "disk_wait_seconds", "layers_read_before_resume",
+                 "demotions", "tokens_masked", "disk_wait_seconds", "copy_wait_seconds", "layers_read_before_resume",
                  "resume_reads_failed", "resume_wait_seconds"):
         setattr(dst, name, getattr(src, name))
     dst.rings_closed = dict(src.rings_closed)

@@ -143,6 +143,10 @@ class SharedResources:
                               "one head size and dtype for every tiered layer")
         return self._disk
 
+    def copy_wait_seconds(self) -> float:
+        """Seconds the transfer managers held now kept their callers waiting on copies."""
+        return sum(t.counters.wait_seconds for t in self.transfers.values())
+
     @property
     def disk_store(self) -> DiskStore | None:
         return self._disk
@@ -156,6 +160,7 @@ class SharedResources:
             self.transfers.clear()
             return
         disk, self._disk = self._disk, None
+        self.counters.copy_wait_seconds += self.copy_wait_seconds()   # their history stays in the stats
         parts = ([disk] if disk is not None else []) + list(self.transfers.values())
         self.transfers.clear()
         # every part goes even where one before it failed (a CUDA error left by an earlier failure, say), and the

@@ -28,6 +28,7 @@ class MoveCounters:
     demotions: int = 0           # demotions (or drops) from the device tier, summed over layers
     tokens_masked: int = 0       # padding the attention mask left out, never stored
     disk_wait_seconds: float = 0.0
+    copy_wait_seconds: float = 0.0   # waits on copies of transfer managers let go (at close; an original's, in a copy)
     layers_read_before_resume: int = 0    # parked layers restored from reads made ahead (`TieredCache.prefetch_parked`)
     resume_reads_failed: int = 0          # of those reads, the ones that failed (the restore read them again)
     resume_wait_seconds: float = 0.0      # restores waiting for reads made ahead to finish

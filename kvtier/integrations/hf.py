@@ -361,7 +361,7 @@ class TieredCache(OneSequence, Cache):
         c = self.counters
         moved = c.pages_recalled["host"] + c.pages_recalled["disk"]
         on_demand = moved - c.pages_prefetched
-        wait = c.disk_wait_seconds + sum(t.counters.wait_seconds for t in self._shared.transfers.values())
+        wait = c.disk_wait_seconds + c.copy_wait_seconds + self._shared.copy_wait_seconds()
         ahead = [e.readahead for e in self._engines if e.readahead is not None]
         rings = [c.rings_closed, *(r.counts() for r in ahead)]   # those let go at close too: their history
         ring = {name: sum(r[name] for r in rings) for name in c.rings_closed}
@@ -453,6 +453,7 @@ class TieredCache(OneSequence, Cache):
             with plain_tensors():   # the copy's tiers are written by its later steps, maybe outside inference mode
                 self._copy_layers_into(new, memo)
             clone_counters(self.counters, new.counters)
+            new.counters.copy_wait_seconds += self._shared.copy_wait_seconds()
         except BaseException:
             new.close()
             raise

@@ -129,3 +129,20 @@ def test_the_recall_buffers_count_as_device_bytes(model):
     assert held > 0 and held <= got <= held * 1.1
     cache.park("host")
     assert cache.stats()["device"]["recall_bytes"] == 0
+
+
+def test_the_wait_on_copies_outlives_close_and_goes_with_a_copy(model):
+    """`transfer_wait_seconds` read the transfer managers held now: a close, which lets them go, lost their
+    waits, and a copy (its own managers) started from none, where its other counters carry the original's."""
+    cache = TieredCache(model.config, device_budget=48, scorer="keynorm", recall_pages=3)
+    _run(model, cache)
+    managers = list(cache._shared.transfers.values())
+    assert managers   # a CPU's synchronous manager never waits: give it a wait, as a GPU's streams would
+    managers[0].counters.wait_seconds += 1.5
+    waited = cache.stats()["transfer_wait_seconds"]
+    assert waited >= 1.5
+    twin = copy.deepcopy(cache)
+    assert twin.stats()["transfer_wait_seconds"] == waited
+    cache.close()
+    assert cache.stats()["transfer_wait_seconds"] == waited
+    twin.close()
