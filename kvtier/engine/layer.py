@@ -392,10 +392,12 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
         if self.pending is not None:
             self.commit()
 
-    def commit(self, query: torch.Tensor | None = None, scaling: float | None = None) -> None:
+    def commit(self, query: torch.Tensor | None = None, scaling: float | None = None,
+               softcap: float | None = None) -> None:
         """Place the step's new tokens: keep the best on the device, demote (or drop) whole pages of the rest.
 
-        `query` (what attention used) is needed only by scorers that rank from attention weights.
+        `query` (what attention used; with its `scaling` and logit `softcap`) is needed only by scorers that
+        rank from attention weights.
         """
         p = self.pending
         if p is None:
@@ -415,7 +417,7 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
             context = self.pool.contiguous(self.pool.count + q)[0]
             p.score = self._checked(checked_scores(self.scorer, p.k, p.v, p.pos, self.layer_idx, query=query,
-                                                   context_keys=context, scaling=scale,
+                                                   context_keys=context, scaling=scale, softcap=softcap,
                                                    check_nan=not self._defer_nan()))
         self.pending = None
         self.pool.commit(q, p.score)

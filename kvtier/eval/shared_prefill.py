@@ -15,23 +15,24 @@ import torch
 from transformers import DynamicCache
 
 from ..integrations.hf import TieredCache, cache_kwargs
-from ..scoring import AgeAware, QueryScorer, Scorer, check_scorer_model, needs_query, scorer_name
+from ..scoring import AgeAware, QueryScorer, Scorer, check_scorer_model, needs_query, scorer_name, takes_softcap
 from ..training.traces import attention_scaling, capture_attention
 
 
 @dataclass
 class Prefill:
     cache: DynamicCache
-    queries: dict[int, tuple[torch.Tensor, float]]   # layer -> (query [1, q_heads, n, dim], scaling)
+    # layer -> (query [1, q_heads, n, dim], scaling, logit soft-cap or None)
+    queries: dict[int, tuple[torch.Tensor, float, float | None]]
     last_logits: torch.Tensor                          # [vocab]
 
 
 @torch.no_grad()
 def shared_prefill(model: Any, input_ids: torch.Tensor) -> Prefill:
-    queries: dict[int, tuple[torch.Tensor, float]] = {}
+    queries: dict[int, tuple[torch.Tensor, float, float | None]] = {}
 
     def on_layer(module, query, key, value, kwargs):
-        queries[module.layer_idx] = (query.detach(), attention_scaling(module, query, kwargs))
+        queries[module.layer_idx] = (query.detach(), attention_scaling(module, query, kwargs), kwargs.get("softcap"))
 
     cache = DynamicCache(config=model.config)
     with capture_attention(model, on_layer):
@@ -44,8 +45,8 @@ def load_prefill(prefill: Prefill, tiered: TieredCache) -> None:
     for i, layer in enumerate(tiered.layers):
         source = prefill.cache.layers[i]
         layer.update(source.keys, source.values)
-        query, scaling = prefill.queries[i]
-        layer.engine.commit(query=query, scaling=scaling)
+        query, scaling, softcap = prefill.queries[i]
+        layer.engine.commit(query=query, scaling=scaling, softcap=softcap)
 
 
 def full_copy(prefill: Prefill) -> DynamicCache:
@@ -66,6 +67,7 @@ class PromptScores:
         self.name = scorer_name(scorer)
         self.needs_query = needs_query(scorer)
         self._memo: dict[int, torch.Tensor] = {}
+        self._softcap = takes_softcap(scorer)
 
     def check_model(self, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
         check_scorer_model(self.scorer, num_layers, num_kv_heads, head_dim)
@@ -77,6 +79,8 @@ class PromptScores:
 
     def score(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, layer_idx: int,
               **query_kwargs: Any) -> torch.Tensor:
+        if not self._softcap:   # a wrapped scorer without the keyword is called as the cache would call it
+            query_kwargs.pop("softcap", None)
         prompt = keys.shape[2] == self.prompt_tokens and int(positions[0]) == 0
         if not prompt:
             return self.scorer.score(keys, values, positions, layer_idx, **query_kwargs)

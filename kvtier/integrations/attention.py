@@ -128,7 +128,7 @@ def _make_attention(base: str) -> Callable:
                               "weights; use attn_implementation='eager' to get them", stacklevel=2)
             return result
         finally:
-            layer.commit(query, kwargs.get("scaling"))
+            layer.commit(query, kwargs.get("scaling"), kwargs.get("softcap"))
 
     kvtier_attention.__name__ = f"{PREFIX}{base}"
     return kvtier_attention

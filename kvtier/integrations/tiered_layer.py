@@ -402,11 +402,12 @@ class TieredLayer(OneSequence, CacheLayerMixin):
         return self._state.guard(run, f"layer {engine.layer_idx} attention ",
                                  f"layer {engine.layer_idx} could not recall its pages", before=before)
 
-    def commit(self, query: torch.Tensor | None = None, scaling: float | None = None) -> None:
+    def commit(self, query: torch.Tensor | None = None, scaling: float | None = None,
+               softcap: float | None = None) -> None:
         """The engine's `commit`; a failure breaks the cache (this layer already took the step)."""
         if self.steady is not None:   # taken by `take_steady` once the step's launches are queued
             return
-        self._committing(lambda: self.engine.commit(query, scaling))
+        self._committing(lambda: self.engine.commit(query, scaling, softcap))
 
     def demote_after_steady(self) -> None:
         """The engine's `demote_after_steady` (the end of a planned step's commit), guarded as `commit` is."""

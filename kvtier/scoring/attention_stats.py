@@ -90,11 +90,12 @@ def received_attention(query: torch.Tensor, keys: torch.Tensor, new: int, scalin
 
 
 def received_attention_sum(query: torch.Tensor, keys: torch.Tensor, new: int, scaling: float,
-                           queries: slice = slice(None), chunk: int | None = None) -> torch.Tensor:
+                           queries: slice = slice(None), chunk: int | None = None,
+                           softcap: float | None = None) -> torch.Tensor:
     """`received_attention` summed over the selected queries, ``[kv_heads, group, new]`` float32, in memory
     for one chunk of queries only."""
     kv_heads = keys.shape[1]
     total = torch.zeros(kv_heads, query.shape[1] // kv_heads, new, device=query.device)
-    for _, _, probs in _chunks(query, keys, new, scaling, queries, chunk):
+    for _, _, probs in _chunks(query, keys, new, scaling, queries, chunk, softcap):
         total[..., :probs.shape[-1]] += probs.sum(dim=2)
     return total

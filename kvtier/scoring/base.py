@@ -20,6 +20,9 @@ Shapes:
 - ``query``: ``[batch, q_heads, tokens, head_dim]``, the step's queries (``q_heads`` a multiple of ``kv_heads``);
 - ``context_keys``: ``[batch, kv_heads, n, head_dim]``, the keys attention read, the ``tokens`` new ones last;
 - ``scaling``: the softmax scale attention used;
+- ``softcap``: the model's attention logit cap (Gemma 2's ``attn_logit_softcapping``; None where it has none),
+  passed only to a `QueryScorer` whose ``score`` takes a ``softcap`` keyword, so that it ranks by the
+  attention the model computes;
 - the result: ``[batch, kv_heads, tokens]`` floats; higher means more important; ``+inf``/``-inf`` allowed, NaN not.
 
 A scorer may also implement `AgeAware`: its ranking then adds ``age_bias(ages, layer_idx)`` to the scores given at
@@ -35,6 +38,7 @@ probing attributes, so this module is the only place that reads the ``needs_quer
 
 from __future__ import annotations
 
+import inspect
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -170,10 +174,19 @@ def check_one_sequence(t: torch.Tensor, name: str) -> None:
         raise ScorerError(f"{name} scores one sequence at a time; got a batch of {t.shape[0]}; allowed: batch size 1")
 
 
+def takes_softcap(scorer: object) -> bool:
+    """Whether the scorer's ``score`` takes the ``softcap`` keyword (by name, or as ``**kwargs``)."""
+    try:
+        params = inspect.signature(scorer.score).parameters.values()
+    except (TypeError, ValueError):   # a builtin without a signature: given the keywords of the contract only
+        return False
+    return any(p.name == "softcap" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
 def checked_scores(scorer: Scorer | QueryScorer, keys: torch.Tensor, values: torch.Tensor,
                    positions: torch.Tensor, layer_idx: int, *, query: torch.Tensor | None = None,
                    context_keys: torch.Tensor | None = None, scaling: float | None = None,
-                   check_nan: bool = True) -> torch.Tensor:
+                   softcap: float | None = None, check_nan: bool = True) -> torch.Tensor:
     """Call `scorer` as its kind requires and verify its output, so a faulty scorer fails loudly.
 
     The query keywords go to a `QueryScorer` only (callers may always pass them); a `QueryScorer` without
@@ -189,8 +202,9 @@ def checked_scores(scorer: Scorer | QueryScorer, keys: torch.Tensor, values: tor
                               f"it is scored after attention with {', '.join(k + '=' for k in _QUERY_KEYWORDS)} "
                               f"(missing: {', '.join(missing)})")
         _check_query(name, keys, query, context_keys)
+        capped = {"softcap": softcap} if softcap and takes_softcap(scorer) else {}
         out = scorer.score(keys, values, positions, layer_idx, query=query, context_keys=context_keys,
-                           scaling=scaling)
+                           scaling=scaling, **capped)
     else:
         out = scorer.score(keys, values, positions, layer_idx)
     expected = tuple(keys.shape[:3])

@@ -23,5 +23,7 @@ class H2OScorer:
     needs_query: ClassVar[bool] = True   # the `QueryScorer` marker, not a setting
 
     def score(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, layer_idx: int, *,
-              query: torch.Tensor, context_keys: torch.Tensor, scaling: float) -> torch.Tensor:
-        return received_attention_sum(query, context_keys, keys.shape[2], scaling).mean(dim=1).unsqueeze(0)
+              query: torch.Tensor, context_keys: torch.Tensor, scaling: float,
+              softcap: float | None = None) -> torch.Tensor:
+        return received_attention_sum(query, context_keys, keys.shape[2], scaling,
+                                      softcap=softcap).mean(dim=1).unsqueeze(0)

@@ -39,8 +39,10 @@ class SnapKVScorer:
             raise ConfigError(f"kernel={self.kernel!r}; allowed: an odd whole number >= 1")
 
     def score(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, layer_idx: int, *,
-              query: torch.Tensor, context_keys: torch.Tensor, scaling: float) -> torch.Tensor:
-        att = received_attention(query, context_keys, keys.shape[2], scaling, slice(-self.window, None))
+              query: torch.Tensor, context_keys: torch.Tensor, scaling: float,
+              softcap: float | None = None) -> torch.Tensor:
+        att = received_attention(query, context_keys, keys.shape[2], scaling, slice(-self.window, None),
+                                 softcap=softcap)
         votes = att.sum(dim=2).mean(dim=1)  # [kv_heads, new]
         # the mean of the votes there are: padding counted in had cut a one-token write's score by the kernel width
         pooled = F.avg_pool1d(votes[:, None], self.kernel, stride=1, padding=self.kernel // 2,

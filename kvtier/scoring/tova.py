@@ -21,6 +21,7 @@ class TOVAScorer:
     needs_query: ClassVar[bool] = True   # the `QueryScorer` marker, not a setting
 
     def score(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, layer_idx: int, *,
-              query: torch.Tensor, context_keys: torch.Tensor, scaling: float) -> torch.Tensor:
-        att = received_attention(query, context_keys, keys.shape[2], scaling, slice(-1, None))
+              query: torch.Tensor, context_keys: torch.Tensor, scaling: float,
+              softcap: float | None = None) -> torch.Tensor:
+        att = received_attention(query, context_keys, keys.shape[2], scaling, slice(-1, None), softcap=softcap)
         return att[:, :, 0].mean(dim=1).unsqueeze(0)

@@ -68,24 +68,25 @@ def future_importance(query: torch.Tensor, key: torch.Tensor, scaling: float, pr
 
 
 def prompt_statistics(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
-                      baselines: list[QueryScorer], layer_idx: int = 0) -> dict[str, torch.Tensor]:
+                      baselines: list[QueryScorer], layer_idx: int = 0,
+                      softcap: float | None = None) -> dict[str, torch.Tensor]:
     """Each baseline's scores of the prompt, ``[kv_heads, prompt]`` float32, as after a prefill of the prompt
-    alone (`query`, `key`, `value`: the prompt's own)."""
+    alone (`query`, `key`, `value`: the prompt's own; `softcap`: the model's logit cap)."""
     positions = torch.arange(key.shape[2], device=key.device)
     return {scorer.name: checked_scores(scorer, key, value, positions, layer_idx, query=query, context_keys=key,
-                                        scaling=scaling)[0]
+                                        scaling=scaling, softcap=softcap)[0]
             for scorer in baselines}
 
 
 def layer_statistics(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, prompt: int,
                      baselines: list[QueryScorer], layer_idx: int = 0,
-                     targets: bool = False) -> dict[str, torch.Tensor]:
+                     targets: bool = False, softcap: float | None = None) -> dict[str, torch.Tensor]:
     """`future_importance` and `prompt_statistics` of one pass over prompt and continuation (``query``
     ``[1, q_heads, n, dim]``, ``key`` and ``value`` ``[1, kv_heads, n, dim]``); the definition that
     `record_trace`'s two passes reproduce."""
-    stats = future_importance(query[:, :, prompt:], key, scaling, prompt, targets)
+    stats = future_importance(query[:, :, prompt:], key, scaling, prompt, targets, softcap)
     stats.update(prompt_statistics(query[:, :, :prompt], key[:, :, :prompt], value[:, :, :prompt], scaling,
-                                   baselines, layer_idx))
+                                   baselines, layer_idx, softcap))
     return stats
 
 
@@ -135,7 +136,7 @@ def _prefill(model: Any, prompt_ids: torch.Tensor) -> tuple[DynamicCache, dict[i
 
     def on_layer(module, query, key, value, kwargs):
         scaling = attention_scaling(module, query, kwargs)
-        stats = prompt_statistics(query, key, value, scaling, baselines, module.layer_idx)
+        stats = prompt_statistics(query, key, value, scaling, baselines, module.layer_idx, kwargs.get("softcap"))
         stats["keys"] = key[0].to(torch.float16)
         stats["values"] = value[0].to(torch.float16)
         for name in ("keys", "values"):   # past float16's range they would be inf, and training on them NaN

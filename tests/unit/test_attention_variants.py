@@ -268,3 +268,53 @@ def test_a_reset_cache_is_not_initialized():
         assert cache.is_initialized and cache.layers[0].keys is not None
         cache.reset()
         assert not cache.is_initialized and cache.layers[0].keys is None
+
+
+@pytest.mark.parametrize("name", ["h2o", "tova", "snapkv"])
+def test_attention_based_scorers_rank_by_the_capped_logits_of_a_soft_capped_model(name):
+    """Gemma 2 caps its logits before the softmax: H2O, TOVA and SnapKV score an entry by the attention it
+    receives, so they get the cap the model's attention got and rank by the attention it computed (they had
+    ranked by uncapped logits, another order). A scorer whose ``score`` has no such keyword is called as before."""
+    from transformers import Gemma2Config
+
+    from kvtier.scoring import make_scorer
+    from kvtier.scoring.attention_stats import received_attention
+
+    model = _tiny(Gemma2Config, attn_logit_softcapping=1.0, final_logit_softcapping=None)
+    seen = []
+
+    class Spy:
+        needs_query = True
+
+        def __init__(self, inner, takes):
+            self.inner, self.name, self.takes = inner, inner.name, takes
+
+        def score(self, keys, values, positions, layer_idx, **kw):
+            seen.append((self.takes, kw.get("softcap")))
+            if not self.takes:
+                assert "softcap" not in kw
+            return self.inner.score(keys, values, positions, layer_idx, **kw)
+
+    class Plain(Spy):   # a user's scorer with the contract's keywords only
+        def score(self, keys, values, positions, layer_idx, *, query, context_keys, scaling):
+            return super().score(keys, values, positions, layer_idx, query=query, context_keys=context_keys,
+                                 scaling=scaling)
+
+    ids = torch.randint(1, 256, (1, 24), generator=torch.Generator().manual_seed(5))
+    for scorer in (Spy(make_scorer(name), True), Plain(make_scorer(name), False)):
+        with TieredCache(model.config, device_budget=1.0, scorer=scorer) as cache, torch.no_grad():
+            model(ids, **cache_kwargs(cache))
+    assert {s for t, s in seen if t} == {1.0} and {s for t, s in seen if not t} == {None}
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 4, 12, 8, generator=g) * 4, torch.randn(1, 2, 12, 8, generator=g) * 4
+    scorer = make_scorer(name)
+    capped = scorer.score(k, k, torch.arange(12), 0, query=q, context_keys=k, scaling=0.35, softcap=1.0)
+    plain = scorer.score(k, k, torch.arange(12), 0, query=q, context_keys=k, scaling=0.35)
+    assert not torch.allclose(capped, plain)
+    if name == "tova":   # the last query's capped softmax, averaged over each KV head's query heads
+        want = received_attention(q, k, 12, 0.35, slice(-1, None), softcap=1.0)[:, :, 0].mean(dim=1)
+        logits = (q[0, :, -1:] @ k[0].repeat_interleave(2, dim=0).transpose(-1, -2)) * 0.35
+        direct = torch.softmax(torch.tanh(logits) * 1.0, dim=-1)[:, 0].view(2, 2, 12).mean(dim=1)
+        torch.testing.assert_close(capped[0], want)
+        torch.testing.assert_close(capped[0], direct)
