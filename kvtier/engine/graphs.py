@@ -221,26 +221,31 @@ class StepGraphs:
         asked only where graphs are on. `lasting=False` says the state ends with this step: with `at_once`, it
         is then not captured at its first step."""
         if not self.enabled or self.switch.failed is not None:
-            self.eager += 1
-            return work(*inputs)
+            return self._eager(inputs, work, aside=False)
         key = key()
         if self._graph is not None and self._graph[0] == key:
             captured = self._graph[1]
         elif key != self._last_key and not (self.at_once and self.captures and lasting):
             self._last_key = key   # first seen: run eagerly, capture if the next step is alike
-            self.eager += 1
-            return self._aside(inputs, work) if self.warm_aside else work(*inputs)
+            return self._eager(inputs, work, aside=self.warm_aside)
         else:
             first_seen, self._last_key = key != self._last_key, key
             captured = self._capture(key, inputs, work, final=not first_seen)
             if captured is None:
-                self.eager += 1
-                return self._aside(inputs, work) if self.warm_aside and first_seen else work(*inputs)
+                return self._eager(inputs, work, aside=self.warm_aside and first_seen)
         for fixed, given in zip(captured.inputs, inputs):
             fixed.copy_(given)
         captured.graph.replay()
         self.replays += 1
         return captured.outputs
+
+    def _eager(self, inputs: tuple[torch.Tensor, ...], work: Callable[..., tuple[torch.Tensor, ...]],
+               aside: bool) -> tuple[torch.Tensor, ...]:
+        """``work(*inputs)`` run as it is (on the capture stream where `aside`), counted once it returned: a step
+        that failed, or that its work refused before any launch, is not one that ran."""
+        out = self._aside(inputs, work) if aside else work(*inputs)
+        self.eager += 1
+        return out
 
     def _aside(self, inputs: tuple[torch.Tensor, ...],
                work: Callable[..., tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:

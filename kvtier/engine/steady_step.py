@@ -41,17 +41,18 @@ class StepMismatch(UnsupportedError):
 class SteadyStep:
     """One layer's planned decode step: its launches' arguments (`run`) and key, what `write` returns the model
     (`placeholder`), whether it fills the pool's last slab (`fills_slab`: the next step adds one, so the state
-    under this step's key lasts one step), whether its launches began (`launched`), and once they were issued or
-    captured, their chosen pages (`ids`)."""
+    under this step's key lasts one step), whether its launches began (`launched`), once they were issued or
+    captured, their chosen pages (`ids`), and whether the host took the step (`taken`, on a model's first layer's
+    step: set once every layer's is)."""
 
-    __slots__ = ("run", "_key", "placeholder", "how", "fills_slab", "ids", "launched")
+    __slots__ = ("run", "_key", "placeholder", "how", "fills_slab", "ids", "launched", "taken")
 
     def __init__(self, run: tuple, key: Callable[[], StepKey], placeholder: tuple[torch.Tensor, torch.Tensor],
                  how: tuple, fills_slab: bool = False) -> None:
         self.run, self._key, self.placeholder, self.how = run, KeyOnce(key), placeholder, how
         self.fills_slab = fills_slab
         self.ids: torch.Tensor | None = None
-        self.launched = False
+        self.launched = self.taken = False
 
     @property
     def key(self) -> StepKey:

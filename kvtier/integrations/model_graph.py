@@ -41,6 +41,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from ..engine.graphs import GraphSwitch, StepGraphs, StepKey
 from ..engine.steady_step import StepMismatch
 from ..errors import ConfigError, UnsupportedError
+from ..switches import check_switches
 from .hf import TieredCache, cache_kwargs
 
 # what `generate` passes a forward call that a step taken by `DecodeGraph` reads (or may leave aside)
@@ -124,11 +125,12 @@ class DecodeGraph:
 
         @functools.wraps(ordinary)   # generate reads the forward's signature (whether it takes `logits_to_keep`)
         def forward(*args: Any, **given: Any) -> Any:
-            if args or self._inside:   # transformers passes its inputs by name; `__call__`'s own forward
+            if self._inside:   # `__call__`'s own forward
                 return ordinary(*args, **given)
-            token = given.get("input_ids")
-            if not self._takes(token, given):
-                return ordinary(**given)
+            if args or not self._takes(given.get("input_ids"), given):   # the prompt, say (transformers passes
+                self.ordinary += 1                                        # its inputs by name)
+                return ordinary(*args, **given)
+            token = given["input_ids"]
             if self.cache._state.windows:   # never planned (`_plan`); and its windows keep a prompt's padding,
                 self.ordinary += 1          # which only the mask, passed on here, hides
                 return ordinary(**given)
@@ -209,43 +211,43 @@ class DecodeGraph:
             out = self.model(input_ids=ids, position_ids=position, use_cache=True, **kwargs, **cache_kwargs(cache))
             return (out.logits, *(step.ids for step in plans))
 
-        for layer, step in zip(layers, plans):
-            layer.steady = step
         # a state whose step fills some layer's last slab lasts that step (the next adds a slab): not worth a
         # capture at its first step
         lasting = not any(step.fills_slab for step in plans)
+        # from the first layer handed its plan until the host takes the step, any failure (Ctrl-C as the launches
+        # return included) is `_failed`'s to judge: the launches may have run, the host's part not
         try:
-            with _uncached_autocast():
-                outputs = self.graphs.run(lambda: self._key(plans, token), (token, self._position), work,
-                                          lasting=lasting)
+            try:
+                for layer, step in zip(layers, plans):
+                    layer.steady = step
+                with _uncached_autocast():
+                    outputs = self.graphs.run(lambda: self._key(plans, token), (token, self._position), work,
+                                              lasting=lasting)
+            finally:
+                for layer in layers:
+                    layer.steady = layer._steady_kv = None
+            missing = [e.layer_idx for e, ids in zip(engines, outputs[1:]) if ids is None]
+            if missing:   # the model's attention did not come through kvtier there
+                error = UnsupportedError(
+                    f"layer {missing[0]}'s attention did not run through kvtier in a decode step planned whole, so "
+                    "its entry was never written; build the TieredCache with the model's own config and keep the "
+                    "attention implementation it set (no detach_attention() while decoding)")
+                if len(missing) < len(plans):   # the other layers' launches ran: the device is ahead of the host
+                    cache._state.break_with(error)
+                raise error
+            for step, ids in zip(plans, outputs[1:]):
+                step.ids = ids
+            self._take(plans)
         except StepMismatch as e:
             if self._failed(plans, ran, e, self.graphs.captures > captures):
                 raise
             for engine in engines:   # planned from a step unlike this one: plan again after an ordinary one
                 engine._steady_how = None
-            mismatch = True
-        except BaseException as e:
-            self._failed(plans, ran, e, self.graphs.captures > captures)
-            raise
-        else:
-            mismatch = False
-        finally:
-            for layer in layers:
-                layer.steady = layer._steady_kv = None
-        if mismatch:
             return self._ordinary(token, position_ids)
-        missing = [e.layer_idx for e, ids in zip(engines, outputs[1:]) if ids is None]
-        if missing:   # the model's attention did not come through kvtier there
-            error = UnsupportedError(
-                f"layer {missing[0]}'s attention did not run through kvtier in a decode step planned whole, so its "
-                "entry was never written; build the TieredCache with the model's own config and keep the "
-                "attention implementation it set (no detach_attention() while decoding)")
-            if len(missing) < len(plans):   # the other layers' launches ran: the device is ahead of the host
-                cache._state.break_with(error)
-            raise error
-        for step, ids in zip(plans, outputs[1:]):
-            step.ids = ids
-        self._take(plans)
+        except BaseException as e:
+            if not plans[0].taken and cache._state.broken is None:   # (a failed take broke the cache itself)
+                self._failed(plans, ran, e, self.graphs.captures > captures)
+            raise
         return outputs[0]
 
     def _take(self, plans: list) -> None:
@@ -258,6 +260,7 @@ class DecodeGraph:
         def take() -> None:
             for engine, step in zip(cache._engines, plans):
                 engine.take_steady(step)
+            plans[0].taken = True   # the step is the host's now: a failure after this is a demotion's
 
         cache._state.guard(take, "taking a decode step planned whole ",
                            "a decode step planned whole could not be taken")
@@ -295,6 +298,7 @@ class DecodeGraph:
         entries) attends in the model's own way, from a mask and lengths that the replay would bake in."""
         state = self.cache._state
         state.check()
+        check_switches()   # a misspelt switch refused before any layer launches, as an ordinary step refuses it
         if state.windows or not state.engines or len(state.engines) != len(self.cache.layers) \
                 or len(state.lengths()) > 1:
             return None

@@ -414,7 +414,7 @@ def test_prompts_windows_and_refusals():
     with _cache(hybrid) as cache:
         graph = DecodeGraph(hybrid, cache)
         got = graph.generate(ids, **kw)
-        assert graph.stats()["ordinary"] == 11
+        assert graph.stats()["ordinary"] == 12   # the prompt and 11 decode steps
     assert torch.equal(got.sequences, want.sequences)
     assert all(torch.equal(a, b) for a, b in zip(got.logits, want.logits))
 
@@ -586,3 +586,70 @@ def test_the_key_follows_the_models_weights_where_they_lie():
         weight = model.model.layers[0].mlp.up_proj.weight
         weight.data = weight.data.clone()                  # a parameter's storage moved
         assert graph._key(plans, token) != moved
+
+
+def test_an_interruption_before_the_host_takes_a_launched_step_takes_it(monkeypatch):
+    """Ctrl-C once every layer's launches ran, before the host took the step: the step is taken (the device had
+    moved on, the host not, and the next steps put their entries one slot too far with no error, logits off by
+    0.05). The steps after equal those of a cache that took it the ordinary way."""
+    model = tiny_llama()
+    tokens = [torch.tensor([[t]]) for t in (5, 9, 17, 33, 65, 3, 99, 7, 11, 13, 21)]
+    with torch.no_grad(), _cache(model) as cache:
+        run = _plain(model, cache)
+        run(_prompt())
+        want = [run(t) for t in tokens][-4:]
+    take, hit = DecodeGraph._take, []
+
+    def interrupted(self, plans):
+        if len(hit) == 0 and len(plans) and self.graphs.eager > 0:
+            hit.append(1)
+            raise KeyboardInterrupt
+        return take(self, plans)
+
+    monkeypatch.setattr(DecodeGraph, "_take", interrupted)
+    with torch.no_grad(), _cache(model) as cache:
+        graph = DecodeGraph(model, cache)
+        graph(_prompt())
+        got = []
+        for t in tokens:
+            try:
+                got.append(graph(t))
+            except KeyboardInterrupt:
+                got.append(None)
+        assert hit and got.count(None) == 1 and cache.broken is None
+        assert all(torch.equal(a, b) for a, b in zip(got[-4:], want))
+
+
+def test_a_misspelt_switch_is_refused_before_a_planned_step_launches(monkeypatch):
+    """As an ordinary step refuses it: the cache not broken (the switch was first read inside layer 0's launches,
+    after they began, which broke it)."""
+    model = tiny_llama()
+    with _cache(model) as cache, torch.no_grad():
+        graph = DecodeGraph(model, cache)
+        token = _decode(graph, steps=8)[-1:].argmax(-1)
+        monkeypatch.setenv("KVTIER_NATIVE", "ture")
+        with pytest.raises(ConfigError, match="KVTIER_NATIVE"):
+            graph(token)
+        assert cache.broken is None
+        monkeypatch.delenv("KVTIER_NATIVE")
+        graph(token)
+
+
+def test_each_step_counts_once_however_it_ran():
+    """A step refused by its planned launches and run the ordinary way counted as both `eager` and `ordinary`;
+    `generate`'s prompt was counted as neither. Every forward call now counts once."""
+    model = tiny_llama()
+    with _cache(model) as cache, torch.no_grad():
+        graph = DecodeGraph(model, cache)
+        token = _decode(graph, steps=10)[-1:].argmax(-1)
+        engine = cache._engines[0]
+        how = engine._steady_how
+        engine._steady_how = (how[0] * 2, *how[1:])   # planned for another scale: refused, then run ordinarily
+        graph(token)
+        s = graph.stats()
+        assert cache.broken is None and s["eager"] + s["ordinary"] + s["replays"] == 12, s
+    with _cache(model) as cache:
+        graph = DecodeGraph(model, cache)
+        out = graph.generate(_prompt(), max_new_tokens=8, do_sample=False)
+        s = graph.stats()
+        assert out.shape[1] == 208 and s["eager"] + s["ordinary"] + s["replays"] == 8, s
