@@ -17,6 +17,8 @@ from .common import (THREADS, bad_option, check_cache_options, check_device, che
                      parse_read_ahead, parse_retain_pages, promote_name, read_ahead_name, set_threads,
                      tiered_row_name, user_errors)
 
+BENCH_MAX_CONTEXT = 2**24   # the most tokens any bench prefills or fills (16M: beyond what a GPU of today holds)
+
 
 @click.group()
 def bench() -> None:
@@ -100,7 +102,7 @@ def _needle_budget(context: str, device_budget: str, recall_pages: int,
     tier)."""
     from .common import parse_context
 
-    tokens = parse_context(context, "--context", 256)
+    tokens = parse_context(context, "--context", 256, BENCH_MAX_CONTEXT)
     budget = parse_budget(device_budget, "--device-budget")
     if budget is None:
         raise bad_option("--device-budget", device_budget, "a fraction like 0.1 or a token count like 4096",
@@ -110,7 +112,7 @@ def _needle_budget(context: str, device_budget: str, recall_pages: int,
 
 
 @bench.command("decode")
-@click.option("--context", default=4096, show_default=True, type=click.IntRange(1, 2**24),
+@click.option("--context", default=4096, show_default=True, type=click.IntRange(1, BENCH_MAX_CONTEXT),
               help="Prompt tokens before decoding.")
 @click.option("--new-tokens", default=64, show_default=True, type=click.IntRange(min=1),
               help="Decode steps timed per round.")
@@ -204,7 +206,7 @@ def decode(context: int, new_tokens: int, rounds: int, device_budget: str, host_
 
 
 @bench.command("resume")
-@click.option("--context", default=8192, show_default=True, type=click.IntRange(16, 2**24),
+@click.option("--context", default=8192, show_default=True, type=click.IntRange(16, BENCH_MAX_CONTEXT),
               help="Prompt tokens of the conversation before it is parked.")
 @click.option("--rounds", default=3, show_default=True, type=click.IntRange(min=1),
               help="Rounds, the rows taking turns in each; the median is reported.")
@@ -445,7 +447,7 @@ def wrappers(contexts: str, device_budget: float, calls: int, threads: int, as_j
     from .common import parse_context, split_list
 
     set_threads(threads)
-    ctx = [parse_context(c, "--contexts", 1024) for c in split_list(contexts, "--contexts")]
+    ctx = [parse_context(c, "--contexts", 1024, BENCH_MAX_CONTEXT) for c in split_list(contexts, "--contexts")]
     out = {"machine": _machine("cpu"), **measure_wrapper_cost(ctx, device_budget, calls)}
     if as_json:
         click.echo(json.dumps(out, indent=2))
@@ -544,13 +546,14 @@ def gpu(contexts: str, million: bool, million_context: str, million_layers: str,
 
     from .common import bad_option, check_output_file, parse_context, split_list
 
-    ctx = tuple(sorted({parse_context(c, "--contexts", 16) for c in split_list(contexts, "--contexts")}))
+    ctx = tuple(sorted({parse_context(c, "--contexts", 16, BENCH_MAX_CONTEXT)
+                        for c in split_list(contexts, "--contexts")}))
     budget = parse_budget(device_budget, "--device-budget")
     if budget is None:
         raise bad_option("--device-budget", device_budget, "a fraction like 0.1 or a token count like 4096",
                          "leaves no device tier")
     check_cache_options(budget, None, None, recall_pages)
-    m_ctx = parse_context(million_context, "--million-context", 16)
+    m_ctx = parse_context(million_context, "--million-context", 16, BENCH_MAX_CONTEXT)
     disk_host = None if disk_host_budget.strip().lower() == "none" else _fraction(disk_host_budget,
                                                                                    "--disk-host-budget")
     if million_layers.strip().lower() == "auto":
@@ -579,6 +582,7 @@ def gpu(contexts: str, million: bool, million_context: str, million_layers: str,
                          sustained_steps=sustained_steps, no_prefetch=no_prefetch, disk_host_budget=disk_host,
                          profile_steps=profile_steps, seed=seed)
     out_file = Path(out_path).expanduser()
+    out_file.parent.mkdir(parents=True, exist_ok=True)   # the first checkpoint comes after minutes of work
 
     def write(result: dict) -> None:   # whole or not at all: a run killed mid-write keeps the last checkpoint
         tmp = out_file.with_name(out_file.name + ".tmp")

@@ -131,7 +131,8 @@ def parse_tokens(text: str) -> int:
 
 def parse_context(text: str, option: str, low: int, high: int | None = None, allowed: str | None = None) -> int:
     """'3000' / '128K' / '1M' -> tokens, between `low` and `high`."""
-    allowed = allowed or f"a token count like 3000, 128K or 1M, at least {low}"
+    allowed = allowed or ("a token count like 3000, 128K or 1M, " +
+                          (f"at least {low}" if high is None else f"from {low:,} to {high:,}"))
     try:
         tokens = parse_tokens(text)
     except (ValueError, OverflowError):  # 'abc', 'nan', 'inf'

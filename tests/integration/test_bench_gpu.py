@@ -179,7 +179,10 @@ def test_targets_have_values_and_verdicts(cpu_run):
         assert {"target", "measured", "unit", "threshold", "pass", "note"} <= set(t)
     for name in ("demotion_vs_raw_copy", "recall_vs_raw_copy", "decode_vs_dynamic_gpu", "million_gpu_bytes",
                  "million_decode_vs_dynamic", "no_device_memory_growth", "no_host_memory_growth"):
-        assert targets[name]["measured"] is not None and targets[name]["pass"] in (True, False), name
+        assert targets[name]["measured"] is not None, name
+        # growth over 24 steps, not the target's 1,000: a verdict only where it already fails
+        assert targets[name]["pass"] in ((None, False) if "growth" in name else (True, False)), name
+    assert "the target's: 1,000" in targets["no_host_memory_growth"]["note"]
     assert targets["decode_vs_dynamic_gpu"]["context"] == 2048 and "128K" in targets["decode_vs_dynamic_gpu"]["note"]
     assert targets["decode_vs_offloading"]["pass"] is None and "cpu" in targets["decode_vs_offloading"]["note"]
 
@@ -235,6 +238,53 @@ def test_mistakes_exit_2(args, words, tmp_path):
     result = run(*TINY, "--device", "cpu", "--out", str(tmp_path / "x.json"), *args)
     assert result.exit_code == 2, result.output
     assert words in result.output and "Traceback" not in result.output
+
+
+def test_contexts_beyond_what_a_bench_fills_exit_2(tmp_path):
+    """A context of a trillion tokens had been taken, and the command sat allocating slabs with no output."""
+    for option in ("--contexts", "--million-context"):
+        result = run(*TINY, "--device", "cpu", "--out", str(tmp_path / "x.json"), option, "1e12")
+        assert result.exit_code == 2 and "from 16 to 16,777,216" in result.output, result.output
+
+
+def test_a_128k_context_that_failed_gives_no_verdict_from_a_smaller_one():
+    """A smaller context stands in for 128K only where 128K was not asked for: one that failed (out of memory in
+    its prefill, say) had the decode targets judged at 32K, with a note calling 32K the largest context run."""
+    row = {"context": 32768, "rows": {"kvtier": {"step_ms_median": 50.0}, "dynamic": {"step_ms_median": 60.0}},
+           "ratios": {"dynamic_over_kvtier": 1.2}}
+    result = {"device": "cuda", "shape": {"layers": 32}, "seconds": {}, "bandwidth": {},
+              "million": {"context": 2**20, "projected_gpu_bytes_full_shape": 2**34, "projection": "",
+                          "step_ms_per_layer": 1.0},
+              "decode": [row, {"context": TARGET_CONTEXT, "skipped": "OutOfMemoryError: CUDA out of memory"}]}
+    got = {t["name"]: t for t in evaluate_targets(result)}
+    for name in ("decode_vs_dynamic_gpu", "decode_vs_offloading", "million_decode_vs_dynamic"):
+        assert got[name]["pass"] is None and "131,072-token context did not run (OutOfMemoryError" in \
+            got[name]["note"], got[name]
+    result["decode"].pop()   # not asked for: the largest context run stands in, and says so
+    got = {t["name"]: t for t in evaluate_targets(result)}
+    assert got["decode_vs_dynamic_gpu"]["pass"] is True and "largest context" in got["decode_vs_dynamic_gpu"]["note"]
+
+
+def test_the_json_s_folder_is_made_before_the_work(tmp_path):
+    """A folder that does not exist yet was taken, then the first checkpoint failed to write into it."""
+    out = tmp_path / "new" / "deeper" / "gpu.json"
+    result = run("bench", "gpu", "--shape", "tiny", "--layers", "1", "--contexts", "1K", "--no-million", "--steps",
+                 "1", "--warmup", "1", "--growth-steps", "0", "--sustained-steps", "0", "--copy-mib", "1",
+                 "--batch-mib", "1", "--threads", "1", "--time-limit", "0", "--device", "cpu", "--quiet",
+                 "--no-decode-graph-row", "--disk-host-budget", "none", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["decode"][0]["context"] == 1024
+
+
+def test_a_token_budget_above_the_context_times_the_pool_such_a_cache_holds():
+    """`--device-budget 8192 --contexts 1K`: the 1K pool-attention row had timed a pool of 8,193 entries, where
+    a cache of 1,024 tokens holds at most 1,024 (and the step's token)."""
+    from kvtier.bench.gpu import Clock, GpuBenchConfig
+    from kvtier.bench.gpu.pool_attention import measure_pool_attention
+
+    cfg = GpuBenchConfig(device="cpu", shape="tiny", contexts=(1024,), device_budget=8192, repeats=1)
+    row = measure_pool_attention(cfg, torch.device("cpu"), Clock(torch.device("cpu")), [1024])["rows"][0]
+    assert row["entries"] == 1025
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")

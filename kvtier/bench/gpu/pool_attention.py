@@ -64,7 +64,9 @@ def _row(cfg: GpuBenchConfig, device: torch.device, clock: Clock, context: int, 
          kernels: bool) -> dict[str, Any]:
     """One context's pool, timed both ways (the pool is freed on return)."""
     scale = D ** -0.5
-    entries = Budget(cfg.device_budget, "device_budget").tokens(context) + 1   # with the step's own token
+    # what a cache of `context` tokens holds on the device (a token-count budget may exceed the context), with
+    # the step's own token
+    entries = min(context, Budget(cfg.device_budget, "device_budget").tokens(context)) + 1
     pool = _pool(H, D, entries, device, cfg.seed)
     g = torch.Generator(device=device).manual_seed(cfg.seed + 1)
     q = torch.randn(1, H * group, 1, D, generator=g, device=device).to(torch.bfloat16)
