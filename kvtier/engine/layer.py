@@ -759,6 +759,7 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
         host_reserved = ((0 if self.host is None else self.host.reserved_bytes()) +
                          (0 if self.readahead is None else self.readahead.reserved_bytes()) +
                          (0 if self.index is None else self.index.codes.nbytes()))
+        disk_reserved = 0   # its own files (the page file is the disk store's, the cache's to count)
         if self.parked is not None:
             tokens = self.parked.count * H
             if self.parked.where == "host":
@@ -768,13 +769,14 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
             else:
                 disk_tokens += tokens
                 disk_bytes += self.parked.disk_bytes(self.disk.payload_size)
+                disk_reserved = self.parked.file_bytes()
         return {
             "device": {"tokens": device_tokens, "bytes": device_tokens * entry,
                        "reserved_bytes": 0 if self.pool is None else self.pool.reserved_bytes(),
                        "index_bytes": self.index_bytes(),
                        "recall_bytes": 0 if self.recalled is None else self.recalled.device_bytes()},
             "host": {"tokens": host_tokens, "bytes": host_bytes, "reserved_bytes": host_reserved},
-            "disk": {"tokens": disk_tokens, "bytes": disk_bytes},
+            "disk": {"tokens": disk_tokens, "bytes": disk_bytes, "reserved_bytes": disk_reserved},
         }
 
     def index_bytes(self) -> int:

@@ -74,8 +74,11 @@ class ParkedLayer:
         return sum(t.numel() * t.element_size() for t in held)
 
     def disk_bytes(self, page_bytes: int) -> int:
-        held = 0 if self.meta_file is None else self.meta_file.nbytes
-        return 0 if self.slots is None else self.slots.size * page_bytes + held
+        return 0 if self.slots is None else self.slots.size * page_bytes + self.file_bytes()
+
+    def file_bytes(self) -> int:
+        """Bytes of its own file (the meta and index; its pages lie in the disk store's file)."""
+        return 0 if self.meta_file is None else self.meta_file.nbytes
 
     def to_disk(self, disk, host, table: PageTable, path: str, page_size: int) -> ParkedLayer:
         """The same layer parked on disk: entries and host pages written to `disk`, meta to `path`. Nothing the

@@ -357,7 +357,7 @@ class TieredCache(OneSequence, Cache):
                 for key, value in numbers.items():
                     tiers[tier][key] += value
         if self._shared.disk_store is not None:
-            tiers["disk"]["reserved_bytes"] = self._shared.disk_store.file_bytes()
+            tiers["disk"]["reserved_bytes"] += self._shared.disk_store.file_bytes()
         c = self.counters
         moved = c.pages_recalled["host"] + c.pages_recalled["disk"]
         on_demand = moved - c.pages_prefetched

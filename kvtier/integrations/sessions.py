@@ -29,6 +29,7 @@ class SessionStore:
         self.host_bytes, self.disk_bytes = host_bytes, disk_bytes
         self._parked: OrderedDict[str, TieredCache] = OrderedDict()
         self.dropped: list[str] = []
+        self._dropped_under: dict[str, int] = {}   # the disk budget each name in `dropped` was closed under
 
     def park(self, name: str, cache: TieredCache) -> None:
         """Park `cache` under `name` in host memory, then push the coldest sessions to disk as needed.
@@ -47,6 +48,9 @@ class SessionStore:
         replaced = self._parked.get(name)
         self._parked[name] = cache
         self._parked.move_to_end(name)
+        if name in self._dropped_under:   # the name means this session now, not the one closed
+            self.dropped.remove(name)
+            del self._dropped_under[name]
         try:
             self._make_room(name)
         finally:
@@ -59,6 +63,8 @@ class SessionStore:
         for other, parked in list(self._parked.items()):  # coldest first
             if self.host_bytes_used() <= self.host_bytes:
                 break
+            if parked.closed or parked.broken is not None:   # says why when resumed; it cannot move meanwhile
+                continue
             if _host_bytes(parked):   # layers parked on the host (all, or those a failed restore had brought
                 try:                  # back before the session was parked again), or reads ahead, which this drops
                     parked.park("disk")
@@ -67,13 +73,20 @@ class SessionStore:
                     raise CapacityError(f"session {name!r} is parked in host memory, but moving session {other!r} "
                                         f"to disk failed ({e}); the store is {over:,} bytes over its host budget "
                                         "until a later park or resume makes room") from e
+        if self.disk_bytes is None or self.disk_bytes_used() <= self.disk_bytes:
+            return
+        mine = _disk_bytes(self._parked[name])
+        if mine > self.disk_bytes:   # closing every other session would not bring the store within its budget
+            raise CapacityError(f"session {name!r} is parked, but it holds {mine:,} bytes of disk, over the store's "
+                                f"disk_bytes={self.disk_bytes:,} by itself; no other session was closed for it")
         for other, parked in list(self._parked.items()):   # coldest first, those holding disk only
-            if self.disk_bytes is None or self.disk_bytes_used() <= self.disk_bytes:
+            if self.disk_bytes_used() <= self.disk_bytes:
                 break
             if other == name or not _disk_bytes(parked):   # closing it would free no disk
                 continue
             self._parked.pop(other).close()
             self.dropped.append(other)
+            self._dropped_under[other] = self.disk_bytes
 
     def resume(self, name: str) -> TieredCache:
         """Take a session back; its layers return to the device at its next step (or `resume()`). Layers parked on
@@ -94,7 +107,7 @@ class SessionStore:
     def _known(self, name: str) -> str:
         if name not in self._parked:
             why = (f" (a session {name!r} was closed to keep the parked sessions within disk_bytes="
-                   f"{self.disk_bytes:,}: see `dropped`)" if name in self.dropped else "")
+                   f"{self._dropped_under[name]:,}: see `dropped`)" if name in self._dropped_under else "")
             raise KeyError(f"no parked session {name!r}{why}; parked: {', '.join(self._parked) or 'none'}")
         return name
 
@@ -117,12 +130,15 @@ class SessionStore:
 
 
 def _host_bytes(cache: TieredCache) -> int:
-    """Host memory a parked session holds: its layers parked on the host (their entries, index and host pages), its
-    sliding-window layers parked there, and what reads ahead of its return hold."""
+    """Host memory a parked session holds: what its tiers allocated there (the slabs of its host pages and key codes,
+    a copy of layers parked on the host: their entries, index and positions), its sliding-window layers parked
+    there, and what reads ahead of its return hold."""
     stats = cache.stats()
-    return stats["host"]["bytes"] + stats["window"]["bytes"] + stats["resume_prefetch"]["held_bytes"]
+    return stats["host"]["reserved_bytes"] + stats["window"]["bytes"] + stats["resume_prefetch"]["held_bytes"]
 
 
 def _disk_bytes(cache: TieredCache) -> int:
+    """Disk a parked session holds: its page file (free slots included, but for those at its end), its parked
+    layers' files and its windows' files."""
     stats = cache.stats()
-    return stats["disk"]["bytes"] + stats["window"]["disk_bytes"]
+    return stats["disk"]["reserved_bytes"] + stats["window"]["disk_bytes"]

@@ -168,6 +168,7 @@ class DiskStore:
         self._meta = _SlotMeta()
         self._free: list[int] = []  # heap of freed slots below `_next`; slots >= `_next` were never handed out
         self._next = self._count = 0
+        self._storing = 0   # stores between their slots' allocation and bookkeeping (their slots look free)
         try:
             self._fd = os.open(self.path, _FLAGS, 0o600)
         except OSError as e:
@@ -278,6 +279,7 @@ class DiskStore:
             except BaseException:   # no memory for the bookkeeping: the slots go back
                 self._give_back(fd, reused, lo, hi)
                 raise
+            self._storing += 1
         crcs = np.empty(n, np.uint32)
 
         def write(runs: list) -> None:
@@ -305,6 +307,9 @@ class DiskStore:
                 if not self._meta.get(slots)["used"].all():   # the bookkeeping was not made (else: kept)
                     self._give_back(fd, reused, lo, hi)
             raise
+        finally:
+            with self._lock:
+                self._storing -= 1
         return slots
 
     def _give_back(self, fd: int, reused: list[int], lo: int, hi: int) -> None:
@@ -331,6 +336,26 @@ class DiskStore:
             self._count -= len(slots)
             for slot in slots.tolist():
                 heapq.heappush(self._free, slot)
+            self._trim(self._check_open())
+
+    def _trim(self, fd: int) -> None:
+        """Give the disk back the free slots at the file's end (lock held): a conversation read back from disk
+        leaves its file as large as it was parked otherwise, until close. Not while a store writes (its slots
+        look free until its bookkeeping is made). No read is under way there: the slots past the last one in use
+        are free, and a slot's reads are waited for before it is freed."""
+        if self._storing or not self._next or self._meta.get(np.array([self._next - 1]))["used"][0]:
+            return
+        end = 0
+        for i in range((self._next - 1) // CHUNK, -1, -1):   # the last slot in use, a chunk at a time from the end
+            used = np.flatnonzero(self._meta.chunks[i]["used"])
+            if used.size:
+                end = i * CHUNK + int(used[-1]) + 1
+                break
+        self._free = [slot for slot in self._free if slot < end]
+        heapq.heapify(self._free)
+        self._next = end
+        with contextlib.suppress(OSError):   # a file left longer holds only free slots, rewritten when reused
+            os.ftruncate(fd, end * self.record_size)
 
     def _start_read(self, slots: np.ndarray, out, rows: np.ndarray | None = None):
         """Check `slots` and plan their reads: ``(tasks, read, finish)``; ``finish()`` returns ``(k, v)``."""

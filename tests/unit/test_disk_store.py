@@ -153,6 +153,45 @@ def test_freed_slots_are_reused_lowest_first(make):
     assert same(lk, torch.stack([k[0], k[4], k[4], k[3], k[5]]))
 
 
+def test_the_free_slots_at_the_file_s_end_go_back_to_the_disk(make):
+    """The file had kept its largest size until close: a conversation read back from disk held its parked size."""
+    store = make()
+    k, v = pages(6, store)
+    store.store(k, v)
+    store.free(np.array([1, 2]))   # inside: kept, reused later
+    assert store.file_bytes() == 6 * store.record_size
+    store.free(np.array([5, 3]))
+    assert store.file_bytes() == 5 * store.record_size   # 4 is still in use
+    store.free(np.array([4]))
+    assert store.file_bytes() == store.record_size and store.pages() == 1   # down to slot 0, the last in use
+    assert store.store(k[:3], v[:3]).tolist() == [1, 2, 3]   # the freed end is handed out again, in order
+    lk, lv = store.load(np.array([0, 1, 2, 3]))
+    assert same(lk, torch.stack([k[0], k[0], k[1], k[2]])) and same(lv, torch.stack([v[0], v[0], v[1], v[2]]))
+    store.free(np.array([3, 1, 0, 2]))
+    assert store.file_bytes() == 0 and store.pages() == 0
+
+
+def test_a_store_under_way_keeps_the_file_s_end(make, monkeypatch):
+    """A store's slots look free until its pages are written and booked: a free meanwhile leaves the end alone."""
+    import kvtier.tiers.disk as disk
+
+    store = make()
+    k, v = pages(4, store)
+    store.store(k[:2], v[:2])
+    transfer = disk._transfer
+
+    def freeing_meanwhile(op, fd, bufs, offset):
+        if op is os.pwritev:
+            monkeypatch.setattr(disk, "_transfer", transfer)
+            store.free(np.array([1]))   # the top slot in use before this store took 2 and 3
+        return transfer(op, fd, bufs, offset)
+
+    monkeypatch.setattr(disk, "_transfer", freeing_meanwhile)
+    assert store.store(k[2:4], v[2:4]).tolist() == [2, 3]
+    lk, _ = store.load(np.array([0, 2, 3]))
+    assert same(lk, torch.stack([k[0], k[2], k[3]])) and store.file_bytes() == 4 * store.record_size
+
+
 def test_stale_or_misplaced_record_is_rejected(make):
     store = make()
     k, v = pages(3, store)

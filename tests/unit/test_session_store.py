@@ -31,12 +31,14 @@ def test_coldest_sessions_go_to_disk_then_are_dropped():
     one_host = stats["host"]["bytes"] + stats["device"]["bytes"] + stats["device"]["index_bytes"]
     caches["s0"].park("host")
     assert caches["s0"].stats()["host"]["bytes"] == one_host and caches["s0"].stats()["device"]["index_bytes"] == 0
-    store = SessionStore(host_bytes=2 * one_host, disk_bytes=None)
+    held = caches["s0"].stats()["host"]["reserved_bytes"]   # what the budget counts: the memory held, slabs whole
+    assert held >= one_host
+    store = SessionStore(host_bytes=2 * held, disk_bytes=None)
     for name, cache in caches.items():
         store.park(name, cache)
     assert store.where() == {"s0": "disk", "s1": "disk", "s2": "host", "s3": "host"}
-    assert store.host_bytes_used() <= 2 * one_host
-    one_disk = caches["s0"].stats()["disk"]["bytes"]
+    assert store.host_bytes_used() <= 2 * held
+    one_disk = caches["s0"].stats()["disk"]["reserved_bytes"]
     store.disk_bytes = int(2.5 * one_disk)
     store.park("s4", _session(seed=4))
     assert store.disk_bytes_used() <= store.disk_bytes
@@ -201,7 +203,7 @@ def test_past_its_disk_budget_the_store_closes_only_sessions_that_hold_disk():
     for name in ("disky", "disky2"):   # their pages past the host budget are on disk
         assert store._parked[name].stats()["disk"]["bytes"] > 0
     assert on_host.stats()["disk"]["bytes"] == 0
-    store.disk_bytes = store._parked["disky2"].stats()["disk"]["bytes"]
+    store.disk_bytes = store._parked["disky2"].stats()["disk"]["reserved_bytes"]
     store.park("disky3", _session(seed=3))
     assert store.dropped == ["disky", "disky2"] and not on_host.closed and "host-only" in store.where()
     store.close()
@@ -222,4 +224,112 @@ def test_one_cache_under_two_names_and_what_is_no_tiered_cache_are_refused():
     store.park("ada", cache)   # again under its own name: fine
     with pytest.raises(ConfigError, match="given a DynamicCache; allowed: a TieredCache"):
         store.park("eve", DynamicCache())
+    store.close()
+
+
+def _held_on_host(cache) -> int:
+    """Host bytes a cache's tensors occupy: its host pool's slabs, its key codes' slabs, a copy parked there."""
+    total = 0
+    for e in cache._engines:
+        if e.host is not None:
+            total += sum(t.numel() * t.element_size() for t in (*e.host.k.slabs, *e.host.v.slabs))
+        if e.index is not None:
+            total += e.index.codes.nbytes()
+        if e.parked is not None and e.parked.where == "host":
+            total += e.parked.host_bytes()
+    return total
+
+
+def test_the_host_budget_counts_the_memory_the_sessions_hold():
+    """A session on the host holds its host pool's slabs whole: the store had counted the bytes its pages use
+    (four sessions held 20 times the budget they were counted within)."""
+    store = SessionStore(host_bytes=2 ** 30)
+    caches = [_session(seed=i) for i in range(4)]
+    store.park("s0", caches[0])
+    store.host_bytes = 2 * store.host_bytes_used() + 1   # room for two
+    for i, cache in enumerate(caches[1:], 1):
+        store.park(f"s{i}", cache)
+    on_host = [c for c, where in zip(caches, store.where().values()) if where == "host"]
+    assert len(on_host) == 2 and sum(_held_on_host(c) for c in on_host) <= store.host_bytes
+    assert store.host_bytes_used() == sum(_held_on_host(c) for c in on_host)
+    store.close()
+
+
+def test_the_disk_budget_counts_the_files_and_a_file_gives_back_its_free_end():
+    """Read back from disk, a session's page file had kept its parked size until close, counted as no disk. The
+    free slots at a file's end now go back to the disk as they are freed, and the budget counts the files."""
+    cache = _session(seed=1, host_budget=None)   # nothing on disk but what a park writes
+    store = SessionStore(host_bytes=0)
+    store.park("s", cache)
+    size = os.path.getsize(os.path.join(cache.disk_path, "pages.kvtp"))
+    assert cache.parked == "disk" and size > 0 and store.disk_bytes_used() >= size
+    store.resume("s").resume()
+    assert os.path.getsize(os.path.join(cache.disk_path, "pages.kvtp")) == 0
+    store.host_bytes = 2 ** 30
+    store.park("s", cache)
+    assert store.where() == {"s": "host"} and store.disk_bytes_used() == 0
+    store.close()
+
+
+def test_a_broken_session_is_passed_over_and_the_others_still_move(monkeypatch):
+    """A session left broken (its push to disk cut short by Ctrl-C as its layers let go) made every later park
+    raise about it: nothing else moved to disk, and the disk budget was never enforced."""
+    a, b, c = (_session(seed=i) for i in range(3))
+    store = SessionStore(host_bytes=2 ** 30)
+    store.park("a", a)
+    store.park("b", b)
+    store.host_bytes = store.host_bytes_used()   # full: the next park pushes the coldest to disk
+    engine = a._engines[1]
+    settle = engine.settle_park
+
+    def interrupted():
+        monkeypatch.setattr(engine, "settle_park", settle)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine, "settle_park", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        store.park("c", c)
+    assert a.broken is not None
+    store.park("c", c)   # 'a' cannot move: 'b' goes instead
+    assert store.where()["b"] == "disk" and store.where()["c"] == "host"
+    with pytest.raises(Exception, match="broken"):
+        store.resume("a").resume()
+    store.close()
+
+
+def test_a_session_over_the_disk_budget_by_itself_closes_no_other():
+    """Every other session holding disk had been closed for it, in vain, and the store ended over its budget
+    saying nothing."""
+    from kvtier import CapacityError
+
+    store = SessionStore(host_bytes=0)
+    small = [_session(seed=i, tokens=64) for i in range(2)]
+    for i, cache in enumerate(small):
+        store.park(f"small{i}", cache)
+    store.disk_bytes = store.disk_bytes_used()
+    with pytest.raises(CapacityError, match="'big' is parked, but it holds .* by itself; no other session"):
+        store.park("big", _session(seed=5, tokens=2000))
+    assert store.dropped == [] and set(store.where()) == {"small0", "small1", "big"}
+    store.close()
+
+
+def test_a_name_dropped_then_parked_again_is_no_longer_dropped():
+    """A name stayed in `dropped` once a new session was parked under it, and once that one was resumed, a
+    second resume said it had been closed for the disk budget; with no disk budget left, that message raised a
+    TypeError."""
+    store = SessionStore(host_bytes=0)
+    store.park("ada", _session(seed=0))
+    store.disk_bytes = store.disk_bytes_used()
+    store.park("bob", _session(seed=1))
+    assert store.dropped == ["ada"]
+    store.park("ada", _session(seed=2))
+    assert "ada" not in store.dropped
+    store.resume("ada").close()
+    with pytest.raises(KeyError) as e:
+        store.resume("ada")
+    assert "closed to keep" not in str(e.value)
+    store.disk_bytes = None
+    assert store.dropped == ["bob"]
+    with pytest.raises(KeyError, match=r"'bob' was closed to keep the parked sessions within disk_bytes=[0-9,]+"):
+        store.resume("bob")
     store.close()

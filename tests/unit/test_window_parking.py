@@ -137,14 +137,14 @@ def test_a_session_store_of_a_hybrid_model_keeps_within_its_host_budget(model, t
     one = sessions[0]
     one.park("host")
     stats = one.stats()
-    on_host = stats["host"]["bytes"] + stats["window"]["bytes"]
+    on_host = stats["host"]["reserved_bytes"] + stats["window"]["bytes"]
     store = SessionStore(host_bytes=on_host + on_host // 2)
     try:
         for i, cache in enumerate(sessions):
             store.park(f"s{i}", cache)
         assert store.where() == {"s0": "disk", "s1": "disk", "s2": "disk", "s3": "host"}
         assert store.host_bytes_used() <= store.host_bytes
-        assert store.disk_bytes_used() == sum(c.stats()["disk"]["bytes"] + c.stats()["window"]["disk_bytes"]
+        assert store.disk_bytes_used() == sum(c.stats()["disk"]["reserved_bytes"] + c.stats()["window"]["disk_bytes"]
                                               for c in sessions[:3])
     finally:
         store.close()
