@@ -14,10 +14,11 @@ class SessionStore:
     Parameters
     ----------
     host_bytes
-        Host memory the parked sessions may use together (their parked device entries and host pages).
+        Host memory the parked sessions may hold together: what their tiers allocated there (host pages' slabs
+        whole, key codes, the parked device entries), their windows, and their reads ahead.
     disk_bytes
-        Disk the parked sessions may use together; beyond it the coldest sessions are closed and their
-        names listed in `dropped`. ``None``: no limit.
+        Disk the parked sessions may hold together (their files); beyond it the coldest sessions holding disk are
+        closed and their names listed in `dropped`. ``None``: no limit.
     """
 
     def __init__(self, host_bytes: int, disk_bytes: int | None = None) -> None:
@@ -36,7 +37,9 @@ class SessionStore:
 
         A session already parked under `name` (another cache) is closed: the name now means `cache`. If pushing a
         session to disk fails, every session stays whole where it was (each park is all or nothing), `cache` is
-        parked and kept, and a `CapacityError` says how far the host budget is exceeded.
+        parked and kept, and a `CapacityError` says how far the host budget is exceeded. A session left broken
+        cannot move and is passed over (it says why when resumed). Where `cache` alone holds more disk than
+        `disk_bytes`, it is parked and kept, no other session is closed, and a `CapacityError` says so.
         """
         if not isinstance(cache, TieredCache):
             raise ConfigError(f"park({name!r}, ...) was given a {type(cache).__name__}; allowed: a TieredCache")
