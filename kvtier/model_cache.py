@@ -6,16 +6,23 @@ it produced: the dequantized weights (safetensors), the config and the tokenizer
 the file's content (its SHA-256) and the transformers and gguf versions, so that every install of the same file
 shares one copy. Later loads build the model from that folder in about 3 s, the same bits. Each file of the copy is
 listed with its size and CRC-32. A copy that does not match, or cannot be read as a model's, is removed and made
-again from the GGUF file, which stays the source, with a warning. Where the folder cannot be written or read,
-loading goes on without a copy.
+again from the GGUF file, which stays the source, with a warning; a machine short of memory, open files or disk
+space while reading it is no damage: that error is raised and the copy kept. Where the folder cannot be written or
+read, loading goes on without a copy.
 
 Each load from a copy marks it used, before it reads it. Making a new copy removes the copies unused for
 ``UNUSED_DAYS`` and, past ``KEEP`` copies, the least recently used ones (never one used in the last
 ``BUSY_SECONDS``, which another process may be reading), so that copies made for other transformers versions do
 not pile up.
 
-``KVTIER_MODEL_CACHE``: the folder to keep copies in (default ``$XDG_CACHE_HOME/kvtier/models``, else
-``~/.cache/kvtier/models``), or ``off``. A copy of the default model takes about 540 MB.
+A load from a copy also removes what a load killed while it wrote one (SIGKILL, the OOM killer) left aside a day
+ago or more, about 540 MB each: pruning alone would never see it, as no new copy is made any more.
+
+``KVTIER_MODEL_CACHE``: an absolute folder to keep copies in (``~`` expanded), ``off`` (or ``0``, ``no``,
+``false``, ``none``, empty) for no copies, or ``on`` (or ``1``, ``yes``, ``true``) for the default folder,
+``$XDG_CACHE_HOME/kvtier/models`` where that variable is an absolute path (a relative one is ignored, as the XDG
+spec says), else ``~/.cache/kvtier/models``. A relative folder is refused (`ConfigError`): it would put a copy
+in whatever folder the program runs from. A copy of the default model takes about 540 MB.
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ from typing import Any
 
 import torch
 
+from .errors import ConfigError, is_out_of_device_memory
+
 log = logging.getLogger(__name__)
 
 ENV = "KVTIER_MODEL_CACHE"
@@ -42,20 +51,31 @@ FORMAT = 1
 MANIFEST = "kvtier-copy.json"
 WEIGHTS = "model.safetensors"
 _OFF = {"off", "0", "no", "false", "none"}
+_ON = {"on", "1", "yes", "true"}   # the words kvtier's switches read as on (`kvtier.switches.ON`)
 BUILDING = ".building-"
 KEEP = 3               # copies kept at most when a new one is made
 UNUSED_DAYS = 30       # a copy unused this long is removed when a new one is made
 BUSY_SECONDS = 600     # a copy used this recently is never removed
+STALE_SECONDS = 86400  # what a copy being made left aside this long ago belongs to no live process
 
 
 def cache_root() -> Path | None:
-    """Where copies are kept, or None when ``KVTIER_MODEL_CACHE`` turns them off."""
+    """Where copies are kept, or None when ``KVTIER_MODEL_CACHE`` turns them off (see the module's docstring)."""
     value = os.environ.get(ENV)
     if value is not None:
-        if value.strip().lower() in _OFF or not value.strip():
+        word = value.strip().lower()
+        if word in _OFF or not word:
             return None
-        return Path(value).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        if word not in _ON:
+            path = Path(os.path.expanduser(value))   # an unknown ~user stays as it is (relative), not a crash
+            if not path.is_absolute():
+                raise ConfigError(f"{ENV}={value!r} in the environment is a relative folder (a copy would be "
+                                  "kept in every folder the program runs from); allowed: an absolute folder, on "
+                                  "(or 1, true, yes: the default folder), off (or 0, false, no, none)")
+            return path
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):   # unset, or relative: invalid, and ignored, says the XDG spec
+        base = os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "kvtier" / "models"
 
 
@@ -132,7 +152,8 @@ def load_copy(folder: Path, source: str, attn: str) -> tuple[Any, Any] | None:
     """``(model, tokenizer)`` in float32 from the copy in `folder`, named as loaded from `source`; None when
     there is no copy this process can read. A copy whose files do not match its list or cannot be read as a
     model's is removed (and None returned); an error that is not the copy's (an attention implementation that
-    is not installed, no memory) is raised and leaves the copy alone."""
+    is not installed, no memory, too many open files: `short_of_resources`) is raised and leaves the copy alone.
+    After a load, what a killed load left aside goes (`remove_leftovers`)."""
     from safetensors.torch import load_model
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -158,9 +179,9 @@ def load_copy(folder: Path, source: str, attn: str) -> tuple[Any, Any] | None:
         tokenizer = AutoTokenizer.from_pretrained(str(folder))
     except PermissionError:   # readable in part only (another user's): not damage, and not ours to remove
         return None
-    except MemoryError:
-        raise
     except Exception as e:   # noqa: BLE001 - any damage: the GGUF file is the source, the copy is made again
+        if short_of_resources(e):   # the machine's failure, not the copy's: removing it would not mend it
+            raise
         damaged(e)
         return None
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
@@ -168,14 +189,62 @@ def load_copy(folder: Path, source: str, attn: str) -> tuple[Any, Any] | None:
         missing, unexpected = load_model(model, str(folder / WEIGHTS), strict=True)
         if missing or unexpected:
             raise ValueError(f"weights missing {missing} or unexpected {unexpected}")
-    except MemoryError:
-        raise
     except Exception as e:   # noqa: BLE001 - as above
+        if short_of_resources(e):   # the files matched their CRCs: an mmap refused for memory is no damage
+            raise
         damaged(e)
         return None
     model.config._name_or_path = model.name_or_path = source   # as the GGUF load names it
     tokenizer.name_or_path = source
+    remove_leftovers(folder.parent)
     return model, tokenizer
+
+
+_SHORT = (errno.ENOMEM, errno.EMFILE, errno.ENFILE, errno.ENOSPC, errno.EDQUOT)
+
+
+def short_of_resources(e: BaseException) -> bool:
+    """Whether `e`, or an error it was raised from, says the machine ran short of memory, open files or disk space:
+    a `MemoryError`, an `OSError` with such an errno, torch's out-of-memory errors, or an error that only words
+    it, as torch's mmap does ("unable to mmap ... : Cannot allocate memory (12)") and safetensors' too."""
+    words = tuple(os.strerror(n) for n in _SHORT)
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, MemoryError) or is_out_of_device_memory(cur):
+            return True
+        if isinstance(cur, OSError) and cur.errno is not None:
+            if cur.errno in _SHORT:
+                return True
+        elif any(w in str(cur) for w in words):
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False
+
+
+def remove_leftovers(root: Path, *, now: float | None = None) -> list[Path]:
+    """Remove from `root` what copies being made left aside ``STALE_SECONDS`` ago or more (a load killed while
+    it wrote one, an interrupted removal); one listing, and nothing else is touched. Returns what was removed."""
+    now = time.time() if now is None else now
+    removed = []
+    try:
+        with os.scandir(root) as entries:
+            left = [e for e in entries if e.name.startswith(BUILDING)]
+    except OSError:   # a folder this process cannot list: the leftovers wait for a load that can
+        return removed
+    for entry in left:
+        try:
+            if entry.is_dir(follow_symlinks=False) and \
+                    now - entry.stat(follow_symlinks=False).st_mtime > STALE_SECONDS:
+                removed.append(Path(entry.path))
+        except OSError:   # gone meanwhile (another process removed it)
+            continue
+    for p in removed:
+        shutil.rmtree(p, ignore_errors=True)
+    if removed:
+        log.info("removed %d half-made converted model copies left in %s", len(removed), root)
+    return removed
 
 
 def _mark_used(folder: Path) -> None:
@@ -196,23 +265,17 @@ def _last_used(folder: Path) -> float | None:
 def prune(root: Path, keep: Path | None = None, *, now: float | None = None) -> list[Path]:
     """Remove from `root` the copies unused for ``UNUSED_DAYS`` and, past ``KEEP`` (counting `keep`, which is
     never removed), the least recently used ones, sparing any used in the last ``BUSY_SECONDS``; and what an
-    interrupted copy left aside a day ago or more. Returns what was removed."""
+    interrupted copy left aside ``STALE_SECONDS`` ago or more (`remove_leftovers`). Returns what was removed."""
     now = time.time() if now is None else now
-    removed = []
+    left = remove_leftovers(root, now=now)
+    removed: list[Path] = []
     try:
-        entries = [p for p in root.iterdir() if p.is_dir()]
+        entries = [p for p in root.iterdir() if p.is_dir() and not p.name.startswith(BUILDING)]
     except OSError:
-        return removed
+        return left
     copies = []
     for p in entries:
-        if p.name.startswith(BUILDING):
-            try:
-                stale = now - p.stat().st_mtime > 86400
-            except OSError:
-                continue
-            if stale:
-                removed.append(p)
-        elif p != keep and (used := _last_used(p)) is not None:
+        if p != keep and (used := _last_used(p)) is not None:
             copies.append((used, p))
     copies.sort(reverse=True)                                   # most recently used first
     room = KEEP - (1 if keep is not None else 0)
@@ -224,7 +287,7 @@ def prune(root: Path, keep: Path | None = None, *, now: float | None = None) -> 
         shutil.rmtree(p, ignore_errors=True)
     if removed:
         log.info("removed %d converted model copies unused lately from %s", len(removed), root)
-    return removed
+    return left + removed
 
 
 def load_copy_config(folder: Path, source: str) -> Any | None:

@@ -529,6 +529,44 @@ def set_threads(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
+class NoProgressBars(io.TextIOBase):
+    """A stream that passes on what is written to it but tqdm's progress bars: a bar is redrawn in place, each
+    draw starting with a carriage return (or moving the cursor, for stacked bars), and a lone newline closes it.
+    Warnings (the model copy's "could not keep a converted copy") still reach the user."""
+
+    def __init__(self, stream: Any) -> None:
+        super().__init__()
+        self.stream = stream
+        self.bar = False
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        if text.startswith("\r") or "\x1b[" in text:
+            self.bar = True
+        elif self.bar and not text.strip("\n"):   # the newline (or nothing) that closes a bar
+            self.bar = False
+        else:
+            self.bar = False
+            self.stream.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def not_the_models(e: Exception, what: str) -> None:
+    """Raise `e` where it says nothing of the model (kvtier's own errors, as they are), or as a failure while
+    running (exit 3) where the machine ran short of memory, open files or disk space; else return."""
+    from ..model_cache import short_of_resources
+
+    if isinstance(e, KVTierError):
+        raise e
+    if short_of_resources(e):
+        raise RuntimeFailure(f"{what} could not be loaded: {os_reason(e)}") from e
+
+
 def load(model: str | None, quiet: bool = False, device: str | torch.device = "cpu") -> tuple[Any, Any]:
     """Load the named model (default: the packaged one) onto `device`; `quiet` hides the loading progress bars.
 
@@ -549,13 +587,12 @@ def load(model: str | None, quiet: bool = False, device: str | torch.device = "c
             return go()
         hf_logging.disable_progress_bar()
         try:  # some loaders (GGUF) draw plain tqdm bars on stderr: keep them out of machine-read output
-            with contextlib.redirect_stderr(io.StringIO()):
+            with contextlib.redirect_stderr(NoProgressBars(sys.stderr)):
                 return go()
         finally:
             hf_logging.enable_progress_bar()
-    except KVTierError:
-        raise
-    except (OSError, ValueError, KeyError, TypeError, ImportError) as e:
+    except Exception as e:   # noqa: BLE001 - a broken file fails in any way its reader happens to (struct.error, ...)
+        not_the_models(e, "the packaged default model" if model is None else f"model {model!r}")
         if model is None:
             raise RuntimeFailure(f"the packaged default model failed to load ({type(e).__name__}: "
                                  f"{one_line(e)})") from e

@@ -17,7 +17,7 @@ import psutil
 import torch
 
 from ..native.loader import switched_off
-from .common import UserError, check_writable_folder, one_line, user_errors
+from .common import UserError, check_writable_folder, not_the_models, one_line, user_errors
 from .format import human_bytes
 
 
@@ -119,7 +119,8 @@ def model_support(model: str) -> dict:
 
     try:
         config = load_config(None if model == "default" else model)
-    except (OSError, ValueError, KeyError) as e:
+    except Exception as e:   # noqa: BLE001 - a broken file fails in any way its reader happens to (struct.error, ...)
+        not_the_models(e, f"the config of {model!r}")
         raise UserError(f"Invalid value for '--model': {model!r} has no readable config ({type(e).__name__}: "
                         f"{one_line(e)}); allowed: a model folder, a .gguf file, a Hugging Face id in the local "
                         "cache, an architecture name such as 'llama' or 'gemma3_text', or 'default'") from e

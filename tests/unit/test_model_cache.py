@@ -3,6 +3,7 @@ damaged copy made again; no copy where copies are off or cannot be written."""
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtier import load_default_model, model_cache
+from kvtier import ConfigError, load_default_model, model_cache
 from kvtier.models import default_model_path, load_config
 
 TEXT = [{"role": "user", "content": "Where is the lantern? ünïcödé, 42, tabs\tand  spaces"}]
@@ -131,6 +132,21 @@ def test_where_copies_are_kept(monkeypatch, tmp_path):
     monkeypatch.delenv(model_cache.ENV)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert model_cache.cache_root() == tmp_path / "kvtier" / "models"
+    for on in ("on", "1", "true", "YES"):   # the switches' words for on: the default folder, not a folder so named
+        monkeypatch.setenv(model_cache.ENV, on)
+        assert model_cache.cache_root() == tmp_path / "kvtier" / "models"
+    monkeypatch.chdir(tmp_path)
+    for relative in ("cache", "./models", "~no_such_user_here/models"):   # one folder per working directory
+        monkeypatch.setenv(model_cache.ENV, relative)
+        with pytest.raises(ConfigError, match=f"{model_cache.ENV}='{relative}' in the environment is a relative "
+                                              "folder.*allowed: an absolute folder, on .*off"):
+            model_cache.copy_folder(gguf)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv(model_cache.ENV, "~/copies")
+    assert model_cache.cache_root() == tmp_path / "home" / "copies"
+    monkeypatch.delenv(model_cache.ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")   # invalid, says the XDG spec: ignored
+    assert model_cache.cache_root() == tmp_path / "home" / ".cache" / "kvtier" / "models"
     monkeypatch.setenv(model_cache.ENV, str(tmp_path / "elsewhere"))
     folder = model_cache.copy_folder(gguf)
     assert folder.parent == tmp_path / "elsewhere" and folder.name.startswith(gguf.stem + "-")
@@ -271,3 +287,69 @@ def test_what_an_interrupted_removal_left_gives_way_to_a_new_copy(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["copy"]
     assert not any(torch.equal(a, b) for a, b in zip(small.state_dict().values(), model.state_dict().values())
                    if a.numel() > 64)   # the new copy's weights, not what was left
+
+
+@pytest.mark.parametrize("failure", [
+    RuntimeError("unable to mmap 538090424 bytes from file </x/model.safetensors>: Cannot allocate memory (12)"),
+    OSError(errno.EMFILE, "Too many open files"),
+    MemoryError(),
+], ids=["mmap-enomem", "emfile", "memoryerror"])
+@pytest.mark.parametrize("where", ["weights", "check"])
+def test_a_machine_short_of_memory_or_files_keeps_the_copy(tmp_path, monkeypatch, caplog, failure, where):
+    """The copy's files matched their CRCs (or could not be opened to be checked): a read that fails for want of
+    memory or file handles is the machine's failure, raised as is; the copy is no damaged one and stays."""
+    import safetensors.torch
+
+    folder = tmp_path / "copy"
+    small = _small_copy(folder)
+
+    def short(*args, **kwargs):
+        raise failure
+
+    with monkeypatch.context() as mp:
+        mp.setattr(safetensors.torch, "load_model", short) if where == "weights" else mp.setattr(
+            model_cache, "_crc", short)
+        with caplog.at_level(logging.WARNING, logger="kvtier.model_cache"), pytest.raises(type(failure)):
+            model_cache.load_copy(folder, "x", "sdpa")
+    assert "damaged" not in caplog.text and (folder / model_cache.WEIGHTS).is_file()
+    model, _ = model_cache.load_copy(folder, "x", "sdpa")
+    assert all(torch.equal(a, b) for a, b in zip(small.state_dict().values(), model.state_dict().values()))
+
+    def unreadable(*args, **kwargs):   # what the content itself gets wrong is damage still
+        raise RuntimeError("Error while deserializing header: HeaderTooLarge")
+
+    monkeypatch.setattr(safetensors.torch, "load_model", unreadable)
+    with caplog.at_level(logging.WARNING, logger="kvtier.model_cache"):
+        assert model_cache.load_copy(folder, "x", "sdpa") is None
+    assert "damaged (RuntimeError: Error while deserializing header" in caplog.text and not folder.exists()
+
+
+def test_short_of_resources_reads_errnos_words_and_causes():
+    assert model_cache.short_of_resources(OSError(errno.ENOSPC, "No space left on device"))
+    wrapped = ValueError("could not read")
+    wrapped.__cause__ = OSError(errno.ENFILE, "Too many open files in system")
+    assert model_cache.short_of_resources(wrapped)
+    for content in (FileNotFoundError(errno.ENOENT, "No such file"), OSError(errno.EIO, "I/O error"),
+                    ValueError("weights missing ['lm_head.weight']"), RuntimeError("invalid load key")):
+        assert not model_cache.short_of_resources(content)
+
+
+def test_a_load_from_a_copy_removes_what_a_killed_load_left(tmp_path):
+    """A load killed while it wrote the copy (SIGKILL, the OOM killer) leaves a half-written folder aside; the loads
+    after it read the copy and make none, so they remove it themselves once it is a day old."""
+    folder = tmp_path / "copy"
+    _small_copy(folder)                                 # (making a copy prunes: what is left is made after it)
+    old = time.time() - model_cache.STALE_SECONDS - 60
+    killed = tmp_path / f"{model_cache.BUILDING}k1ll3d"
+    aside = tmp_path / f"{model_cache.BUILDING}copy-123-456"   # what an interrupted removal set aside
+    fresh = tmp_path / f"{model_cache.BUILDING}n0w"           # another process may be writing it
+    unused = _fake_copy(tmp_path / "another-copy", old)       # a copy: for pruning, by its rules, to remove
+    for p in (killed, aside, fresh):
+        p.mkdir()
+        (p / model_cache.WEIGHTS).write_bytes(bytes(1024))
+    for p in (killed, aside):
+        os.utime(p, (old, old))
+    assert model_cache.load_copy(folder, "x", "sdpa") is not None
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["copy", fresh.name, unused.name])
+    assert model_cache.remove_leftovers(tmp_path, now=time.time() + model_cache.STALE_SECONDS + 60) == [fresh]
+

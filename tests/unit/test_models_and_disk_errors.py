@@ -48,6 +48,115 @@ def test_an_architecture_name_is_read_as_one_even_beside_a_file_of_that_name(tmp
     assert type(load_config("llama")).__name__ == "LlamaConfig"
 
 
+def _broken_models(tmp_path):
+    """{name: path} of models broken as files get broken: a .gguf cut short after its magic (struct.error), one with
+    a flipped byte in its metadata (OverflowError), a folder whose config.json is null (TypeError), and a model
+    folder whose model.safetensors is cut in half (SafetensorError)."""
+    from tiny_models import tiny_llama
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    from kvtier.models import default_model_path
+
+    with open(default_model_path(), "rb") as f:
+        head = bytearray(f.read(4_000_000))
+    (tmp_path / "short.gguf").write_bytes(head[:8])
+    head[1845] ^= 0xFF
+    (tmp_path / "flip.gguf").write_bytes(head)
+    (tmp_path / "nullcfg").mkdir()
+    (tmp_path / "nullcfg" / "config.json").write_text("null")
+    cut = tmp_path / "cut"
+    tiny_llama().save_pretrained(cut)
+    words = Tokenizer(WordLevel({f"w{i}": i for i in range(128)}, unk_token="w0"))
+    PreTrainedTokenizerFast(tokenizer_object=words).save_pretrained(cut)
+    os.truncate(cut / "model.safetensors", (cut / "model.safetensors").stat().st_size // 2)
+    return {p.name: str(p) for p in (tmp_path / "short.gguf", tmp_path / "flip.gguf", tmp_path / "nullcfg", cut)}
+
+
+def test_a_broken_model_file_is_a_model_error_not_a_traceback(tmp_path, monkeypatch):
+    """Whatever a broken file makes its reader raise, --model names the file (exit 2): not a traceback (exit 1)."""
+    from kvtier.cli.common import UserError, load
+    from kvtier.cli.info import model_support
+
+    monkeypatch.setenv("KVTIER_MODEL_CACHE", str(tmp_path / "copies"))
+    models = _broken_models(tmp_path)
+    for name, path in models.items():
+        with pytest.raises(UserError, match=f"Invalid value for '--model': '{path}' cannot be loaded") as e:
+            load(path)
+        assert e.value.exit_code == 2
+    for name in ("short.gguf", "flip.gguf", "nullcfg"):   # the cut folder's config is sound
+        with pytest.raises(UserError, match="Invalid value for '--model': .* has no readable config"):
+            model_support(models[name])
+
+
+@pytest.mark.parametrize("failure, said", [
+    (RuntimeError("unable to mmap 538090424 bytes from file <m>: Cannot allocate memory (12)"), "unable to mmap"),
+    (OSError(errno.ENOSPC, "No space left on device"), "disk full"),
+    (OSError(errno.EMFILE, "Too many open files"), "too many open files"),
+    (MemoryError(), "out of memory"),
+])
+def test_a_machine_short_of_memory_or_files_is_no_model_error(monkeypatch, failure, said):
+    """Not 'Invalid value for --model' (exit 2): the machine's failure while running (exit 3)."""
+    import kvtier.models
+    from kvtier.cli.common import RuntimeFailure, load
+    from kvtier.cli.info import model_support
+
+    def short(*args, **kwargs):
+        raise failure
+
+    monkeypatch.setattr(kvtier.models, "load_model", short)
+    monkeypatch.setattr(kvtier.models, "load_config", short)
+    with pytest.raises(RuntimeFailure, match=f"model 'm.gguf' could not be loaded: .*{said}") as e:
+        load("m.gguf")
+    assert e.value.exit_code == 3
+    with pytest.raises(RuntimeFailure, match=f"the config of 'm.gguf' could not be loaded: .*{said}"):
+        model_support("m.gguf")
+
+
+def test_a_relative_model_copy_folder_is_refused_by_name_not_blamed_on_model(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from kvtier.cli import main
+    from kvtier.cli.common import load
+    from kvtier.cli.info import model_support
+
+    monkeypatch.setenv("KVTIER_MODEL_CACHE", "models")
+    for call in (lambda: load(None), lambda: model_support("default")):
+        with pytest.raises(ConfigError, match="KVTIER_MODEL_CACHE='models' in the environment is a relative folder"):
+            call()
+    result = CliRunner().invoke(main, ["info", "--model", "default"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "kvtier: error: ConfigError: KVTIER_MODEL_CACHE='models'" in result.output and "--model" not in result.output
+
+
+def test_quiet_loading_hides_the_progress_bars_but_not_the_warnings(monkeypatch, capsys):
+    """--json loads quietly: tqdm's bars stay off stderr, but a warning (no copy of the model could be kept, so every
+    load parses the GGUF file again) still says why."""
+    import sys
+
+    import kvtier.models
+    from tqdm import tqdm
+
+    from kvtier.cli.common import load
+
+    def loading(**kwargs):
+        for _ in tqdm(range(3), desc="Converting and de-quantizing GGUF tensors..."):
+            pass
+        for _ in tqdm(range(2), leave=False):
+            pass
+        logging.lastResort.handle(logging.makeLogRecord({"msg": "could not keep a converted copy", "levelno": 30}))
+        print("a plain line", file=sys.stderr)
+        return "model", "tokenizer"
+
+    monkeypatch.setattr(kvtier.models, "load_default_model", loading)
+    assert load(None, quiet=True) == ("model", "tokenizer")
+    assert capsys.readouterr().err == "could not keep a converted copy\na plain line\n"
+    assert load(None) == ("model", "tokenizer")
+    err = capsys.readouterr().err
+    assert "de-quantizing" in err and "could not keep a converted copy\n" in err   # not quiet: the bars too
+
+
 def _where(engine):
     """Every position of every head, with the data held for it: {(head, pos): (key, value)} over the tiers."""
     out = {}
