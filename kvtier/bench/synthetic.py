@@ -97,6 +97,8 @@ def synthetic_needles(arch: str = "llama-3.1-8b", context: int = 2**20, needles:
         sync()
         fill_seconds = time.perf_counter() - start_fill
         usage = engine.usage()
+        if shared.disk_store is not None:   # the page file is the cache's to count, as `TieredCache.stats` does
+            usage["disk"]["reserved_bytes"] += shared.disk_store.file_bytes()
         found = []
         for i, p in enumerate(spots):
             query = (directions[i] * QUERY_NORM).repeat_interleave(q_heads // kv_heads, dim=0)[None, :, None]

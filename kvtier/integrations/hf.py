@@ -66,7 +66,8 @@ class TieredCache(OneSequence, Cache):
     disk_dir
         Folder for disk pages (a private subfolder is made and removed on close); ``None``: a temporary folder.
     scorer
-        A scorer name (``"kvp"``, ``"keynorm"``, ``"keydiff"``, ``"recency"``, ``"random"``) or an object
+        A scorer name (``"kvp"``, ``"keynorm"``, ``"keydiff"``, ``"recency"``, ``"random"``, or the
+        attention-based ``"tova"``, ``"snapkv"``, ``"h2o"``: `kvtier.scoring.available_scorers`) or an object
         with ``score()``. ``None``: the shipped KVP scorer when one was trained for this model, else
         ``"keynorm"``.
     mode

@@ -17,10 +17,11 @@ from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from .. import native
 from ..errors import ConfigError
+from ..outputs import save_tensors
 from .base import check_one_sequence
 from .features import AGE_KNOTS, POSITION_FEATURES, age_basis, entry_features, position_features
 
@@ -241,7 +242,7 @@ def save_agents(agents: KVPAgents, path: str | Path, meta: dict[str, Any]) -> No
     """Write weights and metadata (model, shape, training data, objective, version) to safetensors."""
     state = {k: v.detach().cpu().contiguous() for k, v in agents.state_dict().items()}
     info = {**meta, "format_version": FORMAT_VERSION, "hidden": agents.hidden, "head_dim": agents.head_dim}
-    save_file(state, str(path), metadata={"kvtier": json.dumps(info)})
+    save_tensors(state, path, metadata={"kvtier": json.dumps(info)})
 
 
 def load_agents(path: str | Path) -> tuple[KVPAgents, dict[str, Any]]:

@@ -22,11 +22,12 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from transformers import DynamicCache
 
 from ..errors import ConfigError
 from ..integrations.hf import cache_kwargs
+from ..outputs import save_tensors
 from ..scoring import BASELINES_ATTENTION_BASED, QueryScorer, checked_scores, make_scorer
 from ..scoring.attention_stats import received_attention
 
@@ -207,7 +208,7 @@ def record_answer_trace(model: Any, prompt_ids: torch.Tensor,
 
 
 def save_trace(trace: dict[str, torch.Tensor], path: Path) -> None:
-    save_file(trace, str(path))
+    save_tensors(trace, path)
 
 
 def load_trace(path: Path) -> dict[str, torch.Tensor]:

@@ -55,6 +55,8 @@ def test_synthetic_demo_json():
     assert data["synthetic"] is True and data["context"] == 32768
     assert all(n["recalled"] for n in data["needles"])
     assert data["usage"]["disk"]["tokens"] > 0 and data["settings"]["scorer"] == "keynorm"
+    # the page file counts as the disk's reserved bytes, as in stats() (it had been left out: 0 reserved)
+    assert data["usage"]["disk"]["reserved_bytes"] >= data["usage"]["disk"]["bytes"] > 0
     result = run("demo", "--synthetic", "--context", "32K", "--needles", "1", "--scorer", "random", "--json")
     assert result.exit_code == 0 and json.loads(result.output)["settings"]["scorer"] == "random"   # it had been ignored
 

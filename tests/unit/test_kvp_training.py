@@ -196,3 +196,24 @@ def test_problems_with_the_top_entries_learn_needles_random_ones_miss():
 def test_top_tokens_must_fit_the_problem():
     with pytest.raises(ConfigError, match="top_tokens=500"):
         TrainSettings(top_tokens=500)
+
+
+def test_weights_and_traces_are_written_as_the_umask_says(tmp_path):
+    """safetensors makes its files private (0600) whatever the umask: weights trained to share, and traces, could
+    not be read by another user, where every other output of the command line is written with the umask."""
+    import os
+
+    from kvtier.training.traces import save_trace
+
+    agents = KVPAgents(4, 4, hidden=8)
+    old = os.umask(0o022)
+    try:
+        save_agents(agents, tmp_path / "w.safetensors", {"model": "toy", "num_layers": 2, "num_kv_heads": 2,
+                                                          "head_dim": 4})
+        save_trace({"keys": torch.zeros(2, 3)}, tmp_path / "t.safetensors")
+        os.umask(0o077)
+        save_trace({"keys": torch.zeros(2, 3)}, tmp_path / "private.safetensors")
+    finally:
+        os.umask(old)
+    mode = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()}
+    assert mode == {"w.safetensors": 0o644, "t.safetensors": 0o644, "private.safetensors": 0o600}
