@@ -114,13 +114,15 @@ def kernel_limits(gpus: bool, torch_cuda: str | None, cupy_version: str | None, 
 
 def model_support(model: str) -> dict:
     """What kvtier does with `model` ("default": the packaged model); see `integrations.support`."""
+    from ..errors import ModelNotInstalledError
     from ..integrations.support import support
     from ..models import load_config
 
     try:
         config = load_config(None if model == "default" else model)
     except Exception as e:   # noqa: BLE001 - a broken file fails in any way its reader happens to (struct.error, ...)
-        not_the_models(e, f"the config of {model!r}")
+        if not isinstance(e, ModelNotInstalledError):   # that one is the --model value's: said as such below
+            not_the_models(e, f"the config of {model!r}")
         raise UserError(f"Invalid value for '--model': {model!r} has no readable config ({type(e).__name__}: "
                         f"{one_line(e)}); allowed: a model folder, a .gguf file, a Hugging Face id in the local "
                         "cache, an architecture name such as 'llama' or 'gemma3_text', or 'default'") from e
