@@ -169,6 +169,7 @@ class DiskStore:
         self._free: list[int] = []  # heap of freed slots below `_next`; slots >= `_next` were never handed out
         self._next = self._count = 0
         self._storing = 0   # stores between their slots' allocation and bookkeeping (their slots look free)
+        self._trim_owed = False   # a free came while stores were under way: the last of them trims
         try:
             self._fd = os.open(self.path, _FLAGS, 0o600)
         except OSError as e:
@@ -280,22 +281,24 @@ class DiskStore:
                 self._give_back(fd, reused, lo, hi)
                 raise
             self._storing += 1
-        crcs = np.empty(n, np.uint32)
-
-        def write(runs: list) -> None:
-            for a, b in runs:
-                idx = order[a:b]
-                for r in idx:
-                    crcs[r] = zlib.crc32(buf[r, :pay], seeds[r])
-                try:
-                    done = _transfer(os.pwritev, fd, [buf[r] for r in idx], int(s[a]) * rs)
-                except OSError as e:
-                    kind = "disk full" if e.errno in _FULL else "could not write"
-                    raise CapacityError(f"{kind}: writing {b - a} page(s) to {self.path} failed: {_oserr(e)}") from e
-                if done != (b - a) * rs:
-                    raise CapacityError(f"short write to {self.path}: {done} of {(b - a) * rs} bytes (disk full?)")
-
         try:   # from the slots' allocation to their bookkeeping: a failure (or Ctrl-C) anywhere gives them back
+            crcs = np.empty(n, np.uint32)
+
+            def write(runs: list) -> None:
+                for a, b in runs:
+                    idx = order[a:b]
+                    for r in idx:
+                        crcs[r] = zlib.crc32(buf[r, :pay], seeds[r])
+                    try:
+                        done = _transfer(os.pwritev, fd, [buf[r] for r in idx], int(s[a]) * rs)
+                    except OSError as e:
+                        kind = "disk full" if e.errno in _FULL else "could not write"
+                        raise CapacityError(f"{kind}: writing {b - a} page(s) to {self.path} failed: "
+                                            f"{_oserr(e)}") from e
+                    if done != (b - a) * rs:
+                        raise CapacityError(f"short write to {self.path}: {done} of {(b - a) * rs} bytes "
+                                            "(disk full?)")
+
             seeds = [_seed(slot, gen) for slot, gen in zip(slots.tolist(), gens.tolist())]
             order, s, tasks = self._plan(slots, _IOV_MAX)
             self._run(write, tasks)
@@ -310,6 +313,8 @@ class DiskStore:
         finally:
             with self._lock:
                 self._storing -= 1
+                if not self._storing and self._trim_owed:
+                    self._trim(fd)
         return slots
 
     def _give_back(self, fd: int, reused: list[int], lo: int, hi: int) -> None:
@@ -342,7 +347,8 @@ class DiskStore:
         """Give the disk back the free slots at the file's end (lock held): a conversation read back from disk
         leaves its file as large as it was parked otherwise, until close. Not while a store writes (its slots
         look free until its bookkeeping is made). No read is under way there: the slots past the last one in use
-        are free, and a slot's reads are waited for before it is freed."""
+        are free, and a slot's reads are waited for before it is freed. Owed meanwhile, the last store trims."""
+        self._trim_owed = bool(self._storing)
         if self._storing or not self._next or self._meta.get(np.array([self._next - 1]))["used"][0]:
             return
         end = 0

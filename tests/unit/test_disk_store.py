@@ -192,6 +192,64 @@ def test_a_store_under_way_keeps_the_file_s_end(make, monkeypatch):
     assert same(lk, torch.stack([k[0], k[2], k[3]])) and store.file_bytes() == 4 * store.record_size
 
 
+@pytest.mark.parametrize("fail", [False, True])
+def test_a_free_while_a_store_writes_trims_when_the_store_ends(make, monkeypatch, fail):
+    """The trim a free skips while a store is under way is made when the store ends (it had waited for some later
+    free): whether the store reused a slot below the end, or failed and gave its slots back."""
+    import kvtier.tiers.disk as disk
+
+    store = make()
+    k, v = pages(4, store)
+    store.store(k[:3], v[:3])
+    store.free(np.array([0]))
+    transfer = disk._transfer
+
+    def freeing_meanwhile(op, fd, bufs, offset):
+        if op is os.pwritev:
+            monkeypatch.setattr(disk, "_transfer", transfer)
+            store.free(np.array([2]))   # the last slot in use
+            if fail:
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return transfer(op, fd, bufs, offset)
+
+    monkeypatch.setattr(disk, "_transfer", freeing_meanwhile)
+    if fail:
+        with pytest.raises(CapacityError, match="disk full"):
+            store.store(k[3:], v[3:])
+        assert store.file_bytes() == 2 * store.record_size   # slot 1 the last in use
+    else:
+        assert store.store(k[3:], v[3:]).tolist() == [0]
+        assert store.file_bytes() == 2 * store.record_size   # slots 0 and 1
+
+
+def test_a_store_interrupted_anywhere_leaves_the_trim_working(make, monkeypatch):
+    """Ctrl-C on the line after a store took its slots (its checksums' array) had left it counted as under way for
+    good: its slots never came back and no free trimmed the file again."""
+    import types
+
+    import kvtier.tiers.disk as disk
+
+    class Interrupting(types.ModuleType):
+        def __getattr__(self, name):
+            return getattr(np, name)
+
+        def empty(self, shape, dtype=float, *args, **kwargs):
+            if dtype is np.uint32:   # the checksums' array
+                monkeypatch.setattr(disk, "np", np)
+                raise KeyboardInterrupt
+            return np.empty(shape, dtype, *args, **kwargs)
+
+    store = make()
+    k, v = pages(2, store)
+    store.store(k, v)
+    monkeypatch.setattr(disk, "np", Interrupting("numpy"))
+    with pytest.raises(KeyboardInterrupt):
+        store.store(k, v)
+    assert store.file_bytes() == 2 * store.record_size
+    store.free(np.array([0, 1]))
+    assert store.file_bytes() == 0 and store.store(k[:1], v[:1]).tolist() == [0]
+
+
 def test_stale_or_misplaced_record_is_rejected(make):
     store = make()
     k, v = pages(3, store)
