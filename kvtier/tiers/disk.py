@@ -169,7 +169,6 @@ class DiskStore:
         self._free: list[int] = []  # heap of freed slots below `_next`; slots >= `_next` were never handed out
         self._next = self._count = 0
         self._storing = 0   # stores between their slots' allocation and bookkeeping (their slots look free)
-        self._trim_owed = False   # a free came while stores were under way: the last of them trims
         try:
             self._fd = os.open(self.path, _FLAGS, 0o600)
         except OSError as e:
@@ -313,7 +312,7 @@ class DiskStore:
         finally:
             with self._lock:
                 self._storing -= 1
-                if not self._storing and self._trim_owed:
+                if not self._storing:   # a free meanwhile, or stores that failed while others wrote above them
                     self._trim(fd)
         return slots
 
@@ -347,8 +346,7 @@ class DiskStore:
         """Give the disk back the free slots at the file's end (lock held): a conversation read back from disk
         leaves its file as large as it was parked otherwise, until close. Not while a store writes (its slots
         look free until its bookkeeping is made). No read is under way there: the slots past the last one in use
-        are free, and a slot's reads are waited for before it is freed. Owed meanwhile, the last store trims."""
-        self._trim_owed = bool(self._storing)
+        are free, and a slot's reads are waited for before it is freed. Skipped meanwhile, the last store trims."""
         if self._storing or not self._next or self._meta.get(np.array([self._next - 1]))["used"][0]:
             return
         end = 0

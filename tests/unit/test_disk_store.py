@@ -222,6 +222,43 @@ def test_a_free_while_a_store_writes_trims_when_the_store_ends(make, monkeypatch
         assert store.file_bytes() == 2 * store.record_size   # slots 0 and 1
 
 
+def test_two_stores_that_fail_together_leave_no_free_end(make, monkeypatch):
+    """A full disk fails every writer: the first store to fail could not shorten the file (the second held the
+    slots above its own), the second shortened it to its own start only, and the first's record stayed, free."""
+    import kvtier.tiers.disk as disk
+
+    store = make(io_threads=1)
+    k, v = pages(2, store)
+    transfer, failed = disk._transfer, []
+    second_writing, second_go = threading.Event(), threading.Event()
+
+    def second():
+        try:
+            store.store(k, v)
+        except CapacityError:
+            failed.append("second")
+
+    def full(op, fd, bufs, offset):
+        if op is not os.pwritev:
+            return transfer(op, fd, bufs, offset)
+        if threading.current_thread().name == "second":
+            second_writing.set()
+            second_go.wait(10)
+            return 0   # nothing written
+        other = threading.Thread(target=second, name="second")
+        full.other = other
+        other.start()
+        second_writing.wait(10)
+        return transfer(op, fd, bufs[:1], offset)   # a short write: one record lands
+
+    monkeypatch.setattr(disk, "_transfer", full)
+    with pytest.raises(CapacityError, match="short write"):
+        store.store(k, v)
+    second_go.set()
+    full.other.join(10)
+    assert failed == ["second"] and store.pages() == 0 and os.path.getsize(store.path) == 0
+
+
 def test_a_store_interrupted_anywhere_leaves_the_trim_working(make, monkeypatch):
     """Ctrl-C on the line after a store took its slots (its checksums' array) had left it counted as under way for
     good: its slots never came back and no free trimmed the file again."""
