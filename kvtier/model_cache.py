@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from .errors import ConfigError, is_out_of_device_memory
+from .user_cache import user_cache_base
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +74,7 @@ def cache_root() -> Path | None:
                                   "kept in every folder the program runs from); allowed: an absolute folder, on "
                                   "(or 1, true, yes: the default folder), off (or 0, false, no, none)")
             return path
-    base = os.environ.get("XDG_CACHE_HOME", "")
-    if not os.path.isabs(base):   # unset, or relative: invalid, and ignored, says the XDG spec
-        base = os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "kvtier" / "models"
+    return user_cache_base() / "kvtier" / "models"
 
 
 def copy_folder(gguf: Path) -> Path | None:
@@ -322,6 +320,7 @@ def store(folder: Path, model: Any, tokenizer: Any) -> bool:
         folder.parent.mkdir(parents=True, exist_ok=True)
         building = Path(tempfile.mkdtemp(prefix=BUILDING, dir=folder.parent))
         save_model(model, str(building / WEIGHTS))
+        os.chmod(building / WEIGHTS, 0o644)   # safetensors makes it its owner's only; the copy is for every user
         model.config.save_pretrained(str(building))
         tokenizer.save_pretrained(str(building))
         (building / MANIFEST).write_text(json.dumps({"format": FORMAT, "files": _listed(building)}, indent=1))

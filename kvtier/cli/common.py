@@ -577,20 +577,21 @@ def load(model: str | None, quiet: bool = False, device: str | torch.device = "c
 
     from ..models import load_default_model, load_model
 
-    def go() -> tuple[Any, Any]:
+    def go() -> tuple[Any, Any]:   # read on the CPU: a failure here is the file's; the move to `device` follows
         if model is None:
-            return load_default_model(device=device)
-        return load_model(os.path.expanduser(model), device=device)
+            return load_default_model()
+        return load_model(os.path.expanduser(model))
 
     try:
         if not quiet:
-            return go()
-        hf_logging.disable_progress_bar()
-        try:  # some loaders (GGUF) draw plain tqdm bars on stderr: keep them out of machine-read output
-            with contextlib.redirect_stderr(NoProgressBars(sys.stderr)):
-                return go()
-        finally:
-            hf_logging.enable_progress_bar()
+            loaded = go()
+        else:
+            hf_logging.disable_progress_bar()
+            try:  # some loaders (GGUF) draw plain tqdm bars on stderr: keep them out of machine-read output
+                with contextlib.redirect_stderr(NoProgressBars(sys.stderr)):
+                    loaded = go()
+            finally:
+                hf_logging.enable_progress_bar()
     except Exception as e:   # noqa: BLE001 - a broken file fails in any way its reader happens to (struct.error, ...)
         not_the_models(e, "the packaged default model" if model is None else f"model {model!r}")
         if model is None:
@@ -599,3 +600,6 @@ def load(model: str | None, quiet: bool = False, device: str | torch.device = "c
         raise UserError(f"Invalid value for '--model': {model!r} cannot be loaded ({type(e).__name__}: "
                         f"{one_line(e)}); allowed: a model folder (config.json and weights), a .gguf file, or a "
                         "Hugging Face id in the local cache") from e
+    # the device's failures (out of memory, a driver error) are the run's, not the model file's: as any other
+    loaded[0].to(device)
+    return loaded

@@ -216,6 +216,7 @@ class DecodeGraph:
         lasting = not any(step.fills_slab for step in plans)
         # from the first layer handed its plan until the host takes the step, any failure (Ctrl-C as the launches
         # return included) is `_failed`'s to judge: the launches may have run, the host's part not
+        judged: BaseException | None = None   # an error that already says what it did to the cache
         try:
             try:
                 for layer, step in zip(layers, plans):
@@ -234,6 +235,7 @@ class DecodeGraph:
                     "attention implementation it set (no detach_attention() while decoding)")
                 if len(missing) < len(plans):   # the other layers' launches ran: the device is ahead of the host
                     cache._state.break_with(error)
+                judged = error   # none launched: nothing changed, even where a capture ran this call
                 raise error
             for step, ids in zip(plans, outputs[1:]):
                 step.ids = ids
@@ -245,8 +247,8 @@ class DecodeGraph:
                 engine._steady_how = None
             return self._ordinary(token, position_ids)
         except BaseException as e:
-            if not plans[0].taken and cache._state.broken is None:   # (a failed take broke the cache itself)
-                self._failed(plans, ran, e, self.graphs.captures > captures)
+            if e is not judged and not plans[0].taken and cache._state.broken is None:   # (a failed take broke the
+                self._failed(plans, ran, e, self.graphs.captures > captures)            # cache itself)
             raise
         return outputs[0]
 

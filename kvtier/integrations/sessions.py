@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 
 from ..errors import CapacityError, ConfigError, call_each
@@ -35,7 +36,8 @@ class SessionStore:
     def park(self, name: str, cache: TieredCache) -> None:
         """Park `cache` under `name` in host memory, then push the coldest sessions to disk as needed.
 
-        A session already parked under `name` (another cache) is closed: the name now means `cache`. If pushing a
+        A session already parked under `name` (another cache) is closed: the name now means `cache`, and leaves
+        `dropped` if it was there. If pushing a
         session to disk fails, every session stays whole where it was (each park is all or nothing), `cache` is
         parked and kept, and a `CapacityError` says how far the host budget is exceeded. A session left broken
         cannot move and is passed over (it says why when resumed). Where `cache` alone holds more disk than
@@ -51,9 +53,9 @@ class SessionStore:
         replaced = self._parked.get(name)
         self._parked[name] = cache
         self._parked.move_to_end(name)
-        if name in self._dropped_under:   # the name means this session now, not the one closed
-            self.dropped.remove(name)
-            del self._dropped_under[name]
+        if self._dropped_under.pop(name, None) is not None:   # the name means this session now, not the one closed
+            with contextlib.suppress(ValueError):   # `dropped` is the caller's too: it may have been cleared
+                self.dropped.remove(name)
         try:
             self._make_room(name)
         finally:
@@ -119,7 +121,8 @@ class SessionStore:
         return sum(_host_bytes(cache) for cache in self._parked.values())
 
     def disk_bytes_used(self) -> int:
-        """Disk the parked sessions hold: their tiered layers' pages and files, and their windows' files."""
+        """Disk the parked sessions hold: their files (page files, free slots inside them included, parked layers'
+        and windows' files)."""
         return sum(_disk_bytes(cache) for cache in self._parked.values())
 
     def where(self) -> dict[str, str | None]:

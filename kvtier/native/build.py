@@ -18,6 +18,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from ..user_cache import user_cache_base
+
 # no fused multiply-adds and no flushing of subnormals anywhere: the twins round every product and every sum
 # on its own, and keep subnormals
 OPTIONS = ("--fmad=false", "--ftz=false", "-std=c++17")
@@ -26,12 +28,12 @@ _fallback: _OwnFolder | None = None   # where binaries go when the cache folder 
 
 
 def cache_dir() -> Path:
-    """Where built binaries are kept: ``KVTIER_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/kvtier/kernels`` (by
-    default ``~/.cache/kvtier/kernels``)."""
+    """Where built binaries are kept: ``KVTIER_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/kvtier/kernels`` where that
+    is absolute (by default ``~/.cache/kvtier/kernels``)."""
     asked = os.environ.get("KVTIER_KERNEL_CACHE")
     if asked:
         return Path(asked)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvtier" / "kernels"
+    return user_cache_base() / "kvtier" / "kernels"
 
 
 def binary_name(name: str, text: str, target: str, compiler: str) -> str:

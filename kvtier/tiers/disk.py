@@ -268,19 +268,21 @@ class DiskStore:
         buf[:, pay:] = 0
         for t, a in ((k, 0), (v, kb)):
             torch.from_numpy(buf)[:, a:a + kb].view(self.dtype).view(n, P, D).copy_(t.detach())
-        with self._lock:
-            reused = [heapq.heappop(self._free) for _ in range(min(n, len(self._free)))]
-            lo, hi = self._next, self._next + n - len(reused)
-            self._next = hi
-            try:
-                self._meta.grow(hi)
-                slots = np.array(reused + list(range(lo, hi)), dtype=np.int64)
-                gens = self._meta.get(slots)["gen"] + np.uint32(1)
-            except BaseException:   # no memory for the bookkeeping: the slots go back
-                self._give_back(fd, reused, lo, hi)
-                raise
-            self._storing += 1
+        taken = False   # set with `_storing`: from then on the `try` below gives the slots back whatever happens
         try:   # from the slots' allocation to their bookkeeping: a failure (or Ctrl-C) anywhere gives them back
+            with self._lock:
+                reused = [heapq.heappop(self._free) for _ in range(min(n, len(self._free)))]
+                lo, hi = self._next, self._next + n - len(reused)
+                self._next = hi
+                try:
+                    self._meta.grow(hi)
+                    slots = np.array(reused + list(range(lo, hi)), dtype=np.int64)
+                    gens = self._meta.get(slots)["gen"] + np.uint32(1)
+                except BaseException:   # no memory for the bookkeeping: the slots go back
+                    self._give_back(fd, reused, lo, hi)
+                    raise
+                self._storing += 1
+                taken = True
             crcs = np.empty(n, np.uint32)
 
             def write(runs: list) -> None:
@@ -305,15 +307,17 @@ class DiskStore:
                 self._meta.set(slots, crc=crcs, gen=gens, seed=seeds, used=True)
                 self._count += n
         except BaseException:
-            with self._lock:
-                if not self._meta.get(slots)["used"].all():   # the bookkeeping was not made (else: kept)
-                    self._give_back(fd, reused, lo, hi)
+            if taken:
+                with self._lock:
+                    if not self._meta.get(slots)["used"].all():   # the bookkeeping was not made (else: kept)
+                        self._give_back(fd, reused, lo, hi)
             raise
         finally:
-            with self._lock:
-                self._storing -= 1
-                if not self._storing:   # a free meanwhile, or stores that failed while others wrote above them
-                    self._trim(fd)
+            if taken:
+                with self._lock:
+                    self._storing -= 1
+                    if not self._storing:   # a free meanwhile, or stores that failed while others wrote above them
+                        self._trim_quietly(fd)
         return slots
 
     def _give_back(self, fd: int, reused: list[int], lo: int, hi: int) -> None:
@@ -340,7 +344,13 @@ class DiskStore:
             self._count -= len(slots)
             for slot in slots.tolist():
                 heapq.heappush(self._free, slot)
-            self._trim(self._check_open())
+            self._trim_quietly(self._check_open())
+
+    def _trim_quietly(self, fd: int) -> None:
+        """`_trim`, whose failure (no memory for the heap's copy) leaves the file as long as it was: what called it
+        (a free, a store) is done, and a later one trims."""
+        with contextlib.suppress(Exception):
+            self._trim(fd)
 
     def _trim(self, fd: int) -> None:
         """Give the disk back the free slots at the file's end (lock held): a conversation read back from disk

@@ -287,6 +287,31 @@ def test_a_store_interrupted_anywhere_leaves_the_trim_working(make, monkeypatch)
     assert store.file_bytes() == 0 and store.store(k[:1], v[:1]).tolist() == [0]
 
 
+def test_a_store_interrupted_as_it_lets_go_of_its_lock_gives_its_slots_back(make):
+    """Ctrl-C as the lock's release returned, after the slots were taken and before the `try` that gives them
+    back: they had stayed taken, and the store counted as under way for good (no trim again)."""
+    store = make()
+    k, v = pages(2, store)
+    lock = store._lock
+
+    class Interrupting:
+        def __enter__(self):
+            return lock.__enter__()
+
+        def __exit__(self, *exc):
+            lock.__exit__(*exc)
+            store._lock = lock
+            raise KeyboardInterrupt
+
+    store._lock = Interrupting()
+    with pytest.raises(KeyboardInterrupt):
+        store.store(k, v)
+    assert store.pages() == 0 and store.file_bytes() == 0 and store._storing == 0
+    assert store.store(k, v).tolist() == [0, 1]
+    store.free(np.array([1, 0]))
+    assert store.file_bytes() == 0
+
+
 def test_stale_or_misplaced_record_is_rejected(make):
     store = make()
     k, v = pages(3, store)

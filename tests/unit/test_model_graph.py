@@ -539,6 +539,28 @@ def test_failures_break_the_cache_only_where_some_launches_ran(monkeypatch):
             use_tiered_attention(model.config)
         assert cache.broken is None and cache.get_seq_length() == seen
 
+    # the same where this call captured a graph (on a GPU, a state's second step): no layer launched either
+    with _cache(model) as cache:
+        graph = DecodeGraph(model, cache)
+        token = _decode(graph, steps=10)[-1:].argmax(-1)
+        seen = cache.get_seq_length()
+        run = graph.graphs.run
+
+        def capturing(key, inputs, work, lasting=True):
+            graph.graphs.captures += 1   # as a capture that succeeded would count
+            return run(key, inputs, work, lasting)
+
+        monkeypatch.setattr(graph.graphs, "run", capturing)
+        cache.detach_attention()
+        try:
+            with pytest.raises(UnsupportedError, match="did not run through kvtier"):
+                graph(token)
+        finally:
+            from kvtier.integrations.attention import use_tiered_attention
+
+            use_tiered_attention(model.config)
+        assert cache.broken is None and cache.get_seq_length() == seen
+
 
 def test_park_and_reset_let_the_whole_step_graph_go(monkeypatch):
     """A `DecodeGraph`'s graph holds the layers' pools and buffers by its key: it goes when a layer lets its

@@ -114,6 +114,21 @@ def test_a_machine_short_of_memory_or_files_is_no_model_error(monkeypatch, failu
         model_support("m.gguf")
 
 
+def test_a_failure_moving_the_model_to_its_device_is_not_the_model_file_s(monkeypatch):
+    """A driver's error moving a sound model to the GPU had been reported as an invalid --model (exit 2); it is
+    raised as it is, for the command line to say as any other failure of the run."""
+    import kvtier.models
+    from kvtier.cli.common import load
+
+    class Model(torch.nn.Module):
+        def to(self, *args, **kwargs):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(kvtier.models, "load_model", lambda *a, **k: (Model(), None))
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        load("m.gguf", device="cuda")
+
+
 def test_a_relative_model_copy_folder_is_refused_by_name_not_blamed_on_model(tmp_path, monkeypatch):
     from click.testing import CliRunner
 

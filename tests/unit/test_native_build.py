@@ -150,6 +150,9 @@ def test_the_default_cache_folder(monkeypatch, tmp_path):
     monkeypatch.delenv("KVTIER_KERNEL_CACHE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert build.cache_dir() == tmp_path / "kvtier" / "kernels"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")   # invalid, says the XDG spec: ignored (it had been used)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert build.cache_dir() == tmp_path / ".cache" / "kvtier" / "kernels"
 
 
 def test_the_loader_builds_with_subnormals_kept_and_no_contraction():

@@ -328,6 +328,10 @@ def test_a_name_dropped_then_parked_again_is_no_longer_dropped():
     with pytest.raises(KeyError) as e:
         store.resume("ada")
     assert "closed to keep" not in str(e.value)
+    store.dropped.clear()   # the caller's list too: handled and drained, then the name parked again (a ValueError)
+    store.park("bob", _session(seed=3))
+    assert store.where() == {"bob": "disk"} and store.dropped == []
+    store.park("cy", _session(seed=4))
     store.disk_bytes = None
     assert store.dropped == ["bob"]
     with pytest.raises(KeyError, match=r"'bob' was closed to keep the parked sessions within disk_bytes=[0-9,]+"):
