@@ -155,6 +155,8 @@ def test_quiet_loading_hides_the_progress_bars_but_not_the_warnings(monkeypatch,
 
     from kvtier.cli.common import load
 
+    model = torch.nn.Linear(1, 1)
+
     def loading(**kwargs):
         for _ in tqdm(range(3), desc="Converting and de-quantizing GGUF tensors..."):
             pass
@@ -162,12 +164,12 @@ def test_quiet_loading_hides_the_progress_bars_but_not_the_warnings(monkeypatch,
             pass
         logging.lastResort.handle(logging.makeLogRecord({"msg": "could not keep a converted copy", "levelno": 30}))
         print("a plain line", file=sys.stderr)
-        return "model", "tokenizer"
+        return model, "tokenizer"
 
     monkeypatch.setattr(kvtier.models, "load_default_model", loading)
-    assert load(None, quiet=True) == ("model", "tokenizer")
+    assert load(None, quiet=True) == (model, "tokenizer")
     assert capsys.readouterr().err == "could not keep a converted copy\na plain line\n"
-    assert load(None) == ("model", "tokenizer")
+    assert load(None) == (model, "tokenizer")
     err = capsys.readouterr().err
     assert "de-quantizing" in err and "could not keep a converted copy\n" in err   # not quiet: the bars too
 
