@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import numbers
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 
@@ -80,10 +80,7 @@ def os_reason(e: BaseException) -> str:
     import errno
     import os
 
-    seen: set[int] = set()
-    cur: BaseException | None = e
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
+    for cur in causes(e):
         if isinstance(cur, MemoryError):
             return "out of memory"
         if is_out_of_device_memory(cur):
@@ -100,8 +97,40 @@ def os_reason(e: BaseException) -> str:
             return f"{what} ({detail})" if what else detail
         if isinstance(cur, RuntimeError) and "can't start new thread" in str(cur):
             return "too many threads (cannot start an I/O thread; RLIMIT_NPROC?)"
-        cur = cur.__cause__ or cur.__context__
     return str(e)
+
+
+def causes(e: BaseException) -> Iterator[BaseException]:
+    """`e`, then each error it was raised from (``__cause__``, else ``__context__``), each once."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        yield cur
+        cur = cur.__cause__ or cur.__context__
+
+
+_SHORT = ("ENOMEM", "EMFILE", "ENFILE", "ENOSPC", "EDQUOT")
+
+
+def short_of_resources(e: BaseException) -> bool:
+    """Whether `e`, or an error it was raised from, says the machine ran short of memory, open files or disk space:
+    a `MemoryError`, an `OSError` with such an errno, torch's out-of-memory errors, or an error that only words
+    it, as torch's mmap does ("unable to mmap ... : Cannot allocate memory (12)") and safetensors' too."""
+    import errno
+    import os
+
+    codes = {getattr(errno, name) for name in _SHORT}
+    words = tuple(os.strerror(n) for n in codes)
+    for cur in causes(e):
+        if isinstance(cur, MemoryError) or is_out_of_device_memory(cur):
+            return True
+        if isinstance(cur, OSError) and cur.errno is not None:
+            if cur.errno in codes:
+                return True
+        elif any(w in str(cur) for w in words):
+            return True
+    return False
 
 
 def is_out_of_device_memory(e: BaseException) -> bool:

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from .errors import ConfigError, is_out_of_device_memory
+from .errors import ConfigError, short_of_resources
 from .user_cache import user_cache_base
 
 log = logging.getLogger(__name__)
@@ -196,29 +196,6 @@ def load_copy(folder: Path, source: str, attn: str) -> tuple[Any, Any] | None:
     tokenizer.name_or_path = source
     remove_leftovers(folder.parent)
     return model, tokenizer
-
-
-_SHORT = (errno.ENOMEM, errno.EMFILE, errno.ENFILE, errno.ENOSPC, errno.EDQUOT)
-
-
-def short_of_resources(e: BaseException) -> bool:
-    """Whether `e`, or an error it was raised from, says the machine ran short of memory, open files or disk space:
-    a `MemoryError`, an `OSError` with such an errno, torch's out-of-memory errors, or an error that only words
-    it, as torch's mmap does ("unable to mmap ... : Cannot allocate memory (12)") and safetensors' too."""
-    words = tuple(os.strerror(n) for n in _SHORT)
-    seen: set[int] = set()
-    cur: BaseException | None = e
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        if isinstance(cur, MemoryError) or is_out_of_device_memory(cur):
-            return True
-        if isinstance(cur, OSError) and cur.errno is not None:
-            if cur.errno in _SHORT:
-                return True
-        elif any(w in str(cur) for w in words):
-            return True
-        cur = cur.__cause__ or cur.__context__
-    return False
 
 
 def remove_leftovers(root: Path, *, now: float | None = None) -> list[Path]:

@@ -23,7 +23,7 @@ import click
 import torch
 
 from ..errors import (ConfigError, KVTierError, ModelNotInstalledError, UnsupportedError, is_out_of_device_memory,
-                      os_reason)
+                      os_reason, short_of_resources)
 
 EXIT_USAGE, EXIT_RUNTIME = 2, 3
 
@@ -559,8 +559,6 @@ class NoProgressBars(io.TextIOBase):
 def not_the_models(e: Exception, what: str) -> None:
     """Raise `e` where it says nothing of the model (kvtier's own errors, as they are), or as a failure while
     running (exit 3) where the machine ran short of memory, open files or disk space; else return."""
-    from ..model_cache import short_of_resources
-
     if isinstance(e, KVTierError):
         raise e
     if short_of_resources(e):

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from kvtier import ConfigError, load_default_model, model_cache
+from kvtier.errors import short_of_resources
 from kvtier.models import default_model_path, load_config
 
 TEXT = [{"role": "user", "content": "Where is the lantern? ünïcödé, 42, tabs\tand  spaces"}]
@@ -325,13 +326,13 @@ def test_a_machine_short_of_memory_or_files_keeps_the_copy(tmp_path, monkeypatch
 
 
 def test_short_of_resources_reads_errnos_words_and_causes():
-    assert model_cache.short_of_resources(OSError(errno.ENOSPC, "No space left on device"))
+    assert short_of_resources(OSError(errno.ENOSPC, "No space left on device"))
     wrapped = ValueError("could not read")
     wrapped.__cause__ = OSError(errno.ENFILE, "Too many open files in system")
-    assert model_cache.short_of_resources(wrapped)
+    assert short_of_resources(wrapped)
     for content in (FileNotFoundError(errno.ENOENT, "No such file"), OSError(errno.EIO, "I/O error"),
                     ValueError("weights missing ['lm_head.weight']"), RuntimeError("invalid load key")):
-        assert not model_cache.short_of_resources(content)
+        assert not short_of_resources(content)
 
 
 def test_a_load_from_a_copy_removes_what_a_killed_load_left(tmp_path):

@@ -525,41 +525,30 @@ def test_failures_break_the_cache_only_where_some_launches_ran(monkeypatch):
             graph(token)
         assert "1 of 2 layers" in cache.broken
 
-    with _cache(model) as cache:
-        graph = DecodeGraph(model, cache)
-        token = _decode(graph, steps=10)[-1:].argmax(-1)
-        seen = cache.get_seq_length()
-        cache.detach_attention()   # the model's own attention over kvtier's placeholders: refused, nothing taken
-        try:
-            with pytest.raises(UnsupportedError, match="did not run through kvtier"):
-                graph(token)
-        finally:
-            from kvtier.integrations.attention import use_tiered_attention
+    from kvtier.integrations.attention import use_tiered_attention
 
-            use_tiered_attention(model.config)
-        assert cache.broken is None and cache.get_seq_length() == seen
+    # the model's own attention over kvtier's placeholders: refused, nothing taken; the same where this call
+    # captured a graph (on a GPU, a state's second step): no layer launched either
+    for captured in (False, True):
+        with _cache(model) as cache:
+            graph = DecodeGraph(model, cache)
+            token = _decode(graph, steps=10)[-1:].argmax(-1)
+            seen = cache.get_seq_length()
+            if captured:
+                run = graph.graphs.run
 
-    # the same where this call captured a graph (on a GPU, a state's second step): no layer launched either
-    with _cache(model) as cache:
-        graph = DecodeGraph(model, cache)
-        token = _decode(graph, steps=10)[-1:].argmax(-1)
-        seen = cache.get_seq_length()
-        run = graph.graphs.run
+                def capturing(key, inputs, work, lasting=True, graph=graph, run=run):
+                    graph.graphs.captures += 1   # as a capture that succeeded would count
+                    return run(key, inputs, work, lasting)
 
-        def capturing(key, inputs, work, lasting=True):
-            graph.graphs.captures += 1   # as a capture that succeeded would count
-            return run(key, inputs, work, lasting)
-
-        monkeypatch.setattr(graph.graphs, "run", capturing)
-        cache.detach_attention()
-        try:
-            with pytest.raises(UnsupportedError, match="did not run through kvtier"):
-                graph(token)
-        finally:
-            from kvtier.integrations.attention import use_tiered_attention
-
-            use_tiered_attention(model.config)
-        assert cache.broken is None and cache.get_seq_length() == seen
+                monkeypatch.setattr(graph.graphs, "run", capturing)
+            cache.detach_attention()
+            try:
+                with pytest.raises(UnsupportedError, match="did not run through kvtier"):
+                    graph(token)
+            finally:
+                use_tiered_attention(model.config)
+            assert cache.broken is None and cache.get_seq_length() == seen
 
 
 def test_park_and_reset_let_the_whole_step_graph_go(monkeypatch):
