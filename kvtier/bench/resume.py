@@ -4,7 +4,8 @@ restored on demand at that step, or read back ahead (`TieredCache.prefetch_parke
 Every row starts from a copy of the same prefilled cache (`copy.deepcopy`), parked on disk and, for a cold
 disk, dropped from the operating system's page cache before the clock starts; the rows take turns round by
 round, so a drift in the machine's speed meets them alike. A row of copies never parked gives the step's own
-cost. Every row must give the same logits, bit for bit.
+cost, and a row parked in host memory what coming back from there costs. Every row must give the same logits,
+bit for bit.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from ..integrations.hf import cache_kwargs
 class ResumeRow:
     name: str
     think_seconds: float | None        # None: restored on demand; for the row never parked, nothing to restore
-    parked: bool
+    parked: str | None                 # where the conversation waits ("host", "disk"), None: never parked
     first_token_seconds: list[float] = field(default_factory=list)   # per round: return -> the step's logits
     waited_seconds: list[float] = field(default_factory=list)        # per round: the restore waiting for reads
     layers_read_ahead: list[int] = field(default_factory=list)
@@ -52,8 +53,9 @@ def drop_from_page_cache(folder: str) -> None:
 
 def rows_for(thinks: list[float]) -> list[ResumeRow]:
     """The rows a run times: never parked, restored on demand, and read ahead for each think time."""
-    rows = [ResumeRow("never parked", None, parked=False), ResumeRow("restored on demand", None, parked=True)]
-    rows += [ResumeRow(f"prefetch, {t * 1000:g} ms later", t, parked=True) for t in thinks]
+    rows = [ResumeRow("never parked", None, parked=None), ResumeRow("parked on the host", None, parked="host"),
+            ResumeRow("restored on demand", None, parked="disk")]
+    rows += [ResumeRow(f"prefetch, {t * 1000:g} ms later", t, parked="disk") for t in thinks]
     return rows
 
 
@@ -63,21 +65,22 @@ def compare_resume(model: Any, prompt: torch.Tensor, make_cache: Callable[[], An
                    ) -> tuple[list[ResumeRow], bool, dict]:
     """Prefill `prompt` once into `make_cache()`, then time, for `rounds` rounds, each row's first step after the
     conversation's return (the next token after the prompt). Returns the rows, whether every row's logits were
-    the same bits, and the parked cache's `stats()` (what a restore reads)."""
+    the same bits, and `stats()` of the cache live, parked on the host and parked on disk (what a restore reads),
+    by those names."""
     say = progress or (lambda s: None)
     master = make_cache()
     try:
         logits = model(prompt, **cache_kwargs(master)).logits[:, -1:]
         token = logits.argmax(-1)
         rows = rows_for(thinks)
-        reference, identical, parked_stats = None, True, {}
+        reference, identical, parked_stats = None, True, {"live": master.stats()}
         for r in range(rounds):
             for row in rows:
                 cache = copy.deepcopy(master)
                 try:
-                    if row.parked:
-                        cache.park("disk")
-                        parked_stats = cache.stats()
+                    if row.parked is not None:
+                        cache.park(row.parked)
+                        parked_stats[row.parked] = cache.stats()
                     if cold and cache.disk_path is not None:
                         drop_from_page_cache(cache.disk_path)
                     if row.think_seconds is not None:

@@ -225,7 +225,7 @@ def decode(context: int, new_tokens: int, rounds: int, device_budget: str, host_
 def resume(context: int, rounds: int, think_ms: str, device_budget: str, host_budget: str, recall_pages: int,
            scorer: str, model: str | None, device: str, threads: int, cold_disk: bool, as_json: bool) -> None:
     """Time to the first token of a conversation parked on disk: restored on demand, or read back ahead while
-    the application waits for its next turn (`TieredCache.prefetch_parked`)."""
+    the application waits for its next turn (`TieredCache.prefetch_parked`); also parked in host memory."""
     from .common import split_list
 
     budget, host = parse_budget(device_budget, "--device-budget"), parse_budget(host_budget, "--host-budget")
@@ -254,13 +254,16 @@ def resume(context: int, rounds: int, think_ms: str, device_budget: str, host_bu
         lm, ids, lambda: TieredCache(lm.config, device_budget=budget, host_budget=host, recall_pages=recall_pages,
                                      scorer=None if scorer == "auto" else scorer),
         thinks, rounds, cold_disk, progress=echo)
-    base = rows[1].median_seconds
+    base = next(r for r in rows if r.name == "restored on demand").median_seconds
     out = {
         "machine": _machine(device),
         "context": context, "rounds": rounds, "identical_logits": identical,
         "settings": {"device_budget": budget, "host_budget": host, "recall_pages": recall_pages, "scorer": scorer,
                      "cold_disk": cold_disk},
-        "parked_disk_bytes": parked.get("disk", {}).get("bytes"),
+        "parked_disk_bytes": parked["disk"]["disk"]["bytes"],
+        # host memory held (`stats()["host"]["reserved_bytes"]`): live, and parked there
+        "live_host_reserved_bytes": parked["live"]["host"]["reserved_bytes"],
+        "parked_host_reserved_bytes": parked["host"]["host"]["reserved_bytes"],
         "rows": [{"row": r.name, "think_ms": None if r.think_seconds is None else r.think_seconds * 1000,
                   "first_token_ms": round(r.median_seconds * 1000, 2),
                   "rounds_ms": [round(t * 1000, 2) for t in r.first_token_seconds],
@@ -271,8 +274,10 @@ def resume(context: int, rounds: int, think_ms: str, device_budget: str, host_bu
     if as_json:
         click.echo(json.dumps(out, indent=2))
         return
-    click.echo(f"\ncontext {context:,} tokens parked on disk ({parked.get('disk', {}).get('bytes', 0) / 2**20:,.1f} "
-               f"MiB), {'cold' if cold_disk else 'warm'} disk, {rounds} rounds, {device}")
+    click.echo(f"\ncontext {context:,} tokens parked on disk ({out['parked_disk_bytes'] / 2**20:,.1f} MiB), "
+               f"{'cold' if cold_disk else 'warm'} disk, {rounds} rounds, {device}; host memory held "
+               f"{out['live_host_reserved_bytes'] / 2**20:,.1f} MiB live, "
+               f"{out['parked_host_reserved_bytes'] / 2**20:,.1f} MiB parked on the host")
     for r in out["rows"]:
         click.echo(f"  {r['row']:<28}{r['first_token_ms']:>9.1f} ms to the first token   "
                    f"on demand / this x{r['on_demand_over_this']:.2f}")

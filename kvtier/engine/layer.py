@@ -644,6 +644,8 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
             if self.index is not None:
                 meta.update(self.index.state())
             current = ParkedLayer.take(k[0], v[0], meta, self.transfer, self.pin)
+            if to == "host":
+                current = current.with_host_pages(self.host, self.table)
         # the entries that leave the device (what a restore brings back); their index and positions come along
         moved = 0 if self.parked is not None else sum(t.numel() * t.element_size() for t in current.entries)
         if to == "disk":
@@ -657,15 +659,18 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
         if self.parking is None:
             return
         current, layout, moved = self.parking   # kept until the end: a reset after an interruption undoes it
-        if current.where == "disk":   # a layer on disk holds no host memory: the ring's and the host pool's slabs go
+        if current.where == "disk":
             written = 0 if current.unsettled is None else len(current.unsettled[2])   # host pages with no copy
             page = self.disk.payload_size
             self.counters.bytes_moved["host_to_disk"] += current.disk_bytes(page) + written * page
             current.settle(self.table, self.host)
-            if self.readahead is not None:
-                self.readahead.close()
-            if self.host is not None:
-                self.host.release()
+        else:
+            current.settle_host_pages(self.table, self.host)
+        # a parked layer's pages are all in its own tensors or files: the ring's and the host pool's slabs go
+        if self.readahead is not None:
+            self.readahead.close()
+        if self.host is not None:
+            self.host.release()
         if self.parked is None:
             self.counters.bytes_moved["device_to_host"] += moved
             self.pool.clear()

@@ -1,12 +1,14 @@
 """A layer parked between conversation turns: its device entries (and host pages) in host memory or on
 disk, brought back before the layer's next write exactly as they were.
 
-A layer parked on the host keeps its device entries and its recall index in host memory. A layer parked on
-disk writes the entries as pages to the cache's disk store, its recall index (with the entries' positions
-and scores) to a checksummed file in the private folder, and moves its host pages into the disk store,
-remembering which they were so resuming puts them back on the host: the resumed layer is in the very state
-it was parked in, so decoding continues bit-identically (a host page that had a clean copy on disk is parked in
-that copy, and comes back without one).
+A layer parked on the host keeps its device entries, its recall index and its host pages in host memory, each
+in a tensor of its own size: the host pool's slabs (fixed-size, a few MiB a layer, in part empty) are let go, so a
+short conversation parked costs what it holds. A layer parked on disk writes the entries as pages to the cache's
+disk store, its recall index (with the entries' positions and scores) to a checksummed file in the private
+folder, and moves its host pages into the disk store, remembering which they were. Either way resuming puts the
+host pages back in the host pool: the resumed layer is in the very state it was parked in, so decoding
+continues bit-identically (a host page that had a clean copy on disk keeps it on the host; on disk it is parked
+in that copy, and comes back without one).
 
 Every change is all or nothing: what can fail (a write, a read) happens before anything is let go, and a
 failure leaves the layer as it was (the written pages are freed again). A park to disk is made in two steps, so
@@ -33,6 +35,7 @@ from ..errors import CapacityError, ConfigError, CorruptPageError, os_reason
 from ..placement.page_table import DISK, HOST, PageTable
 
 PARK_TARGETS = ("host", "disk")
+SPARE_SHARE = 0.2   # the empty share of a host pool's slabs past which a park to the host moves its pages out
 _SHORT_OF = (errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN, errno.EINTR)
 _OPEN_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
@@ -57,6 +60,9 @@ class ParkedLayer:
     entries: tuple[torch.Tensor, torch.Tensor] | None = None      # k, v [heads, n, dim] in host memory
     slots: np.ndarray | None = None               # [heads, pages] disk slots of the entries
     was_on_host: tuple[np.ndarray, np.ndarray] | None = None      # (heads, page ids) to put back on the host
+    # parked on the host: the pages of `was_on_host`, in that order (k, v [pages, page_size, dim]); the page
+    # table's host slots of them name these rows until the restore stores them in the host pool again
+    host_pages: tuple[torch.Tensor, torch.Tensor] | None = None
     meta_file: ParkedFile | None = None           # the meta, in a checksummed file, when parked on disk
     # written by `to_disk`, not yet settled: (the host slots of `was_on_host`, their disk slots, those written)
     unsettled: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
@@ -69,8 +75,30 @@ class ParkedLayer:
         transfer.wait([transfer.submit(d, s) for d, s in zip(staged, (k, v))])
         return cls("host", k.shape[1], {name: t.cpu() for name, t in meta.items()}, (staged[0], staged[1]))
 
+    def with_host_pages(self, host, table: PageTable) -> ParkedLayer:
+        """The same layer parked on the host with its host pages too, gathered from the pool `host` into tensors
+        of their own size (a copy: nothing the layer holds changes until `settle_host_pages`), where more than
+        `SPARE_SHARE` of the pool's slabs is empty. A fuller pool keeps them: the copy out, and the copy back at
+        the restore, would cost time on the conversation's return to save little memory."""
+        if host is None or host.reserved_bytes() - host.nbytes() <= SPARE_SHARE * host.reserved_bytes():
+            return self
+        heads, pids = table.pages_in(HOST)
+        if not len(heads):
+            return self
+        return replace(self, was_on_host=(heads, pids), host_pages=host.load(table.lookup(heads, pids)[1]))
+
+    def settle_host_pages(self, table: PageTable, host) -> None:
+        """The host park made final: the pool's slots of the pages `with_host_pages` copied are given back and the
+        page table names the copy's rows (bookkeeping only)."""
+        if self.host_pages is None:
+            return
+        heads, pids = self.was_on_host
+        # their clean copies on disk (pages brought up from it) stay theirs
+        table.place(heads, pids, HOST, np.arange(len(heads), dtype=np.int64), copies=table.copies(heads, pids))
+        host.clear()
+
     def host_bytes(self) -> int:
-        held = [*self.entries, *self.meta.values()] if self.where == "host" else []
+        held = [*self.entries, *self.meta.values(), *(self.host_pages or ())] if self.where == "host" else []
         return sum(t.numel() * t.element_size() for t in held)
 
     def disk_bytes(self, page_bytes: int) -> int:
@@ -98,16 +126,27 @@ class ParkedLayer:
         try:
             slots = disk.store(paged(k), paged(v))
             written.append(slots)
-            heads, pids = table.pages_in(HOST) if host is not None else (np.empty(0, int), np.empty(0, int))
-            host_slots = table.lookup(heads, pids)[1]
+            host_slots = None   # parked on the host, the pages are the rows of `host_pages`, and no slot is freed
+            if self.host_pages is not None:
+                heads, pids = self.was_on_host
+            elif host is not None:
+                heads, pids = table.pages_in(HOST)
+                host_slots = table.lookup(heads, pids)[1]
+            else:
+                heads, pids = np.empty(0, np.int64), np.empty(0, np.int64)
             disk_slots = table.copies(heads, pids)   # a page with a clean copy on disk goes back to it unwritten
             dirty = np.flatnonzero(disk_slots < 0)
             if len(dirty):
-                written.append(disk.store(*host.load(host_slots[dirty])))
+                if self.host_pages is not None:
+                    rows = torch.from_numpy(dirty)
+                    dirty_pages = (self.host_pages[0][rows], self.host_pages[1][rows])
+                else:
+                    dirty_pages = host.load(host_slots[dirty])
+                written.append(disk.store(*dirty_pages))
                 disk_slots[dirty] = written[-1]
             meta_file = ParkedFile.write(path, self.meta, "the parked layer file")
             return replace(self, where="disk", entries=None, meta={}, slots=slots.reshape(H, pages),
-                           was_on_host=(heads, pids), meta_file=meta_file,
+                           was_on_host=(heads, pids), host_pages=None, meta_file=meta_file,
                            unsettled=(host_slots, disk_slots, disk_slots[dirty]))
         except BaseException:   # an interruption too: what was written goes, the file with it
             for s in written:
@@ -124,7 +163,8 @@ class ParkedLayer:
         self.unsettled = None
         if len(heads):
             table.place(heads, pids, DISK, disk_slots)
-            host.free(host_slots)
+            if host_slots is not None:
+                host.free(host_slots)
 
     def undo(self, disk) -> None:
         """Drop a park to disk `to_disk` made and `settle` did not: what it wrote is freed, none of it read."""
@@ -141,7 +181,8 @@ class ParkedLayer:
         reads made ahead of the restore, `kvtier.engine.unpark`)."""
         if self.where == "host":
             k, v = self.entries
-            return {"k": k, "v": v, "meta": self.meta, "host_pages": None}
+            back = None if self.host_pages is None else (None, *self.host_pages)
+            return {"k": k, "v": v, "meta": self.meta, "host_pages": back}
         H, pages = self.slots.shape
         out = None
         if pin:
@@ -163,7 +204,7 @@ class ParkedLayer:
     def store_host_pages(self, restored: dict, host) -> np.ndarray | None:
         """Put the pages that were on the host before the park back into `host`; returns their slots (None: no
         such page). Where it fails (no host memory), nothing the layer holds has changed."""
-        if self.where != "disk" or restored["host_pages"] is None:
+        if restored["host_pages"] is None:
             return None
         _, hk, hv = restored["host_pages"]
         return host.store(hk, hv)
@@ -172,16 +213,16 @@ class ParkedLayer:
                 readahead=None) -> None:
         """After the layer took its entries back and its host pages are stored (`store_host_pages`): the page
         table learns where those are, and the parking slots and file go. Bookkeeping only: nothing here fails."""
-        if self.where != "disk":
-            return
         if host_slots is not None:
             heads, pids = self.was_on_host
-            disk_slots = restored["host_pages"][0]
-            table.place(heads, pids, HOST, host_slots)
-            if readahead is not None:
-                readahead.forget(disk_slots)
-            disk.free(disk_slots)
-        self.discard(disk)
+            disk_slots = restored["host_pages"][0]   # None: parked on the host, the clean copies on disk stay
+            table.place(heads, pids, HOST, host_slots, copies=table.copies(heads, pids) if disk_slots is None else None)
+            if disk_slots is not None:
+                if readahead is not None:
+                    readahead.forget(disk_slots)
+                disk.free(disk_slots)
+        if self.where == "disk":
+            self.discard(disk)
 
     def discard(self, disk) -> None:
         """Drop what the parked layer keeps on disk (the layer is being reset or closed)."""

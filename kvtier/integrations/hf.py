@@ -207,7 +207,7 @@ class TieredCache(OneSequence, Cache):
         st.drop_reads()   # reads made ahead (`prefetch_parked`) stop before the layers move
         with plain_tensors():   # what the parked layers keep is written again after they come back
             self._park(to)
-        if to == "disk" and any(e.pin for e in self._engines):   # the host slabs let go: to the system too
+        if any(e.pin for e in self._engines):   # the host pool's and the ring's slabs let go: to the system too
             empty_pinned_cache()
 
     def _park(self, to: str) -> None:

@@ -174,9 +174,9 @@ def test_parking_on_gpu_continues_bit_identically(cuda_device, to, tmp_path, bui
         assert torch.cuda.memory_allocated(cuda_device) <= before - windows
         assert parked.stats()["window"]["bytes"] == (windows if to == "host" else 0)
         owned = "allocated_bytes.current"   # pinned bytes torch's host allocator owns, in use or cached
-        if to == "disk" and owned in getattr(torch.cuda, "host_memory_stats", dict)():
+        if owned in getattr(torch.cuda, "host_memory_stats", dict)():
             held = torch.cuda.host_memory_stats()[owned]
-            twin.park("disk")   # its pinned slabs go, and to the system, not to torch's cache
+            twin.park(to)   # its pinned slabs go (on the host, its pages wait in memory of their size), to the system
             assert torch.cuda.host_memory_stats()[owned] < held
             twin.resume()
         more = torch.cat([first, follow], dim=1)

@@ -125,17 +125,21 @@ def test_bench_json():
 
 @pytest.mark.parametrize("disk", ["--cold-disk", "--warm-disk"])
 def test_bench_resume_json(disk):
-    """`kvtier bench resume`: a row never parked, one restored on demand and one per think time, each starting
-    from a copy of the same cache; every row's logits the same bits, the rows read ahead taking every layer."""
+    """`kvtier bench resume`: a row never parked, one parked on the host, one restored on demand from disk and one
+    per think time, each starting from a copy of the same cache; every row's logits the same bits, the rows read
+    ahead taking every layer; parked on the host, the conversation holds less host memory than live (the host
+    pool's slabs, in part empty, go)."""
     result = run("bench", "resume", "--context", "400", "--rounds", "1", "--think-ms", "0,20", "--scorer",
                  "keynorm", disk, "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.output[result.output.index("{"):])
     assert data["identical_logits"] is True and data["settings"]["cold_disk"] is (disk == "--cold-disk")
     names = [r["row"] for r in data["rows"]]
-    assert names == ["never parked", "restored on demand", "prefetch, 0 ms later", "prefetch, 20 ms later"]
-    assert [r["layers_read_ahead"] for r in data["rows"]] == [0, 0, 30, 30]
+    assert names == ["never parked", "parked on the host", "restored on demand", "prefetch, 0 ms later",
+                     "prefetch, 20 ms later"]
+    assert [r["layers_read_ahead"] for r in data["rows"]] == [0, 0, 0, 30, 30]
     assert data["parked_disk_bytes"] > 0 and all(r["first_token_ms"] > 0 for r in data["rows"])
+    assert 0 < data["parked_host_reserved_bytes"] < data["live_host_reserved_bytes"]
 
 
 def test_bench_decode_cold_disk(monkeypatch):

@@ -258,3 +258,123 @@ def test_evict_mode_layer_parks_on_disk(make_engine):
     _feed(engine, 90, 7)
     _park_twice_and_compare(engine)
     assert engine.host is None
+
+
+def _with_clean_copies(make_engine, seed):
+    """A layer whose pages lie on the host, on disk, and on the host with clean copies on disk (promoted)."""
+    engine = make_engine(device_budget=16, host_budget=20, recall_pages=3, promote=True)
+    engine.promote_every = 1
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(1, engine.heads, 90, engine.head_dim, generator=g)
+    engine.write(k, k * 2)
+    engine.commit()
+    for _ in range(6):
+        k = torch.randn(1, engine.heads, 1, engine.head_dim, generator=g)
+        engine.write(k, k)
+        engine.attend(torch.randn(1, engine.heads * 2, 1, engine.head_dim, generator=g))
+        engine.commit()
+    assert (engine.table.copy_slot >= 0).any() and (engine.table.tier == DISK).any()
+    return engine
+
+
+def test_a_host_parked_layer_holds_its_pages_in_tensors_of_their_own_size(make_engine):
+    """Parked on the host, a layer's host pages leave the pool's slabs (fixed-size, in part empty) for a copy of
+    their own size, and the ring's slabs go too; resumed, the layer is as it was, clean copies on disk included."""
+    engine = _with_clean_copies(make_engine, 8)
+    slots = engine.table.lookup(*engine.table.pages_in(DISK))[1]
+    engine.readahead.prefetch(slots)
+    engine.readahead.load(slots[:1])
+    assert engine.readahead.reserved_bytes() > 0
+    before, copies, disk_pages = _state(engine), engine.table.copy_slot.copy(), engine.disk.pages()
+    live = engine.usage()["host"]
+    assert live["reserved_bytes"] > live["bytes"]   # the slabs' empty rows
+    engine.park("host")
+    parked = engine.parked
+    host = engine.usage()["host"]
+    pages = engine.table.pages(HOST)
+    assert parked.host_pages[0].shape == (pages, engine.cfg.page_size, engine.head_dim)
+    assert engine.host.reserved_bytes() == 0 and engine.readahead.reserved_bytes() == 0
+    assert host["reserved_bytes"] == host["bytes"] == parked.host_bytes()
+    assert np.array_equal(engine.table.copy_slot, copies) and engine.disk.pages() == disk_pages
+    engine.restore()
+    _assert_same(before, _state(engine))
+    assert np.array_equal(engine.table.copy_slot, copies) and engine.disk.pages() == disk_pages
+    engine.reset()
+    assert engine.disk.pages() == 0   # no copy's slot was lost on the way
+
+
+def test_a_host_parked_layer_pushed_to_disk_comes_back_as_a_twin_never_parked(make_engine):
+    parked, twin = _with_clean_copies(make_engine, 9), _with_clean_copies(make_engine, 9)
+    parked.park("host")
+    parked.park("disk")
+    assert parked.parked.where == "disk" and parked.parked.host_pages is None
+    assert (parked.table.tier == DISK).all() and parked.usage()["host"]["reserved_bytes"] == 0
+    g = torch.Generator().manual_seed(10)
+    for _ in range(3):
+        k = torch.randn(1, parked.heads, 1, parked.head_dim, generator=g)
+        query = torch.randn(1, parked.heads * 2, 1, parked.head_dim, generator=g)
+        outs = []
+        for engine in (parked, twin):
+            engine.write(k, k)
+            outs.append(engine.attend(query)[0])
+            engine.commit()
+        assert torch.equal(outs[0], outs[1])
+    assert parked.parked is None
+    _assert_same(_state(parked), _state(twin))
+    parked.reset()
+    assert parked.disk.pages() == 0
+
+
+@pytest.mark.parametrize("fails", ["park", "restore"])
+def test_a_host_park_that_runs_out_of_memory_changes_nothing(make_engine, monkeypatch, fails):
+    """No memory for the host pages' copy (park), or for the pool's slabs again (restore): a `CapacityError`,
+    the layer where it was, and the next try goes through."""
+    from kvtier import CapacityError
+    from kvtier.tiers.host import HostPool
+
+    engine = _with_clean_copies(make_engine, 11)
+    before, disk_pages = _state(engine), engine.disk.pages()
+    if fails == "restore":
+        engine.park("host")
+    parked, tier = engine.parked, engine.table.tier.copy()
+    real = HostPool.load if fails == "park" else HostPool.store
+
+    def short(self, *args, **kwargs):
+        raise CapacityError("could not allocate a host slab")
+
+    monkeypatch.setattr(HostPool, real.__name__, short)
+    with pytest.raises(CapacityError, match="host slab"):
+        engine.park("host") if fails == "park" else engine.restore()
+    monkeypatch.undo()
+    assert engine.parked is parked and np.array_equal(engine.table.tier, tier)
+    if fails == "park":
+        assert engine.pool.count > 0 and engine.host.pages() == engine.table.pages(HOST)
+        _assert_same(before, _state(engine))
+        engine.park("host")
+    else:
+        assert engine.pool.count == 0 and engine.host.pages() == 0
+    engine.restore()
+    _assert_same(before, _state(engine))
+    assert engine.disk.pages() == disk_pages
+
+
+def test_a_host_pool_mostly_full_keeps_its_pages_when_parked_on_the_host(make_engine, monkeypatch):
+    """Where little of the pool's slabs is empty, its pages stay in them (no copy out, none back at the restore),
+    through a park to the host, one on to disk and the restore."""
+    from kvtier.engine import parking
+
+    engine = _with_clean_copies(make_engine, 12)
+    host = engine.host
+    monkeypatch.setattr(parking, "SPARE_SHARE", 1 - host.nbytes() / host.reserved_bytes())
+    before, reserved = _state(engine), host.reserved_bytes()
+    engine.park("host")
+    assert engine.parked.host_pages is None and host.reserved_bytes() == reserved
+    assert engine.usage()["host"]["reserved_bytes"] == reserved + engine.parked.host_bytes()
+    engine.restore()
+    _assert_same(before, _state(engine))
+    monkeypatch.setattr(parking, "SPARE_SHARE", 1 - host.nbytes() / host.reserved_bytes() - 1e-9)
+    engine.park("host")
+    assert engine.parked.host_pages is not None and host.reserved_bytes() == 0
+    engine.park("disk")
+    engine.restore()
+    _assert_same(before, _state(engine))

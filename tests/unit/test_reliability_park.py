@@ -364,3 +364,41 @@ def test_a_layer_left_prepared_by_an_interruption_is_undone_by_its_next_park(mod
     tokens, out = continue_greedy(model, cache, logits)
     assert tokens == reference[kind][0] and torch.equal(out, reference[kind][1])
     cache.close()
+
+
+@pytest.mark.parametrize("fails", ["park", "resume"])
+def test_no_memory_for_a_host_park_s_pages_leaves_the_cache_usable(model, reference, tmp_path, monkeypatch, fails):
+    """Parked on the host, a layer's host pages move into memory of their own size (the slabs go), and back into
+    slabs at the restore. Where layer 1's memory is refused (torch's CPU allocator error), a `CapacityError`: a
+    park leaves every layer where it was; a restore leaves the cache usable (layer 0 back, layer 1 parked), and
+    the next step, the shortage over, goes on as the untouched twin."""
+    from kvtier.tiers.host import HostPool
+
+    cache = TieredCache(model.config, disk_dir=tmp_path, scorer="keynorm", **KINDS["no-disk-yet"])
+    logits = prefill(model, cache)
+    if fails == "resume":
+        cache.park("host")
+        assert all(e.parked.host_pages is not None and e.host.reserved_bytes() == 0 for e in cache._engines)
+    state, names = where(cache), files(cache)
+    target = cache._engines[1].host
+    name = "load" if fails == "park" else "reopen"
+    real = getattr(HostPool, name)
+
+    def refused(self, *args, **kwargs):
+        if self is target:
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+                               "memory: you tried to allocate 4194304 bytes. Error code 12 (Cannot allocate memory)")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(HostPool, name, refused)
+    with pytest.raises(CapacityError, match="layer 1"):
+        if fails == "park":
+            cache.park("host")
+        else:
+            cache.resume()
+    if fails == "resume":
+        assert where(cache) == [None, "host"] and cache.broken is None
+        state = where(cache)
+    monkeypatch.undo()
+    check_as_before(model, cache, "no-disk-yet", (state, logits, names), reference)
+    cache.close()
