@@ -65,19 +65,21 @@ def compare_resume(model: Any, prompt: torch.Tensor, make_cache: Callable[[], An
                    ) -> tuple[list[ResumeRow], bool, dict]:
     """Prefill `prompt` once into `make_cache()`, then time, for `rounds` rounds, each row's first step after the
     conversation's return (the next token after the prompt). Returns the rows, whether every row's logits were
-    the same bits, and `stats()` of the cache live, parked on the host and parked on disk (what a restore reads),
-    by those names."""
+    the same bits, and `stats()` by name: "prefilled" (the cache that ran the prompt), "copy" (a row's copy of it,
+    live, as each row starts: the copy packs its host pages into slabs of its own), "host" and "disk" (such a
+    copy parked there: what a restore reads)."""
     say = progress or (lambda s: None)
     master = make_cache()
     try:
         logits = model(prompt, **cache_kwargs(master)).logits[:, -1:]
         token = logits.argmax(-1)
         rows = rows_for(thinks)
-        reference, identical, parked_stats = None, True, {"live": master.stats()}
+        reference, identical, parked_stats = None, True, {"prefilled": master.stats()}
         for r in range(rounds):
             for row in rows:
                 cache = copy.deepcopy(master)
                 try:
+                    parked_stats["copy"] = cache.stats()
                     if row.parked is not None:
                         cache.park(row.parked)
                         parked_stats[row.parked] = cache.stats()

@@ -261,8 +261,10 @@ def resume(context: int, rounds: int, think_ms: str, device_budget: str, host_bu
         "settings": {"device_budget": budget, "host_budget": host, "recall_pages": recall_pages, "scorer": scorer,
                      "cold_disk": cold_disk},
         "parked_disk_bytes": parked["disk"]["disk"]["bytes"],
-        # host memory held (`stats()["host"]["reserved_bytes"]`): live, and parked there
-        "live_host_reserved_bytes": parked["live"]["host"]["reserved_bytes"],
+        # host memory held (`stats()["host"]["reserved_bytes"]`): by the cache that ran the prompt, by a copy of it
+        # (its host pages packed into new slabs) live and parked on the host
+        "prefilled_host_reserved_bytes": parked["prefilled"]["host"]["reserved_bytes"],
+        "live_host_reserved_bytes": parked["copy"]["host"]["reserved_bytes"],
         "parked_host_reserved_bytes": parked["host"]["host"]["reserved_bytes"],
         "rows": [{"row": r.name, "think_ms": None if r.think_seconds is None else r.think_seconds * 1000,
                   "first_token_ms": round(r.median_seconds * 1000, 2),
@@ -276,7 +278,8 @@ def resume(context: int, rounds: int, think_ms: str, device_budget: str, host_bu
         return
     click.echo(f"\ncontext {context:,} tokens parked on disk ({out['parked_disk_bytes'] / 2**20:,.1f} MiB), "
                f"{'cold' if cold_disk else 'warm'} disk, {rounds} rounds, {device}; host memory held "
-               f"{out['live_host_reserved_bytes'] / 2**20:,.1f} MiB live, "
+               f"{out['prefilled_host_reserved_bytes'] / 2**20:,.1f} MiB by the prefilled cache, by a copy "
+               f"{out['live_host_reserved_bytes'] / 2**20:,.1f} MiB live and "
                f"{out['parked_host_reserved_bytes'] / 2**20:,.1f} MiB parked on the host")
     for r in out["rows"]:
         click.echo(f"  {r['row']:<28}{r['first_token_ms']:>9.1f} ms to the first token   "

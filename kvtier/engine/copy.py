@@ -16,7 +16,7 @@ from .layer import LayerEngine
 
 _PAGES_PER_BATCH = 1024   # pages moved at a time, so a copy's extra memory stays bounded
 _SWITCHES = ("device_recall", "select_kernels", "defer_nan", "write_in_attention", "prefetch_in_step", "cuda_graphs",
-             "promote_every")
+             "promote_every", "host_slab_bytes")
 
 
 def copy_layer(src: LayerEngine, dst: LayerEngine) -> None:

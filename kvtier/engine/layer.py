@@ -16,7 +16,7 @@ import torch
 
 from .. import native
 from ..config import TieredCacheConfig
-from ..errors import CapacityError, ScorerError, UnsupportedError
+from ..errors import CapacityError, ScorerError, UnsupportedError, is_resource_error
 from ..placement import page_rank, plan_device_demotion, plan_host_overflow, protected_count
 from ..placement.page_table import DISK, HOST, PageTable
 from ..recall import PageIndex, grouped, select_pages
@@ -24,7 +24,8 @@ from ..recall.buffer import BufferLayout, RecallBuffer
 from ..scoring import (QueryScorer, Scorer, capturable, checked_scores, nan_error, needs_query, ranking_scores,
                        scorer_name)
 from ..tiers.device import DevicePool
-from ..tiers.host import HostPool
+from ..tiers.host import SLAB_BYTES, HostPool
+from ..tiers.pinned import empty_pinned_cache
 from ..tiers.readahead import DiskReadAhead
 from .device_step import DeviceDecoding
 from .fetch import PROMOTE_EVERY, PageFetching
@@ -127,6 +128,7 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
         self._steady_how: tuple | None = None
         self._recall_clock = 0   # recalls that brought pages up, to cool the page table's use counts every `COOL_EVERY`
         self.promote_every = PROMOTE_EVERY   # such recalls between rounds that keep disk pages on the host
+        self.host_slab_bytes = SLAB_BYTES    # the host pool's slab size (read when the layer takes its first step)
         # host pages the disk refused (`_host_overflow`): demotions to let pass before trying again, and how many
         # tries in a row failed (the wait doubles with each, so a disk that stays full is not written to with the
         # whole backlog at every demotion)
@@ -147,7 +149,7 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
         if self.cfg.mode == "tier":
             self.index = PageIndex(self.heads, self.cfg.page_size, self.head_dim, dtype, device, self.pin)
             self.index.native_select = self.select_kernels
-            self.tiers[0] = HostPool(self.cfg.page_size, self.head_dim, dtype, self.pin)
+            self.tiers[0] = HostPool(self.cfg.page_size, self.head_dim, dtype, self.pin, self.host_slab_bytes)
 
     def take_gpu_path(self, plan_on_device: bool = True) -> None:
         """Take the decode path a CUDA device takes, on whatever device this layer runs: recall planned on the
@@ -599,6 +601,32 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
             self._spill_wait = 2 ** self._spill_failures - 1
             return
         self._spill_wait = self._spill_failures = 0   # a try past twice the budget may land while others wait
+        self._compact_host()
+
+    def _compact_host(self) -> None:
+        """Give back the host pool's slabs that its pages no longer need: a prompt's demotion passes through the
+        host on its way to disk, and the slabs it grew would otherwise stay for the cache's life. The pool keeps
+        half a slab of room past its pages (`HostPool.compact`), more than a decode step's demotion adds before
+        the spill that follows it, so slabs are not let go and taken again step after step."""
+        host = self.host
+        if not host.spare_slabs():
+            return
+        self.table.settle()   # copies still landing in the slots
+        try:
+            old, new = host.compact()
+        except Exception as e:   # no memory for the copy: the pool stays as it was (only a memory figure waits)
+            if isinstance(e, CapacityError) or is_resource_error(e):
+                return
+            raise
+        if len(old):
+            heads, pids = self.table.pages_in(HOST)
+            slots = self.table.lookup(heads, pids)[1]
+            order = np.argsort(slots)
+            at = order[np.searchsorted(slots, old, sorter=order)]
+            h, p = heads[at].astype(np.int64), pids[at].astype(np.int64)
+            self.table.place(h, p, HOST, new, copies=self.table.copies(h, p))   # clean copies on disk stay theirs
+        if self.pin:
+            empty_pinned_cache()   # the slabs let go: to the system, not to torch's cache
 
     def move_down(self, heads: np.ndarray, pids: np.ndarray) -> None:
         """Move host pages ``(heads[i], pids[i])`` to disk, then free their host slots (all or nothing): a page
@@ -713,10 +741,12 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
             host_slots = parked.store_host_pages(got, self.host)
         except BaseException:
             # all or nothing: the device lets go of what it took back (its host pages could not come back, say),
-            # and the layer stays parked as it was
+            # and the layer stays parked as it was, the host pool too (the slabs `reopen` and `store` took go again)
             self.pool.clear()
             if self.index is not None:
                 self.index.release()
+            if self.host is not None:
+                self.host.release()
             raise
         try:
             parked.release(got, host_slots, self.disk, self.table, self.readahead)

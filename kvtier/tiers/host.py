@@ -19,6 +19,7 @@ from .base import slot_numbers
 from .slabs import SlabRows
 
 SLAB_BYTES = 4 << 20
+COMPACT_BATCH = 1024   # pages `compact` moves at a time
 
 
 class HostPool:
@@ -153,6 +154,46 @@ class HostPool:
         n = len(s) if back.all() else int(np.argmin(back))
         self._next -= n
         self._free.extend(s[:len(s) - n][::-1].tolist())
+
+    def _slabs_needed(self) -> int:
+        """Slabs for the pages held and half a slab more (so that the pages a demotion adds before the next
+        spill to disk fit without a new slab); one at least (a layer's steps read the first)."""
+        per = self.k.rows_per_slab
+        return max(1, -(-(self._used + per // 2) // per))
+
+    def spare_slabs(self) -> int:
+        """Slabs more than `compact` would keep."""
+        return max(0, len(self.k.slabs) - self._slabs_needed())
+
+    def compact(self) -> tuple[np.ndarray, np.ndarray]:
+        """Move the pages held past the slabs the pool needs into the lowest free slots below, and let the slabs
+        emptied go (the device's reads of them are waited for first). Returns the moved pages' old and new
+        slots, for the caller's page table. The pages are copied before anything else changes: a copy that
+        fails (no memory for it) leaves the pool as it was."""
+        per = self.k.rows_per_slab
+        keep = self._slabs_needed()
+        none = np.empty(0, dtype=np.int64)
+        if len(self.k.slabs) <= keep:
+            return none, none
+        self._settle()
+        cut = keep * per
+        held = np.flatnonzero(self._held[:self._next])
+        old = held[held >= cut]
+        new = np.flatnonzero(~self._held[:cut])[:len(old)]
+        for a in range(0, len(old), COMPACT_BATCH):   # a batch at a time: the copy's memory stays bounded
+            src = torch.from_numpy(old[a:a + COMPACT_BATCH])
+            rows = torch.from_numpy(new[a:a + COMPACT_BATCH])
+            self.k.scatter(rows, self.k.gather(src))   # into free slots: a failure leaves every page where it was
+            self.v.scatter(rows, self.v.gather(src))
+        self._held[new] = True
+        self._held[old] = False
+        now = np.flatnonzero(self._held[:cut])
+        self._next = int(now[-1]) + 1 if len(now) else 0
+        self._free = np.flatnonzero(~self._held[:self._next])[::-1].tolist()   # a stack, the lowest on top
+        self._written = min(self._written, cut)   # slots past it will lie in new slabs, never read
+        self.k.shrink(keep)
+        self.v.shrink(keep)
+        return old, new
 
     def pages(self) -> int:
         return self._used

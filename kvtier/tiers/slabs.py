@@ -2,7 +2,7 @@
 
 A growing tensor that is reallocated and copied costs a full copy at every growth, briefly holds twice the
 memory, and (pinned, on CUDA) leaves the caching allocator with blocks rounded up to powers of two. Slabs
-are allocated as needed and released on `close`; a row's address never changes.
+are allocated as needed and released on `close` (or, once emptied, by `shrink`); a row's address never changes.
 """
 
 from __future__ import annotations
@@ -111,6 +111,12 @@ class SlabRows:
                 break
             out.append((start, slab[:n - start]))
         return out
+
+    def shrink(self, slabs: int) -> None:
+        """Let the slabs past the first `slabs` go (the caller moved every row it needs below them)."""
+        if len(self.slabs) > slabs:
+            del self.slabs[slabs:]
+            self._addresses = None   # a new table, so nothing keyed by the old one stands for the new slabs
 
     def nbytes(self) -> int:
         """Bytes allocated (all slabs)."""

@@ -127,8 +127,8 @@ def test_bench_json():
 def test_bench_resume_json(disk):
     """`kvtier bench resume`: a row never parked, one parked on the host, one restored on demand from disk and one
     per think time, each starting from a copy of the same cache; every row's logits the same bits, the rows read
-    ahead taking every layer; parked on the host, the conversation holds less host memory than live (the host
-    pool's slabs, in part empty, go)."""
+    ahead taking every layer; parked on the host, a copy holds less host memory than live (the host pool's slabs,
+    in part empty, go), and live no more than the cache that ran the prompt."""
     result = run("bench", "resume", "--context", "400", "--rounds", "1", "--think-ms", "0,20", "--scorer",
                  "keynorm", disk, "--json")
     assert result.exit_code == 0, result.output
@@ -140,6 +140,7 @@ def test_bench_resume_json(disk):
     assert [r["layers_read_ahead"] for r in data["rows"]] == [0, 0, 0, 30, 30]
     assert data["parked_disk_bytes"] > 0 and all(r["first_token_ms"] > 0 for r in data["rows"])
     assert 0 < data["parked_host_reserved_bytes"] < data["live_host_reserved_bytes"]
+    assert data["live_host_reserved_bytes"] <= data["prefilled_host_reserved_bytes"]
 
 
 def test_bench_decode_cold_disk(monkeypatch):

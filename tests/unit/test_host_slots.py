@@ -3,7 +3,8 @@
 The rule modelled: a batch takes the freed slots first, the most recently freed batch's lowest first (a stack of
 freed batches, each pushed lowest on top), then never used slots in order; a freed batch that ends at the last
 slot ever handed out gives that tail back to the never-used range (a failed demotion returns its slots and leaves
-the pool as it was). Slabs are added only when the free slots cannot hold a batch.
+the pool as it was). Slabs are added only when the free slots cannot hold a batch. `compact` keeps the slabs the
+pages need plus half a slab, moving the pages past them into the lowest free slots below, in order.
 """
 
 from __future__ import annotations
@@ -43,6 +44,19 @@ class Model:
             self.next -= 1
             s.pop()
         self.stack.extend(reversed(s))
+
+    def compact(self, slabs: int) -> tuple[int, dict[int, int]]:
+        """The slabs kept and the moves (old slot -> new slot) of a pool of `slabs` slabs."""
+        keep = max(1, -(-(len(self.held) + PER_SLAB // 2) // PER_SLAB))
+        if slabs <= keep:
+            return slabs, {}
+        cut = keep * PER_SLAB
+        old = sorted(s for s in self.held if s >= cut)
+        moves = dict(zip(old, [s for s in range(cut) if s not in self.held]))
+        self.held = (self.held - set(old)) | set(moves.values())
+        self.next = max(self.held) + 1 if self.held else 0
+        self.stack = [s for s in range(self.next) if s not in self.held][::-1]
+        return keep, moves
 
 
 @settings(max_examples=150, deadline=None)
@@ -92,3 +106,43 @@ def test_a_slot_that_holds_no_page_is_refused_by_free():
     with pytest.raises(ValueError, match="holds no page"):
         pool.free(sa)
     pool.close()
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["store", "free", "compact"]), st.integers(1, 20),
+                          st.randoms(use_true_random=False)), max_size=30))
+def test_compaction_follows_the_model_and_keeps_every_page(ops):
+    """Stores, frees and compactions in any order: the slots follow the model, every page held reads back what
+    was stored, and a compaction lets go of every slab past those it keeps."""
+    pool = HostPool(2, 4, torch.float32, pin=False, slab_bytes=PER_SLAB * 2 * 4 * 4)
+    model = Model()
+    pages: dict[int, float] = {}   # slot -> the value its page was filled with
+    made = 0
+    for op, n, rnd in ops:
+        if op == "store" or not pages and op == "free":
+            values = torch.arange(made, made + n, dtype=torch.float32)
+            made += n
+            k = values[:, None, None].expand(n, 2, 4).contiguous()
+            got = pool.store(k, -k)
+            assert got.tolist() == model.take(n)
+            pages.update(zip(got.tolist(), values.tolist()))
+        elif op == "free":
+            gone = [s for s in pages if rnd.random() < 0.5] or [rnd.choice(sorted(pages))]
+            pool.free(np.array(gone, dtype=np.int64))
+            model.free(gone)
+            for s in gone:
+                del pages[s]
+        else:
+            slabs = len(pool.k.slabs)
+            old, new = pool.compact()
+            keep, moves = model.compact(slabs)
+            assert dict(zip(old.tolist(), new.tolist())) == moves
+            assert len(pool.k.slabs) == len(pool.v.slabs) == keep
+            pages = {moves.get(s, s): value for s, value in pages.items()}
+        assert pool.pages() == len(model.held) == len(pages) and set(pages) == model.held
+        if pages:
+            slots = np.array(sorted(pages), dtype=np.int64)
+            k, v = pool.load(slots)
+            want = torch.tensor([pages[s] for s in slots.tolist()])
+            assert torch.equal(k[:, 0, 0], want) and torch.equal(v[:, 1, 3], -want)
+            assert slots.max() < pool.k.capacity
