@@ -180,16 +180,20 @@ class HostPool:
         held = np.flatnonzero(self._held[:self._next])
         old = held[held >= cut]
         new = np.flatnonzero(~self._held[:cut])[:len(old)]
+        # the bookkeeping after the move, worked out first (what may fail, an allocation, before anything changes)
+        after = self._held[:cut].copy()
+        after[new] = True
+        now = np.flatnonzero(after)
+        next_slot = int(now[-1]) + 1 if len(now) else 0
+        free = np.flatnonzero(~after[:next_slot])[::-1].tolist()   # a stack, the lowest on top
         for a in range(0, len(old), COMPACT_BATCH):   # a batch at a time: the copy's memory stays bounded
             src = torch.from_numpy(old[a:a + COMPACT_BATCH])
             rows = torch.from_numpy(new[a:a + COMPACT_BATCH])
             self.k.scatter(rows, self.k.gather(src))   # into free slots: a failure leaves every page where it was
             self.v.scatter(rows, self.v.gather(src))
-        self._held[new] = True
-        self._held[old] = False
-        now = np.flatnonzero(self._held[:cut])
-        self._next = int(now[-1]) + 1 if len(now) else 0
-        self._free = np.flatnonzero(~self._held[:self._next])[::-1].tolist()   # a stack, the lowest on top
+        self._held[:cut] = after
+        self._held[cut:] = False
+        self._next, self._free = next_slot, free
         self._written = min(self._written, cut)   # slots past it will lie in new slabs, never read
         self.k.shrink(keep)
         self.v.shrink(keep)

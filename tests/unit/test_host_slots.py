@@ -10,6 +10,7 @@ pages need plus half a slab, moving the pages past them into the lowest free slo
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -146,3 +147,39 @@ def test_compaction_follows_the_model_and_keeps_every_page(ops):
             want = torch.tensor([pages[s] for s in slots.tolist()])
             assert torch.equal(k[:, 0, 0], want) and torch.equal(v[:, 1, 3], -want)
             assert slots.max() < pool.k.capacity
+
+
+@pytest.mark.parametrize("failing_call", [1, 2, 3, 4])
+def test_a_compaction_that_runs_out_of_memory_leaves_the_pool_as_it_was(monkeypatch, failing_call):
+    """No memory at any of the slot arrays a compaction works out (numpy's `flatnonzero`, 4 calls): every one is
+    made before the pool changes, so the pool is as it was, and the next compaction goes through."""
+    from kvtier.tiers import host as host_module
+
+    pool = HostPool(2, 4, torch.float32, pin=False, slab_bytes=PER_SLAB * 2 * 4 * 4)
+    k = torch.arange(40, dtype=torch.float32)[:, None, None].expand(40, 2, 4).contiguous()
+    slots = pool.store(k, -k)
+    pool.free(slots[5:35])
+    kept = np.concatenate([slots[:5], slots[35:]])
+    before = (pool._held.copy(), pool._next, list(pool._free), len(pool.k.slabs), pool.load(kept)[0].clone())
+
+    class ShortOfMemory:
+        calls = 0
+
+        def __getattr__(self, name):
+            return getattr(np, name)
+
+        def flatnonzero(self, a):
+            self.calls += 1
+            if self.calls == failing_call:
+                raise MemoryError()
+            return np.flatnonzero(a)
+
+    monkeypatch.setattr(host_module, "np", ShortOfMemory())
+    with pytest.raises(MemoryError):
+        pool.compact()
+    monkeypatch.undo()
+    after = (pool._held, pool._next, pool._free, len(pool.k.slabs), pool.load(kept)[0])
+    assert np.array_equal(before[0], after[0]) and before[1:4] == after[1:4] and torch.equal(before[4], after[4])
+    old, new = pool.compact()
+    assert len(old) == 5 and len(pool.k.slabs) < before[3]
+    assert torch.equal(pool.load(np.concatenate([kept[:5], new]))[0], before[4])
