@@ -622,7 +622,10 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
             heads, pids = self.table.pages_in(HOST)
             slots = self.table.lookup(heads, pids)[1]
             order = np.argsort(slots)
-            at = order[np.searchsorted(slots, old, sorter=order)]
+            at = order[np.minimum(np.searchsorted(slots, old, sorter=order), len(slots) - 1)]
+            if not np.array_equal(slots[at], old):   # never: the pool moved a page the table does not place there
+                raise RuntimeError(f"layer {self.layer_idx}: the host pool moved pages from slots the page table "
+                                   "does not name; the cache cannot go on")
             h, p = heads[at].astype(np.int64), pids[at].astype(np.int64)
             self.table.place(h, p, HOST, new, copies=self.table.copies(h, p))   # clean copies on disk stay theirs
         if self.pin:
