@@ -31,7 +31,7 @@ def test_coldest_sessions_go_to_disk_then_are_dropped():
     one_host = stats["host"]["bytes"] + stats["device"]["bytes"] + stats["device"]["index_bytes"]
     caches["s0"].park("host")
     assert caches["s0"].stats()["host"]["bytes"] == one_host and caches["s0"].stats()["device"]["index_bytes"] == 0
-    held = caches["s0"].stats()["host"]["reserved_bytes"]   # what the budget counts: the memory held, slabs whole
+    held = caches["s0"].stats()["host"]["reserved_bytes"]   # what the budget counts: the memory held
     assert held >= one_host
     store = SessionStore(host_bytes=2 * held, disk_bytes=None)
     for name, cache in caches.items():
@@ -52,6 +52,21 @@ def test_coldest_sessions_go_to_disk_then_are_dropped():
     with pytest.raises(KeyError, match=f"no parked session 's0' \\(a session 's0' was closed to keep the parked "
                                        f"sessions within disk_bytes={store.disk_bytes:,}: see `dropped`\\)"):
         store.resume("s0")
+    store.close()
+
+
+def test_sessions_parked_on_the_host_count_their_pages_not_their_slabs():
+    """A session parked on the host holds its pages at their size (the host pool's slabs, a few MiB each and mostly
+    empty here, go): a store sized for four such sessions keeps all four on the host."""
+    caches = {f"s{i}": _session(seed=i) for i in range(4)}
+    stats = caches["s0"].stats()
+    one_host = stats["host"]["bytes"] + stats["device"]["bytes"] + stats["device"]["index_bytes"]
+    assert stats["host"]["reserved_bytes"] > 4 * one_host   # live, each layer holds a slab for keys and one for values
+    store = SessionStore(host_bytes=4 * one_host)
+    for name, cache in caches.items():
+        store.park(name, cache)
+    assert store.where() == {name: "host" for name in caches}
+    assert store.host_bytes_used() == 4 * one_host
     store.close()
 
 
