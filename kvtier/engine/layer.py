@@ -627,7 +627,7 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
                 raise RuntimeError(f"layer {self.layer_idx}: the host pool moved pages from slots the page table "
                                    "does not name; the cache cannot go on")
             h, p = heads[at].astype(np.int64), pids[at].astype(np.int64)
-            self.table.place(h, p, HOST, new, copies=self.table.copies(h, p))   # clean copies on disk stay theirs
+            self.table.reslot(h, p, new)
         if self.pin:
             empty_pinned_cache()   # the slabs let go: to the system, not to torch's cache
 

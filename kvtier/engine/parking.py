@@ -93,8 +93,7 @@ class ParkedLayer:
         if self.host_pages is None:
             return
         heads, pids = self.was_on_host
-        # their clean copies on disk (pages brought up from it) stay theirs
-        table.place(heads, pids, HOST, np.arange(len(heads), dtype=np.int64), copies=table.copies(heads, pids))
+        table.reslot(heads, pids, np.arange(len(heads), dtype=np.int64))
         host.clear()
 
     def host_bytes(self) -> int:
@@ -215,9 +214,11 @@ class ParkedLayer:
         table learns where those are, and the parking slots and file go. Bookkeeping only: nothing here fails."""
         if host_slots is not None:
             heads, pids = self.was_on_host
-            disk_slots = restored["host_pages"][0]   # None: parked on the host, the clean copies on disk stay
-            table.place(heads, pids, HOST, host_slots, copies=table.copies(heads, pids) if disk_slots is None else None)
-            if disk_slots is not None:
+            disk_slots = restored["host_pages"][0]   # None: parked on the host, from the copy's rows
+            if disk_slots is None:
+                table.reslot(heads, pids, host_slots)
+            else:
+                table.place(heads, pids, HOST, host_slots)
                 if readahead is not None:
                     readahead.forget(disk_slots)
                 disk.free(disk_slots)

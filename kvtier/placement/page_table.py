@@ -137,6 +137,15 @@ class PageTable:
             ch["copy"][h[sel], o[sel]] = -1 if copies is None else copies[sel]
         self.version += 1
 
+    def reslot(self, heads: np.ndarray, pids: np.ndarray, slots: np.ndarray) -> None:
+        """Record that pages ``(heads[i], pids[i])`` moved to `slots` within their tier (a host pool's compaction, a
+        host park's copy and back): unlike `place`, their clean copies on disk stay theirs."""
+        h, c, o = self._cells(heads, pids)
+        for ci in np.unique(c):
+            sel = c == ci
+            self._chunks[ci]["slot"][h[sel], o[sel]] = slots[sel]
+        self.version += 1
+
     def copies(self, heads: np.ndarray, pids: np.ndarray) -> np.ndarray:
         """The disk slot of each page's clean copy (-1: none)."""
         return self._gather(("copy",), heads, pids)[0]
