@@ -1,11 +1,11 @@
-"""A conversation coming back from disk: the time from its return to its first token, with its parked layers
-restored on demand at that step, or read back ahead (`TieredCache.prefetch_parked`) while the application waited.
+"""A conversation coming back from disk or host memory: the time from its return to its first token, with its
+parked layers restored on demand at that step, or read back ahead (`TieredCache.prefetch_parked`; on the host,
+their host slabs filled ahead) while the application waited.
 
-Every row starts from a copy of the same prefilled cache (`copy.deepcopy`), parked on disk and, for a cold
-disk, dropped from the operating system's page cache before the clock starts; the rows take turns round by
-round, so a drift in the machine's speed meets them alike. A row of copies never parked gives the step's own
-cost, and a row parked in host memory what coming back from there costs. Every row must give the same logits,
-bit for bit.
+Every row starts from a copy of the same prefilled cache (`copy.deepcopy`), parked (on disk, or in host memory)
+and, for a cold disk, dropped from the operating system's page cache before the clock starts; the rows take
+turns round by round, so a drift in the machine's speed meets them alike. A row of copies never parked gives the
+step's own cost. Every row must give the same logits, bit for bit.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ class ResumeRow:
     think_seconds: float | None        # None: restored on demand; for the row never parked, nothing to restore
     parked: str | None                 # where the conversation waits ("host", "disk"), None: never parked
     first_token_seconds: list[float] = field(default_factory=list)   # per round: return -> the step's logits
+    restore_seconds: list[float] = field(default_factory=list)       # per round: return -> every layer back
     waited_seconds: list[float] = field(default_factory=list)        # per round: the restore waiting for reads
     layers_read_ahead: list[int] = field(default_factory=list)
 
@@ -52,9 +53,11 @@ def drop_from_page_cache(folder: str) -> None:
 
 
 def rows_for(thinks: list[float]) -> list[ResumeRow]:
-    """The rows a run times: never parked, restored on demand, and read ahead for each think time."""
-    rows = [ResumeRow("never parked", None, parked=None), ResumeRow("parked on the host", None, parked="host"),
-            ResumeRow("restored on demand", None, parked="disk")]
+    """The rows a run times: never parked; parked on the host, restored on demand and with its host slabs filled
+    ahead for each think time; parked on disk, restored on demand and read ahead for each think time."""
+    rows = [ResumeRow("never parked", None, parked=None), ResumeRow("parked on the host", None, parked="host")]
+    rows += [ResumeRow(f"host, prefetch {t * 1000:g} ms later", t, parked="host") for t in thinks]
+    rows.append(ResumeRow("restored on demand", None, parked="disk"))
     rows += [ResumeRow(f"prefetch, {t * 1000:g} ms later", t, parked="disk") for t in thinks]
     return rows
 
@@ -64,7 +67,9 @@ def compare_resume(model: Any, prompt: torch.Tensor, make_cache: Callable[[], An
                    rounds: int, cold: bool, progress: Callable[[str], None] | None = None
                    ) -> tuple[list[ResumeRow], bool, dict]:
     """Prefill `prompt` once into `make_cache()`, then time, for `rounds` rounds, each row's first step after the
-    conversation's return (the next token after the prompt). Returns the rows, whether every row's logits were
+    conversation's return (the next token after the prompt), and apart, within it, the restore (`resume()`, called
+    first, as an application's `SessionStore.resume` would be: what the step would otherwise do first). Returns the
+    rows, whether every row's logits were
     the same bits, and `stats()` by name: "prefilled" (the cache that ran the prompt), "copy" (a row's copy of it,
     live, as each row starts: the copy packs its host pages into slabs of its own), "host" and "disk" (such a
     copy parked there: what a restore reads)."""
@@ -89,6 +94,10 @@ def compare_resume(model: Any, prompt: torch.Tensor, make_cache: Callable[[], An
                         cache.prefetch_parked()
                         time.sleep(row.think_seconds)    # the application waits for its user; the reads go on
                     start = time.perf_counter()
+                    cache.resume()   # what the step's first layer would do, timed on its own
+                    if prompt.is_cuda:
+                        torch.cuda.synchronize(prompt.device)
+                    row.restore_seconds.append(time.perf_counter() - start)
                     out = model(token, **cache_kwargs(cache)).logits
                     if out.is_cuda:
                         torch.cuda.synchronize(out.device)
@@ -101,7 +110,8 @@ def compare_resume(model: Any, prompt: torch.Tensor, make_cache: Callable[[], An
                 if reference is None:
                     reference = out
                 identical = identical and torch.equal(out, reference)
-                say(f"  round {r + 1}/{rounds}  {row.name:<26}{row.first_token_seconds[-1] * 1000:9.1f} ms")
+                say(f"  round {r + 1}/{rounds}  {row.name:<30}{row.first_token_seconds[-1] * 1000:9.1f} ms (restore "
+                    f"{row.restore_seconds[-1] * 1000:.1f} ms)")
         return rows, identical, parked_stats
     finally:
         master.close()

@@ -268,6 +268,7 @@ def resume(context: int, rounds: int, think_ms: str, device_budget: str, host_bu
         "parked_host_reserved_bytes": parked["host"]["host"]["reserved_bytes"],
         "rows": [{"row": r.name, "think_ms": None if r.think_seconds is None else r.think_seconds * 1000,
                   "first_token_ms": round(r.median_seconds * 1000, 2),
+                  "restore_ms": round(statistics.median(r.restore_seconds) * 1000, 2),
                   "rounds_ms": [round(t * 1000, 2) for t in r.first_token_seconds],
                   "on_demand_over_this": round(base / r.median_seconds, 3),
                   "restore_waited_ms": round(statistics.median(r.waited_seconds) * 1000, 2),
@@ -282,8 +283,8 @@ def resume(context: int, rounds: int, think_ms: str, device_budget: str, host_bu
                f"{out['live_host_reserved_bytes'] / 2**20:,.1f} MiB live and "
                f"{out['parked_host_reserved_bytes'] / 2**20:,.1f} MiB parked on the host")
     for r in out["rows"]:
-        click.echo(f"  {r['row']:<28}{r['first_token_ms']:>9.1f} ms to the first token   "
-                   f"on demand / this x{r['on_demand_over_this']:.2f}")
+        click.echo(f"  {r['row']:<30}{r['first_token_ms']:>9.1f} ms to the first token (restore "
+                   f"{r['restore_ms']:6.1f} ms)   on demand / this x{r['on_demand_over_this']:.2f}")
     click.echo(f"  same logits in every row: {'yes' if identical else 'NO'}")
 
 

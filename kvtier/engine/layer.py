@@ -722,7 +722,7 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
 
     def restore(self, got: dict | None = None) -> None:
         """Bring a parked layer back to the state it was parked in (`got`: what `ParkedLayer.read` read of it
-        ahead, `kvtier.engine.unpark`; else it is read now)."""
+        ahead, its host pages in slabs for this layer's pool, `kvtier.engine.unpark`; else it is read now)."""
         parked = self.parked
         if parked is None:
             return
@@ -739,8 +739,8 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
             self.pool.replace(k, v, meta["pos"].to(dev), meta["score"].to(dev))
             if self.index is not None:
                 self.index.load_state({name: meta[name] for name in ("bounds", "codes")})
-            if self.host is not None:   # before the release, after which nothing may fail
-                self.host.reopen()
+            if self.host is not None and "slabs" not in got:   # before the release, after which nothing may fail
+                self.host.reopen()   # (slabs read ahead are the pool's new ones)
             host_slots = parked.store_host_pages(got, self.host)
         except BaseException:
             # all or nothing: the device lets go of what it took back (its host pages could not come back, say),

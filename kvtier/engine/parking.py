@@ -173,15 +173,23 @@ class ParkedLayer:
                 disk.free(written)
         self.discard(disk)
 
-    def read(self, disk, table: PageTable, page_size: int, pin: bool = False) -> dict:
+    def read(self, disk, table: PageTable, page_size: int, pin: bool = False, host=None) -> dict:
         """Everything a restore needs, read and verified first (nothing is changed): the entries ``k, v``
         ``[heads, n, dim]``, the meta, and the pages to put back on the host. With `pin`, the entries are read
         into pinned memory, whose copy to a GPU runs at the link's speed (pinning costs time of its own: for
-        reads made ahead of the restore, `kvtier.engine.unpark`)."""
+        reads made ahead of the restore, `kvtier.engine.unpark`). With the layer's host pool `host` (reads made
+        ahead), the host pages go straight into slabs made for it (``"slabs"``, `HostPool.new_slabs`), which the
+        restore's pool takes whole: filling them, and on a GPU pinning them, is then off the step's path too."""
         if self.where == "host":
             k, v = self.entries
-            back = None if self.host_pages is None else (None, *self.host_pages)
-            return {"k": k, "v": v, "meta": self.meta, "host_pages": back}
+            got = {"k": k, "v": v, "meta": self.meta, "host_pages": None}
+            if self.host_pages is not None:
+                got["host_pages"] = (None, *self.host_pages)
+                if host is not None:
+                    got["slabs"] = slabs = host.new_slabs(len(self.host_pages[0]))
+                    slabs.k.write_range(0, self.host_pages[0])
+                    slabs.v.write_range(0, self.host_pages[1])
+            return got
         H, pages = self.slots.shape
         out = None
         if pin:
@@ -189,13 +197,19 @@ class ParkedLayer:
                         for _ in range(2))
         k, v = disk.load(self.slots.reshape(-1), out=out)
         n = self.count
+        k, v = k.reshape(H, pages * page_size, -1), v.reshape(H, pages * page_size, -1)
+        got = {"k": k[:, :n], "v": v[:, :n], "meta": self.meta_file.read(), "host_pages": None}
         heads, pids = self.was_on_host
-        back = None
         if len(heads):
             disk_slots = table.lookup(heads, pids)[1]
-            back = (disk_slots, *disk.load(disk_slots))
-        k, v = k.reshape(H, pages * page_size, -1), v.reshape(H, pages * page_size, -1)
-        got = {"k": k[:, :n], "v": v[:, :n], "meta": self.meta_file.read(), "host_pages": back}
+            if host is None:
+                got["host_pages"] = (disk_slots, *disk.load(disk_slots))
+            else:   # into the slabs' rows, a slab at a time
+                got["host_pages"] = (disk_slots, None, None)
+                got["slabs"] = slabs = host.new_slabs(len(disk_slots))
+                for (start, k_rows), (_, v_rows) in zip(slabs.k.spans(len(disk_slots)),
+                                                        slabs.v.spans(len(disk_slots))):
+                    disk.load(disk_slots[start:start + len(k_rows)], out=(k_rows, v_rows))
         if pin:   # whole: a cut of pinned memory would go to the device through a pageable copy of itself
             got["pinned"] = (k, v)
         return got
@@ -205,6 +219,8 @@ class ParkedLayer:
         such page). Where it fails (no host memory), nothing the layer holds has changed."""
         if restored["host_pages"] is None:
             return None
+        if "slabs" in restored:   # read ahead into slabs of their own: the pool takes them
+            return host.adopt(restored["slabs"])
         _, hk, hv = restored["host_pages"]
         return host.store(hk, hv)
 

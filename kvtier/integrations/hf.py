@@ -265,8 +265,11 @@ class TieredCache(OneSequence, Cache):
         state, bit for bit, and a read that failed is made again by the restore, which raises what it would have
         raised. Until the restore, the reads hold about the layers' parked bytes in host memory
         (``stats()["resume_prefetch"]["held_bytes"]``); `park()`, `reset()` and `close()` stop them and let them
-        go. Layers parked on the host need no read. Returns whether reads started (False: nothing is parked on
-        disk, reads are under way, or no thread could be started: the restore then reads as it would have).
+        go. Layers parked on the host need no read, but those that let their host pool's slabs go (a pool mostly
+        empty, `park`) have their host pages put into new slabs the same way, which the restore then takes whole
+        (on a GPU, pinned memory: allocating it is off the step's path too). Returns whether the thread started
+        (False: nothing to do ahead, reads are under way, or no thread could be started: the restore then does it
+        all as it would have).
         """
         st = self._state
         st.check()

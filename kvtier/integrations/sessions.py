@@ -95,18 +95,19 @@ class SessionStore:
 
     def resume(self, name: str) -> TieredCache:
         """Take a session back; its layers return to the device at its next step (or `resume()`). Layers parked on
-        disk start being read back at once (`TieredCache.prefetch_parked`), while the caller prepares the next turn."""
+        disk start being read back at once (`TieredCache.prefetch_parked`; on the host, their new host slabs filled),
+        while the caller prepares the next turn."""
         cache = self._parked.pop(self._known(name))
         if not cache.closed and cache.broken is None:   # such a cache says why at its next use
             cache.prefetch_parked()
         return cache
 
     def prefetch(self, name: str) -> bool:
-        """Start reading a session parked on disk back into host memory while it stays here
-        (`TieredCache.prefetch_parked`): for a conversation about to come back, so that `resume` and its next step
-        wait for less. The reads count in `host_bytes_used` until the session is resumed; parking it again, or a
-        later park that must make room in host memory and comes to it, lets them go. Returns whether reads
-        started."""
+        """Start reading a session parked on disk back into host memory while it stays here (parked on the host:
+        filling its layers' new host slabs; `TieredCache.prefetch_parked`): for a conversation about to come back,
+        so that `resume` and its next step wait for less. The reads count in `host_bytes_used` until the session
+        is resumed; parking it again, or a later park that must make room in host memory and comes to it, lets
+        them go. Returns whether reads started."""
         return self._parked[self._known(name)].prefetch_parked()
 
     def _known(self, name: str) -> str:

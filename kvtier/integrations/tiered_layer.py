@@ -19,7 +19,7 @@ from transformers.cache_utils import CacheLayerMixin
 from ..engine.layer import LayerEngine
 from ..engine.resources import SharedResources
 from ..engine.steady_step import SteadyStep, StepMismatch
-from ..engine.unpark import ParkedReads
+from ..engine.unpark import ParkedReads, ahead
 from ..errors import (BrokenCacheError, CapacityError, ClosedCacheError, ConfigError, UnsupportedError,
                       is_resource_error, os_reason)
 from ..switches import check_switches
@@ -113,10 +113,11 @@ class CacheState:
         return any(e.parked is not None for e in self.engines) or any(w.parked for w in self.windows)
 
     def start_reads(self) -> bool:
-        """Start reading the layers parked on disk on a thread (`ParkedReads`), unless reads are under way, none is
-        parked there or no thread can be started (the restore then reads them itself); returns whether they started."""
-        on_disk = [e for e in self.engines if e.parked is not None and e.parked.where == "disk"]
-        if self.reads is not None or not (on_disk or any(w.stored is not None for w in self.windows)):
+        """Start reading the layers parked on disk on a thread (`ParkedReads`), and filling new host slabs for those
+        parked on the host without theirs, unless reads are under way, there is nothing to do ahead or no thread can
+        be started (the restore then does it itself); returns whether they started."""
+        if self.reads is not None or not (any(ahead(e) for e in self.engines) or
+                                          any(w.stored is not None for w in self.windows)):
             return False
         self.reads = ParkedReads(self.engines, self.windows)   # held before its thread starts (see `ParkedReads.start`)
         try:

@@ -177,9 +177,8 @@ class PageIndex:
         rows_n = state["bounds"].shape[0]
         for part in (self.bounds, self.codes):
             part.ensure(rows_n)
-        rows = torch.arange(rows_n)
-        self.bounds.scatter(rows.to(self.device), state["bounds"].to(self.device))
-        self.codes.scatter(rows, state["codes"])
+        self.bounds.write_range(0, state["bounds"].to(self.device, self.bounds.dtype))   # rows 0 .. : slab by slab
+        self.codes.write_range(0, state["codes"].to(self.codes.dtype))
         self.n = rows_n // self.heads
 
     def release(self) -> None:

@@ -10,6 +10,8 @@ in order; the pool grows a slab at a time (about `slab_bytes` each) and never co
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -20,6 +22,24 @@ from .slabs import SlabRows
 
 SLAB_BYTES = 4 << 20
 COMPACT_BATCH = 1024   # pages `compact` moves at a time
+
+
+@dataclass
+class FilledSlabs:
+    """Pages in slabs made apart from any pool (`HostPool.new_slabs`), rows ``0 .. count - 1``: filled off the
+    step's path (a thread reading a parked layer back ahead), then taken whole by an empty pool (`HostPool.adopt`)."""
+
+    k: SlabRows
+    v: SlabRows
+    count: int
+
+    def nbytes(self) -> int:
+        return self.k.nbytes() + self.v.nbytes()
+
+    def pages(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pages ``[count, page_size, head_dim]`` (a copy)."""
+        rows = torch.arange(self.count)
+        return self.k.gather(rows), self.v.gather(rows)
 
 
 class HostPool:
@@ -80,13 +100,18 @@ class HostPool:
             raise ValueError(f"the host pool keeps pages [n, {shape[0]}, {shape[1]}]; got k {tuple(k.shape)}, "
                              f"v {tuple(v.shape)}")
         self._settle()
+        fresh = not self._free   # the slots are then never used ones, in order: a range, copied slab by slab
         slots = self._take(k.shape[0])
         try:
             if len(slots):
                 self._written = max(self._written, int(slots.max()) + 1)
-            rows = torch.from_numpy(slots)
-            self.k.scatter(rows, k)
-            self.v.scatter(rows, v)
+            if fresh and len(slots):
+                self.k.write_range(int(slots[0]), k.to(self.dtype))
+                self.v.write_range(int(slots[0]), v.to(self.dtype))
+            else:
+                rows = torch.from_numpy(slots)
+                self.k.scatter(rows, k)
+                self.v.scatter(rows, v)
         except BaseException:
             self.free(slots)
             raise
@@ -198,6 +223,31 @@ class HostPool:
         self.k.shrink(keep)
         self.v.shrink(keep)
         return old, new
+
+    def new_slabs(self, n: int) -> FilledSlabs:
+        """Slabs for `n` pages laid out as this pool's (pinned as its are), apart from it: the pool does not change,
+        so another thread may fill them (rows ``0 .. n - 1``) while the pool's layer is parked."""
+        k = SlabRows(self.k.row_shape, self.dtype, "cpu", self.k.rows_per_slab, self.pin)
+        v = SlabRows(self.v.row_shape, self.dtype, "cpu", self.v.rows_per_slab, self.pin)
+        k.ensure(max(1, n))
+        v.ensure(k.capacity)
+        return FilledSlabs(k, v, n)
+
+    def adopt(self, filled: FilledSlabs) -> np.ndarray:
+        """Keep the pages of `filled` (`new_slabs`, filled since); returns their slots. An empty pool takes the
+        slabs themselves, so nothing is copied: the pages hold slots ``0 .. n - 1`` and the pool the slabs `store`
+        would have grown, as `store` would have left them. A pool holding pages stores copies of them (`store`)."""
+        n = filled.count
+        if self._used or self._next or filled.k.rows_per_slab != self.k.rows_per_slab:
+            return self.store(*filled.pages())
+        held = np.ones(n, dtype=bool)
+        slots = np.arange(n, dtype=np.int64)
+        self._settle()   # device reads of the slabs let go
+        self.k.adopt(filled.k)
+        self.v.adopt(filled.v)
+        self._held, self._free, self._next, self._used, self._written = held, [], n, n, n
+        self._released = False
+        return slots
 
     def pages(self) -> int:
         return self._used

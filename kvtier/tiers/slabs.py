@@ -57,7 +57,7 @@ class SlabRows:
 
     def addresses(self, device: torch.device) -> torch.Tensor | None:
         """The slabs' addresses for kernels on `device` (`kvtier.native.slab_addresses`), kept until the
-        slabs change: slabs are only ever added, or all let go by `close`."""
+        slabs change (added, let go, or taken from another storage)."""
         if device.type != "cuda":
             return None
         if self._addresses is None or self._addresses[:2] != (device, len(self.slabs)):
@@ -84,6 +84,9 @@ class SlabRows:
     def write_range(self, start: int, values: torch.Tensor) -> None:
         """Rows ``[start, start + n)`` = ``values`` ``[n, *row_shape]``, copied slab by slab on the current stream
         (no index tensor, nothing read back)."""
+        if tuple(values.shape[1:]) != self.row_shape or start < 0 or start + values.shape[0] > self.capacity:
+            raise ValueError(f"write_range: rows [{start}, {start + values.shape[0]}) of {list(values.shape[1:])}; "
+                             f"allowed: rows within 0 .. {self.capacity - 1} of {list(self.row_shape)}")
         write_rows(self.slabs, self.rows_per_slab, start, values)
 
     def write_from(self, rows: np.ndarray, values: torch.Tensor, transfer, jobs: list[int]) -> None:
@@ -117,6 +120,11 @@ class SlabRows:
         if len(self.slabs) > slabs:
             del self.slabs[slabs:]
             self._addresses = None   # a new table, so nothing keyed by the old one stands for the new slabs
+
+    def adopt(self, other: SlabRows) -> None:
+        """Take the slabs of `other` (laid out as these: the same rows per slab) in place of these, which go."""
+        self.slabs, other.slabs = other.slabs, []
+        self._addresses = None
 
     def nbytes(self) -> int:
         """Bytes allocated (all slabs)."""

@@ -125,20 +125,21 @@ def test_bench_json():
 
 @pytest.mark.parametrize("disk", ["--cold-disk", "--warm-disk"])
 def test_bench_resume_json(disk):
-    """`kvtier bench resume`: a row never parked, one parked on the host, one restored on demand from disk and one
-    per think time, each starting from a copy of the same cache; every row's logits the same bits, the rows read
-    ahead taking every layer; parked on the host, a copy holds less host memory than live (the host pool's slabs,
-    in part empty, go), and live no more than the cache that ran the prompt."""
+    """`kvtier bench resume`: a row never parked, then, parked on the host and on disk, one restored on demand and
+    one per think time, each starting from a copy of the same cache; every row's logits the same bits, the rows
+    prefetched taking every layer; parked on the host, a copy holds less host memory than live (the host pool's
+    slabs, in part empty, go), and live no more than the cache that ran the prompt."""
     result = run("bench", "resume", "--context", "400", "--rounds", "1", "--think-ms", "0,20", "--scorer",
                  "keynorm", disk, "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.output[result.output.index("{"):])
     assert data["identical_logits"] is True and data["settings"]["cold_disk"] is (disk == "--cold-disk")
     names = [r["row"] for r in data["rows"]]
-    assert names == ["never parked", "parked on the host", "restored on demand", "prefetch, 0 ms later",
-                     "prefetch, 20 ms later"]
-    assert [r["layers_read_ahead"] for r in data["rows"]] == [0, 0, 0, 30, 30]
-    assert data["parked_disk_bytes"] > 0 and all(r["first_token_ms"] > 0 for r in data["rows"])
+    assert names == ["never parked", "parked on the host", "host, prefetch 0 ms later", "host, prefetch 20 ms later",
+                     "restored on demand", "prefetch, 0 ms later", "prefetch, 20 ms later"]
+    assert [r["layers_read_ahead"] for r in data["rows"]] == [0, 0, 30, 30, 0, 30, 30]
+    assert data["parked_disk_bytes"] > 0 and all(r["first_token_ms"] > r["restore_ms"] >= 0 for r in data["rows"])
+    assert all(r["restore_ms"] > 0 for r in data["rows"][1:])
     assert 0 < data["parked_host_reserved_bytes"] < data["live_host_reserved_bytes"]
     assert data["live_host_reserved_bytes"] <= data["prefilled_host_reserved_bytes"]
 

@@ -110,21 +110,34 @@ def test_a_slot_that_holds_no_page_is_refused_by_free():
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["store", "free", "compact"]), st.integers(1, 20),
+@given(st.lists(st.tuples(st.sampled_from(["store", "adopt", "free", "compact"]), st.integers(1, 20),
                           st.randoms(use_true_random=False)), max_size=30))
 def test_compaction_follows_the_model_and_keeps_every_page(ops):
-    """Stores, frees and compactions in any order: the slots follow the model, every page held reads back what
-    was stored, and a compaction lets go of every slab past those it keeps."""
+    """Stores, adoptions of slabs filled apart, frees and compactions in any order: the slots follow the model,
+    every page held reads back what was stored, a compaction lets go of every slab past those it keeps, and an
+    empty pool takes adopted slabs themselves (a pool holding pages stores copies)."""
     pool = HostPool(2, 4, torch.float32, pin=False, slab_bytes=PER_SLAB * 2 * 4 * 4)
     model = Model()
     pages: dict[int, float] = {}   # slot -> the value its page was filled with
     made = 0
     for op, n, rnd in ops:
-        if op == "store" or not pages and op == "free":
+        if op in ("store", "adopt") or not pages and op == "free":
             values = torch.arange(made, made + n, dtype=torch.float32)
             made += n
             k = values[:, None, None].expand(n, 2, 4).contiguous()
-            got = pool.store(k, -k)
+            if op == "adopt":
+                filled = pool.new_slabs(n)
+                filled.k.write_range(0, k)
+                filled.v.write_range(0, -k)
+                empty, slabs = pool._next == 0, [t.data_ptr() for t in filled.k.slabs]
+                got = pool.adopt(filled)
+                ptrs = [t.data_ptr() for t in pool.k.slabs]
+                if empty:   # the slabs themselves, as many as `store` would have grown
+                    assert ptrs == slabs and len(ptrs) == -(-n // PER_SLAB)
+                else:       # copies, in the pool's own slabs
+                    assert not set(ptrs) & set(slabs)
+            else:
+                got = pool.store(k, -k)
             assert got.tolist() == model.take(n)
             pages.update(zip(got.tolist(), values.tolist()))
         elif op == "free":

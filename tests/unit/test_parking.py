@@ -303,22 +303,27 @@ def test_a_host_parked_layer_holds_its_pages_in_tensors_of_their_own_size(make_e
     assert engine.disk.pages() == 0   # no copy's slot was lost on the way
 
 
+def _decode_alike(a, b, seed, steps=3):
+    """Decode steps of the same random token and query on engines `a` and `b`: the same outputs, bit for bit."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        k = torch.randn(1, a.heads, 1, a.head_dim, generator=g)
+        query = torch.randn(1, a.heads * 2, 1, a.head_dim, generator=g)
+        outs = []
+        for engine in (a, b):
+            engine.write(k, k)
+            outs.append(engine.attend(query)[0])
+            engine.commit()
+        assert torch.equal(outs[0], outs[1])
+
+
 def test_a_host_parked_layer_pushed_to_disk_comes_back_as_a_twin_never_parked(make_engine):
     parked, twin = _with_clean_copies(make_engine, 9), _with_clean_copies(make_engine, 9)
     parked.park("host")
     parked.park("disk")
     assert parked.parked.where == "disk" and parked.parked.host_pages is None
     assert (parked.table.tier == DISK).all() and parked.usage()["host"]["reserved_bytes"] == 0
-    g = torch.Generator().manual_seed(10)
-    for _ in range(3):
-        k = torch.randn(1, parked.heads, 1, parked.head_dim, generator=g)
-        query = torch.randn(1, parked.heads * 2, 1, parked.head_dim, generator=g)
-        outs = []
-        for engine in (parked, twin):
-            engine.write(k, k)
-            outs.append(engine.attend(query)[0])
-            engine.commit()
-        assert torch.equal(outs[0], outs[1])
+    _decode_alike(parked, twin, seed=10)
     assert parked.parked is None
     _assert_same(_state(parked), _state(twin))
     parked.reset()
@@ -378,3 +383,29 @@ def test_a_host_pool_mostly_full_keeps_its_pages_when_parked_on_the_host(make_en
     engine.park("disk")
     engine.restore()
     _assert_same(before, _state(engine))
+
+
+@pytest.mark.parametrize("to", ["host", "disk"])
+def test_a_restore_from_host_slabs_filled_ahead_is_the_restore_on_demand(make_engine, to):
+    """A read made ahead (`ParkedLayer.read` given the layer's host pool) puts the host pages into slabs of their
+    own and changes nothing; the restore's pool takes those slabs whole, and the layer, its pool's bookkeeping
+    included, is as a twin's restored on demand, then decodes as it does."""
+    ahead, twin = _with_clean_copies(make_engine, 13), _with_clean_copies(make_engine, 13)
+    before = _state(ahead)
+    for engine in (ahead, twin):
+        engine.park(to)
+    pages = len(ahead.parked.was_on_host[0])
+    got = ahead.parked.read(ahead.disk, ahead.table, ahead.cfg.page_size, host=ahead.host)
+    filled = got["slabs"]
+    assert filled.count == pages > 0 and ahead.host.reserved_bytes() == 0
+    addresses = [t.data_ptr() for t in (*filled.k.slabs, *filled.v.slabs)]
+    ahead.restore(got)
+    twin.restore()
+    assert [t.data_ptr() for t in (*ahead.host.k.slabs, *ahead.host.v.slabs)] == addresses
+    _assert_same(before, _state(ahead))
+    _assert_same(_state(twin), _state(ahead))
+    a, b = ahead.host, twin.host
+    assert (a._next, a._used, a._written, a._free, a._released) == (b._next, b._used, b._written, b._free, b._released)
+    assert np.array_equal(a._held[:a._next], b._held[:b._next]) and a.reserved_bytes() == b.reserved_bytes()
+    _decode_alike(ahead, twin, seed=14)
+    _assert_same(_state(twin), _state(ahead))

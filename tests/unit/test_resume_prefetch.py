@@ -92,9 +92,11 @@ def test_resume_waits_for_reads_under_way(llama, tmp_path, never_parked, monkeyp
     cache.close()
 
 
-def test_nothing_to_read_ahead(llama, tmp_path):
+def test_nothing_to_do_ahead(llama, tmp_path, monkeypatch):
     live, _ = _prefilled(llama, tmp_path / "a")
+    monkeypatch.setattr(parking, "SPARE_SHARE", 1.0)     # the host pools keep their slabs through the park
     on_host, _ = _prefilled(llama, tmp_path / "b", park="host")
+    assert all(e.parked.host_pages is None for e in on_host._engines)
     assert live.prefetch_parked() is False
     assert on_host.prefetch_parked() is False            # host-parked entries are in memory already
     assert _readers() == []
@@ -103,6 +105,28 @@ def test_nothing_to_read_ahead(llama, tmp_path):
     live.close()
     with pytest.raises(Exception, match="closed"):
         live.prefetch_parked()
+
+
+def test_a_host_park_has_its_new_slabs_filled_ahead_and_the_restore_takes_them(llama, tmp_path, never_parked):
+    """Parked on the host with its host pages out of its pool's slabs, a layer has them put into new slabs ahead;
+    the restore's pool takes those very slabs (nothing copied at the step), and decoding goes on bit for bit."""
+    cache, logits = _prefilled(llama, tmp_path, park="host")
+    engines = cache._engines
+    assert all(e.parked.host_pages is not None and e.host.reserved_bytes() == 0 for e in engines)
+    assert cache.prefetch_parked() is True
+    _wait_for_reads(cache)
+    made = [cache._state.reads._got[id(e)][1]["slabs"] for e in engines]
+    assert cache.stats()["resume_prefetch"]["held_bytes"] == sum(m.nbytes() for m in made) > 0
+    assert all(e.host.reserved_bytes() == 0 for e in engines) and cache.parked == "host"   # nothing changed yet
+    addresses = [[t.data_ptr() for t in (*m.k.slabs, *m.v.slabs)] for m in made]
+    cache.resume()
+    assert [[t.data_ptr() for t in (*e.host.k.slabs, *e.host.v.slabs)] for e in engines] == addresses
+    tokens, last = continue_greedy(llama, cache, logits, n=6)
+    assert (tokens, last.tolist()) == (never_parked[0], never_parked[1].tolist())
+    assert torch.equal(last, never_parked[1])
+    done = cache.stats()["resume_prefetch"]
+    assert done["layers"] == 3 and done["failed"] == 0 and done["held_bytes"] == 0
+    cache.close()
 
 
 def test_a_read_that_failed_ahead_is_made_again_by_the_restore(llama, tmp_path, never_parked, monkeypatch):
