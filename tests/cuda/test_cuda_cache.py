@@ -283,20 +283,28 @@ def test_session_store_on_gpu(cuda_device, tmp_path):
 
 
 @torch.no_grad()
-def test_a_cache_read_back_ahead_on_gpu_goes_on_as_one_never_parked(cuda_device, tmp_path):
-    """`prefetch_parked` on a GPU: the entries are read into pinned memory on the thread, copied whole to the device
-    and cut there; the steps after give the logits of a copy never parked, bit for bit."""
+@pytest.mark.parametrize("to", ["disk", "host"])
+def test_a_cache_read_back_ahead_on_gpu_goes_on_as_one_never_parked(cuda_device, tmp_path, to):
+    """`prefetch_parked` on a GPU: parked on disk, the entries are read into pinned memory on the thread, copied
+    whole to the device and cut there; either way the host pages go into new pinned slabs there, which the host
+    pools take; the steps after give the logits of a copy never parked, bit for bit."""
     model = _llama(cuda_device)
     settings = dict(device_budget=64, host_budget=120, recall_pages=16, scorer="keynorm")
     twin = TieredCache(model.config, disk_dir=tmp_path / "twin", **settings)
     cache = TieredCache(model.config, disk_dir=tmp_path / "parked", **settings)
     ids = _prompt(453, cuda_device)
     first = [model(ids, **cache_kwargs(c)).logits[:, -1:] for c in (twin, cache)]
-    cache.park("disk")
+    cache.park(to)
     assert cache.prefetch_parked()
     cache._state.reads.wait()
     got = next(iter(cache._state.reads._got.values()))[1]
-    assert got["pinned"][0].is_pinned() and got["k"].shape[1] <= got["pinned"][0].shape[1]
+    if to == "disk":
+        assert got["pinned"][0].is_pinned() and got["k"].shape[1] <= got["pinned"][0].shape[1]
+    slabs = got["slabs"]
+    assert slabs.k.slabs[0].is_pinned() and slabs.v.slabs[0].is_pinned()
+    made = slabs.k.slabs[0].data_ptr()
+    cache.resume()
+    assert cache._engines[0].host.k.slabs[0].data_ptr() == made
     out = []
     for c, logits in zip((twin, cache), first):
         steps = [logits]
