@@ -84,10 +84,13 @@ def compare_resume(model: Any, prompt: torch.Tensor, make_cache: Callable[[], An
             for row in rows:
                 cache = copy.deepcopy(master)
                 try:
-                    parked_stats["copy"] = cache.stats()
+                    last = r == rounds - 1   # the memory figures are the last round's (outside the clock)
+                    if last:
+                        parked_stats["copy"] = cache.stats()
                     if row.parked is not None:
                         cache.park(row.parked)
-                        parked_stats[row.parked] = cache.stats()
+                        if last:
+                            parked_stats[row.parked] = cache.stats()
                     if cold and cache.disk_path is not None:
                         drop_from_page_cache(cache.disk_path)
                     if row.think_seconds is not None:
