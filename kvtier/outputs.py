@@ -6,10 +6,13 @@ could not be read by another user of the machine. The cache's own files (pages, 
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 
@@ -29,6 +32,12 @@ def _umask() -> int:
 
 
 def save_tensors(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None) -> None:
-    """`save_file`, then the file's mode as an ordinary file the user makes (0666 less the umask)."""
-    save_file(tensors, str(path), metadata=metadata)
+    """`save_file`, then the file's mode as an ordinary file the user makes (0666 less the umask). A failed write
+    (a full disk, a file-size limit) is an `OSError`, as for any file, where safetensors raises its own error."""
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as e:
+        found = re.search(r"os error (\d+)|code: (\d+)", str(e))   # the system's error number, if it says one
+        code = int(found.group(1) or found.group(2)) if found else errno.EIO
+        raise OSError(code, f"could not write {path}: {os.strerror(code)} ({e})", str(path)) from e
     os.chmod(path, 0o666 & ~_umask())

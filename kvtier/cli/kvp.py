@@ -10,6 +10,7 @@ from pathlib import Path
 
 import click
 
+from ..scoring.kvp import MODEL_SIGNATURE
 from ..training.collect import NEEDLE_SEEDS
 from .common import (THREADS, check_model, check_output_file, check_writable_folder, load,
                      parse_fractions, parse_ints, read_manifest, set_threads, user_errors)
@@ -82,7 +83,7 @@ def traces(out: str, model: str | None, split: str, texts: int, needles: int, pr
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="Weights file (.safetensors).")
 @click.option("--objective", type=click.Choice(["reinforce", "listwise"]), default="reinforce", show_default=True)
 @click.option("--steps", default=300, show_default=True, type=click.IntRange(min=1))
-@click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0))
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**64 - 1))
 @click.option("--threads", default=2, show_default=True, type=THREADS)
 @click.option("--importance", type=click.Choice(["importance", "importance_next", "importance_decay",
                                                  "importance_value"]), default="importance", show_default=True,
@@ -108,9 +109,8 @@ def train(trace_dirs: tuple[str, ...], out: str, objective: str, steps: int, see
         seen[real] = folder
     manifests = [read_manifest(folder, split="train") for folder in trace_dirs]
     first = manifests[0]
-    shape_keys = ("model", "num_layers", "num_kv_heads", "head_dim")
-    for folder, other in zip(trace_dirs[1:], manifests[1:]):
-        differ = [k for k in shape_keys if other[k] != first[k]]
+    for folder, other in zip(trace_dirs[1:], manifests[1:]):   # one model, whatever name it was recorded under
+        differ = [k for k in MODEL_SIGNATURE if k in other and k in first and other[k] != first[k]]
         if differ:
             raise click.BadParameter(
                 f"{folder!r} was recorded with {', '.join(f'{k}={other[k]!r}' for k in differ)}, {trace_dirs[0]!r} "
@@ -128,8 +128,7 @@ def train(trace_dirs: tuple[str, ...], out: str, objective: str, steps: int, see
     except ConfigError as e:
         raise click.BadParameter(str(e), param_hint="'--top-tokens'") from e
     base, base_meta = (None, {}) if age_only is None else load_agents(age_only)
-    signature = ("num_layers", "num_kv_heads", "head_dim", "hidden_size", "vocab_size")   # the model, whatever its name
-    differ = [k for k in signature if k in base_meta and k in first and base_meta[k] != first[k]]
+    differ = [k for k in MODEL_SIGNATURE if k in base_meta and k in first and base_meta[k] != first[k]]
     if differ:
         raise click.BadParameter(
             f"{age_only!r} holds agents of model {base_meta.get('model')!r} "
@@ -143,7 +142,6 @@ def train(trace_dirs: tuple[str, ...], out: str, objective: str, steps: int, see
         data += traces
         corpora += [c for c in [part.get("corpus", "unknown")] if c not in corpora]
         sources |= {t["continuation"] for t in part["traces"]}
-    Path(out).absolute().parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     agents, report = train_agents(data, first["head_dim"], settings, progress=_bar(f"train ({objective})"),
                                   age_only=base)
@@ -155,10 +153,12 @@ def train(trace_dirs: tuple[str, ...], out: str, objective: str, steps: int, see
                 best_step=report["best_step"], best_val_reward=report["best_val_reward"], kvtier_version="0.1.0",
                 settings=report["settings"])
     if base is not None:   # the network is the one given: keep its record, and say what was trained here
+        base_meta.pop("calibration", None)   # the recency term it describes is the one trained here
         meta = {**base_meta,   # save_agents writes format version and sizes afresh
                 "age_term": {"trained_on": meta["training_data"], "objective": objective, "importance": importance,
                              "best_step": report["best_step"], "best_val_reward": report["best_val_reward"],
                              "settings": report["settings"]}}
+    Path(out).absolute().parent.mkdir(parents=True, exist_ok=True)   # only now: a run cut short leaves nothing
     save_agents(agents, out, meta)
     Path(out).with_suffix(".report.json").write_text(json.dumps(report, indent=2))
     click.echo(f"best held-out reward {report['best_val_reward']:.4f} at step {report['best_step']} "
@@ -204,14 +204,17 @@ def calibrate(kvp_path: str, out: str, model: str | None, texts: int, lengths: s
 
     from ..config import ModelShape
     from ..models import load_config
+    from ..scoring import check_scorer_model
     from ..scoring.kvp import KVPScorer, load_agents, save_agents
     from ..training.calibrate import calibrate_recency, with_slope
     from ..training.collect import needle_prompts, text_chunks
 
     set_threads(threads)
     agents, meta = load_agents(kvp_path)
-    shape = ModelShape.from_config(load_config(model))   # refuse another model's weights before the slow load
-    KVPScorer.from_agents(agents, meta).check_model(shape.num_layers, shape.num_kv_heads, shape.head_dim)
+    config = load_config(model)   # refuse another model's weights before the slow load
+    shape = ModelShape.from_config(config)
+    check_scorer_model(KVPScorer.from_agents(agents, meta), shape.num_layers, shape.num_kv_heads, shape.head_dim,
+                       config)
     lm, tok = load(model)
     start = time.perf_counter()
     windows = text_chunks(tok, "train", prompt_lengths, 256, texts, seed, corpus)
@@ -248,14 +251,24 @@ def eval_scorer(trace_dir: str, kvp_path: str | None, budgets: str, markdown: st
     if markdown:
         markdown = check_output_file(markdown, "--markdown")
 
-    from ..scoring.kvp import KVPScorer
+    from ..scoring.kvp import KVPScorer, shipped_matching
     from ..scoring import BASELINES_ATTENTION_BASED, BASELINES_ATTENTION_FREE
     from ..training.evaluate import evaluate_scorers
     from ..training.report import write_scorer_report
     from ..training.traces import load_trace
 
-    kvp = KVPScorer(path=kvp_path, model=manifest["model"])
+    if kvp_path is None:   # the shipped weights of the traces' model, found by its sizes, whatever its name
+        shipped = shipped_matching({k: manifest.get(k) for k in MODEL_SIGNATURE})
+        if shipped is None:
+            raise click.BadParameter(
+                f"no KVP weights ship for the traces' model {manifest['model']!r} "
+                f"({', '.join(f'{k}={manifest.get(k)!r}' for k in MODEL_SIGNATURE)}); allowed: --kvp FILE, weights "
+                "made for it by `kvtier train`", param_hint="'--kvp'")
+        kvp = KVPScorer(model=shipped)
+    else:
+        kvp = KVPScorer(path=kvp_path, model=manifest["model"])
     kvp.check_model(manifest["num_layers"], manifest["num_kv_heads"], manifest["head_dim"])
+    kvp.check_sizes(manifest.get("hidden_size"), manifest.get("vocab_size"))
     raws = [load_trace(Path(trace_dir) / t["file"]) for t in manifest["traces"]]
     result = evaluate_scorers(raws, ["kvp", *BASELINES_ATTENTION_FREE, *BASELINES_ATTENTION_BASED],
                               list(fractions), kvp, progress=_bar("eval", as_json), importance=importance)

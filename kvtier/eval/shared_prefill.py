@@ -72,6 +72,11 @@ class PromptScores:
     def check_model(self, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
         check_scorer_model(self.scorer, num_layers, num_kv_heads, head_dim)
 
+    def check_sizes(self, hidden_size: int | None, vocab_size: int | None) -> None:
+        check_sizes = getattr(self.scorer, "check_sizes", None)
+        if callable(check_sizes):
+            check_sizes(hidden_size, vocab_size)
+
     def age_bias(self, ages: torch.Tensor, layer_idx: int) -> torch.Tensor:
         if isinstance(self.scorer, AgeAware):
             return self.scorer.age_bias(ages, layer_idx)

@@ -142,7 +142,7 @@ class TieredCache(OneSequence, Cache):
         if isinstance(scorer, str):
             _check_scorer_kwargs(scorer, scorer_kwargs)
         self.scorer = make_scorer(scorer, **scorer_kwargs)
-        check_scorer_model(self.scorer, shape.num_layers, shape.num_kv_heads, shape.head_dim)
+        check_scorer_model(self.scorer, shape.num_layers, shape.num_kv_heads, shape.head_dim, config)
         self._shared = SharedResources(self.settings.disk_dir)
         self.counters = self._shared.counters
         self.plan: LayerPlan = plan

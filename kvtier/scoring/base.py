@@ -39,7 +39,7 @@ probing attributes, so this module is the only place that reads the ``needs_quer
 from __future__ import annotations
 
 import inspect
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -150,10 +150,17 @@ def capturable(scorer: object) -> bool:
     return getattr(scorer, "capturable", False) is True and not needs_query(scorer)
 
 
-def check_scorer_model(scorer: object, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
-    """Let a `ModelBound` scorer refuse a model of another shape; every other scorer fits any model."""
+def check_scorer_model(scorer: object, num_layers: int, num_kv_heads: int, head_dim: int,
+                       config: Any = None) -> None:
+    """Let a `ModelBound` scorer refuse a model of another shape; every other scorer fits any model. With the
+    model's `config`, a scorer that also knows the sizes it was trained for (``check_sizes``: KVP) refuses another
+    model of the same shape."""
     if isinstance(scorer, ModelBound):
         scorer.check_model(num_layers, num_kv_heads, head_dim)
+    check_sizes = getattr(scorer, "check_sizes", None)
+    if config is not None and callable(check_sizes):
+        cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+        check_sizes(getattr(cfg, "hidden_size", None), getattr(cfg, "vocab_size", None))
 
 
 def _check_query(name: str, keys: torch.Tensor, query: torch.Tensor, context_keys: torch.Tensor) -> None:

@@ -27,6 +27,8 @@ from .features import AGE_KNOTS, POSITION_FEATURES, age_basis, entry_features, p
 
 FORMAT_VERSION = 1
 SHIPPED = {"SmolLM2-135M-Instruct": "smollm2-135m-instruct.safetensors"}
+# the sizes that tell one model from another, whatever name it was loaded under (recorded with traces and weights)
+MODEL_SIGNATURE = ("num_layers", "num_kv_heads", "head_dim", "hidden_size", "vocab_size")
 
 
 class KVPAgents(torch.nn.Module):
@@ -143,6 +145,18 @@ class KVPScorer:
                 f"{self.shape[1]} KV heads x head size {self.shape[2]}, but the model has {num_layers} x "
                 f"{num_kv_heads} x {head_dim}; train one for this model (`kvtier traces` then `kvtier train`)")
 
+    def check_sizes(self, hidden_size: int | None, vocab_size: int | None) -> None:
+        """Refuse a model of the right shape whose hidden or vocabulary size differs from the one the weights were
+        trained for (recorded with them): another model, whose keys and values the networks never saw. A size not
+        known on either side is not compared."""
+        for name, size in (("hidden_size", hidden_size), ("vocab_size", vocab_size)):
+            trained = self.meta.get(name)
+            if size is not None and trained is not None and size != trained:
+                raise ConfigError(
+                    f"the KVP scorer {self.meta.get('model')!r} was trained for a model with {name}={trained}, but "
+                    f"this model has {name}={size}: another model of the same KV shape; train one for this model "
+                    "(`kvtier traces` then `kvtier train`)")
+
     def _on(self, device: torch.device) -> KVPAgents:
         return self._copy(device)[0]
 
@@ -214,9 +228,15 @@ class KVPScorer:
 def shipped_for(config: Any) -> str | None:
     """The name of the shipped KVP weights trained for a model with this config, if any."""
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-    signature = {"num_layers": getattr(cfg, "num_hidden_layers", None),
-                 "num_kv_heads": getattr(cfg, "num_key_value_heads", None),
-                 "hidden_size": getattr(cfg, "hidden_size", None), "vocab_size": getattr(cfg, "vocab_size", None)}
+    return shipped_matching({"num_layers": getattr(cfg, "num_hidden_layers", None),
+                             "num_kv_heads": getattr(cfg, "num_key_value_heads", None),
+                             "hidden_size": getattr(cfg, "hidden_size", None),
+                             "vocab_size": getattr(cfg, "vocab_size", None)})
+
+
+def shipped_matching(signature: dict[str, Any]) -> str | None:
+    """The name of the shipped KVP weights whose model has every size in `signature` (keys of `MODEL_SIGNATURE`,
+    as the weights record them), if any: a model is known by its sizes, whatever name it was loaded under."""
     for model in SHIPPED:
         path = shipped_path(model)
         if not path.is_file():

@@ -83,6 +83,11 @@ def load_folder(folder: str | Path, sink_tokens: int = DEFAULT_SINK_TOKENS,
                 raise ConfigError(f"{Path(folder) / item['file']}: its {name} hold values that are not finite; "
                                   "allowed: traces of finite numbers (record them again)")
         layers, heads, n, dim = raw["keys"].shape
+        want = tuple(manifest.get(k) for k in ("num_layers", "num_kv_heads", "head_dim"))
+        if None not in want and (layers, heads, dim) != want:   # the networks are per layer and head, in order
+            raise ConfigError(f"{Path(folder) / item['file']}: its keys are {layers} layers x {heads} KV heads x "
+                              f"head size {dim}, but the folder's manifest says {want[0]} x {want[1]} x {want[2]}; "
+                              "allowed: shards of the manifest's model (record the folder again)")
         keep = rankable(n, sink_tokens, recent_tokens)
         feats = entry_features(raw["keys"].reshape(layers * heads, n, dim)[:, keep],
                                raw["values"].reshape(layers * heads, n, dim)[:, keep], raw["positions"][keep])

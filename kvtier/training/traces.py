@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from transformers import DynamicCache
 
@@ -212,7 +213,11 @@ def save_trace(trace: dict[str, torch.Tensor], path: Path) -> None:
 
 
 def load_trace(path: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(path))
+    """A shard `save_trace` wrote; one that is not a readable safetensors file is a `ConfigError` naming it."""
+    try:
+        return load_file(str(path))
+    except SafetensorError as e:
+        raise ConfigError(f"{path}: not a readable trace shard ({e}); record the folder again") from e
 
 
 def read_manifest(folder: str | Path) -> dict[str, Any]:

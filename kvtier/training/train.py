@@ -57,6 +57,8 @@ class TrainSettings:
                               f"({self.tokens_per_trace})")
         if self.samples < 2:
             raise ConfigError(f"samples={self.samples}; allowed: >= 2 (the leave-one-out baseline needs two)")
+        if self.seed >= 2**64:   # torch's generators take 64 bits
+            raise ConfigError(f"seed={self.seed}; allowed: 0 to 2**64 - 1")
 
 
 def ranking(agents: KVPAgents, features: torch.Tensor, ages: torch.Tensor) -> torch.Tensor:
@@ -123,7 +125,7 @@ def train_agents(traces: list[TraceTensors], head_dim: int, settings: TrainSetti
     gen = torch.Generator().manual_seed(settings.seed)
     order = list(range(len(traces)))
     rng.shuffle(order)
-    n_val = max(1, int(round(len(traces) * settings.val_share)))
+    n_val = min(max(1, int(round(len(traces) * settings.val_share))), len(traces) - 1)   # one to train on, at least
     val, train = [traces[i] for i in order[:n_val]], [traces[i] for i in order[n_val:]]
     if age_only is not None:
         if age_only.agents != traces[0].features.shape[0] or age_only.head_dim != head_dim:

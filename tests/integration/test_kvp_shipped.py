@@ -36,6 +36,29 @@ def test_other_model_shape_is_refused():
     assert TieredCache(cfg).settings.scorer_name == "keynorm"  # no KVP weights for this model: the heuristic
 
 
+@pytest.mark.parametrize("sizes, words", [({"hidden_size": 192}, "hidden_size=576, but this model has hidden_size=192"),
+                                          ({"vocab_size": 512}, "vocab_size=49152, but this model has vocab_size=512")])
+def test_another_model_of_the_same_kv_shape_is_refused(sizes, words):
+    """30 layers x 3 KV heads x head size 64, as the default model, but another model: the shipped weights had
+    scored it without a word."""
+    import types
+
+    fields = dict(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64, hidden_size=576,
+                  vocab_size=49152, _attn_implementation="sdpa")
+    cfg = types.SimpleNamespace(**{**fields, **sizes})
+    with pytest.raises(ConfigError, match=words):
+        TieredCache(cfg, scorer="kvp")
+    TieredCache(types.SimpleNamespace(**fields), scorer="kvp").close()   # the default model's own sizes
+
+
+def test_the_shipped_weights_are_found_by_the_model_s_sizes_whatever_its_name():
+    from kvtier.scoring.kvp import MODEL_SIGNATURE, shipped_matching
+
+    signature = dict(zip(MODEL_SIGNATURE, (30, 3, 64, 576, 49152)))
+    assert shipped_matching(signature) == "SmolLM2-135M-Instruct"
+    assert shipped_matching({**signature, "hidden_size": 192}) is None
+
+
 @torch.no_grad()
 def test_scoring_a_real_prefill_is_cheap(default_model):
     model, tok = default_model

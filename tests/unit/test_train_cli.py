@@ -12,7 +12,7 @@ from kvtier.cli import main
 from kvtier.scoring.kvp import load_agents
 
 
-def _folder(tmp_path, traces=4, layers=2, heads=2, dim=8, name="traces"):
+def _folder(tmp_path, traces=4, layers=2, heads=2, dim=8, name="traces", model="toy"):
     folder = tmp_path / name
     folder.mkdir()
     g = torch.Generator().manual_seed(0)
@@ -25,7 +25,7 @@ def _folder(tmp_path, traces=4, layers=2, heads=2, dim=8, name="traces"):
                   str(folder / f"t{i}.safetensors"))
         items.append({"file": f"t{i}.safetensors", "continuation": "text"})
     (folder / "manifest.json").write_text(json.dumps({
-        "model": "toy", "num_layers": layers, "num_kv_heads": heads, "head_dim": dim, "corpus": "synthetic",
+        "model": model, "num_layers": layers, "num_kv_heads": heads, "head_dim": dim, "corpus": "synthetic",
         "traces": items}))
     return folder
 
@@ -46,6 +46,22 @@ def test_train_then_train_the_recency_term_alone(tmp_path):
     assert meta_b["age_term"]["settings"]["lr"] == 0.05 and "synthetic" in meta_b["age_term"]["trained_on"]
 
 
+def test_age_only_drops_the_calibration_record_of_the_term_it_retrains(tmp_path):
+    from kvtier.scoring.kvp import save_agents
+
+    folder = _folder(tmp_path)
+    first, second = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    result = CliRunner().invoke(main, ["train", "--traces", str(folder), "--out", str(first), "--steps", "3",
+                                       "--threads", "1"])
+    assert result.exit_code == 0, result.output
+    agents, meta = load_agents(first)
+    save_agents(agents, first, {**meta, "calibration": {"slope": 2.0}})
+    result = CliRunner().invoke(main, ["train", "--traces", str(folder), "--out", str(second), "--steps", "3",
+                                       "--age-only", str(first), "--threads", "1"])
+    assert result.exit_code == 0, result.output
+    assert "calibration" not in load_agents(second)[1] and load_agents(first)[1]["calibration"] == {"slope": 2.0}
+
+
 def test_train_on_several_folders_of_one_model(tmp_path):
     a, b = _folder(tmp_path, name="a"), _folder(tmp_path, name="b")
     out = tmp_path / "w.safetensors"
@@ -53,6 +69,14 @@ def test_train_on_several_folders_of_one_model(tmp_path):
                                        "--steps", "2", "--threads", "1"])
     assert result.exit_code == 0, result.output
     assert load_agents(out)[1]["training_data"].startswith("8 traces from a, b ")
+
+
+def test_folders_of_one_model_recorded_under_two_names_train_together(tmp_path):
+    """A model is known by its sizes: folders of one model recorded under its id and its local path train together."""
+    a, b = _folder(tmp_path, name="a"), _folder(tmp_path, name="b", model="/models/toy")
+    result = CliRunner().invoke(main, ["train", "--traces", str(a), "--traces", str(b), "--out",
+                                       str(tmp_path / "w.safetensors"), "--steps", "2", "--threads", "1"])
+    assert result.exit_code == 0, result.output
 
 
 def test_train_refuses_folders_of_different_models(tmp_path):

@@ -25,7 +25,8 @@ from kvtier.training.train import TrainSettings
     ("eval_every", 0, "eval_every=0"), ("hidden", 2.0, "hidden=2.0"), ("warmup", -1, "warmup=-1"),
     ("lr", -1.0, "lr=-1.0; allowed: a finite number > 0"), ("lr", float("nan"), "lr=nan"),
     ("val_share", 1.0, "val_share=1.0; allowed: a finite number > 0 and < 1"), ("val_share", 0.0, "val_share=0.0"),
-    ("weight_decay", -0.1, "weight_decay=-0.1; allowed: a finite number >= 0"), ("samples", 1, "samples=1")])
+    ("weight_decay", -0.1, "weight_decay=-0.1; allowed: a finite number >= 0"), ("samples", 1, "samples=1"),
+    ("seed", 2**64, "seed=18446744073709551616; allowed: 0 to 2\\*\\*64 - 1")])
 def test_train_settings_are_checked_by_name(field, value, words):
     with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
         TrainSettings(**{field: value})
@@ -184,3 +185,66 @@ def test_trace_importance_is_the_capped_attention_the_model_computes():
     visible = torch.arange(prompt + steps)[None, :] <= (prompt + torch.arange(steps))[:, None]
     probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)[..., :prompt]
     torch.testing.assert_close(got, probs.amax(dim=1).sum(dim=1))
+
+
+def test_a_held_out_share_that_would_take_every_trace_leaves_one_to_train_on(tmp_path):
+    """Two traces and val_share=0.75: the held-out count rounded up to both, and training failed deep inside
+    (torch.cat of nothing); one trace is now always left to train on."""
+    from kvtier.training.dataset import load_folder
+    from kvtier.training.train import train_agents
+
+    _, traces = load_folder(_folder(tmp_path, "t"))
+    agents, report = train_agents(traces[:2], 8, TrainSettings(steps=2, eval_every=1, val_share=0.75))
+    assert report["best_step"] >= 0
+
+
+def test_shards_of_another_shape_than_their_manifest_are_refused_by_name(tmp_path):
+    """Shards of 1 layer x 4 KV heads under a manifest of 2 x 2 (as many networks) had trained, and the weights,
+    claiming 2 x 2, gave layer 1's heads the networks learned for layer 0's."""
+    folder = _folder(tmp_path, "t")
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest.update(num_layers=1, num_kv_heads=4)
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    result = _train("--traces", folder, "--out", tmp_path / "w.safetensors")
+    assert result.exit_code == 2 and "t0.safetensors" in result.output
+    assert "2 layers x 2 KV heads x head size 8" in result.output and "1 x 4 x 8" in result.output
+
+
+def test_a_damaged_trace_shard_is_named_in_a_one_line_error(tmp_path):
+    folder = _folder(tmp_path, "t")
+    shard = folder / "t1.safetensors"
+    shard.write_bytes(shard.read_bytes()[:200])
+    result = _train("--traces", folder, "--out", tmp_path / "w.safetensors")
+    assert result.exit_code == 2 and "t1.safetensors: not a readable trace shard" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_a_run_cut_short_leaves_no_out_folder(tmp_path, monkeypatch):
+    import kvtier.training.train as train_module
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_module, "train_agents", interrupted)
+    result = _train("--traces", _folder(tmp_path, "t"), "--out", tmp_path / "new" / "dir" / "w.safetensors")
+    assert result.exit_code != 0 and not (tmp_path / "new").exists()
+
+
+def test_a_full_disk_while_saving_weights_is_an_os_error_naming_the_file(tmp_path, monkeypatch):
+    """safetensors raises its own error, not an `OSError`: the command line took a full disk for a bug (a
+    traceback, exit 1) where its contract is one line and exit 3."""
+    import errno
+
+    from safetensors import SafetensorError
+
+    import kvtier.outputs as outputs
+
+    def full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(outputs, "save_file", full)
+    with pytest.raises(OSError) as got:
+        outputs.save_tensors({"x": torch.zeros(2)}, tmp_path / "w.safetensors")
+    assert got.value.errno == errno.ENOSPC and "w.safetensors" in str(got.value)
+    result = _train("--traces", _folder(tmp_path, "t"), "--out", tmp_path / "w.safetensors")
+    assert result.exit_code == 3 and "No space left on device" in result.output and "Traceback" not in result.output
