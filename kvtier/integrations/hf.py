@@ -263,7 +263,8 @@ class TieredCache(OneSequence, Cache):
 
         The restore takes what was read, checked as every disk read is, and is otherwise unchanged: the same
         state, bit for bit, and a read that failed is made again by the restore, which raises what it would have
-        raised. Until the restore, the reads hold about the layers' parked bytes in host memory
+        raised. Until the restore, the reads hold about the layers' parked bytes in host memory, and the new slabs
+        of a layer parked on the host whole host-pool slabs, what its restore would take
         (``stats()["resume_prefetch"]["held_bytes"]``); `park()`, `reset()` and `close()` stop them and let them
         go. Layers parked on the host need no read, but those that let their host pool's slabs go (a pool mostly
         empty, `park`) have their host pages put into new slabs the same way, which the restore then takes whole

@@ -34,7 +34,8 @@ class SessionStore:
         self._dropped_under: dict[str, int] = {}   # the disk budget each name in `dropped` was closed under
 
     def park(self, name: str, cache: TieredCache) -> None:
-        """Park `cache` under `name` in host memory, then push the coldest sessions to disk as needed.
+        """Park `cache` under `name` in host memory, then push the coldest sessions to disk as needed (the reads
+        ahead of parked sessions, coldest first, go before any session is pushed).
 
         A session already parked under `name` (another cache) is closed: the name now means `cache`, and leaves
         `dropped` if it was there. If pushing a
@@ -63,8 +64,15 @@ class SessionStore:
                 replaced.close()
 
     def _make_room(self, name: str) -> None:
-        """Push the coldest sessions holding host memory to disk past `host_bytes`, then close the coldest past
-        `disk_bytes` (never `name`, just parked)."""
+        """Past `host_bytes`, let the coldest sessions' reads ahead go, then push the coldest sessions holding host
+        memory to disk; then close the coldest past `disk_bytes` (never `name`, just parked). Reads ahead go first:
+        without them a session's return costs its restore, where a session pushed to disk costs a read of it all
+        (and a session parked on the host whose new slabs are being filled ahead holds whole slabs meanwhile)."""
+        for parked in list(self._parked.values()):   # coldest first
+            if self.host_bytes_used() <= self.host_bytes:
+                break
+            if not parked.closed and parked.broken is None:
+                parked._state.drop_reads()
         for other, parked in list(self._parked.items()):  # coldest first
             if self.host_bytes_used() <= self.host_bytes:
                 break

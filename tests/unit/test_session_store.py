@@ -352,3 +352,28 @@ def test_a_name_dropped_then_parked_again_is_no_longer_dropped():
     with pytest.raises(KeyError, match=r"'bob' was closed to keep the parked sessions within disk_bytes=[0-9,]+"):
         store.resume("bob")
     store.close()
+
+
+def test_a_park_that_needs_room_lets_reads_ahead_go_before_pushing_a_session_to_disk():
+    """A session parked on the host and prefetched (`SessionStore.prefetch`) has whole host slabs filled ahead,
+    which count in the store's host memory: the next park pushed that very session to disk to make room (its
+    prefetch lost too). The reads ahead go first now, and every session stays on the host."""
+    probe = _session(seed=9)
+    probe.park("host")
+    one = probe.stats()["host"]["reserved_bytes"]
+    probe.close()
+    store = SessionStore(host_bytes=4 * one)
+    store.park("a", _session(seed=1))
+    store.park("b", _session(seed=2))
+    assert store.prefetch("a")
+    reads = store._parked["a"]._state.reads
+    reads.wait()
+    assert store.host_bytes_used() > store.host_bytes       # whole slabs, filled ahead
+    store.park("c", _session(seed=3))
+    assert store.where() == {"a": "host", "b": "host", "c": "host"}
+    assert store._parked["a"]._state.reads is None and store.host_bytes_used() <= store.host_bytes
+    back = store.resume("a")
+    back.resume()
+    assert back.parked is None
+    back.close()
+    store.close()
