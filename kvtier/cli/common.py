@@ -164,9 +164,8 @@ def check_policies(policies: Iterable[str], option: str = "--policies") -> None:
     for text in policies:
         try:
             policy = Policy.parse(text)
-        except ConfigError:
-            raise click.BadParameter(f"policy {text!r} is unknown; allowed: {allowed}",
-                                     param_hint=f"'{option}'") from None
+        except ConfigError as e:   # its own words: a bad recent window is named as such
+            raise click.BadParameter(str(e), param_hint=f"'{option}'") from None
         if policy.scorer is not None and policy.scorer not in names:
             raise click.BadParameter(f"policy {text!r} names the unknown scorer {policy.scorer!r}; allowed: "
                                      f"{allowed}, with <scorer> one of {', '.join(names)}", param_hint=f"'{option}'")

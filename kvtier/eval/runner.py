@@ -3,6 +3,7 @@ appended as JSON lines as they come, so an interrupted run resumes where it stop
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import time
@@ -18,7 +19,7 @@ from ..errors import ConfigError
 from ..integrations.hf import TieredCache, cache_kwargs
 from ..scoring import BASELINES_ATTENTION_BASED, BASELINES_ATTENTION_FREE, make_scorer
 from .policies import Policy
-from .report import example_key, full_by_example
+from .report import example_key, full_by_example, latest, same_prompt
 from .shared_prefill import PromptScores, full_copy, load_prefill, shared_prefill
 from .tasks import TASKS, Example, make_example
 
@@ -119,6 +120,31 @@ def _once(items: Any) -> tuple:
     return tuple(dict.fromkeys(items))
 
 
+def prompt_digest(input_ids: torch.Tensor) -> str:
+    """What a row names its prompt by: rows are compared only where their prompts are the same tokens."""
+    return hashlib.sha1(input_ids.detach().cpu().to(torch.int64).numpy().tobytes()).hexdigest()[:16]
+
+
+def _check_windows(model: Any, policies: list[Policy], budgets: tuple, lengths: tuple) -> None:
+    """Refuse a recent window that holds more than its budget: the cache then keeps sinks and window whatever the
+    budget (`TieredCacheConfig.device_tokens`), and a row named by the budget would hold more than it says."""
+    for policy in policies:
+        if policy.kind == "full" or not isinstance(policy.recent, int):
+            continue
+        for budget in budgets:
+            cache = TieredCache(model.config, **{**policy.cache_settings(budget), "scorer": "keynorm"})
+            try:
+                for length in lengths:
+                    kept, asked = cache.settings.device_tokens(length), cache.settings.device_budget.tokens(length)
+                    if kept > asked:
+                        raise ConfigError(
+                            f"policy {policy.name!r} at budget {budget:g} of {length:,} tokens keeps {kept:,} tokens "
+                            f"a KV head on the device (sinks and its recent window), over the budget's {asked:,}; "
+                            "allowed: a recent window within the budget (a smaller one, or a share like @0.25)")
+            finally:
+                cache.close()
+
+
 def run_suite(model: Any, tokenizer: Any, out: str | Path, suite: Suite,
               progress: Callable[[list], Any] = iter, name: str | None = None) -> list[dict[str, Any]]:
     """Run what `out` does not hold yet; returns every result (old and new). Rows name the model (`name`, else
@@ -131,48 +157,58 @@ def run_suite(model: Any, tokenizer: Any, out: str | Path, suite: Suite,
     results = read_results(out)
     name = name or model_name(model)
     check_same_model(results, name, out)
-    done = {_key(r) for r in results}
-    policies, budgets = [Policy.parse(p) for p in _once(suite.policies)], _once(suite.budgets)
+    # one policy written two ways (evict:kvp@64, evict:kvp@064) is run once, by its name
+    policies = list({p.name: p for p in map(Policy.parse, suite.policies)}.values())
+    budgets = _once(suite.budgets)
+    _check_windows(model, policies, budgets, _once(suite.lengths))
     eos = {i for i in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")) if i is not None}
     examples = [(t, n, s) for t in _once(suite.tasks) for n in _once(suite.lengths) for s in _once(suite.seeds)]
     with out.open("a") as sink:
         for task, length, seed in progress(examples):
+            ex: Example = make_example(tokenizer, task, length, seed)
+            row0 = {"prompt_tokens": int(ex.input_ids.shape[1]), "prompt_sha": prompt_digest(ex.input_ids)}
+            # rows of this example made on another prompt (the task's text has changed since) are made again
+            done = {_key(r) for r in latest(results)
+                    if example_key(r) == (task, length, seed) and same_prompt(r, row0)}
             jobs = [(p, b) for p in policies for b in ((1.0,) if p.kind == "full" else budgets)
                     if (task, length, seed, p.name, b) not in done]
             if not jobs:
                 continue
-            ex: Example = make_example(tokenizer, task, length, seed)
             pre = shared_prefill(model, ex.input_ids)
             scorers: dict[str, PromptScores] = {}
             for policy, budget in jobs:
                 start = time.perf_counter()
-                if policy.kind == "full":
-                    cache = full_copy(pre)
-                else:
-                    if policy.scorer not in scorers:
-                        scorers[policy.scorer] = PromptScores(make_scorer(policy.scorer), ex.input_ids.shape[1])
-                    settings = policy.cache_settings(budget)
-                    settings["scorer"] = scorers[policy.scorer]
-                    cache = TieredCache(model.config, **settings)
-                    load_prefill(pre, cache)
-                row = {"task": task, "length": length, "seed": seed, "policy": policy.name, "budget": budget,
-                       "prompt_tokens": int(ex.input_ids.shape[1]), "model": name}
-                if ex.continuation is not None:
-                    nll = continuation_nll(model, cache, pre.last_logits, ex.continuation)
-                    row.update(nll=nll, ppl=math.exp(nll), score=None)
-                else:
-                    ids = _greedy(model, cache, pre.last_logits, ex.max_new_tokens, eos)
-                    text = tokenizer.decode(ids, skip_special_tokens=True)
-                    row.update(output=text, answers=ex.answers, score=ex.score(text))
-                row["seconds"] = round(time.perf_counter() - start, 3)
-                if isinstance(cache, TieredCache):
-                    s = cache.stats()
-                    row["device_tokens_per_head"] = s["device"]["tokens"] // (s["layers"] * s["kv_heads"])
-                    cache.close()
+                cache = None
+                try:   # a failure or an interruption closes the cache (its memory, files and threads go)
+                    if policy.kind == "full":
+                        cache = full_copy(pre)
+                    else:
+                        if policy.scorer not in scorers:
+                            scorers[policy.scorer] = PromptScores(make_scorer(policy.scorer), ex.input_ids.shape[1])
+                        settings = policy.cache_settings(budget)
+                        settings["scorer"] = scorers[policy.scorer]
+                        cache = TieredCache(model.config, **settings)
+                        load_prefill(pre, cache)
+                    row = {"task": task, "length": length, "seed": seed, "policy": policy.name, "budget": budget,
+                           **row0, "model": name}
+                    if ex.continuation is not None:
+                        nll = continuation_nll(model, cache, pre.last_logits, ex.continuation)
+                        row.update(nll=nll, ppl=math.exp(nll), score=None)
+                    else:
+                        ids = _greedy(model, cache, pre.last_logits, ex.max_new_tokens, eos)
+                        text = tokenizer.decode(ids, skip_special_tokens=True)
+                        row.update(output=text, answers=ex.answers, score=ex.score(text))
+                    row["seconds"] = round(time.perf_counter() - start, 3)
+                    if isinstance(cache, TieredCache):
+                        s = cache.stats()
+                        row["device_tokens_per_head"] = s["device"]["tokens"] // (s["layers"] * s["kv_heads"])
+                finally:
+                    if isinstance(cache, TieredCache):
+                        cache.close()
                 sink.write(json.dumps(row) + "\n")
                 sink.flush()
                 results.append(row)
-    return results
+    return latest(results)
 
 
 def full_recall_mismatches(results: list[dict[str, Any]], rel_tol: float = 1e-3) -> list[str]:
@@ -183,7 +219,7 @@ def full_recall_mismatches(results: list[dict[str, Any]], rel_tol: float = 1e-3)
         if not r["policy"].startswith("tier-all:"):
             continue
         ref = full.get(example_key(r))
-        if ref is None:
+        if ref is None or not same_prompt(r, ref):   # another prompt is another example
             continue
         if r.get("ppl") is not None:
             if abs(r["ppl"] - ref["ppl"]) > rel_tol * ref["ppl"]:

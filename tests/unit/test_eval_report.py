@@ -24,7 +24,8 @@ def test_summary_compares_policies_and_checks_targets():
             _row("perplexity", "tier:kvp", 0.1, length=4096, ppl=8.4)]
     text = "\n".join(summary_lines(rows))
     assert "| niah | 100.0 | 100.0 | 50.0 | 75.0 (keynorm) | 25.0 (tova) |" in text
-    assert "| perplexity | 9.00 | 9.25 | 12.00 | 11.00 (keynorm) | 13.00 (tova) |" in text
+    # the evictions ran the 2,048-token example only, the full cache both: their means are marked
+    assert "| perplexity | 9.00 | 9.25 | 12.00* | 11.00* (keynorm) | 13.00* (tova) |" in text
     assert "largest departure from the full cache over the generation tasks is +0.0 points (niah;" in text
     assert "+1.00% at 2048, +5.00% at 4096" in text
     assert "below the full cache's score on 0 of 1, above on 0; the very same answer text on 1." in text
@@ -153,3 +154,42 @@ def test_report_never_writes_over_its_results_or_its_plot(tmp_path):
     assert results.read_text() == before and not (tmp_path / "plot.png").exists()
     result = CliRunner().invoke(main, ["report", str(results), "--out", str(tmp_path / "r.md")])
     assert result.exit_code == 0 and (tmp_path / "r.png").exists()
+
+
+def test_a_mean_over_other_examples_than_the_full_cache_s_is_marked():
+    """full ran two examples, tier:kvp one (the same answer there): the table's means compare unlike sets, so the
+    policy's cell is marked and a note says why (it had read 50.0 against 100.0 with no word)."""
+    rows = [_row("niah", "full", 1.0, score=1.0), {**_row("niah", "full", 1.0, score=0.0), "seed": 1},
+            _row("niah", "tier:kvp", 0.1, score=1.0)]
+    text = "\n".join(summary_lines(rows))
+    assert "| niah | 50.0 | 100.0* |" in text and "a mean over other examples than the full cache's" in text
+    assert "| tier:kvp | 100.0* |" in text
+    rows.append({**_row("niah", "tier:kvp", 0.1, score=0.0), "seed": 1})
+    text = "\n".join(summary_lines(rows))
+    assert "| niah | 50.0 | 50.0 |" in text and "*" not in text
+
+
+def test_rows_of_another_prompt_are_not_compared_and_a_row_made_again_stands_for_its_run():
+    from kvtier.eval.report import latest, matched
+    from kvtier.eval.runner import full_recall_mismatches
+
+    full = {**_row("niah", "full", 1.0, score=1.0), "prompt_tokens": 2088, "output": "42"}
+    tier = {**_row("niah", "tier-all:kvp", 0.1, score=0.0), "prompt_tokens": 2075, "output": "7"}
+    assert matched([full, tier], "niah", "tier-all:kvp", 0.1) == [] and full_recall_mismatches([full, tier]) == []
+    again = {**full, "prompt_tokens": 2075, "prompt_sha": "ab", "output": "7"}
+    rows = latest([full, tier, again])
+    assert len(rows) == 2 and again in rows and full not in rows
+    assert matched(rows, "niah", "tier-all:kvp", 0.1) == [(tier, again)] and full_recall_mismatches(rows) == []
+    assert not matched([again, {**tier, "prompt_sha": "cd"}], "niah", "tier-all:kvp", 0.1)   # digests decide
+
+
+def test_budget_columns_keep_every_digit_and_a_full_only_report_shows_its_column(tmp_path):
+    from kvtier.eval.report import write_report
+
+    rows = [_row("niah", "full", 1.0, score=1.0), _row("niah", "evict:kvp", 0.12, score=0.5),
+            _row("niah", "evict:kvp", 0.125, score=0.75)]
+    text = "\n".join(summary_lines(rows, budget=0.125))
+    assert "| policy | 12% | 12.5% |" in text and "## Summary at 12.5% of the cache" in text
+    write_report([_row("niah", "full", 1.0, score=1.0)], tmp_path / "full.md", "kvtier eval")
+    report = (tmp_path / "full.md").read_text()
+    assert "| policy | full |" in report and "| full | 100.0 |" in report
