@@ -100,7 +100,9 @@ class HostPool:
             raise ValueError(f"the host pool keeps pages [n, {shape[0]}, {shape[1]}]; got k {tuple(k.shape)}, "
                              f"v {tuple(v.shape)}")
         self._settle()
-        fresh = not self._free   # the slots are then never used ones, in order: a range, copied slab by slab
+        # never used slots, in order (no freed one to reuse): a range, copied slab by slab from host memory (a copy
+        # from a device would be asynchronous there)
+        fresh = not self._free and k.device.type == "cpu" and v.device.type == "cpu"
         slots = self._take(k.shape[0])
         try:
             if len(slots):
