@@ -63,7 +63,8 @@ def load_model(name_or_path: str, dtype: torch.dtype | str = "auto", device: str
         if kwargs.get("local_files_only"):
             raise ModelNotInstalledError(
                 f"model {name_or_path!r} is neither a local path nor in the local Hugging Face cache; pass a "
-                "path, or allow the download explicitly (allow_download=True, or `kvtier ... --allow-download`)"
+                f"local path, download it first (`huggingface-cli download {name_or_path}`), or, from Python, allow "
+                "the download explicitly (allow_download=True)"
             ) from e
         raise
 

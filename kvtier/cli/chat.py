@@ -7,8 +7,8 @@ import sys
 
 import click
 
-from .common import (DEVICE_HELP, THREADS, check_cache_options, check_model, load, parse_budget, resolve_device,
-                     set_threads, user_errors)
+from .common import (DEVICE_HELP, THREADS, check_cache_options, check_chat_template, check_model, load, parse_budget,
+                     resolve_device, set_threads, user_errors)
 from .format import human_bytes
 
 
@@ -34,11 +34,12 @@ def chat(device_budget: str, host_budget: str, park_to: str, max_new_tokens: int
          as_json: bool) -> None:
     """Interactive multi-turn chat on the tiered cache (empty line or /quit to stop)."""
     budget, host = parse_budget(device_budget, "--device-budget"), parse_budget(host_budget, "--host-budget")
-    check_cache_options(budget, host, disk_dir)
+    disk_dir = check_cache_options(budget, host, disk_dir)
     where = resolve_device(device)
     check_model(model)
     set_threads(threads)
     lm, tok = load(model, quiet=as_json, device=where)
+    check_chat_template(tok, model)
 
     from ..integrations.chat import ChatSession
 

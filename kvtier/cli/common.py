@@ -361,16 +361,25 @@ def tiered_row_name(demote_pages: int | None, rows: int, read_ahead: bool | None
 
 
 def check_cache_options(device_budget: Any, host_budget: Any, disk_dir: str | None,
-                        recall_pages: int = 0) -> None:
-    """Fail on bad cache settings before spending time loading a model (and create no folder doing so)."""
+                        recall_pages: int = 0) -> str | None:
+    """Fail on bad cache settings before spending time loading a model (and create no folder doing so); returns
+    `disk_dir` with ``~`` expanded, the folder to use (``--disk-dir=~/x`` reaches the program unexpanded, and the
+    folder checked must be the one written)."""
     from ..config import ModelShape, TieredCacheConfig
     from ..placement import Budget
 
     device = Budget(device_budget, "device_budget")
     host = None if host_budget is None else Budget(host_budget, "host_budget", allow_zero=True)
     TieredCacheConfig(shape=ModelShape(1, 1, 1), device_budget=device, host_budget=host, recall_pages=recall_pages)
-    if disk_dir is not None:
-        check_writable_folder(disk_dir, "--disk-dir")
+    return None if disk_dir is None else check_writable_folder(disk_dir, "--disk-dir")
+
+
+def check_chat_template(tokenizer: Any, model: str | None) -> None:
+    """Refuse, right after its load, a model whose tokenizer has no chat template (a base model): a conversation
+    is built with it, and transformers' own error would come at the first turn."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise click.BadParameter(f"{model!r} has no chat template (a base model); allowed: a chat (instruct) "
+                                 "model", param_hint="'--model'")
 
 
 def read_manifest(trace_dir: str, option: str = "--traces", split: str | None = None) -> dict[str, Any]:

@@ -8,8 +8,8 @@ import time
 import click
 import torch
 
-from .common import (DEVICE_HELP, MAX_MODEL_CONTEXT, THREADS, check_cache_options, check_model, check_scorer, load,
-                     parse_budget, parse_context, resolve_device, set_threads, user_errors)
+from .common import (DEVICE_HELP, MAX_MODEL_CONTEXT, THREADS, check_cache_options, check_chat_template, check_model,
+                     check_scorer, load, parse_budget, parse_context, resolve_device, set_threads, user_errors)
 from .format import human_bytes, tier_lines
 
 MIN_CONTEXT = 256            # a model demo's prompt: the fact, a question and some filler around them
@@ -95,7 +95,7 @@ def demo(context: str, synthetic: bool, arch: str, needles: int, device_budget: 
         raise click.BadParameter(f"{host_budget!r}: --synthetic fills the disk tier, so the host needs a limit; "
                                  "allowed: a fraction like 0.05 or a token count like 4096",
                                  param_hint="'--host-budget'")
-    check_cache_options(budget, host, disk_dir, recall_pages)
+    disk_dir = check_cache_options(budget, host, disk_dir, recall_pages)
     check_scorer(scorer)
     where = resolve_device(device)
     if synthetic:
@@ -125,6 +125,7 @@ def demo(context: str, synthetic: bool, arch: str, needles: int, device_budget: 
     set_threads(threads)
     say("loading the model ...")
     lm, tok = load(model, quiet=as_json, device=where)
+    check_chat_template(tok, model)
 
     from transformers import DynamicCache
 

@@ -140,7 +140,7 @@ def info(disk_dir: str | None, model: str | None, as_json: bool) -> None:
     """Versions, GPUs, memory, pinned-memory limit and free disk: what would limit a run; with --model, which of
     the model's layers are tiered, which attention variants apply and the limits that hold."""
     if disk_dir is not None:
-        check_writable_folder(disk_dir, "--disk-dir")
+        disk_dir = check_writable_folder(disk_dir, "--disk-dir")   # `~` expanded: the folder a cache would use
     data = gather(disk_dir)
     if model is not None:
         data["model"] = model_support(model)

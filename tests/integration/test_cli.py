@@ -282,3 +282,30 @@ def test_bench_wrappers_json():
     assert set(data["rows"][0]["us_per_call"]) == set(data["calls_per_layer_step"])
     bad = run("bench", "wrappers", "--contexts", "12")
     assert bad.exit_code != 0 and "--contexts" in bad.output
+
+
+def test_chat_disk_dir_with_a_tilde_after_equals_is_the_home_folder(tmp_path, monkeypatch):
+    """`--disk-dir=~/x` reaches the program unexpanded: the check expanded it, the cache then made a folder named
+    '~' in the current folder (and left it there)."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    monkeypatch.chdir(tmp_path)
+    result = run("chat", "--json", "--park", "disk", "--max-new-tokens", "2", "--disk-dir=~/kv", input="Hello!\n")
+    assert result.exit_code == 0, result.output
+    assert not (tmp_path / "~").exists() and (tmp_path / "home" / "kv").is_dir()
+
+
+@pytest.mark.parametrize("command", [["chat", "--max-new-tokens", "2"], ["demo", "--context", "256", "--needles", "1"]])
+def test_a_model_without_a_chat_template_is_refused_in_one_line(command, monkeypatch, default_model):
+    """A base model's tokenizer has no chat template: transformers' error came as a traceback (exit 1), for chat
+    after the first line typed."""
+    import copy
+    import importlib
+
+    model, tok = default_model
+    base = copy.copy(tok)
+    base.chat_template = None
+    for name in ("kvtier.cli.chat", "kvtier.cli.demo"):   # the modules (the package names the commands alike)
+        monkeypatch.setattr(importlib.import_module(name), "load", lambda *args, **kwargs: (model, base))
+    result = run(*command, input="Hello!\n")
+    assert result.exit_code == 2 and "has no chat template" in result.output and "'--model'" in result.output

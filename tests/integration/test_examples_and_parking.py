@@ -32,6 +32,16 @@ def test_an_example_says_its_options_and_refuses_others(script):
     assert wrong.returncode == 2 and "unrecognized arguments: --shrot" in wrong.stderr
 
 
+@pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.name)
+def test_an_example_s_checks_hold_under_python_optimize(script):
+    """An example checks what it shows with `if`, not `assert`: under `python -O` an assert is dropped, and
+    long_chat.py then printed "identical ... yes" without running the conversation it compares with."""
+    import ast
+
+    tree = ast.parse(script.read_text())
+    assert not [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Assert)]
+
+
 def test_examples_exist():
     assert {p.name for p in EXAMPLES} >= {"hf_generate.py", "long_chat.py", "needle_1m.py", "custom_scorer.py"}
 

@@ -24,8 +24,11 @@ def test_missing_default_model_names_the_install_command(monkeypatch):
 
 def test_unknown_hub_id_does_not_download(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HOME", str(tmp_path))  # an empty local cache
-    with pytest.raises(ModelNotInstalledError, match="allow_download"):
+    with pytest.raises(ModelNotInstalledError, match="allow_download") as got:
         load_model("no-such-org/no-such-model")
+    # no command has such an option: the hint names the download instead
+    assert "--allow-download" not in str(got.value) and "huggingface-cli download no-such-org/no-such-model" in str(
+        got.value)
 
 
 @pytest.mark.parametrize("name", ["notes.txt", "model.GGUF"])
