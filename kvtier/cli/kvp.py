@@ -251,14 +251,15 @@ def eval_scorer(trace_dir: str, kvp_path: str | None, budgets: str, markdown: st
     if markdown:
         markdown = check_output_file(markdown, "--markdown")
 
-    from ..scoring.kvp import KVPScorer, shipped_matching
+    from ..scoring.kvp import SHIPPED, KVPScorer, shipped_matching
     from ..scoring import BASELINES_ATTENTION_BASED, BASELINES_ATTENTION_FREE
     from ..training.evaluate import evaluate_scorers
     from ..training.report import write_scorer_report
     from ..training.traces import load_trace
 
-    if kvp_path is None:   # the shipped weights of the traces' model, found by its sizes, whatever its name
-        shipped = shipped_matching({k: manifest.get(k) for k in MODEL_SIGNATURE})
+    if kvp_path is None:   # the shipped weights of the traces' model: by its name, else by its sizes
+        shipped = manifest["model"] if manifest["model"] in SHIPPED else \
+            shipped_matching({k: manifest.get(k) for k in MODEL_SIGNATURE})
         if shipped is None:
             raise click.BadParameter(
                 f"no KVP weights ship for the traces' model {manifest['model']!r} "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from click.testing import CliRunner
 from safetensors.torch import save_file
@@ -123,3 +124,26 @@ def test_out_with_a_tilde_is_written_where_it_was_checked(tmp_path, monkeypatch)
     assert result.exit_code == 0, result.output
     assert (tmp_path / "home" / "kvp" / "w.safetensors").is_file() and not (tmp_path / "~").exists()
     assert (tmp_path / "home" / "kvp" / "w.report.json").is_file()
+
+
+@pytest.mark.parametrize("model, sizes", [
+    ("/models/SmolLM2-135M-Instruct.gguf", {"hidden_size": 576, "vocab_size": 49152}), ("SmolLM2-135M-Instruct", {})])
+def test_eval_scorer_finds_the_shipped_weights_by_name_or_by_the_model_s_sizes(tmp_path, model, sizes):
+    """Traces of the default model recorded under its file's path had been refused ("no KVP weights ship"); a
+    manifest that records no sizes is still matched by its name."""
+    folder = tmp_path / "eval"
+    folder.mkdir()
+    layers, heads, dim, n = 30, 3, 64, 80
+    g = torch.Generator().manual_seed(0)
+    raw = {"keys": torch.randn(layers, heads, n, dim, generator=g).half(),
+           "values": torch.randn(layers, heads, n, dim, generator=g).half(), "positions": torch.arange(n),
+           "importance": torch.rand(layers, heads, n, generator=g)}
+    for name in ("tova", "snapkv", "h2o"):
+        raw[name] = torch.rand(layers, heads, n, generator=g)
+    save_file(raw, str(folder / "t0.safetensors"))
+    (folder / "manifest.json").write_text(json.dumps({
+        "model": model, "num_layers": layers, "num_kv_heads": heads, "head_dim": dim, **sizes, "split": "eval",
+        "corpus": "synthetic", "traces": [{"file": "t0.safetensors", "continuation": "text"}]}))
+    result = CliRunner().invoke(main, ["eval-scorer", "--traces", str(folder), "--budgets", "0.5", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output[result.output.index("{"):])["kvp"]["model"] == "SmolLM2-135M-Instruct"
