@@ -39,6 +39,7 @@ def load_default_model(dtype: torch.dtype = torch.float32, device: str | torch.d
     Returns ``(model, tokenizer)``, the model in eval mode; the tokenizer carries the chat template.
     Nothing is downloaded.
     """
+    check_model_device(device)
     path = default_model_path()
     return _load(str(path.parent), dict(gguf_file=path.name), dtype, device, attn_implementation)
 
@@ -52,6 +53,7 @@ def load_model(name_or_path: str, dtype: torch.dtype | str = "auto", device: str
     """
     kwargs: dict[str, Any] = {}
     source = name_or_path
+    check_model_device(device)
     _check_local_file(name_or_path)
     if _is_gguf(name_or_path):
         source, kwargs["gguf_file"] = os.path.dirname(os.path.abspath(name_or_path)), os.path.basename(name_or_path)
@@ -96,6 +98,22 @@ def load_config(name: str | None = None) -> Any:
         raise ModelNotInstalledError(f"model {name!r} is neither a local path, an architecture name transformers "
                                      "knows (e.g. 'llama', 'gemma3_text'), nor in the local Hugging Face cache"
                                      ) from e
+
+
+def check_model_device(device: str | torch.device) -> None:
+    """Refuse, before any weight is read, a device torch cannot parse or a CUDA device this machine lacks (the
+    load had failed after reading the weights, with torch's words)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise ConfigError(f"device {device!r} is not a device; allowed: cpu, cuda, cuda:N") from None
+    if dev.type != "cuda":
+        return
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise ConfigError(f"device {device!r} is not available: this machine has no CUDA device; allowed: cpu")
+    if dev.index is not None and dev.index >= count:
+        raise ConfigError(f"device {device!r} is not available; allowed: cpu, cuda, cuda:0 to cuda:{count - 1}")
 
 
 def _is_gguf(path: str) -> bool:

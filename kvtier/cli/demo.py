@@ -13,7 +13,7 @@ from .common import (DEVICE_HELP, MAX_MODEL_CONTEXT, THREADS, check_cache_option
 from .format import human_bytes, tier_lines
 
 MIN_CONTEXT = 256            # a model demo's prompt: the fact, a question and some filler around them
-SYNTHETIC_MIN_CONTEXT = 256  # --synthetic: needles at least 64 tokens apart, past the sinks and recent window
+SYNTHETIC_MIN_CONTEXT = 256  # --synthetic: needles at random spots past the first and before the last 32 tokens
 SYNTHETIC_MAX_CONTEXT = 2**30
 
 
@@ -152,6 +152,7 @@ def demo(context: str, synthetic: bool, arch: str, needles: int, device_budget: 
             row[name] = {"text": text, "correct": task.is_correct(text), "seconds": round(seconds, 2)}
             if name == "tiered":
                 row["stats"] = cache.stats()
+                report["settings"].setdefault("scorer", row["stats"]["scorer"])   # "auto" resolved
                 cache.close()
         report["tasks"].append(row)
         say(f"\nfact {i + 1}: '{task.key}' -> {task.answer}, at {depth:.0%} of {task.prompt_tokens:,} tokens")

@@ -163,13 +163,15 @@ def run_suite(model: Any, tokenizer: Any, out: str | Path, suite: Suite,
     _check_windows(model, policies, budgets, _once(suite.lengths))
     eos = {i for i in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")) if i is not None}
     examples = [(t, n, s) for t in _once(suite.tasks) for n in _once(suite.lengths) for s in _once(suite.seeds)]
+    by_example: dict[tuple, list[dict[str, Any]]] = {}   # rows added below belong to the example just run
+    for r in latest(results):
+        by_example.setdefault(example_key(r), []).append(r)
     with out.open("a") as sink:
         for task, length, seed in progress(examples):
             ex: Example = make_example(tokenizer, task, length, seed)
             row0 = {"prompt_tokens": int(ex.input_ids.shape[1]), "prompt_sha": prompt_digest(ex.input_ids)}
             # rows of this example made on another prompt (the task's text has changed since) are made again
-            done = {_key(r) for r in latest(results)
-                    if example_key(r) == (task, length, seed) and same_prompt(r, row0)}
+            done = {_key(r) for r in by_example.get((task, length, seed), ()) if same_prompt(r, row0)}
             jobs = [(p, b) for p in policies for b in ((1.0,) if p.kind == "full" else budgets)
                     if (task, length, seed, p.name, b) not in done]
             if not jobs:

@@ -68,7 +68,8 @@ def test_demo_json_on_the_default_model():
     task = data["tasks"][0]
     assert {"full", "tiered", "stats", "key"} <= set(task) and task["stats"]["scorer"] == "kvp"
     assert data["correct"]["tiered"] == data["correct"]["full"] == 1
-    assert data["settings"] == {"device_budget": 0.1, "host_budget": 0.2, "recall_pages": 32}   # as the text says
+    # as the text says, the scorer "auto" resolved to (it had been missing)
+    assert data["settings"] == {"device_budget": 0.1, "host_budget": 0.2, "recall_pages": 32, "scorer": "kvp"}
 
 
 def test_chat_json_parks_between_turns():

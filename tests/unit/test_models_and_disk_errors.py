@@ -31,6 +31,23 @@ def test_unknown_hub_id_does_not_download(monkeypatch, tmp_path):
         got.value)
 
 
+@pytest.mark.parametrize("device, said", [
+    ("gpu", "device 'gpu' is not a device; allowed: cpu, cuda, cuda:N"),
+    ("cuda:99", "device 'cuda:99' is not available"),
+])
+def test_a_device_the_machine_lacks_is_refused_before_the_weights_are_read(monkeypatch, device, said):
+    """The examples' --device reached the load unchecked: torch's words (or an assertion) after the weights."""
+    import kvtier.models
+
+    def read(*args):
+        raise AssertionError("the weights were read")
+
+    monkeypatch.setattr(kvtier.models, "_load", read)
+    for load in (lambda: load_default_model(device=device), lambda: load_model("some/model", device=device)):
+        with pytest.raises(ConfigError, match=said):
+            load()
+
+
 @pytest.mark.parametrize("name", ["notes.txt", "model.GGUF"])
 def test_a_local_file_that_is_no_gguf_is_called_what_it_is(tmp_path, name):
     """Not "neither a local path nor in the local Hugging Face cache": it is local, and of the wrong kind."""

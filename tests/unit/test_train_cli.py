@@ -31,14 +31,16 @@ def _folder(tmp_path, traces=4, layers=2, heads=2, dim=8, name="traces", model="
     return folder
 
 
+def _train(*args):
+    return CliRunner().invoke(main, ["train", *map(str, args), "--threads", "1"])
+
+
 def test_train_then_train_the_recency_term_alone(tmp_path):
     folder = _folder(tmp_path)
     first, second = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
-    result = CliRunner().invoke(main, ["train", "--traces", str(folder), "--out", str(first), "--steps", "5",
-                                       "--threads", "1"])
+    result = _train("--traces", folder, "--out", first, "--steps", 5)
     assert result.exit_code == 0, result.output
-    result = CliRunner().invoke(main, ["train", "--traces", str(folder), "--out", str(second), "--steps", "20",
-                                       "--lr", "0.05", "--age-only", str(first), "--threads", "1"])
+    result = _train("--traces", folder, "--out", second, "--steps", 20, "--lr", 0.05, "--age-only", first)
     assert result.exit_code == 0, result.output
     (a, meta_a), (b, meta_b) = load_agents(first), load_agents(second)
     for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
@@ -52,13 +54,11 @@ def test_age_only_drops_the_calibration_record_of_the_term_it_retrains(tmp_path)
 
     folder = _folder(tmp_path)
     first, second = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
-    result = CliRunner().invoke(main, ["train", "--traces", str(folder), "--out", str(first), "--steps", "3",
-                                       "--threads", "1"])
+    result = _train("--traces", folder, "--out", first, "--steps", 3)
     assert result.exit_code == 0, result.output
     agents, meta = load_agents(first)
     save_agents(agents, first, {**meta, "calibration": {"slope": 2.0}})
-    result = CliRunner().invoke(main, ["train", "--traces", str(folder), "--out", str(second), "--steps", "3",
-                                       "--age-only", str(first), "--threads", "1"])
+    result = _train("--traces", folder, "--out", second, "--steps", 3, "--age-only", first)
     assert result.exit_code == 0, result.output
     assert "calibration" not in load_agents(second)[1] and load_agents(first)[1]["calibration"] == {"slope": 2.0}
 
@@ -66,8 +66,7 @@ def test_age_only_drops_the_calibration_record_of_the_term_it_retrains(tmp_path)
 def test_train_on_several_folders_of_one_model(tmp_path):
     a, b = _folder(tmp_path, name="a"), _folder(tmp_path, name="b")
     out = tmp_path / "w.safetensors"
-    result = CliRunner().invoke(main, ["train", "--traces", str(a), "--traces", str(b), "--out", str(out),
-                                       "--steps", "2", "--threads", "1"])
+    result = _train("--traces", a, "--traces", b, "--out", out, "--steps", 2)
     assert result.exit_code == 0, result.output
     assert load_agents(out)[1]["training_data"].startswith("8 traces from a, b ")
 
@@ -75,15 +74,13 @@ def test_train_on_several_folders_of_one_model(tmp_path):
 def test_folders_of_one_model_recorded_under_two_names_train_together(tmp_path):
     """A model is known by its sizes: folders of one model recorded under its id and its local path train together."""
     a, b = _folder(tmp_path, name="a"), _folder(tmp_path, name="b", model="/models/toy")
-    result = CliRunner().invoke(main, ["train", "--traces", str(a), "--traces", str(b), "--out",
-                                       str(tmp_path / "w.safetensors"), "--steps", "2", "--threads", "1"])
+    result = _train("--traces", a, "--traces", b, "--out", tmp_path / "w.safetensors", "--steps", 2)
     assert result.exit_code == 0, result.output
 
 
 def test_train_refuses_folders_of_different_models(tmp_path):
     a, b = _folder(tmp_path, name="a"), _folder(tmp_path, name="b", heads=3)
-    result = CliRunner().invoke(main, ["train", "--traces", str(a), "--traces", str(b), "--out",
-                                       str(tmp_path / "w.safetensors"), "--steps", "2", "--threads", "1"])
+    result = _train("--traces", a, "--traces", b, "--out", tmp_path / "w.safetensors", "--steps", 2)
     assert result.exit_code == 2
     assert "--traces" in result.output and "num_kv_heads=3" in result.output and "one model" in result.output
     assert not (tmp_path / "w.safetensors").exists()
@@ -97,8 +94,7 @@ def test_age_only_refuses_weights_of_another_model(tmp_path):
     folder, other = _folder(tmp_path), tmp_path / "other.safetensors"
     save_agents(KVPAgents(4, 8, hidden=16), other, {"model": "other-model", "num_layers": 4, "num_kv_heads": 1,
                                                     "head_dim": 8})
-    result = CliRunner().invoke(main, ["train", "--traces", str(folder), "--out", str(tmp_path / "w.safetensors"),
-                                       "--steps", "3", "--age-only", str(other), "--threads", "1"])
+    result = _train("--traces", folder, "--out", tmp_path / "w.safetensors", "--steps", 3, "--age-only", other)
     assert result.exit_code == 2 and "--age-only" in result.output
     assert "'other-model'" in result.output and "num_layers=4" in result.output and "num_layers=2" in result.output
     assert not (tmp_path / "w.safetensors").exists()
@@ -106,8 +102,7 @@ def test_age_only_refuses_weights_of_another_model(tmp_path):
 
 def test_train_refuses_more_top_tokens_than_a_problem_holds(tmp_path):
     folder = _folder(tmp_path)
-    result = CliRunner().invoke(main, ["train", "--traces", str(folder), "--out", str(tmp_path / "w.safetensors"),
-                                       "--top-tokens", "500", "--threads", "1"])
+    result = _train("--traces", folder, "--out", tmp_path / "w.safetensors", "--top-tokens", 500)
     assert result.exit_code == 2
     assert "--top-tokens" in result.output and "top_tokens=500" in result.output and "384" in result.output
     assert not (tmp_path / "w.safetensors").exists()
@@ -119,8 +114,7 @@ def test_out_with_a_tilde_is_written_where_it_was_checked(tmp_path, monkeypatch)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.chdir(tmp_path)
     folder = _folder(tmp_path)
-    result = CliRunner().invoke(main, ["train", "--traces", str(folder), "--out=~/kvp/w.safetensors", "--steps", "2",
-                                       "--threads", "1"])
+    result = _train("--traces", folder, "--out=~/kvp/w.safetensors", "--steps", 2)
     assert result.exit_code == 0, result.output
     assert (tmp_path / "home" / "kvp" / "w.safetensors").is_file() and not (tmp_path / "~").exists()
     assert (tmp_path / "home" / "kvp" / "w.report.json").is_file()
