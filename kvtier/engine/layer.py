@@ -479,7 +479,7 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
             return
         pos, score = pool.meta()
         rank = ranking_scores(self.scorer, score, pos, self.seen, self.layer_idx)
-        idx = plan_device_demotion(rank, pos, self.seen, budget, cfg.sink_tokens,
+        idx = plan_device_demotion(rank, pos, self.seen, budget, self._sink_end(),
                                    cfg.recent_tokens, cfg.page_size, kept=self._kept_on_device(),
                                    min_pages=cfg.demotion_pages(budget))
         if idx is None:
@@ -501,15 +501,20 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
         if cfg.mode == "tier":
             self._host_overflow()
 
+    def _sink_end(self) -> int:
+        """The first position past the sinks: the sinks are the first `sink_tokens` stored tokens, after the
+        left padding (every masked position comes first, `mask_new_tokens`), which is never stored."""
+        return len(self._masked_positions) + self.cfg.sink_tokens
+
     def _kept_on_device(self) -> int:
         """Entries of a head in the always-kept set (sinks, recent window), counted on the host: every
         position in it is on the device (a kept entry is never demoted, and the window's start only moves
         forward), except padding that was never stored."""
-        seen, cfg = self.seen, self.cfg
-        kept = protected_count(seen, cfg.sink_tokens, cfg.recent_tokens, cfg.device_tokens(seen))
+        seen, cfg, sink_end = self.seen, self.cfg, self._sink_end()
+        kept = protected_count(seen, sink_end, cfg.recent_tokens, cfg.device_tokens(seen))
         masked = self._masked_positions
         if masked.size:
-            kept -= int(np.count_nonzero((masked < cfg.sink_tokens) | (masked >= seen - cfg.recent_window(seen))))
+            kept -= int(np.count_nonzero((masked < sink_end) | (masked >= seen - cfg.recent_window(seen))))
         return kept
 
     def _to_host(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, score: torch.Tensor) -> None:

@@ -261,6 +261,30 @@ def test_the_sinks_stay_on_the_device_with_scores_of_inf(model, scorer):
     cache.close()
 
 
+@pytest.mark.parametrize("mode", ["evict", "tier"])
+def test_the_sinks_of_a_left_padded_prompt_are_its_first_real_tokens(model, mode):
+    """The sinks were positions 0 to sink_tokens - 1, padding that is never stored: the prompt's first real
+    tokens, the sinks the setting is for, were demoted (dropped in evict mode) as any other entry."""
+    from kvtier import cache_kwargs
+
+    pad, real, sinks = 8, 60, 4
+    ids = torch.randint(1, 128, (1, pad + real), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[:, :pad] = 0
+    cache = TieredCache(model.config, device_budget=24, mode=mode, page_size=4, sink_tokens=sinks, recent_tokens=8,
+                        scorer="recency", recall_pages=0)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, **cache_kwargs(cache))
+        for _ in range(3):
+            mask = torch.cat([mask, torch.ones(1, 1, dtype=mask.dtype)], 1)
+            model(torch.tensor([[5]]), attention_mask=mask, **cache_kwargs(cache))
+    for engine in cache._engines:
+        on_device = set(engine.pool.meta()[0][0].tolist())
+        assert set(range(pad, pad + sinks)) <= on_device, (engine.layer_idx, sorted(on_device))
+        assert engine.pool.count <= 24 + 3
+    cache.close()
+
+
 @pytest.mark.parametrize("seen, fraction, sinks, recent", [(18, 0.6, 3, 0.9), (200, 0.5, 20, 0.99)])
 def test_the_device_holds_its_reported_budget_with_a_fractional_window(model, seen, fraction, sinks, recent):
     from kvtier import cache_kwargs
