@@ -189,6 +189,18 @@ class TieredCache(OneSequence, Cache):
         st.first = stores[0] if stores else 0
         return layers
 
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """transformers' update, with a layer the cache was not made for refused by name: a model of more layers
+        than its config's had met a bare IndexError after the first layers had taken the step."""
+        if not 0 <= layer_idx < len(self.layers):
+            text = (f"layer {layer_idx} of the model: this TieredCache was made for a config of {len(self.layers)} "
+                    f"layers ({type(self.model_config).__name__}); allowed: a model of that config")
+            if any(self._state.lengths()):   # the layers before it took the step: they would disagree with it
+                self._state.break_with(text)
+            raise UnsupportedError(text)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
     def park(self, to: str = "host") -> None:
         """Move the whole cache off the device between turns: ``"host"`` memory or ``"disk"``.
 

@@ -77,7 +77,8 @@ class CacheState:
         layers (Ctrl-C), so that some took it and some did not."""
         if len(self.lengths()) > 1:
             self.break_with(f"the layers disagree on their length ({sorted(self.lengths())} tokens): an earlier "
-                            "step was interrupted between layers")
+                            "step was interrupted between layers, or did not reach the last ones (a model of fewer "
+                            "layers than the config the cache was made for)")
             self.check()
 
     def lengths(self) -> set[int]:

@@ -551,3 +551,25 @@ def test_a_step_cut_short_by_ctrl_c_never_leaves_a_routing_error_behind(monkeypa
             model(ids[:, 11:12], **cache_kwargs(cache))
         with pytest.raises(BrokenCacheError, match="interrupted between layers"):
             model(ids[:, 11:12], **cache_kwargs(cache))
+
+
+def test_a_model_of_another_layer_count_is_refused_by_name_and_a_changed_cache_says_so():
+    """A model of more layers than the cache's config had met a bare IndexError after its first layers had taken
+    the step, the cache not marked broken; one of fewer layers ran, and the next step's error spoke only of an
+    interruption."""
+    from tiny_models import small_llama
+
+    built_for, more, fewer = small_llama(layers=2), small_llama(layers=3), small_llama(layers=1)
+    ids = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), TieredCache(built_for.config, device_budget=8, page_size=4) as cache:
+        with pytest.raises(UnsupportedError, match="layer 2 of the model: this TieredCache was made for a config "
+                                                   "of 2 layers"):
+            more(ids, **cache_kwargs(cache))
+        with pytest.raises(BrokenCacheError, match="layer 2 of the model"):
+            built_for(ids, **cache_kwargs(cache))
+        cache.reset()
+        assert torch.equal(built_for(ids, **cache_kwargs(cache)).logits, built_for(ids).logits)
+    with torch.no_grad(), TieredCache(built_for.config, device_budget=8, page_size=4) as cache:
+        fewer(ids, **cache_kwargs(cache))
+        with pytest.raises(BrokenCacheError, match="a model of fewer layers than the config"):
+            fewer(ids[:, :1], **cache_kwargs(cache))
