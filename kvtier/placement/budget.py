@@ -59,7 +59,16 @@ class Budget:
 
 def ceil_share(fraction: float, n: int) -> int:
     """`fraction` of `n`, rounded up; a product a rounding error away from a whole number is that number (7% of 100
-    is 7 tokens, where the float product 7.000000000000001 rounded up is 8)."""
+    is 7 tokens, where the float product 7.000000000000001 rounded up is 8), and a share above 0 is a token at
+    least.
+
+    The rounding error allowed is a few units in the last place of the product: the fraction's own (0.07 is not
+    7/100 exactly) and the product's. A margin of 1e-9 of the product had taken half of an odd count above 10^9
+    tokens down, and a fraction below 1e-9 of a few tokens to none."""
     share = fraction * n
+    if share <= 0:
+        return 0
     whole = round(share)
-    return int(whole) if abs(share - whole) <= 1e-9 * max(1.0, share) else math.ceil(share)
+    if whole >= 1 and abs(share - whole) <= 4 * math.ulp(share):
+        return int(whole)
+    return math.ceil(share)

@@ -8,13 +8,13 @@ not keep, so its scores were computed by the same class when the trace was recor
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
 from ..config import DEFAULT_RECENT_TOKENS, DEFAULT_SINK_TOKENS
 from ..errors import ConfigError
+from ..placement.budget import ceil_share
 from ..placement.planner import kept_first, recent_window
 from ..scoring import BASELINES_ATTENTION_BASED, checked_scores, make_scorer, needs_query, ranking_scores
 from ..scoring.kvp import KVPScorer
@@ -49,7 +49,7 @@ def kept_mass(scores: torch.Tensor, importance: torch.Tensor, budget: float, sin
     `recent_tokens` is a token count or a share of the budget, as in the cache (`recent_window`).
     """
     n = scores.shape[-1]
-    keep_n = math.ceil(budget * n)
+    keep_n = ceil_share(budget, n)   # as the cache rounds it: 7% of 100 is 7
     protected = torch.zeros(n, dtype=torch.bool)
     protected[:sink_tokens] = True
     protected[max(n - recent_window(recent_tokens, keep_n), 0):] = True

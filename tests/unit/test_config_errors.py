@@ -89,6 +89,32 @@ def test_budget_resolution():
     assert Budget(0, allow_zero=True).tokens(100) == 0
 
 
+def test_a_share_far_below_or_far_above_one_token_is_rounded_up():
+    """A margin of 1e-9 of the product had rounded half of an odd count above 10^9 tokens down and a fraction below
+    1e-9 of a few tokens to none (a device budget of 0 tokens, which a count of 0 is refused for)."""
+    from kvtier.config import ModelShape, TieredCacheConfig
+
+    assert Budget(0.5).tokens(1_000_000_001) == 500_000_001 and Budget(0.5).tokens(2**40 - 1) == 2**39
+    assert Budget(1e-12).tokens(1000) == Budget(1e-9).tokens(1) == 1 and Budget(0.1).tokens(0) == 0
+    cfg = TieredCacheConfig(shape=ModelShape(1, 1, 8), device_budget=Budget(1e-12, "device_budget"), sink_tokens=0,
+                            recent_tokens=0)
+    assert cfg.device_tokens(1000) == 1
+
+
+def test_kept_mass_keeps_what_the_cache_keeps():
+    """The training metric sized its kept set by `ceil(budget * n)`: 8 of 100 entries at 7%, where the cache
+    keeps 7."""
+    import torch
+
+    from kvtier.training.evaluate import kept_mass
+
+    importance = torch.zeros(100)
+    importance[50] = 1.0   # the 8th-best entry by score
+    scores = torch.zeros(100)
+    scores[40:47], scores[50] = 2.0, 1.0
+    assert kept_mass(scores, importance, 0.07, sink_tokens=0, recent_tokens=0) == 0
+
+
 def test_a_share_is_rounded_up_from_its_exact_value():
     """Percent budgets and windows over 1..2,000 tokens: the exact share rounded up; the float product had been
     rounded up from a rounding error's height (7% of 100 tokens gave 8, for 141 pairs in 0.01..0.99 x 1..1000)."""
