@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from ..switches import kernel_cache_asked
 from ..user_cache import user_cache_base
 
 # no fused multiply-adds and no flushing of subnormals anywhere: the twins round every product and every sum
@@ -28,12 +29,10 @@ _fallback: _OwnFolder | None = None   # where binaries go when the cache folder 
 
 
 def cache_dir() -> Path:
-    """Where built binaries are kept: ``KVTIER_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/kvtier/kernels`` where that
-    is absolute (by default ``~/.cache/kvtier/kernels``)."""
-    asked = os.environ.get("KVTIER_KERNEL_CACHE")
-    if asked:
-        return Path(asked)
-    return user_cache_base() / "kvtier" / "kernels"
+    """Where built binaries are kept: ``KVTIER_KERNEL_CACHE`` (absolute, ``~`` expanded), else
+    ``$XDG_CACHE_HOME/kvtier/kernels`` where that is absolute (by default ``~/.cache/kvtier/kernels``)."""
+    asked = kernel_cache_asked()
+    return asked if asked is not None else user_cache_base() / "kvtier" / "kernels"
 
 
 def binary_name(name: str, text: str, target: str, compiler: str) -> str:

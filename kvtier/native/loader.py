@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..switches import is_on
+from ..switches import is_on, launch_choice
 from . import build
 
 log = logging.getLogger(__name__)
@@ -215,13 +215,9 @@ def launcher() -> str:
     """How kernels are launched: ``driver`` (`driver_launch`, the default where the driver library loads) or
     ``cupy`` (cupy's own launch), as ``KVTIER_LAUNCH`` asks. Both launch the same loaded kernel with the same
     arguments; they differ only in what the call costs the host."""
-    asked = os.environ.get("KVTIER_LAUNCH", "driver")
+    asked = launch_choice()
     got = _launchers.get(asked)
     if got is None:
-        from ..errors import ConfigError
-
-        if asked not in ("driver", "cupy"):
-            raise ConfigError(f"KVTIER_LAUNCH={asked!r}; allowed: driver, cupy")
         from . import driver_launch
 
         why = driver_launch.unavailable() if asked == "driver" else None

@@ -36,12 +36,13 @@ def test_a_python_number_is_refused_by_name(bad):
 
 def test_an_unknown_launcher_is_refused_with_the_allowed_ones(monkeypatch):
     monkeypatch.setenv("KVTIER_LAUNCH", "ctypes")
-    with pytest.raises(ConfigError, match="KVTIER_LAUNCH='ctypes'; allowed: driver, cupy"):
+    with pytest.raises(ConfigError, match="KVTIER_LAUNCH='ctypes' in the environment; allowed: driver, cupy, or unset"):
         loader.launcher()
 
 
-def test_cupy_is_a_launcher_anywhere(monkeypatch):
-    monkeypatch.setenv("KVTIER_LAUNCH", "cupy")
+@pytest.mark.parametrize("value", ["cupy", " Cupy ", "CUPY"])
+def test_cupy_is_a_launcher_anywhere(monkeypatch, value):
+    monkeypatch.setenv("KVTIER_LAUNCH", value)
     assert loader.launcher() == "cupy"
 
 

@@ -155,6 +155,23 @@ def test_the_default_cache_folder(monkeypatch, tmp_path):
     assert build.cache_dir() == tmp_path / ".cache" / "kvtier" / "kernels"
 
 
+def test_the_cache_folder_asked_for_is_expanded_and_a_relative_one_refused(monkeypatch, tmp_path):
+    """`KVTIER_KERNEL_CACHE="~/k"` (quoted, or set from Python) had made a folder named '~' in the current one, and a
+    relative folder had been read from wherever the program ran; refused when a cache is made, not mid-step."""
+    from kvtier import ConfigError, TieredCache
+    from tiny_models import tiny_llama
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("KVTIER_KERNEL_CACHE", "~/k")
+    assert build.cache_dir() == tmp_path / "k"
+    monkeypatch.setenv("KVTIER_KERNEL_CACHE", "kernels")
+    words = "KVTIER_KERNEL_CACHE='kernels' in the environment is a relative folder; allowed: an absolute folder"
+    with pytest.raises(ConfigError, match=words):
+        build.cache_dir()
+    with pytest.raises(ConfigError, match=words):
+        TieredCache(tiny_llama().config, device_budget=0.5)
+
+
 def test_the_loader_builds_with_subnormals_kept_and_no_contraction():
     assert loader.OPTIONS is build.OPTIONS
     assert {"--fmad=false", "--ftz=false", "-std=c++17"} <= set(build.OPTIONS)

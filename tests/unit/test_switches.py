@@ -30,6 +30,13 @@ def test_a_misspelt_switch_is_refused_when_a_cache_is_made(name, monkeypatch):
         TieredCache(tiny_llama().config, device_budget=0.5)
 
 
+def test_a_misspelt_launcher_is_refused_when_a_cache_is_made(monkeypatch):
+    """KVTIER_LAUNCH was read at a GPU's first kernel launch only, in the middle of a step."""
+    monkeypatch.setenv("KVTIER_LAUNCH", "ctypes")
+    with pytest.raises(ConfigError, match="KVTIER_LAUNCH='ctypes' in the environment; allowed: driver, cupy, or unset"):
+        TieredCache(tiny_llama().config, device_budget=0.5)
+
+
 def test_a_switch_misspelt_after_the_cache_was_made_refuses_the_step_and_breaks_nothing(monkeypatch):
     """Read by the kernels at each launch (a GPU's step), a misspelt value met one mid-step, after earlier layers
     had taken it, and broke the cache: it is refused at the first layer, and the next step goes through."""
@@ -38,10 +45,11 @@ def test_a_switch_misspelt_after_the_cache_was_made_refuses_the_step_and_breaks_
     with TieredCache(model.config, device_budget=16, recall_pages=1000) as cache, \
             TieredCache(model.config, device_budget=16, recall_pages=1000) as twin:
         logits = [model(prompt, **cache_kwargs(c)).logits for c in (cache, twin)]
-        monkeypatch.setenv("KVTIER_NATIVE", "disable")
-        with pytest.raises(ConfigError, match="KVTIER_NATIVE='disable'"):
-            model(logits[0][:, -1:].argmax(-1), **cache_kwargs(cache))
-        assert cache.broken is None and cache.get_seq_length() == 40
-        monkeypatch.delenv("KVTIER_NATIVE")
+        for name in ("KVTIER_NATIVE", "KVTIER_LAUNCH"):
+            monkeypatch.setenv(name, "disable")
+            with pytest.raises(ConfigError, match=f"{name}='disable'"):
+                model(logits[0][:, -1:].argmax(-1), **cache_kwargs(cache))
+            assert cache.broken is None and cache.get_seq_length() == 40
+            monkeypatch.delenv(name)
         nxt = logits[1][:, -1:].argmax(-1)
         assert torch.equal(model(nxt, **cache_kwargs(cache)).logits, model(nxt, **cache_kwargs(twin)).logits)
