@@ -636,6 +636,11 @@ def plan_recall(want: torch.Tensor, held: torch.Tensor, pages: int, host_slots: 
     """
     heads, w = want.shape
     R = held.shape[1]
+    if want.device.type == "cpu" and want.numel() and (int(want.min()) < 0 or int(want.max()) >= pages):
+        # the kernel reads nothing for such an id (row -1); the bitmaps here would take another page's slot. The
+        # engine never asks for one; on a GPU the check would be a read back
+        raise IndexError(f"plan_recall: wanted page ids {int(want.min())}..{int(want.max())}; allowed: 0 to "
+                         f"{pages - 1}")
     empty = pages                                                   # the column standing for an empty slot
 
     def column(ids: torch.Tensor) -> torch.Tensor:

@@ -95,6 +95,8 @@ class PageIndex:
             if addresses is None and len(spans) > 1:   # forced where no kernel runs: one twin call, as one launch
                 spans = [torch.cat(spans)]
             return native.page_upper_bounds(q, spans, H, addresses=addresses, rows_per_slab=self.bounds.rows_per_slab)
+        if q.shape[1] == 0:   # no query row bounds anything: -inf, as the kernel's maximum over none
+            return torch.full((H, self.n), float("-inf"), device=q.device)
         q2 = torch.cat([q.float().clamp(min=0), q.float().clamp(max=0)], dim=-1)    # [heads, rows, 2 dim]
         out = []
         for _, b in self.bounds.spans(self.n * H):

@@ -1273,3 +1273,21 @@ def test_inputs_the_twins_had_taken_are_refused_by_name(what):
             (2, 1, d), (2, 1, d), (2, d, 8), (2, 1, 8), (2, 8, 8), (2, 1, 8), (2, 8, 1), (2, 1, 1))))
         with pytest.raises(ValueError, match=r"kvp_score: weights of \['torch.float64'\]; allowed: torch.float32"):
             native.kvp_score(torch.randn(1, 3, 4), torch.randn(1, 3, 4), torch.randn(3, 2), weights, 0)
+
+
+def test_plan_recall_refuses_a_wanted_page_outside_the_table():
+    """Its bitmaps took such an id for an empty slot's column: the slot of a page still wanted was given away,
+    where the kernel reads nothing for it; the engine never asks for one, so it is refused by name."""
+    want, held = torch.tensor([[1, 4]]), torch.tensor([[1, -1]])
+    with pytest.raises(IndexError, match="wanted page ids 1..4; allowed: 0 to 3"):
+        twins.plan_recall(want, held, 4)
+    assert twins.plan_recall(torch.tensor([[1, 3]]), held, 4).held_after.tolist() == [[1, 3]]
+
+
+def test_the_page_index_bounds_no_query_rows_as_the_kernel_does():
+    """The torch path returned None (its loop over the rows never ran) where the kernel's gives -inf."""
+    index = PageIndex(2, 4, 8, torch.float32, torch.device("cpu"))
+    index.add(torch.randn(2, 5, 4, 8))
+    for native_select in (True, False):
+        index.native_select = native_select
+        assert torch.equal(index.upper_bounds(torch.randn(2, 0, 8)), torch.full((2, 5), float("-inf")))
