@@ -59,6 +59,22 @@ def test_the_shipped_weights_are_found_by_the_model_s_sizes_whatever_its_name():
     assert shipped_matching({**signature, "hidden_size": 192}) is None
 
 
+def test_the_default_scorer_is_keynorm_for_a_model_of_another_head_size():
+    """The default model's sizes with 6 query heads (head size 96): the shipped weights had been picked, and the
+    cache then refused to be made, where `scorer=None` falls back to keynorm."""
+    from transformers import LlamaConfig
+
+    from kvtier.models import load_config
+    from kvtier.scoring.kvp import shipped_for
+
+    assert shipped_for(load_config()) == "SmolLM2-135M-Instruct"
+    cfg = LlamaConfig(num_hidden_layers=30, hidden_size=576, num_attention_heads=6, num_key_value_heads=3,
+                      intermediate_size=64, vocab_size=49152)
+    assert shipped_for(cfg) is None
+    with TieredCache(cfg) as cache:
+        assert cache.scorer.name == "keynorm"
+
+
 @torch.no_grad()
 def test_scoring_a_real_prefill_is_cheap(default_model):
     model, tok = default_model
