@@ -478,7 +478,10 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
         if pool.count <= budget:   # within budget: no ranking (and no age term) to compute this step
             return
         pos, score = pool.meta()
-        rank = ranking_scores(self.scorer, score, pos, self.seen, self.layer_idx)
+        defer = self._defer_nan()
+        rank = ranking_scores(self.scorer, score, pos, self.seen, self.layer_idx, check_nan=not defer)
+        if defer and rank is not score:   # an age term: its NaN goes down with the scores' (checked below)
+            self._nan = torch.maximum(self._nan_max(), rank.amax(dim=1, keepdim=True), out=self._nan_buf)
         idx = plan_device_demotion(rank, pos, self.seen, budget, self._sink_end(),
                                    cfg.recent_tokens, cfg.page_size, kept=self._kept_on_device(),
                                    min_pages=cfg.demotion_pages(budget))

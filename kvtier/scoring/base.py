@@ -110,16 +110,27 @@ class AgeAware(Protocol):
 
 
 def ranking_scores(scorer: object, scores: torch.Tensor, positions: torch.Tensor, seen: int,
-                   layer_idx: int) -> torch.Tensor:
+                   layer_idx: int, check_nan: bool = True) -> torch.Tensor:
     """The scores placement ranks by once `seen` tokens are written: ``scores`` plus an `AgeAware` scorer's
-    term for ages ``seen - 1 - positions`` (0 for the latest entry); ``[kv_heads, n]`` float32."""
+    term for ages ``seen - 1 - positions`` (0 for the latest entry); ``[kv_heads, n]`` float32.
+
+    The term is checked as `checked_scores` checks scores (`check_nan=False` leaves the NaN check to the
+    caller): a NaN had ranked entries without a word."""
     if not isinstance(scorer, AgeAware):
         return scores
     ages = (seen - 1) - positions
     bias = scorer.age_bias(ages, layer_idx)
-    if tuple(bias.shape) != tuple(scores.shape):
-        raise ScorerError(f"scorer {scorer_name(scorer)!r}: age_bias returned shape {list(bias.shape)}; expected "
+    name = scorer_name(scorer)
+    if not isinstance(bias, torch.Tensor):
+        raise ScorerError(f"scorer {name!r}: age_bias returned {type(bias).__name__}; expected a tensor of shape "
                           f"[kv_heads, n] = {list(scores.shape)}")
+    if tuple(bias.shape) != tuple(scores.shape):
+        raise ScorerError(f"scorer {name!r}: age_bias returned shape {list(bias.shape)}; expected "
+                          f"[kv_heads, n] = {list(scores.shape)}")
+    if not bias.is_floating_point():
+        raise ScorerError(f"scorer {name!r}: age_bias returned dtype {bias.dtype}; expected a floating-point tensor")
+    if check_nan and torch.isnan(bias).any():
+        raise nan_error(name, layer_idx)
     return scores.float() + bias.float()
 
 
@@ -223,6 +234,9 @@ def checked_scores(scorer: Scorer | QueryScorer, keys: torch.Tensor, values: tor
                           f"[batch, kv_heads, tokens] = {list(expected)}")
     if not out.is_floating_point():
         raise ScorerError(f"scorer {name!r} returned dtype {out.dtype}; expected a floating-point tensor")
+    if out.device != keys.device:
+        raise ScorerError(f"scorer {name!r} returned scores on {out.device}; expected them on the keys' device, "
+                          f"{keys.device}")
     out = out.float()
     if check_nan and torch.isnan(out).any():
         raise nan_error(name, layer_idx)

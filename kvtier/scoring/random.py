@@ -38,8 +38,9 @@ class RandomScorer:
     capturable: ClassVar[bool] = True   # a function of the positions: launches only (`scoring.capturable`)
 
     def __post_init__(self) -> None:
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ConfigError(f"seed={self.seed!r}; allowed: a whole number")
+        # the hash takes 32 bits of it: a wider seed would score as another one does (2**32 as 0)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= _MASK:
+            raise ConfigError(f"seed={self.seed!r}; allowed: a whole number from 0 to {_MASK:,}")
 
     def score(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
               layer_idx: int) -> torch.Tensor:

@@ -11,7 +11,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from ..errors import ConfigError
-from .base import QueryScorer, Scorer, needs_query
+from .base import QueryScorer, Scorer, needs_query, scorer_name
 
 # the built-in baselines, by what they need: attention-free ones rank from key, value and position alone
 BASELINES_ATTENTION_FREE = ("recency", "keynorm", "keydiff", "random")
@@ -43,6 +43,12 @@ def available_scorers() -> list[str]:
 def make_scorer(spec: str | Scorer | QueryScorer, **kwargs: Any) -> Scorer | QueryScorer:
     """Build a scorer from a name (with keyword settings) or return a scorer object unchanged."""
     if not isinstance(spec, str):
+        if isinstance(spec, type):   # its score() would miss an argument at the first step
+            raise ConfigError(f"scorer={spec.__name__} is a class; allowed: an instance of it ({spec.__name__}()), "
+                              f"or a name: {', '.join(available_scorers())}")
+        if kwargs:   # they would be dropped without a word
+            raise ConfigError(f"settings {', '.join(sorted(kwargs))} given with a scorer object "
+                              f"({scorer_name(spec)}); allowed: settings with a scorer's name, or none")
         if not callable(getattr(spec, "score", None)):
             raise ConfigError(f"scorer={spec!r} is neither a scorer name nor an object with a score() method; "
                               f"allowed names: {', '.join(available_scorers())}")

@@ -35,6 +35,59 @@ def test_recency_sinks_then_newest():
     assert torch.isinf(out[:2]).all() and (out[2:].diff() > 0).all()
 
 
+@pytest.mark.parametrize("seed", [-1, 2**32, 2**40])
+def test_random_seeds_the_hash_would_fold_onto_others_are_refused(seed):
+    """The hash took the seed's low 32 bits: 2**32 scored exactly as 0, -1 as 2**32 - 1."""
+    with pytest.raises(ConfigError, match=f"seed={seed}; allowed: a whole number from 0 to 4,294,967,295"):
+        make_scorer("random", seed=seed)
+    make_scorer("random", seed=2**32 - 1)
+
+
+def test_a_scorer_class_or_settings_beside_an_object_are_refused():
+    """A class passed its check (it has a callable score) and failed at every step; settings given with an object
+    were dropped."""
+    from kvtier.scoring.keynorm import KeyNormScorer
+    from kvtier.scoring.random import RandomScorer
+
+    with pytest.raises(ConfigError, match=r"scorer=KeyNormScorer is a class; allowed: an instance of it"):
+        make_scorer(KeyNormScorer)
+    with pytest.raises(ConfigError, match="settings seed given with a scorer object"):
+        make_scorer(RandomScorer(), seed=5)
+
+
+def test_an_age_term_that_is_nan_or_no_float_tensor_is_refused_by_name(make_engine):
+    """Only its shape was checked: a NaN term ranked entries without a word."""
+    from kvtier.scoring import ranking_scores
+
+    class Aged:
+        name = "aged"
+
+        def __init__(self, term):
+            self.term = term
+
+        def score(self, keys, values, positions, layer_idx):
+            return keys.float().norm(dim=-1)
+
+        def age_bias(self, ages, layer_idx):
+            return self.term(ages)
+
+    scores, pos = torch.zeros(2, 6), torch.arange(6).expand(2, 6)
+    for term, words in [(lambda a: torch.where(a > 2, float("nan"), 0.0), "returned NaN scores at layer 1"),
+                        (lambda a: a, "age_bias returned dtype torch.int64"),
+                        (lambda a: a.tolist(), "age_bias returned list")]:
+        with pytest.raises(ScorerError, match=words):
+            ranking_scores(Aged(term), scores, pos, 6, 1)
+    for defer in (False, True):   # checked at once, and as a GPU's step defers it
+        nan = Aged(lambda a: torch.where(a > 40, float("nan"), 0.0))
+        engine = make_engine(heads=2, head_dim=4, device_budget=16, page_size=4, scorer=nan, mode="evict")
+        engine.defer_nan = defer
+        with pytest.raises(ScorerError, match="'aged' returned NaN"):
+            for _ in range(8):
+                k = torch.randn(1, 2, 8, 4)
+                engine.write(k, k)
+                engine.commit()
+
+
 def test_random_is_seeded():
     k, v = _kv()
     a = make_scorer("random", seed=7).score(k, v, torch.arange(10), 0)
@@ -75,6 +128,7 @@ class _Bad:
     (torch.zeros(1, 3, 10, dtype=torch.int64), "dtype"),
     (torch.full((1, 3, 10), float("nan")), "NaN"),
     ([0.0] * 10, "returned list"),
+    (torch.zeros(1, 3, 10, device="meta"), r"returned scores on meta; expected them on the keys' device, cpu"),
 ])
 def test_bad_scorer_output(out, words):
     k, v = _kv()
