@@ -418,9 +418,17 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
                                   "whose config the TieredCache was built with")
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
             context = self.pool.contiguous(self.pool.count + q)[0]
-            p.score = self._checked(checked_scores(self.scorer, p.k, p.v, p.pos, self.layer_idx, query=query,
-                                                   context_keys=context, scaling=scale, softcap=softcap,
-                                                   check_nan=not self._defer_nan()))
+            pad = 0 if p.masked is None else int(p.masked.sum())   # the step's first tokens (`mask_new_tokens`)
+            if pad:   # padding no query attended, nor is it scored: it leaves the cache below
+                old = context.shape[2] - q
+                context = torch.cat([context[:, :, :old], context[:, :, old + pad:]], dim=2)
+            score = torch.zeros(1, self.heads, pad, device=p.k.device)
+            if pad < q:
+                real = checked_scores(self.scorer, p.k[:, :, pad:], p.v[:, :, pad:], p.pos[pad:], self.layer_idx,
+                                      query=query[:, :, pad:], context_keys=context, scaling=scale,
+                                      softcap=softcap, check_nan=not self._defer_nan())
+                score = torch.cat([score, real], dim=2) if pad else real
+            p.score = self._checked(score)
         self.pending = None
         self.pool.commit(q, p.score)
         if p.masked is not None:   # padding leaves the cache at once: nothing ever attends it

@@ -18,7 +18,10 @@ Shapes:
   (``positions._version``, which every write moves on), as KVP does, not on the tensor alone;
 - ``layer_idx``: the layer they belong to (learned scorers keep one agent per layer and head);
 - ``query``: ``[batch, q_heads, tokens, head_dim]``, the step's queries (``q_heads`` a multiple of ``kv_heads``);
-- ``context_keys``: ``[batch, kv_heads, n, head_dim]``, the keys attention read, the ``tokens`` new ones last;
+- ``context_keys``: ``[batch, kv_heads, n, head_dim]``, the device entries (what attention read until pages are
+  demoted), the ``tokens`` new ones last; left padding is left out of it and of ``query``, and is not scored. Not
+  among them: the pages a step recalls (tier mode, once pages are demoted) and a model's learned sink logits
+  (GPT-OSS), so a softmax over them gives the entries somewhat more weight than the model's attention did;
 - ``scaling``: the softmax scale attention used;
 - ``softcap``: the model's attention logit cap (Gemma 2's ``attn_logit_softcapping``; None where it has none),
   passed only to a `QueryScorer` whose ``score`` takes a ``softcap`` keyword, so that it ranks by the

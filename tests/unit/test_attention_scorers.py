@@ -103,3 +103,31 @@ def test_chunks_fit_the_memory_budget_of_their_device():
     assert chunk_rows(32, 131072, "cuda") * 32 * 131072 * 4 <= DEVICE_CHUNK_BYTES
     assert chunk_rows(32, 131072, "cuda") > chunk_rows(32, 131072) == 1
     assert chunk_rows(9, 100) == chunk_rows(9, 100, "cuda") == 512
+
+
+@pytest.mark.parametrize("scorer", ["tova", "h2o"])
+def test_left_padding_takes_no_share_of_the_scores_attention(scorer):
+    """The scorers' softmax ran over the padding keys too, which the model never attends: TOVA's scores of the
+    real tokens summed to 0.75 with 10 padding tokens before 30."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvtier import TieredCache, cache_kwargs
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=128, vocab_size=128, attn_implementation="eager", pad_token_id=0)
+    model = LlamaForCausalLM(cfg).eval()
+    pad, real = 10, 30
+    ids = torch.cat([torch.zeros(1, pad, dtype=torch.long),
+                     torch.randint(1, 128, (1, real), generator=torch.Generator().manual_seed(1))], 1)
+    mask = (ids != 0).long()
+    with torch.no_grad(), TieredCache(cfg, scorer=scorer, device_budget=1.0) as cache:
+        attentions = model(ids, attention_mask=mask, output_attentions=True).attentions
+        model(ids, attention_mask=mask, **cache_kwargs(cache))
+        for layer, engine in enumerate(cache._engines):
+            pos, score = engine.pool.meta()
+            assert pos.shape[1] == real
+            probs = attentions[layer][0].reshape(2, 2, pad + real, pad + real).mean(1)   # [kv heads, query, key]
+            # the model's attention to each entry kept: the last query's (TOVA), every query's summed (H2O)
+            want = probs[:, -1] if scorer == "tova" else probs[:, pad:].sum(1)
+            assert torch.allclose(torch.gather(want, 1, pos), score, atol=1e-6), (layer, scorer)
