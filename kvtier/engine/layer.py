@@ -422,12 +422,12 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
             if pad:   # padding no query attended, nor is it scored: it leaves the cache below
                 old = context.shape[2] - q
                 context = torch.cat([context[:, :, :old], context[:, :, old + pad:]], dim=2)
-            score = torch.zeros(1, self.heads, pad, device=p.k.device)
-            if pad < q:
-                real = checked_scores(self.scorer, p.k[:, :, pad:], p.v[:, :, pad:], p.pos[pad:], self.layer_idx,
-                                      query=query[:, :, pad:], context_keys=context, scaling=scale,
-                                      softcap=softcap, check_nan=not self._defer_nan())
-                score = torch.cat([score, real], dim=2) if pad else real
+            score = None if pad == q else checked_scores(
+                self.scorer, p.k[:, :, pad:], p.v[:, :, pad:], p.pos[pad:], self.layer_idx, query=query[:, :, pad:],
+                context_keys=context, scaling=scale, softcap=softcap, check_nan=not self._defer_nan())
+            if pad:   # the padding's scores: any number, it leaves the cache below
+                zeros = torch.zeros(1, self.heads, pad, device=p.k.device)
+                score = zeros if score is None else torch.cat([zeros, score], dim=2)
             p.score = self._checked(score)
         self.pending = None
         self.pool.commit(q, p.score)
