@@ -271,16 +271,13 @@ class DiskStore:
         taken = False   # set with `_storing`: from then on the `try` below gives the slots back whatever happens
         try:   # from the slots' allocation to their bookkeeping: a failure (or Ctrl-C) anywhere gives them back
             with self._lock:
-                reused = [heapq.heappop(self._free) for _ in range(min(n, len(self._free)))]
+                free = list(self._free)   # popped from a copy: an interruption before it is kept takes nothing
+                reused = [heapq.heappop(free) for _ in range(min(n, len(free)))]
                 lo, hi = self._next, self._next + n - len(reused)
-                self._next = hi
-                try:
-                    self._meta.grow(hi)
-                    slots = np.array(reused + list(range(lo, hi)), dtype=np.int64)
-                    gens = self._meta.get(slots)["gen"] + np.uint32(1)
-                except BaseException:   # no memory for the bookkeeping: the slots go back
-                    self._give_back(fd, reused, lo, hi)
-                    raise
+                self._meta.grow(hi)
+                slots = np.array(reused + list(range(lo, hi)), dtype=np.int64)
+                gens = self._meta.get(slots)["gen"] + np.uint32(1)
+                self._free, self._next = free, hi
                 self._storing += 1
                 taken = True
             crcs = np.empty(n, np.uint32)
@@ -304,8 +301,14 @@ class DiskStore:
             order, s, tasks = self._plan(slots, _IOV_MAX)
             self._run(write, tasks)
             with self._lock:
-                self._meta.set(slots, crc=crcs, gen=gens, seed=seeds, used=True)
-                self._count += n
+                count = self._count
+                try:
+                    self._meta.set(slots, crc=crcs, gen=gens, seed=seeds, used=True)
+                    self._count = count + n
+                except BaseException:   # interrupted between the two: the slots go back (below), uncounted
+                    self._meta.set(slots, used=False)
+                    self._count = count
+                    raise
         except BaseException:
             if taken:
                 with self._lock:
@@ -340,10 +343,17 @@ class DiskStore:
             self._check_used(slots)
             if len(np.unique(slots)) != len(slots):
                 raise CorruptPageError(f"a slot is freed twice in one call to {self.path}")
-            self._meta.set(slots, used=False)
-            self._count -= len(slots)
-            for slot in slots.tolist():
-                heapq.heappush(self._free, slot)
+            count, old = self._count, self._free
+            new = old + slots.tolist()
+            heapq.heapify(new)   # made first: an interruption from here on leaves every slot as it was
+            try:
+                self._meta.set(slots, used=False)
+                self._count = count - len(slots)
+                self._free = new
+            except BaseException:
+                self._meta.set(slots, used=True)
+                self._count, self._free = count, old
+                raise
             self._trim_quietly(self._check_open())
 
     def _trim_quietly(self, fd: int) -> None:
@@ -389,8 +399,9 @@ class DiskStore:
                                     f"for an out of {m} pages")
         if out is not None and (len(out) != 2 or any(tuple(t.shape) != (m, P, D) for t in out)):
             raise CapacityError(f"out must be two tensors [{m}, {P}, {D}]; got {[tuple(t.shape) for t in out]}")
+        # (an empty tensor calls itself contiguous whatever its strides, which its byte view then refuses)
         direct = out is not None and all(t.device.type == "cpu" and t.dtype == self.dtype and t.is_contiguous()
-                                         for t in out)
+                                         and t.numel() for t in out)
         kv = out if direct else [torch.empty((n, P, D), dtype=self.dtype) for _ in range(2)]
         placed, rows = rows, rows if direct else None   # read into `out` at `rows`, or in order, then placed
         kn, vn = (t.detach().view(torch.uint8).reshape(len(t), kb).numpy() for t in kv)  # the reads land in `kv`

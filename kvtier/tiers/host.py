@@ -173,14 +173,22 @@ class HostPool:
         if not len(s):
             return
         self._held_slots(s, twice=True)
-        self._held[s] = False
-        self._used -= len(s)
         # the last slots handed out go back to the never-used range (a failed demotion's, given back at once,
         # leaves the pool as it was); the others onto the stack, the lowest on top
         back = s[::-1] == np.arange(self._next - 1, self._next - 1 - len(s), -1)
         n = len(s) if back.all() else int(np.argmin(back))
-        self._next -= n
-        self._free.extend(s[:len(s) - n][::-1].tolist())
+        stacked = s[:len(s) - n][::-1].tolist()
+        used, next_, free = self._used, self._next, len(self._free)
+        try:   # an interruption between these leaves the pool as it was
+            self._held[s] = False
+            self._used = used - len(s)
+            self._next = next_ - n
+            self._free.extend(stacked)
+        except BaseException:
+            self._held[s] = True
+            self._used, self._next = used, next_
+            del self._free[free:]
+            raise
 
     def _slabs_needed(self) -> int:
         """Slabs for the pages held and half a slab more (so that the pages a demotion adds before the next

@@ -312,6 +312,61 @@ def test_a_store_interrupted_as_it_lets_go_of_its_lock_gives_its_slots_back(make
     assert store.file_bytes() == 0
 
 
+@pytest.mark.parametrize("op", ["store", "free"])
+def test_a_store_or_free_interrupted_right_after_marking_its_slots_leaves_the_store_as_it_was(make, op):
+    """Ctrl-C between marking the slots and counting them: a store's slots stayed marked used but were never
+    returned (lost, and counted out of `pages()`); a free's slots not yet pushed onto the heap were lost."""
+    store = make()
+    k, v = pages(3, store)
+    store.store(k, v)
+    meta = store._meta
+
+    class Interrupting:
+        def __getattr__(self, name):
+            return getattr(meta, name)
+
+        def set(self, slots, **fields):
+            meta.set(slots, **fields)
+            if "used" in fields and store._meta is self:   # once: the undo's own set goes through
+                store._meta = meta
+                raise KeyboardInterrupt
+
+    store._meta = Interrupting()
+    with pytest.raises(KeyboardInterrupt):
+        store.store(k[:2], v[:2]) if op == "store" else store.free(np.array([0, 1]))
+    assert store.pages() == 3 and store.file_bytes() == 3 * store.record_size
+    store.free(np.array([0, 1]))   # as it was: the free goes through now
+    assert store.store(k[:2], v[:2]).tolist() == [0, 1]
+    assert same(store.load(np.array([2]))[0], k[2:])
+
+
+def test_a_store_interrupted_while_it_takes_freed_slots_takes_none(make, monkeypatch):
+    """Ctrl-C among the pops of freed slots off the heap: those popped were lost for good."""
+    import heapq
+    import types
+
+    import kvtier.tiers.disk as disk
+
+    store = make()
+    k, v = pages(4, store)
+    store.store(k, v)
+    store.free(np.array([0, 1, 2]))
+    calls = []
+
+    def pop(heap):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return heapq.heappop(heap)
+
+    monkeypatch.setattr(disk, "heapq", types.SimpleNamespace(heappop=pop, heappush=heapq.heappush,
+                                                              heapify=heapq.heapify))
+    with pytest.raises(KeyboardInterrupt):
+        store.store(k[:3], v[:3])
+    monkeypatch.undo()
+    assert store.pages() == 1 and store.store(k[:3], v[:3]).tolist() == [0, 1, 2]
+
+
 def test_stale_or_misplaced_record_is_rejected(make):
     store = make()
     k, v = pages(3, store)
@@ -633,3 +688,12 @@ def test_bad_dtype_and_shapes(make):
     assert store.store(torch.zeros(0, 16, 64, dtype=torch.float16),
                        torch.zeros(0, 16, 64, dtype=torch.float16)).tolist() == []
     assert store.pages() == 0 and store.file_bytes() == 0
+
+
+def test_no_pages_load_into_an_empty_out_whatever_its_strides(make):
+    """An empty tensor calls itself contiguous whatever its strides: it was read into directly, and its byte view
+    raised torch's error."""
+    store = make(page_size=2, head_dim=4, dtype=torch.float32)
+    out = tuple(torch.empty(0, 4, 2).transpose(1, 2) for _ in range(2))
+    k, v = store.load(np.empty(0, dtype=np.int64), out=out)
+    assert k.shape == v.shape == (0, 2, 4)

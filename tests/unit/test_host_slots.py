@@ -109,6 +109,30 @@ def test_a_slot_that_holds_no_page_is_refused_by_free():
     pool.close()
 
 
+def test_a_free_interrupted_before_its_slots_reach_the_stack_leaves_the_pool_as_it_was():
+    """Ctrl-C between marking the slots free and putting them on the stack lost them (and a retried free was
+    refused: they held no page)."""
+    pool = HostPool(4, 8, torch.float32, pin=False)
+    k = torch.randn(4, 4, 8)
+    slots = pool.store(k, k)
+
+    class Interrupting(list):
+        def extend(self, items):
+            super().extend(items)
+            raise KeyboardInterrupt
+
+    real = pool._free
+    pool._free = Interrupting(real)
+    with pytest.raises(KeyboardInterrupt):
+        pool.free(slots[:2])
+    pool._free = list(pool._free)
+    assert pool.pages() == 4 and not pool._free
+    pool.free(slots[:2])
+    assert sorted(pool.store(k[:2], k[:2]).tolist()) == sorted(slots[:2].tolist())
+    assert torch.equal(pool.load(slots[2:])[0], k[2:])
+    pool.close()
+
+
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["store", "adopt", "free", "compact"]), st.integers(1, 20),
                           st.randoms(use_true_random=False)), max_size=30))
