@@ -388,6 +388,7 @@ class TieredLayer(OneSequence, CacheLayerMixin):
                             raise UnsupportedError(f"layer {engine.layer_idx}'s attention was asked for {refuse[0]}, "
                                                    "which kvtier's split attention over recalled pages cannot apply")
                         check_plain_mask(attention_mask)
+                        check_causal_mask(attention_mask, engine.pool.count, pending.k.shape[2])
                     masked = masked_new_tokens(attention_mask, engine.pool.count, pending.k.shape[2])
                     if masked is not None:
                         engine.mask_new_tokens(masked)
@@ -471,6 +472,33 @@ def check_plain_mask(mask: torch.Tensor | None) -> None:
                                "kvtier's split attention over recalled pages cannot apply them; allowed: models "
                                "whose mask only allows or blocks entries (rotary and other position encodings "
                                "applied to the keys are fine)")
+
+
+_CAUSAL = MaskVerdicts()   # whether a mask is causal over the stored entries and the new tokens
+
+
+def check_causal_mask(mask: torch.Tensor | None, stored: int, q_len: int) -> None:
+    """Refuse a 4D mask of several new tokens that is not causal (new tokens that see later ones, as a
+    bidirectional block does, or stored entries hidden from some rows): the split attention over recalled pages
+    applies causality only. Padding columns (hidden from every row) are `masked_new_tokens`' to judge; a decode
+    step's one row has nothing else to get wrong."""
+    if mask is None or mask.dim() != 4 or q_len < 2:
+        return
+
+    def causal(m: torch.Tensor) -> bool:
+        allowed = m if m.dtype == torch.bool else m > torch.finfo(m.dtype).min / 2
+        allowed = allowed[..., -q_len:, :]
+        seen = allowed.any(dim=-2, keepdim=True)   # padding: a column no row sees is judged elsewhere
+        want = torch.ones(q_len, allowed.shape[-1], dtype=torch.bool, device=m.device)
+        want[:, stored:stored + q_len] = torch.ones(q_len, q_len, dtype=torch.bool, device=m.device).tril_()
+        want[:, stored + q_len:] = False
+        return bool(((allowed != want) & seen).logical_not().all())
+
+    if not _CAUSAL.verdict(mask, causal):
+        raise UnsupportedError("the attention mask is not causal (new tokens that see later ones, as a "
+                               "bidirectional block does, or stored entries hidden from some queries); kvtier's "
+                               "split attention over recalled pages applies causality only; allowed: causal masks, "
+                               "with left padding")
 
 
 class GuardedWindow(OneSequence, WindowLayer):

@@ -71,3 +71,34 @@ def test_an_eager_models_decode_step_reads_its_mask_once_per_check_not_per_layer
             assert cache.stats()["pages_recalled"] > 0
             # one read for each check (biases, padding), where each layer read both before
             assert sorted(map(id, reads)) == sorted([id(tiered_layer._BIASED), id(attention._ALL_SEEN)]), reads
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_a_mask_that_is_not_causal_is_refused_at_a_step_that_recalls(kind):
+    """A 4D mask letting a chunk's tokens see each other both ways (a user's mask, Gemma 3's bidirectional
+    attention) was applied as causal once pages were recalled: other logits than DynamicCache's, no word. Refused
+    before any layer takes the step; a causal 4D mask gives DynamicCache's logits."""
+    from transformers import DynamicCache
+
+    model = tiny_llama()
+    g = torch.Generator().manual_seed(1)
+    prompt, chunk = torch.randint(3, 128, (1, 200), generator=g), torch.randint(3, 128, (1, 8), generator=g)
+    q, pos = chunk.shape[1], torch.arange(200, 208)[None]
+
+    def mask(cache, both_ways):
+        kv_len, _ = cache.get_mask_sizes(q, 0)
+        allowed = torch.ones(1, 1, q, kv_len, dtype=torch.bool)
+        if not both_ways:
+            allowed[..., kv_len - q:] = torch.ones(q, q, dtype=torch.bool).tril()
+        return allowed if kind == "bool" else torch.where(allowed, 0.0, torch.finfo(torch.float32).min)
+
+    with torch.no_grad(), TieredCache(model.config, device_budget=48, scorer="keynorm", recall_pages=1000) as cache:
+        full = DynamicCache(config=model.config)
+        for c in (cache, full):
+            model(prompt, **cache_kwargs(c))
+        with pytest.raises(UnsupportedError, match="the attention mask is not causal"):
+            model(chunk, attention_mask=mask(cache, True), position_ids=pos, **cache_kwargs(cache))
+        assert cache.broken is None and cache.get_seq_length() == 200
+        got = model(chunk, attention_mask=mask(cache, False), position_ids=pos, **cache_kwargs(cache)).logits
+        want = model(chunk, attention_mask=mask(full, False), position_ids=pos, **cache_kwargs(full)).logits
+        assert cache.stats()["recall_steps"] and torch.allclose(got, want, atol=1e-5)
