@@ -114,6 +114,8 @@ def check_per_head_kv(text: Any) -> None:
             "projected from a shared latent with different key and value head sizes, not per-head K/V of one "
             "size, which is what kvtier pages, scores and recalls; allowed: models with per-head keys and values")
     v_dim, qk_dim = getattr(text, "v_head_dim", None), getattr(text, "qk_head_dim", None)
+    if qk_dim is None:   # MiMo-V2-Flash names its key heads' size head_dim (DeepSeek, qk_head_dim)
+        qk_dim = getattr(text, "head_dim", None)
     if v_dim is not None and qk_dim is not None and v_dim != qk_dim:
         raise UnsupportedError(f"{name} has key heads of {qk_dim} and value heads of {v_dim}; allowed: keys "
                                "and values of one head size")

@@ -76,6 +76,17 @@ def test_sliding_layers_are_kept_and_full_layers_tiered():
         assert cache.stats()["layers"] == 1 and cache.stats()["window"]["layers"] == 1
 
 
+def test_value_heads_of_another_size_than_head_dim_are_refused_when_the_cache_is_made():
+    """MiMo-V2-Flash names its key heads' size head_dim (DeepSeek's name, qk_head_dim, was the only one read): the
+    cache was made, and its first step failed on a shape inside the engine."""
+    from kvtier.integrations.support import support
+
+    cfg = types.SimpleNamespace(**vars(CONFIG), v_head_dim=4)
+    with pytest.raises(UnsupportedError, match="key heads of 8 and value heads of 4"):
+        TieredCache(cfg)
+    assert not support(cfg)["supported"]
+
+
 def test_latent_attention_is_refused_with_the_reason():
     cfg = types.SimpleNamespace(**vars(CONFIG), kv_lora_rank=512)
     with pytest.raises(UnsupportedError, match="latent attention"):
