@@ -69,6 +69,7 @@ def layer_plan(config: Any) -> LayerPlan:
 
     text = _text_config(config)
     check_per_head_kv(text)
+    check_attention_name_unread(text)
     if isinstance(text, PreTrainedConfig):
         kinds, settings = get_layer_types_and_kwargs(text)
     else:   # a plain object with the config's fields: transformers' rule, read directly
@@ -86,6 +87,17 @@ def layer_plan(config: Any) -> LayerPlan:
                                f"allowed: {TIERED!r} layers (tiered) with {' or '.join(map(repr, WINDOWED))} "
                                "layers (kept as transformers keeps them)")
     return LayerPlan(tuple(kinds), tuple(dict(s) for s in settings))
+
+
+def check_attention_name_unread(text: Any) -> None:
+    """Refuse a model whose own code picks a path by its attention's name: kvtier routes the attention under a
+    name of its own, and the path would change for every cache of the model, DynamicCache included."""
+    impl = getattr(text, "_attn_implementation", None)
+    if getattr(text, "reorder_and_upcast_attn", False) is True and impl in ("eager", "kvtier_eager"):
+        raise UnsupportedError(f"{type(text).__name__} has reorder_and_upcast_attn=True with eager attention: the "
+                               "model takes its upcast path only where the attention is named 'eager', and kvtier "
+                               "routes it under a name of its own; allowed: reorder_and_upcast_attn=False, or "
+                               "attn_implementation='sdpa'")
 
 
 def check_per_head_kv(text: Any) -> None:

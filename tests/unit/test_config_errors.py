@@ -5,6 +5,7 @@ from __future__ import annotations
 import types
 
 import pytest
+import torch
 
 from kvtier import ConfigError, TieredCache, UnsupportedError
 from kvtier.placement import Budget
@@ -87,6 +88,30 @@ def test_value_heads_of_another_size_than_head_dim_are_refused_when_the_cache_is
     assert not support(cfg)["supported"]
 
 
+def test_a_model_that_reads_its_attentions_name_is_refused_with_eager_attention():
+    """GPT-2 with reorder_and_upcast_attn takes its upcast path where its attention is named 'eager': routed
+    under kvtier's name, every cache of the model, DynamicCache too and after close(), gave other logits."""
+    from transformers import AutoModelForCausalLM, DynamicCache, GPT2Config
+
+    from kvtier import cache_kwargs
+
+    cfg = GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256, reorder_and_upcast_attn=True,
+                     eos_token_id=None)
+    ids = torch.randint(3, 256, (1, 32), generator=torch.Generator().manual_seed(1))
+    for attn in ("eager", "sdpa"):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=torch.bfloat16).eval()
+        with torch.no_grad():
+            before = model(ids, **cache_kwargs(DynamicCache(config=model.config))).logits
+            if attn == "eager":
+                with pytest.raises(UnsupportedError, match="reorder_and_upcast_attn=True with eager attention"):
+                    TieredCache(model.config, device_budget=1.0)
+            else:
+                with TieredCache(model.config, device_budget=1.0, scorer="keynorm") as cache:
+                    assert torch.equal(model(ids, **cache_kwargs(cache)).logits, before)
+            assert torch.equal(model(ids, **cache_kwargs(DynamicCache(config=model.config))).logits, before)
+
+
 def test_latent_attention_is_refused_with_the_reason():
     cfg = types.SimpleNamespace(**vars(CONFIG), kv_lora_rank=512)
     with pytest.raises(UnsupportedError, match="latent attention"):
@@ -115,8 +140,6 @@ def test_a_share_far_below_or_far_above_one_token_is_rounded_up():
 def test_kept_mass_keeps_what_the_cache_keeps():
     """The training metric sized its kept set by `ceil(budget * n)`: 8 of 100 entries at 7%, where the cache
     keeps 7."""
-    import torch
-
     from kvtier.training.evaluate import kept_mass
 
     importance = torch.zeros(100)
