@@ -47,6 +47,7 @@ class CacheState:
         self.pid = os.getpid()
         self.reads: ParkedReads | None = None   # parked layers being read ahead of their restore
         self.config: Any = None   # the model config whose attention the cache routed through kvtier
+        self.attended = False     # whether any step's attention came through kvtier (`TieredLayer.attend`)
 
     def check(self) -> None:
         """Raise unless the cache can be used."""
@@ -361,6 +362,7 @@ class TieredLayer(OneSequence, CacheLayerMixin):
         when this step recalls (otherwise the model's own attention runs and does it).
         """
         engine = self.engine
+        self._state.attended = True
         first = engine is self._state.engines[0]   # the first tiered layer: a refusal here can undo the step
         step = self.steady
         if step is not None:   # a planned step's launches (`kvtier.integrations.model_graph`); the mask is causal
@@ -437,6 +439,13 @@ class TieredLayer(OneSequence, CacheLayerMixin):
                 st.check_lengths()   # cut short between layers: the cache says so
             # a model is about to run a step, but the last step's attention never came through kvtier (which
             # places the step and recalls demoted pages): answers would silently lose the demoted entries
+            if st is not None and not st.attended:   # on no step so far: most likely the architecture's own code
+                raise UnsupportedError(
+                    "the model's attention has not run through kvtier on any step: its architecture computes "
+                    "attention in its own code rather than through transformers' attention interface (as MPT, "
+                    "XGLM and JetMoE do), or the cache was built with a copy of the model's config; kvtier could "
+                    "never recall a demoted entry for it; allowed: architectures whose attention goes through the "
+                    "interface, with the cache built from model.config")
             raise UnsupportedError(f"the model's attention did not run through kvtier on the last step, {_ROUTE}")
         engine.flush()
         stored = engine.stored

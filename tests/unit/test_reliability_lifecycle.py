@@ -464,7 +464,7 @@ def test_a_cache_built_from_a_copy_of_the_config_refuses_instead_of_skipping_rec
     ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         logits = model(ids, **cache_kwargs(cache)).logits
-        with pytest.raises(UnsupportedError, match="copy of it"):
+        with pytest.raises(UnsupportedError, match="on any step.*or the cache was built with a copy of the model"):
             model(logits[:, -1:].argmax(-1), **cache_kwargs(cache))
     cache.close()
 
@@ -573,3 +573,19 @@ def test_a_model_of_another_layer_count_is_refused_by_name_and_a_changed_cache_s
         fewer(ids, **cache_kwargs(cache))
         with pytest.raises(BrokenCacheError, match="a model of fewer layers than the config"):
             fewer(ids[:, :1], **cache_kwargs(cache))
+
+
+def test_a_model_whose_attention_never_runs_through_kvtier_is_named_as_such():
+    """MPT computes its attention in its own code: the prompt ran, and the next step blamed a copied config or
+    detach_attention(), neither of which had happened."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("mpt", d_model=64, n_layers=2, n_heads=4, vocab_size=256, max_seq_len=512)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    ids = torch.randint(3, 256, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), TieredCache(model.config, device_budget=16, scorer="keynorm") as cache:
+        model(ids, **cache_kwargs(cache))
+        with pytest.raises(UnsupportedError, match="has not run through kvtier on any step: its architecture "
+                                                   "computes attention in its own code"):
+            model(ids[:, :1], **cache_kwargs(cache))
