@@ -48,7 +48,7 @@ from .user_cache import user_cache_base
 log = logging.getLogger(__name__)
 
 ENV = "KVTIER_MODEL_CACHE"
-FORMAT = 1
+FORMAT = 2   # 2: every file readable by every user (copies of 1 could be their maker's only)
 MANIFEST = "kvtier-copy.json"
 WEIGHTS = "model.safetensors"
 _OFF = {"off", "0", "no", "false", "none"}
@@ -68,13 +68,14 @@ def cache_root() -> Path | None:
         if word in _OFF or not word:
             return None
         if word not in _ON:
-            path = Path(os.path.expanduser(value))   # an unknown ~user stays as it is (relative), not a crash
+            path = Path(os.path.expanduser(value.strip()))   # an unknown ~user stays relative, not a crash
             if not path.is_absolute():
                 raise ConfigError(f"{ENV}={value!r} in the environment is a relative folder (a copy would be "
                                   "kept in every folder the program runs from); allowed: an absolute folder, on "
                                   "(or 1, true, yes: the default folder), off (or 0, false, no, none)")
             return path
-    return user_cache_base() / "kvtier" / "models"
+    base = user_cache_base()
+    return None if base is None else base / "kvtier" / "models"   # no home folder: no copies
 
 
 def copy_folder(gguf: Path) -> Path | None:
@@ -297,11 +298,14 @@ def store(folder: Path, model: Any, tokenizer: Any) -> bool:
         folder.parent.mkdir(parents=True, exist_ok=True)
         building = Path(tempfile.mkdtemp(prefix=BUILDING, dir=folder.parent))
         save_model(model, str(building / WEIGHTS))
-        os.chmod(building / WEIGHTS, 0o644)   # safetensors makes it its owner's only; the copy is for every user
         model.config.save_pretrained(str(building))
         tokenizer.save_pretrained(str(building))
         (building / MANIFEST).write_text(json.dumps({"format": FORMAT, "files": _listed(building)}, indent=1))
-        os.chmod(building, 0o755)   # mkdtemp's folder is its owner's only: other users of the folder read it too
+        # the copy is for every user of the folder: safetensors makes its file its owner's only, mkdtemp its
+        # folder, and a umask of 077 the rest (a user who cannot read a file of it would rebuild it at every load)
+        for path in building.rglob("*"):
+            os.chmod(path, 0o755 if path.is_dir() else 0o644)
+        os.chmod(building, 0o755)
         try:
             os.rename(building, folder)
         except OSError as e:

@@ -28,11 +28,15 @@ OPTIONS = ("--fmad=false", "--ftz=false", "-std=c++17")
 _fallback: _OwnFolder | None = None   # where binaries go when the cache folder is not writable
 
 
-def cache_dir() -> Path:
+def cache_dir() -> Path | None:
     """Where built binaries are kept: ``KVTIER_KERNEL_CACHE`` (absolute, ``~`` expanded), else
-    ``$XDG_CACHE_HOME/kvtier/kernels`` where that is absolute (by default ``~/.cache/kvtier/kernels``)."""
+    ``$XDG_CACHE_HOME/kvtier/kernels`` where that is absolute (by default ``~/.cache/kvtier/kernels``); None where
+    the user has no home folder (binaries then go to a folder of this process's own)."""
     asked = kernel_cache_asked()
-    return asked if asked is not None else user_cache_base() / "kvtier" / "kernels"
+    if asked is not None:
+        return asked
+    base = user_cache_base()
+    return None if base is None else base / "kvtier" / "kernels"
 
 
 def binary_name(name: str, text: str, target: str, compiler: str) -> str:
@@ -51,16 +55,17 @@ def cached_binary(name: str, text: str, target: str, compiler: str, build: Any,
     cannot be written, or with `shared` False, the binary goes to a folder of this process's own, removed at
     exit."""
     file = binary_name(name, text, target, compiler)
-    folders = ([cache_dir()] if shared else []) + ([Path(_fallback.name)] if _fallback is not None else [])
+    shared_dir = cache_dir() if shared else None
+    folders = ([shared_dir] if shared_dir else []) + ([Path(_fallback.name)] if _fallback is not None else [])
     for folder in folders:
         if _intact(folder / file):
             return folder / file, False
     data = build(text)
     data = data.encode() if isinstance(data, str) else bytes(data)
-    if shared:
+    if shared_dir is not None:
         try:
-            cache_dir().mkdir(parents=True, exist_ok=True)
-            return _write(cache_dir() / file, data), True
+            shared_dir.mkdir(parents=True, exist_ok=True)
+            return _write(shared_dir / file, data), True
         except OSError:
             pass
     return _write(_own_folder() / file, data), True

@@ -257,6 +257,19 @@ def test_an_error_that_is_not_the_copys_leaves_it_alone(tmp_path):
     assert list(want) == list(got) and all(torch.equal(want[k], got[k]) for k in want)
 
 
+def test_every_file_of_a_copy_is_readable_by_every_user_whatever_the_umask(tmp_path):
+    """Under umask 077 only the folder and the weights were opened to others: the list, config and tokenizer
+    stayed their maker's, so any other user rebuilt the copy (and threw it away) at every load."""
+    old = os.umask(0o077)
+    try:
+        _small_copy(tmp_path / "copy")
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "copy").rglob("*")}
+    assert modes and all(m == (0o755 if (tmp_path / "copy" / n).is_dir() else 0o644) for n, m in modes.items()), modes
+    assert model_cache.FORMAT >= 2   # copies of format 1 may be their maker's only: they are not read
+
+
 def test_a_copy_closed_to_this_user_is_gone_without(tmp_path, monkeypatch, caplog):
     folder = tmp_path / "copy"
     _small_copy(folder)
@@ -354,3 +367,24 @@ def test_a_load_from_a_copy_removes_what_a_killed_load_left(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["copy", fresh.name, unused.name])
     assert model_cache.remove_leftovers(tmp_path, now=time.time() + model_cache.STALE_SECONDS + 60) == [fresh]
 
+
+
+def test_no_home_folder_means_no_copies_and_kernels_in_a_folder_of_the_process(monkeypatch, tmp_path):
+    """HOME unset under a uid with no passwd entry leaves `~` as it is: copies and kernels went to a relative
+    '~/.cache' under wherever the program ran."""
+    from kvtier.native import build
+
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.delenv(model_cache.ENV, raising=False)
+    monkeypatch.delenv("KVTIER_KERNEL_CACHE", raising=False)
+    monkeypatch.setattr(os.path, "expanduser", lambda path: path)
+    monkeypatch.setattr(build, "_fallback", None)   # this test's own folder goes with it
+    monkeypatch.chdir(tmp_path)
+    assert model_cache.cache_root() is None and build.cache_dir() is None
+    path, fresh = build.cached_binary("pack_entries", "text", "sm_90", "nvrtc", lambda text: b"binary")
+    assert fresh and path.is_absolute() and path.read_bytes() == b"binary" and not (tmp_path / "~").exists()
+
+
+def test_a_copy_folder_named_with_spaces_around_it_is_that_folder(monkeypatch, tmp_path):
+    monkeypatch.setenv(model_cache.ENV, f" {tmp_path / 'copies'} ")
+    assert model_cache.cache_root() == tmp_path / "copies"
