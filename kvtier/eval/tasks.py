@@ -35,7 +35,8 @@ class Example:
     continuation: torch.Tensor | None = None  # [1, tokens], perplexity tasks only
 
     def score(self, text: str) -> float:
-        """RULER string_match_all: the share of expected answers present in `text`."""
+        """RULER string_match_all: the share of expected answers present in `text`, as RULER scores it (a
+        substring match, so a longer number that holds an answer counts for it)."""
         return sum(a.lower() in text.lower() for a in self.answers) / len(self.answers)
 
 
@@ -159,6 +160,8 @@ TASKS = (*GENERATION_TASKS, "perplexity")
 
 def make_example(tokenizer: Any, task: str, length: int, seed: int) -> Example:
     """The example of `task` at about `length` tokens for `seed` (the same every time)."""
+    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+        raise ValueError(f"length={length!r}; allowed: a whole number of prompt tokens >= 1")
     rng = random.Random(f"{task}/{length}/{seed}")
     if task == "perplexity":
         prompt, cont = perplexity(tokenizer, length, rng)

@@ -8,6 +8,7 @@ depths) both build their prompts here, so the two can never drift apart.
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -79,13 +80,18 @@ class NeedleTask:
     prompt_tokens: int
 
     def is_correct(self, text: str) -> bool:
-        """RULER's string match: the answer appears in the model's output."""
-        return self.answer in text
+        """The answer appears in the model's output as a whole number: a longer number that holds it (95288866 for
+        9528886) is wrong, where RULER's string match would count it."""
+        return re.search(rf"(?<!\d){re.escape(self.answer)}(?!\d)", text) is not None
 
 
 def make_needle_task(tokenizer: Any, context_tokens: int = 3000, depth: float = 0.1,
                      seed: int = 0) -> NeedleTask:
     """Hide `NEEDLE` (a 7-digit number for a key) at `depth` of ~`context_tokens` of noise, then ask for it."""
+    if not 0.0 <= depth <= 1.0:   # NaN too: int() of it, or a depth just outside, had failed or been clamped
+        raise ValueError(f"depth={depth!r}; allowed: a share of the context from 0 to 1")
+    if isinstance(context_tokens, bool) or not isinstance(context_tokens, int) or context_tokens < 1:
+        raise ValueError(f"context_tokens={context_tokens!r}; allowed: a whole number of tokens >= 1")
     rng = random.Random(seed)
     key = rng.choice(KEYS)
     answer = magic_number(rng)

@@ -125,3 +125,28 @@ def test_policy_parsing():
     for bad in ("tier", "evict:", "drop:kvp", "full:kvp"):
         with pytest.raises(ConfigError, match="allowed: full"):
             Policy.parse(bad)
+
+
+def test_a_needle_answer_counts_only_as_a_whole_number(tokenizer):
+    """The demo's check was a substring test: 95288866 (or 19528886) passed for 9528886."""
+    task = make_needle_task(tokenizer, context_tokens=300, seed=0)
+    a = task.answer
+    assert task.is_correct(f"The number is {a}.") and task.is_correct(a) and task.is_correct(f"({a})")
+    assert not task.is_correct(f"{a}6") and not task.is_correct(f"1{a}") and not task.is_correct(a[:-1])
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"depth": -0.04}, "depth=-0.04; allowed"), ({"depth": 1.04}, "depth=1.04"), ({"depth": float("nan")}, "nan"),
+    ({"context_tokens": 0}, "context_tokens=0; allowed"), ({"context_tokens": -5}, "context_tokens=-5"),
+])
+def test_needle_tasks_refuse_a_depth_or_length_out_of_range(tokenizer, kwargs, words):
+    """A depth just outside [0, 1] had been clamped by int(), a length of 0 or less gave a 103-token prompt."""
+    with pytest.raises(ValueError, match=words):
+        make_needle_task(tokenizer, **kwargs)
+
+
+@pytest.mark.parametrize("length", [0, -100])
+def test_examples_refuse_a_length_below_one_token(tokenizer, length):
+    """The perplexity task had given a 56-token prompt for -100, and an empty one for 0."""
+    with pytest.raises(ValueError, match=f"length={length}; allowed"):
+        make_example(tokenizer, "perplexity", length, 0)
