@@ -142,14 +142,19 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
         budget = self.cfg.device_budget
         slab = SLAB_TOKENS if budget.is_fraction or budget.value > 65536 else \
             max(SLAB_TOKENS, int(budget.value) + 2 * self.cfg.page_size)   # a huge budget grows slab by slab
-        self.pool = DevicePool(self.heads, self.head_dim, dtype, device, slab)
-        self.device_counts = torch.zeros(4, dtype=torch.int64, device=device)
-        self.graphs = StepGraphs(device, self.cuda_graphs, self.shared.graphs)
-        self.prefetch_graphs = StepGraphs(device, self.cuda_graphs, self.shared.graphs)
+        # made aside, the pool set last: a failure (out of memory, Ctrl-C) leaves no half-made layer, whose next
+        # write (a retry, or the first after a reset) would have skipped the rest
+        pool = DevicePool(self.heads, self.head_dim, dtype, device, slab)
+        counts = torch.zeros(4, dtype=torch.int64, device=device)
+        graphs = StepGraphs(device, self.cuda_graphs, self.shared.graphs)
+        prefetch_graphs = StepGraphs(device, self.cuda_graphs, self.shared.graphs)
         if self.cfg.mode == "tier":
-            self.index = PageIndex(self.heads, self.cfg.page_size, self.head_dim, dtype, device, self.pin)
-            self.index.native_select = self.select_kernels
-            self.tiers[0] = HostPool(self.cfg.page_size, self.head_dim, dtype, self.pin, self.host_slab_bytes)
+            index = PageIndex(self.heads, self.cfg.page_size, self.head_dim, dtype, device, self.pin)
+            index.native_select = self.select_kernels
+            host = HostPool(self.cfg.page_size, self.head_dim, dtype, self.pin, self.host_slab_bytes)
+            self.index, self.tiers[0] = index, host
+        self.device_counts, self.graphs, self.prefetch_graphs = counts, graphs, prefetch_graphs
+        self.pool = pool
 
     def take_gpu_path(self, plan_on_device: bool = True) -> None:
         """Take the decode path a CUDA device takes, on whatever device this layer runs: recall planned on the

@@ -589,3 +589,35 @@ def test_a_model_whose_attention_never_runs_through_kvtier_is_named_as_such():
         with pytest.raises(UnsupportedError, match="has not run through kvtier on any step: its architecture "
                                                    "computes attention in its own code"):
             model(ids[:, :1], **cache_kwargs(cache))
+
+
+@pytest.mark.parametrize("failing_layer", [0, 1])
+def test_a_layer_whose_first_write_runs_out_of_memory_is_made_again_by_the_retry_or_the_reset(monkeypatch,
+                                                                                                failing_layer):
+    """The device pool was set before the host pool was made: a MemoryError there left a half-made layer whose
+    retry (layer 0: the cache not broken) or first step after reset() (layer 1: broken) failed with an
+    AttributeError for good."""
+    import kvtier.engine.layer as layer_module
+
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    settings = dict(device_budget=16, host_budget=16, page_size=4, scorer="keynorm")
+    with torch.no_grad(), TieredCache(model.config, **settings) as twin, \
+            TieredCache(model.config, **settings) as cache:
+        want = model(ids, **cache_kwargs(twin)).logits
+        real, calls = layer_module.HostPool, []
+
+        def failing(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == failing_layer + 1:
+                raise MemoryError("no memory for the host pool")
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(layer_module, "HostPool", failing)
+        with pytest.raises(CapacityError):
+            model(ids, **cache_kwargs(cache))
+        monkeypatch.setattr(layer_module, "HostPool", real)
+        assert (cache.broken is not None) == (failing_layer == 1)
+        if cache.broken:
+            cache.reset()
+        assert torch.equal(model(ids, **cache_kwargs(cache)).logits, want)
