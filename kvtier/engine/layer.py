@@ -659,10 +659,18 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
         copies = self.table.copies(heads, pids)
         dirty = copies < 0
         disk_slots = copies   # a new array: `copies` gathers
+        written = None
         if dirty.any():
             self.table.settle(pages=pids[dirty])    # read below: the copies to them must have landed
-            disk_slots[dirty] = self._disk().store(*self.host.load(slots[dirty]))
-        self.table.place(heads, pids, DISK, disk_slots)
+            written = self._disk().store(*self.host.load(slots[dirty]))
+        try:
+            if written is not None:
+                disk_slots[dirty] = written
+            self.table.place(heads, pids, DISK, disk_slots)
+        except BaseException:   # (Ctrl-C, no memory) the records written name no page: the store takes them back
+            if written is not None:
+                self._disk().free(written)
+            raise
         self.host.free(slots)
         self.counters.bytes_moved["host_to_disk"] += int(dirty.sum()) * self.host.page_bytes()
         self.counters.pages_dropped_clean += int((~dirty).sum())

@@ -621,3 +621,31 @@ def test_a_layer_whose_first_write_runs_out_of_memory_is_made_again_by_the_retry
         if cache.broken:
             cache.reset()
         assert torch.equal(model(ids, **cache_kwargs(cache)).logits, want)
+
+
+def test_a_move_to_disk_interrupted_before_its_pages_are_named_gives_their_records_back(monkeypatch, tmp_path):
+    """Ctrl-C between the disk store's write and the page table's naming the pages broke the cache (as it should),
+    but the records stayed booked in the shared store for the cache's life: reset() frees the slots tables name."""
+    from kvtier.placement.page_table import DISK, PageTable
+
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 80), generator=torch.Generator().manual_seed(2))
+    real = PageTable.place
+
+    def place(self, heads, pids, tier, slots, *args, **kwargs):
+        if tier == DISK:
+            raise KeyboardInterrupt
+        return real(self, heads, pids, tier, slots, *args, **kwargs)
+
+    with TieredCache(model.config, device_budget=24, host_budget=16, page_size=4, recall_pages=2, scorer="keynorm",
+                     disk_dir=str(tmp_path)) as cache:
+        monkeypatch.setattr(PageTable, "place", place)
+        with torch.no_grad(), pytest.raises(KeyboardInterrupt):
+            model(ids, **cache_kwargs(cache))
+        monkeypatch.setattr(PageTable, "place", real)
+        assert cache.broken is not None and cache._shared.disk_store.pages() == 0
+        cache.reset()
+        with torch.no_grad():
+            model(ids, **cache_kwargs(cache))
+        named = sum(int((e.table.tier == DISK).sum()) for e in cache._engines)
+        assert named and cache._shared.disk_store.pages() == named
