@@ -45,7 +45,7 @@ def copy_layer(src: LayerEngine, dst: LayerEngine) -> None:
     # it copied (the source's slot numbers mean nothing in the copy's stores); its host pages get no clean copies
     heads, pids = np.nonzero(dst.table.tier != EMPTY)
     dst.table.place(heads, pids, EMPTY, np.full(len(heads), -1, dtype=np.int64))
-    if src.disk is not None:   # the same ring, so the copy sets the same host room aside
+    if src._ring_made:   # the same ring, so the copy sets the same host room aside
         dst._disk(ring_pages=src._readahead_pages())
     for tier in (HOST, DISK):
         heads, pids = src.table.pages_in(tier)

@@ -88,6 +88,7 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
         self.table = PageTable(self.heads, config.page_size)
         self.tiers: list = [None, None]    # the hierarchy below the device, fastest first: [host, disk]
         self.readahead: DiskReadAhead | None = None
+        self._ring_made = False   # whether `_disk` has sized the ring (none, or `readahead`) since the last reset
         self.pending: _Pending | None = None
         self.parked: ParkedLayer | None = None
         self.parking: tuple[ParkedLayer, BufferLayout | None, int] | None = None   # `prepare_park`'s, not settled
@@ -181,19 +182,20 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
         """The disk store, and the read-ahead ring of `ring_pages` pages per head (by default what
         `TieredCacheConfig.read_ahead_pages` gives now), made at first use."""
         if self.tiers[1] is None:
-            disk = self.shared.disk(self.cfg.page_size, self.head_dim, self.dtype)
-            self.tiers[1] = disk
+            self.tiers[1] = self.shared.disk(self.cfg.page_size, self.head_dim, self.dtype)
+        if not self._ring_made:
             pages = self.cfg.read_ahead_pages(self.seen) if ring_pages is None else ring_pages
             if pages:
-                self.readahead = DiskReadAhead(disk, pages * self.heads, self.cfg.page_size, self.head_dim,
+                self.readahead = DiskReadAhead(self.tiers[1], pages * self.heads, self.cfg.page_size, self.head_dim,
                                                self.dtype, self.pin, adaptive=self.cfg.read_ahead is None)
+            self._ring_made = True
         return self.tiers[1]
 
     def _readahead_pages(self) -> int:
         """Host pages per head set aside for the read-ahead ring: once the disk is in use, the ring's own size
         (fixed when it was made; none if no ring was made), before that what the setting gives now
         (`TieredCacheConfig.read_ahead_pages`), so that the first spill leaves room for the ring it makes."""
-        if self.disk is not None:
+        if self._ring_made:
             return 0 if self.readahead is None else self.readahead.capacity // self.heads
         return self.cfg.read_ahead_pages(self.seen)
 
@@ -879,6 +881,10 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
                 if self.readahead is not None:
                     self.readahead.forget(slots)
                 self.disk.free(slots)
+        # the ring goes too: a fresh cache sizes it at its first spill, from its own length (the old one's size
+        # had set aside other host pages); the shared store stays open
+        self._close_ring()
+        self._ring_made = False
         self.seen = 0
         self._masked_positions = np.empty(0, dtype=np.int64)
         self.table.clear()
@@ -889,14 +895,17 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
         if self.host is not None:
             self.host.clear()
 
+    def _close_ring(self) -> None:
+        if self.readahead is not None:
+            ring, self.readahead = self.readahead, None
+            ring.close()
+            kept = self.counters.rings_closed   # its history stays in the stats
+            for name, n in ring.counts().items():
+                kept[name] += n
+
     def close(self) -> None:
         self.reset()
-        if self.readahead is not None:
-            self.readahead.close()
-            kept = self.counters.rings_closed   # its history stays in the stats
-            for name, n in self.readahead.counts().items():
-                kept[name] += n
-            self.readahead = None
+        self._close_ring()
         if self.host is not None:
             self.host.close()
         self.tiers = [None, None]

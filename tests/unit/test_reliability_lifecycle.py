@@ -649,3 +649,22 @@ def test_a_move_to_disk_interrupted_before_its_pages_are_named_gives_their_recor
             model(ids, **cache_kwargs(cache))
         named = sum(int((e.table.tier == DISK).sum()) for e in cache._engines)
         assert named and cache._shared.disk_store.pages() == named
+
+
+def test_a_reset_cache_sizes_its_read_ahead_ring_as_a_fresh_one(tmp_path):
+    """reset() kept each layer's ring at the size the old sequence's first spill gave it: with a fractional host
+    budget a reset cache set more host room aside and held fewer pages on the host than a fresh one."""
+    model = tiny_llama()
+    settings = dict(device_budget=16, host_budget=0.5, page_size=4, recall_pages=8, scorer="keynorm",
+                    recent_tokens=4, sink_tokens=0, disk_dir=str(tmp_path))
+
+    def feed(cache, n, seed):
+        with torch.no_grad():
+            model(torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(seed)), **cache_kwargs(cache))
+        return {t: cache.stats()[t]["tokens"] for t in ("device", "host", "disk")}
+
+    with TieredCache(model.config, **settings) as used, TieredCache(model.config, **settings) as fresh:
+        feed(used, 400, 5)   # a long first sequence: its ring is sized at its first spill
+        used.reset()
+        assert feed(used, 60, 7) == feed(fresh, 60, 7)
+        assert [e.readahead.capacity for e in used._engines] == [e.readahead.capacity for e in fresh._engines]
