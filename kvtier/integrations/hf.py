@@ -471,8 +471,10 @@ class TieredCache(OneSequence, Cache):
                 self._copy_layers_into(new, memo)
             clone_counters(self.counters, new.counters)
             new.counters.copy_wait_seconds += self._shared.copy_wait_seconds()
-        except BaseException:
+        except BaseException as e:
             new.close()
+            if is_resource_error(e):   # as a step or a park says it: the machine ran short, in words
+                raise CapacityError(f"copy.deepcopy could not copy the cache: {os_reason(e)}") from e
             raise
         memo[id(self)] = new
         return new

@@ -668,3 +668,25 @@ def test_a_reset_cache_sizes_its_read_ahead_ring_as_a_fresh_one(tmp_path):
         used.reset()
         assert feed(used, 60, 7) == feed(fresh, 60, 7)
         assert [e.readahead.capacity for e in used._engines] == [e.readahead.capacity for e in fresh._engines]
+
+
+def test_a_copy_that_runs_short_of_memory_says_so_and_leaves_its_original_as_it_was(monkeypatch):
+    """copy.deepcopy let a raw MemoryError out, where a step or a park says CapacityError and what ran short."""
+    import copy
+
+    from kvtier.tiers.host import HostPool
+
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 90), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad(), TieredCache(model.config, device_budget=24, page_size=4, recall_pages=2,
+                                      scorer="keynorm") as cache:
+        model(ids, **cache_kwargs(cache))
+
+        def store(self, k, v):
+            raise MemoryError("host memory exhausted")
+
+        monkeypatch.setattr(HostPool, "store", store)
+        with pytest.raises(CapacityError, match="copy.deepcopy could not copy the cache: out of memory"):
+            copy.deepcopy(cache)
+        monkeypatch.undo()
+        assert cache.broken is None and cache.get_seq_length() == 90
