@@ -186,6 +186,24 @@ def _fake_copy(folder, used):
     return folder
 
 
+def test_pruning_spares_a_copy_another_process_marks_used_while_it_removes_others(tmp_path, monkeypatch):
+    """The copies' last uses were read once, then the chosen ones removed one after another (540 MB each): a copy
+    a load marked used meanwhile, and was reading, was removed under it."""
+    now = time.time()
+    new = _fake_copy(tmp_path / "new", now)
+    first, second = (_fake_copy(tmp_path / name, now - 40 * 86400 - i) for i, name in enumerate(("a", "b")))
+    rmtree = model_cache.shutil.rmtree
+
+    def removing(path, *args, **kwargs):
+        os.utime(second / model_cache.MANIFEST)   # another process's load marks it used meanwhile
+        return rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(model_cache.shutil, "rmtree", removing)
+    assert model_cache.prune(tmp_path, keep=new) == [first]
+    assert second.is_dir() and not first.exists() and new.is_dir()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(model_cache.BUILDING)]
+
+
 def test_every_install_of_the_same_file_shares_one_copy(monkeypatch, tmp_path):
     monkeypatch.setenv(model_cache.ENV, str(tmp_path / "copies"))
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
