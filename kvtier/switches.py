@@ -47,7 +47,7 @@ def kernel_cache_asked() -> Path | None:
     value = os.environ.get("KVTIER_KERNEL_CACHE")
     if value is None or not value.strip():
         return None
-    path = Path(os.path.expanduser(value))
+    path = Path(os.path.expanduser(value.strip()))
     if not path.is_absolute():
         raise ConfigError(f"KVTIER_KERNEL_CACHE={value!r} in the environment is a relative folder; allowed: an "
                           "absolute folder (or ~/...), or unset")

@@ -660,7 +660,7 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
         slots = self.table.lookup(heads, pids)[1]
         copies = self.table.copies(heads, pids)
         dirty = copies < 0
-        disk_slots = copies   # a new array: `copies` gathers
+        disk_slots = copies.copy()   # `copies` (a new array: it gathers) stays as the table had it
         written = None
         if dirty.any():
             self.table.settle(pages=pids[dirty])    # read below: the copies to them must have landed
@@ -669,8 +669,9 @@ class LayerEngine(PageFetching, DeviceDecoding, SteadySteps):
             if written is not None:
                 disk_slots[dirty] = written
             self.table.place(heads, pids, DISK, disk_slots)
-        except BaseException:   # (Ctrl-C, no memory) the records written name no page: the store takes them back
-            if written is not None:
+        except BaseException:   # (Ctrl-C, no memory) cut short, maybe after some chunks of the table: the pages
+            self.table.place(heads, pids, HOST, slots, copies)   # are the host's again, and the store takes back
+            if written is not None:                               # the records written, which no page names
                 self._disk().free(written)
             raise
         self.host.free(slots)

@@ -390,7 +390,7 @@ class TieredLayer(OneSequence, CacheLayerMixin):
                             raise UnsupportedError(f"layer {engine.layer_idx}'s attention was asked for {refuse[0]}, "
                                                    "which kvtier's split attention over recalled pages cannot apply")
                         check_plain_mask(attention_mask)
-                        check_causal_mask(attention_mask, engine.pool.count, pending.k.shape[2])
+                        check_causal_mask(attention_mask, pending.k.shape[2])
                     masked = masked_new_tokens(attention_mask, engine.pool.count, pending.k.shape[2])
                     if masked is not None:
                         engine.mask_new_tokens(masked)
@@ -486,7 +486,7 @@ def check_plain_mask(mask: torch.Tensor | None) -> None:
 _CAUSAL = MaskVerdicts()   # whether a mask is causal over the stored entries and the new tokens
 
 
-def check_causal_mask(mask: torch.Tensor | None, stored: int, q_len: int) -> None:
+def check_causal_mask(mask: torch.Tensor | None, q_len: int) -> None:
     """Refuse a 4D mask of several new tokens that is not causal (new tokens that see later ones, as a
     bidirectional block does, or stored entries hidden from some rows): the split attention over recalled pages
     applies causality only. Padding columns (hidden from every row) are `masked_new_tokens`' to judge; a decode
@@ -498,9 +498,10 @@ def check_causal_mask(mask: torch.Tensor | None, stored: int, q_len: int) -> Non
         allowed = m if m.dtype == torch.bool else m > torch.finfo(m.dtype).min / 2
         allowed = allowed[..., -q_len:, :]
         seen = allowed.any(dim=-2, keepdim=True)   # padding: a column no row sees is judged elsewhere
+        # the new tokens are the last columns, whatever came before them (kvtier's stored entries, or every
+        # token seen, as a mask made for DynamicCache has it)
         want = torch.ones(q_len, allowed.shape[-1], dtype=torch.bool, device=m.device)
-        want[:, stored:stored + q_len] = torch.ones(q_len, q_len, dtype=torch.bool, device=m.device).tril_()
-        want[:, stored + q_len:] = False
+        want[:, -q_len:] = torch.ones(q_len, q_len, dtype=torch.bool, device=m.device).tril_()
         return bool(((allowed != want) & seen).logical_not().all())
 
     if not _CAUSAL.verdict(mask, causal):

@@ -99,6 +99,10 @@ def test_a_mask_that_is_not_causal_is_refused_at_a_step_that_recalls(kind):
         with pytest.raises(UnsupportedError, match="the attention mask is not causal"):
             model(chunk, attention_mask=mask(cache, True), position_ids=pos, **cache_kwargs(cache))
         assert cache.broken is None and cache.get_seq_length() == 200
-        got = model(chunk, attention_mask=mask(cache, False), position_ids=pos, **cache_kwargs(cache)).logits
         want = model(chunk, attention_mask=mask(full, False), position_ids=pos, **cache_kwargs(full)).logits
-        assert cache.stats()["recall_steps"] and torch.allclose(got, want, atol=1e-5)
+        for sized_for in (cache, full):   # kvtier's mask sizes, or one made for every token seen (DynamicCache's)
+            with TieredCache(model.config, device_budget=48, scorer="keynorm", recall_pages=1000) as other:
+                model(prompt, **cache_kwargs(other))
+                got = model(chunk, attention_mask=mask(sized_for if sized_for is full else other, False),
+                            position_ids=pos, **cache_kwargs(other)).logits
+                assert other.stats()["recall_steps"] and torch.allclose(got, want, atol=1e-5)

@@ -164,6 +164,8 @@ def test_the_cache_folder_asked_for_is_expanded_and_a_relative_one_refused(monke
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("KVTIER_KERNEL_CACHE", "~/k")
     assert build.cache_dir() == tmp_path / "k"
+    monkeypatch.setenv("KVTIER_KERNEL_CACHE", f" {tmp_path / 'k'} ")   # the spaces around it are no part of it
+    assert build.cache_dir() == tmp_path / "k"
     monkeypatch.setenv("KVTIER_KERNEL_CACHE", "kernels")
     words = "KVTIER_KERNEL_CACHE='kernels' in the environment is a relative folder; allowed: an absolute folder"
     with pytest.raises(ConfigError, match=words):

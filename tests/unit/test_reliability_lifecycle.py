@@ -625,17 +625,20 @@ def test_a_layer_whose_first_write_runs_out_of_memory_is_made_again_by_the_retry
 
 def test_a_move_to_disk_interrupted_before_its_pages_are_named_gives_their_records_back(monkeypatch, tmp_path):
     """Ctrl-C between the disk store's write and the page table's naming the pages broke the cache (as it should),
-    but the records stayed booked in the shared store for the cache's life: reset() frees the slots tables name."""
+    but the records stayed booked in the shared store for the cache's life: reset() frees the slots tables name.
+    Cut short after naming some (the table writes chunk by chunk), the pages go back to the host, then the
+    records to the store: freeing them while the table still named some had made reset() fail."""
     from kvtier.placement.page_table import DISK, PageTable
 
     model = tiny_llama()
     ids = torch.randint(0, 128, (1, 80), generator=torch.Generator().manual_seed(2))
     real = PageTable.place
 
-    def place(self, heads, pids, tier, slots, *args, **kwargs):
-        if tier == DISK:
+    def place(self, heads, pids, tier, slots, copies=None):
+        if tier == DISK:   # the first page named, then the interruption
+            real(self, heads[:1], pids[:1], tier, slots[:1], None if copies is None else copies[:1])
             raise KeyboardInterrupt
-        return real(self, heads, pids, tier, slots, *args, **kwargs)
+        return real(self, heads, pids, tier, slots, copies)
 
     with TieredCache(model.config, device_budget=24, host_budget=16, page_size=4, recall_pages=2, scorer="keynorm",
                      disk_dir=str(tmp_path)) as cache:
