@@ -65,9 +65,9 @@ class DeviceDecoding:
                                                         self._prefetches_in_step() and not disk)
         buf, spare, ahead = run[3], run[5], run[11]
         try:
-            if disk:   # counted among the steps run eagerly
-                self.graphs.eager += 1
+            if disk:   # counted among the steps run eagerly, once it ran (as `StepGraphs` counts its own)
                 out, ids, shortlist = self._decode_launches(run, *inputs)
+                self.graphs.eager += 1
             else:
                 out, ids, shortlist = self.graphs.run(lambda: self._decode_key(tuple(map(shapes, inputs)), run,
                                                                                recall_key()), inputs,

@@ -311,6 +311,8 @@ class TieredCache(OneSequence, Cache):
         CPU path's in the last bits. A scorer object given to several caches switches for all of them (KVP's
         one-launch scoring is the scorer's own setting). Returns the cache."""
         self._state.check()
+        if not isinstance(plan_on_device, bool):   # "False" had planned on the device, None as a CUDA device would
+            raise ConfigError(f"plan_on_device={plan_on_device!r}; allowed: True or False")
         for engine in self._engines:
             engine.take_gpu_path(plan_on_device)
         return self

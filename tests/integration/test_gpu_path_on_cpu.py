@@ -150,3 +150,39 @@ def test_take_gpu_path_sets_every_switch_of_every_layer_and_refuses_a_closed_cac
     with TieredCache(model.config, device_budget=0.1, scorer="keynorm") as plain:
         plain.take_gpu_path()
         assert all(not hasattr(e.scorer, "native_score") and e.select_kernels for e in plain._engines)
+
+
+def test_a_failed_step_on_a_layer_with_disk_pages_is_no_eager_step_and_plan_on_device_is_a_bool():
+    """A step on a layer with disk pages was counted among the eager steps before its launches ran, so one that
+    failed counted as run (a layer without disk pages counts once the work returned); take_gpu_path took any
+    value ("False" planned on the device)."""
+    from kvtier import ConfigError
+    from kvtier.native import twins
+
+    from tiny_models import tiny_llama
+
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 150), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        for host_budget in (None, 32):
+            with TieredCache(model.config, device_budget=48, host_budget=host_budget, recall_pages=3, page_size=8,
+                             scorer="keynorm") as cache:
+                with pytest.raises(ConfigError, match="plan_on_device='False'; allowed: True or False"):
+                    cache.take_gpu_path("False")
+                cache.take_gpu_path()
+                x = model(ids, **cache_kwargs(cache)).logits[:, -1:]
+                x = model(x.argmax(-1), **cache_kwargs(cache)).logits[:, -1:]
+                assert cache._engines[0].holds_disk_pages() == (host_budget is not None)
+                before = cache.stats()["cuda_graphs"]["eager_steps"]
+                real = twins.attend_pages
+
+                def boom(*args, **kwargs):
+                    raise RuntimeError("injected")
+
+                twins.attend_pages = boom
+                try:
+                    with pytest.raises(RuntimeError):
+                        model(x.argmax(-1), **cache_kwargs(cache))
+                finally:
+                    twins.attend_pages = real
+                assert cache.broken and cache.stats()["cuda_graphs"]["eager_steps"] == before
