@@ -27,7 +27,6 @@ in whatever folder the program runs from. A copy of the default model takes abou
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import functools
 import hashlib
@@ -217,22 +216,8 @@ def remove_leftovers(root: Path, *, now: float | None = None) -> list[Path]:
                 removed.append(Path(entry.path))
         except OSError:   # gone meanwhile (another process removed it)
             continue
-    for p in list(removed):
-        # set aside first, then looked at again: a load that marked it used since (a 540 MB removal is slow, and
-        # loads run meanwhile) gets it back, and one that starts now reads the GGUF file, not a folder going away
-        aside = root / f"{BUILDING}{p.name}-pruned-{os.getpid()}-{time.time_ns()}"
-        try:
-            os.rename(p, aside)
-        except OSError:   # gone already, or not ours to move
-            removed.remove(p)
-            continue
-        used = _last_used(aside)
-        if used is not None and now - used <= BUSY_SECONDS:
-            with contextlib.suppress(OSError):
-                os.rename(aside, p)
-                removed.remove(p)
-                continue
-        shutil.rmtree(aside, ignore_errors=True)
+    for p in removed:
+        shutil.rmtree(p, ignore_errors=True)
     if removed:
         log.info("removed %d half-made converted model copies left in %s", len(removed), root)
     return removed
@@ -251,6 +236,29 @@ def _last_used(folder: Path) -> float | None:
         return (folder / MANIFEST).stat().st_mtime
     except OSError:
         return None
+
+
+def _remove_unless_used(root: Path, copies: list[Path], now: float) -> list[Path]:
+    """Remove `copies`, each set aside first and then looked at again: one a load marked used since (a 540 MB
+    removal is slow, and loads run meanwhile) is put back, and a load that starts meanwhile reads the GGUF file,
+    not a folder going away. Returns those removed."""
+    removed = []
+    for p in copies:
+        aside = root / f"{BUILDING}{p.name}-pruned-{os.getpid()}-{time.time_ns()}"
+        try:
+            os.rename(p, aside)
+        except OSError:   # gone already, or not ours to move
+            continue
+        used = _last_used(aside)
+        if used is not None and now - used <= BUSY_SECONDS:
+            try:
+                os.rename(aside, p)
+                continue
+            except OSError:   # a new copy took its place meanwhile: this one goes
+                pass
+        shutil.rmtree(aside, ignore_errors=True)
+        removed.append(p)
+    return removed
 
 
 def prune(root: Path, keep: Path | None = None, *, now: float | None = None) -> list[Path]:
@@ -274,22 +282,7 @@ def prune(root: Path, keep: Path | None = None, *, now: float | None = None) -> 
         idle = now - used
         if idle > BUSY_SECONDS and (idle > UNUSED_DAYS * 86400 or rank >= room):
             removed.append(p)
-    for p in list(removed):
-        # set aside first, then looked at again: a load that marked it used since (a 540 MB removal is slow, and
-        # loads run meanwhile) gets it back, and one that starts now reads the GGUF file, not a folder going away
-        aside = root / f"{BUILDING}{p.name}-pruned-{os.getpid()}-{time.time_ns()}"
-        try:
-            os.rename(p, aside)
-        except OSError:   # gone already, or not ours to move
-            removed.remove(p)
-            continue
-        used = _last_used(aside)
-        if used is not None and now - used <= BUSY_SECONDS:
-            with contextlib.suppress(OSError):
-                os.rename(aside, p)
-                removed.remove(p)
-                continue
-        shutil.rmtree(aside, ignore_errors=True)
+    removed = _remove_unless_used(root, removed, now)
     if removed:
         log.info("removed %d converted model copies unused lately from %s", len(removed), root)
     return left + removed
