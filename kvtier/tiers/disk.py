@@ -271,13 +271,19 @@ class DiskStore:
         taken = False   # set with `_storing`: from then on the `try` below gives the slots back whatever happens
         try:   # from the slots' allocation to their bookkeeping: a failure (or Ctrl-C) anywhere gives them back
             with self._lock:
-                free = list(self._free)   # popped from a copy: an interruption before it is kept takes nothing
-                reused = [heapq.heappop(free) for _ in range(min(n, len(free)))]
-                lo, hi = self._next, self._next + n - len(reused)
-                self._meta.grow(hi)
-                slots = np.array(reused + list(range(lo, hi)), dtype=np.int64)
-                gens = self._meta.get(slots)["gen"] + np.uint32(1)
-                self._free, self._next = free, hi
+                reused: list[int] = []
+                try:
+                    while len(reused) < n and self._free:
+                        reused.append(heapq.heappop(self._free))
+                    lo, hi = self._next, self._next + n - len(reused)
+                    self._meta.grow(hi)
+                    slots = np.array(reused + list(range(lo, hi)), dtype=np.int64)
+                    gens = self._meta.get(slots)["gen"] + np.uint32(1)
+                except BaseException:   # interrupted among the pops, or no memory: the slots taken go back
+                    for slot in reused:
+                        heapq.heappush(self._free, slot)
+                    raise
+                self._next = hi
                 self._storing += 1
                 taken = True
             crcs = np.empty(n, np.uint32)
@@ -343,16 +349,18 @@ class DiskStore:
             self._check_used(slots)
             if len(np.unique(slots)) != len(slots):
                 raise CorruptPageError(f"a slot is freed twice in one call to {self.path}")
-            count, old = self._count, self._free
-            new = old + slots.tolist()
-            heapq.heapify(new)   # made first: an interruption from here on leaves every slot as it was
+            count = self._count
             try:
+                for slot in slots.tolist():
+                    heapq.heappush(self._free, slot)
                 self._meta.set(slots, used=False)
                 self._count = count - len(slots)
-                self._free = new
-            except BaseException:
+            except BaseException:   # interrupted (Ctrl-C) or out of memory: every slot as it was
+                gone = set(slots.tolist())
+                self._free = [slot for slot in self._free if slot not in gone]
+                heapq.heapify(self._free)
                 self._meta.set(slots, used=True)
-                self._count, self._free = count, old
+                self._count = count
                 raise
             self._trim_quietly(self._check_open())
 
