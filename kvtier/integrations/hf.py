@@ -124,7 +124,7 @@ class TieredCache(OneSequence, Cache):
         if scorer is None:
             from ..scoring.kvp import shipped_for
 
-            model = shipped_for(config)
+            model = shipped_for(config, shape.head_dim)
             scorer = "kvp" if model else "keynorm"
             if model:
                 scorer_kwargs.setdefault("model", model)

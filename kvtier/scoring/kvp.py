@@ -225,16 +225,14 @@ class KVPScorer:
         return self._on(ages.device).age_bias(ages, slice(layer_idx * heads, (layer_idx + 1) * heads))
 
 
-def shipped_for(config: Any) -> str | None:
-    """The name of the shipped KVP weights trained for a model with this config, if any."""
+def shipped_for(config: Any, head_dim: int) -> str | None:
+    """The name of the shipped KVP weights trained for a model with this config and key head size (the model's
+    shape's: the weights' networks take keys of that size), if any."""
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-    hidden, q_heads = getattr(cfg, "hidden_size", None), getattr(cfg, "num_attention_heads", None)
-    head_dim = getattr(cfg, "head_dim", None)
-    if head_dim is None and isinstance(hidden, int) and isinstance(q_heads, int) and q_heads > 0:
-        head_dim = hidden // q_heads   # as the model's shape reads it: the weights' networks take keys of this size
     return shipped_matching({"num_layers": getattr(cfg, "num_hidden_layers", None),
                              "num_kv_heads": getattr(cfg, "num_key_value_heads", None), "head_dim": head_dim,
-                             "hidden_size": hidden, "vocab_size": getattr(cfg, "vocab_size", None)})
+                             "hidden_size": getattr(cfg, "hidden_size", None),
+                             "vocab_size": getattr(cfg, "vocab_size", None)})
 
 
 def shipped_matching(signature: dict[str, Any]) -> str | None:

@@ -64,13 +64,15 @@ def test_the_default_scorer_is_keynorm_for_a_model_of_another_head_size():
     cache then refused to be made, where `scorer=None` falls back to keynorm."""
     from transformers import LlamaConfig
 
+    from kvtier.config import ModelShape
     from kvtier.models import load_config
     from kvtier.scoring.kvp import shipped_for
 
-    assert shipped_for(load_config()) == "SmolLM2-135M-Instruct"
+    default = load_config()
+    assert shipped_for(default, ModelShape.from_config(default).head_dim) == "SmolLM2-135M-Instruct"
     cfg = LlamaConfig(num_hidden_layers=30, hidden_size=576, num_attention_heads=6, num_key_value_heads=3,
                       intermediate_size=64, vocab_size=49152)
-    assert shipped_for(cfg) is None
+    assert shipped_for(cfg, ModelShape.from_config(cfg).head_dim) is None
     with TieredCache(cfg) as cache:
         assert cache.scorer.name == "keynorm"
 

@@ -64,7 +64,7 @@ def kvp_for(config: Any, num_layers: int, kv_heads: int, head_dim: int, seed: in
     architecture (random weights: the same work per entry, so the same time)."""
     from ...scoring.kvp import KVPAgents, KVPScorer, save_agents, shipped_for
 
-    model = shipped_for(config)
+    model = shipped_for(config, head_dim)
     if model:
         return KVPScorer(model=model), f"kvp (shipped weights for {model})"
     torch.manual_seed(seed)
