@@ -107,13 +107,21 @@ def check_model_device(device: str | torch.device) -> None:
         dev = torch.device(device)
     except (RuntimeError, ValueError, TypeError):
         raise ConfigError(f"device {device!r} is not a device; allowed: cpu, cuda, cuda:N") from None
+    missing = cuda_missing(dev)
+    if missing is not None:
+        raise ConfigError(f"device {device!r} {missing[0]}; allowed: {missing[1]}")
+
+
+def cuda_missing(dev: torch.device) -> tuple[str, str] | None:
+    """For a CUDA device this machine lacks, what is wrong and what is allowed, in words; else None."""
     if dev.type != "cuda":
-        return
+        return None
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if count == 0:
-        raise ConfigError(f"device {device!r} is not available: this machine has no CUDA device; allowed: cpu")
+        return "is not available: this machine has no CUDA device", "cpu"
     if dev.index is not None and dev.index >= count:
-        raise ConfigError(f"device {device!r} is not available; allowed: cpu, cuda, cuda:0 to cuda:{count - 1}")
+        return "is not available", f"cpu, cuda, cuda:0 to cuda:{count - 1}"
+    return None
 
 
 def _is_gguf(path: str) -> bool:

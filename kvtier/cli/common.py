@@ -181,11 +181,11 @@ def check_device(device: str, option: str = "--device", allowed: str = "cpu, cud
         return
     if dev.type != "cuda":
         raise bad_option(option, device, allowed, "is not supported")
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if count == 0:
-        raise bad_option(option, device, "cpu", "is not available: this machine has no CUDA device")
-    if dev.index is not None and dev.index >= count:
-        raise bad_option(option, device, f"cpu, cuda, cuda:0 to cuda:{count - 1}", "is not available")
+    from ..models import cuda_missing
+
+    missing = cuda_missing(dev)
+    if missing is not None:
+        raise bad_option(option, device, missing[1], missing[0])
 
 
 DEVICE_HELP = ("Where the model and the cache's device tier run: cpu, cuda or cuda:N (auto: the current GPU where "
